@@ -1,0 +1,163 @@
+"""The data plane's contract with its two drivers: the simulator and the runtime.
+
+The scheduler is pure logic: it reads time from an injected :class:`Clock`, takes events
+(a request arrived, a timer fired, a worker reported, a worker died) and returns
+*decisions* (:class:`Dispatch`, :class:`Drop`, :class:`WakeAt`). It never sleeps, never
+does I/O and never calls ``time.time()``. The simulator turns decisions into events under
+a virtual clock; the runtime turns them into actor calls under the wall clock. Both use
+the same scheduler objects (DESIGN.md: "the scheduler that the simulator runs is the
+scheduler that `ppipe serve` runs").
+
+Units: every time is in microseconds (``*_us``), on the clock's time line.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Union, runtime_checkable
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Time source for the data plane. ``call_at`` is used by drivers to honour WakeAt."""
+
+    def now_us(self) -> float: ...
+
+    def call_at(self, t_us: float, fn: Callable[[], None]) -> Any: ...
+
+
+class DropReason(str, enum.Enum):
+    """Why a request was dropped. Every dropped request carries one."""
+
+    DEADLINE_UNREACHABLE = "deadline-unreachable"  # even batch 1 on the best path finishes too late
+    WORKER_FAILED = "worker-failed"  # a worker on its path died while it was in flight
+    NO_PIPELINE = "no-pipeline"  # the model has no live pipeline (all its workers failed)
+    QUEUE_FULL = "queue-full"  # admission control: the model's queue is at its bound
+    UNKNOWN_MODEL = "unknown-model"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One inference request as the scheduler sees it."""
+
+    id: int
+    model: str
+    arrival_us: float
+    deadline_us: float
+    payload: Any = field(default=None, compare=False, repr=False)  # runtime: input tensor; sim: None
+
+
+ResourceId = str
+"""``"vgpu:<server>/gpu<i>/s<j>"``, ``"up:<server>"`` (NIC uplink) or ``"down:<server>"``."""
+
+
+def vgpu_resource(vgpu_id: str) -> ResourceId:
+    return f"vgpu:{vgpu_id}"
+
+
+def uplink(server: str) -> ResourceId:
+    return f"up:{server}"
+
+
+def downlink(server: str) -> ResourceId:
+    return f"down:{server}"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A planned busy interval of one resource."""
+
+    resource: ResourceId
+    start_us: float
+    duration_us: float
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.duration_us
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One partition of a dispatched batch: where and when it runs."""
+
+    partition: int  # index in the pipeline
+    vgpu_id: str  # VgpuPlacement.vgpu_id
+    server: str
+    first_block: int
+    last_block: int
+    transfer_start_us: float | None  # feature map into this stage (None for the first)
+    transfer_us: float
+    start_us: float  # planned inference start
+    infer_us: float  # planned inference duration
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.infer_us
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Run ``requests`` as one batch along ``stages``; resources are already reserved."""
+
+    batch_id: int
+    model: str
+    pipeline: int
+    requests: tuple[Request, ...]
+    stages: tuple[Stage, ...]
+    reservations: tuple[Reservation, ...]
+
+    @property
+    def batch(self) -> int:
+        return len(self.requests)
+
+    @property
+    def finish_us(self) -> float:
+        return self.stages[-1].end_us
+
+
+@dataclass(frozen=True)
+class Drop:
+    """The request will not be served; the driver must answer it with ``reason``."""
+
+    request: Request
+    reason: DropReason
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class WakeAt:
+    """Call :meth:`Scheduler.wake` at ``t_us`` (or earlier if another event comes)."""
+
+    t_us: float
+
+
+Decision = Union[Dispatch, Drop, WakeAt]
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """A worker's report of what really happened to one stage of a batch."""
+
+    batch_id: int
+    partition: int
+    vgpu_id: str
+    start_us: float
+    end_us: float
+    transfer_start_us: float | None = None
+    transfer_end_us: float | None = None
+
+
+class Scheduler(Protocol):
+    """What the simulator and the runtime drive. Implementations live in this package.
+
+    Every method returns the decisions it took, in the order the driver must apply them.
+    """
+
+    def submit(self, request: Request) -> list[Decision]: ...
+
+    def wake(self) -> list[Decision]: ...
+
+    def report(self, report: StageReport) -> list[Decision]: ...
+
+    def mark_failed(self, vgpu_id: str) -> list[Decision]: ...
