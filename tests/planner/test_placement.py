@@ -1,0 +1,95 @@
+"""Placement of vGPUs onto physical GPUs of named servers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from ppipe.errors import InfeasibleError
+from ppipe.planner.placement import gpus_used, physical_gpus, place
+from ppipe.spec import ModelPlan, PartitionPlan, PipelinePlan, load_cluster
+
+
+def _part(first, last, gpu, vgpu, count):
+    return PartitionPlan(first_block=first, last_block=last, gpu=gpu, vgpu=vgpu, count=count, infer_us=1000, throughput_rps=1)
+
+
+def _model(name, pipelines):
+    pipes = [PipelinePlan(batch=1, throughput_rps=1, latency_us=1, partitions=parts) for parts in pipelines]
+    return ModelPlan(name=name, profile=name, slo_ms=100, weight=1, throughput_rps=1, pipelines=pipes)
+
+
+def test_interleaves_servers():
+    c = load_cluster("HC2-S")  # 1 L4 server with 4 GPUs; 6 T4 servers with 2
+    t4 = physical_gpus(c, "T4")
+    assert t4[:6] == [(f"t4-{i}", 0) for i in range(6)] and t4[6] == ("t4-0", 1)
+    assert len(t4) == 12 and len(set(t4)) == 12
+
+
+def test_physical_rule_packs_levels():
+    c = load_cluster("HC2-S")
+    m = _model("a", [[_part(0, 4, "T4", 2, 3), _part(5, 9, "L4", 4, 5)]])
+    rows = place([m], c, "physical")
+    assert len(rows) == 8
+    t4 = [r for r in rows if r.partition == 0]
+    # 3 vGPUs at level 2 -> 2 GPUs, slots 0,1 then 0
+    assert Counter((r.server, r.gpu_index) for r in t4) == Counter({("t4-0", 0): 2, ("t4-1", 0): 1})
+    l4 = [r for r in rows if r.partition == 1]
+    assert {r.vgpu for r in l4} == {4} and len({(r.server, r.gpu_index) for r in l4}) == 2
+    assert len({r.vgpu_id for r in rows}) == 8  # every vGPU has its own id
+    assert gpus_used(rows, c) == {"L4": 2, "T4": 2}
+
+
+def test_physical_rule_shares_gpus_across_models_of_a_level():
+    c = load_cluster("HC2-S")
+    a = _model("a", [[_part(0, 9, "L4", 2, 1)]])
+    b = _model("b", [[_part(0, 9, "L4", 2, 1)]])
+    rows = place([a, b], c)
+    assert rows[0].server == rows[1].server and rows[0].gpu_index == rows[1].gpu_index
+    assert {rows[0].slot, rows[1].slot} == {0, 1}
+
+
+def test_too_many_vgpus_is_infeasible():
+    c = load_cluster("HC2-S")
+    m = _model("a", [[_part(0, 9, "L4", 1, 5)]])
+    with pytest.raises(InfeasibleError, match=r"more than the 4 L4 GPUs"):
+        place([m], c)
+
+
+def test_unknown_gpu_type():
+    with pytest.raises(InfeasibleError, match=r"does not have"):
+        place([_model("a", [[_part(0, 9, "A100", 1, 1)]])], load_cluster("HC2-S"))
+
+
+def test_paper_rule_mixes_levels_within_a_partition_group():
+    c = load_cluster("HC2-S")
+    # one pipeline at level 2 and one at level 4 in the same (model, partition 0, L4) group: 1/2 + 2/4 = 1 GPU
+    m = _model("a", [[_part(0, 9, "L4", 2, 1)], [_part(0, 9, "L4", 4, 2)]])
+    rows = place([m], c, "paper")
+    assert len({(r.server, r.gpu_index) for r in rows}) == 1
+    assert sorted(r.slot for r in rows) == [0, 1, 2]
+
+
+def test_paper_rule_packs_where_first_fit_decreasing_fails():
+    c = load_cluster("HC2-S")
+    # 1/2 + 3 x 1/3 + 2 x 1/4 = 2 GPUs ({1/2, 1/4, 1/4} and {1/3 x 3}); FFD needs 3
+    m = _model("a", [[_part(0, 9, "L4", 2, 1)], [_part(0, 9, "L4", 3, 3)], [_part(0, 9, "L4", 4, 2)]])
+    rows = place([m], c, "paper")
+    assert len({(r.server, r.gpu_index) for r in rows}) == 2
+
+
+@pytest.mark.parametrize("halves", [0, 1])
+@pytest.mark.parametrize("thirds", [0, 1, 2])
+@pytest.mark.parametrize("quarters", [0, 1, 2, 3])
+def test_leftover_shares_always_reach_the_bound(halves, thirds, quarters):
+    from fractions import Fraction
+
+    from ppipe.planner.placement import _pack_shares
+
+    items = [("m", 0, 0, i, "L4", 2) for i in range(halves)]
+    items += [("m", 1, 0, i, "L4", 3) for i in range(thirds + 3)]  # plus one full group of thirds
+    items += [("m", 2, 0, i, "L4", 4) for i in range(quarters)]
+    bins = _pack_shares(items)
+    assert all(sum(Fraction(1, v[5]) for v in b) <= 1 for b in bins)
+    assert len(bins) == -(-sum(Fraction(1, v[5]) for v in items) // 1)
