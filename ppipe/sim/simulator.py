@@ -1,0 +1,564 @@
+"""The discrete-event simulator: the data plane's scheduler under a virtual clock.
+
+The scheduler (``ppipe.dataplane``, the same object ``ppipe serve`` runs) only *plans*: it
+returns decisions. This module models what really happens when those decisions are
+carried out, and feeds the truth back:
+
+* **Arrivals** reach the frontend and are ``submit``-ted (deadline = arrival + SLO).
+* **A dispatched batch** runs stage by stage. A stage becomes *eligible* at
+  ``max(planned start, its input arrived)``; its vGPU runs eligible stages one at a time in
+  the order they became eligible (FIFO), so a stage starts at
+  ``max(eligible, vGPU free)``. It never starts before its planned start: the vGPU's
+  reservation table may hold an earlier batch in the gap before it, and a worker that ran
+  ahead would take that batch's slot. Inference lasts the profiled latency (the
+  partition's latency at the batch, taken from the ``Stage``), times an optional
+  multiplicative lognormal jitter of mean 1 and a given CV.
+* **Feature-map transfers** between stages on different servers need the sender's uplink
+  and the receiver's downlink at the same time, for ``Stage.transfer_us`` (the data
+  plane's model of the NIC); a link carries one transfer at a time, FIFO in the order the
+  transfers became eligible (``max(planned transfer start, previous stage's end)``).
+  Two stages on the same server copy locally: the transfer takes ``transfer_us`` but uses
+  no NIC.
+* **Reports**: after every stage the worker ``report``-s its actual start/end (and the
+  transfer's) to the scheduler, as the runtime's workers do, so feedback correction is
+  exercised whenever jitter makes reality differ from the plan.
+* **WakeAt** decisions become timers (``Clock.call_at``); **Drop** decisions are recorded
+  with reason and place; **failures** (optional, ``(time, vgpu_id)``) call
+  ``mark_failed`` and kill the worker: stages it has not finished never finish.
+
+A request completes when the stage of its pipeline's last partition ends. A dispatch
+may cover only some partitions (a per-pool policy dispatches stage by stage); the
+request then waits at the server of its last stage for the next dispatch.
+
+After the arrival window the simulator drains (keeps running) until nothing is pending,
+up to a horizon; a request still pending then is *unfinished* -- counted as missing its
+SLO, and a sign of a scheduler that forgot it. Every request ends completed (on time or
+late), dropped or unfinished: none is lost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from ppipe.dataplane.api import Dispatch, Drop, DropReason, Request, StageReport, WakeAt
+from ppipe.errors import NotAvailableError, UserError
+from ppipe.sim.clock import Event, EventLoop, Priority
+from ppipe.sim.records import QUEUE, BatchRecord, RequestRecord, StageRun
+from ppipe.spec.cluster import ClusterSpec
+from ppipe.spec.plan import Plan
+from ppipe.spec.profile import ModelProfile
+
+SchedulerFactory = Callable[[Plan, dict, ClusterSpec, Any], Any]
+"""``factory(plan, profiles, cluster, clock) -> Scheduler``."""
+
+_MAX_WAKES_AT_ONE_INSTANT = 10_000
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Settings of one simulation run.
+
+    Attributes:
+        duration_s: length of the arrival window (the paper: 30 s per point).
+        seed: seed of the jitter stream (arrivals are seeded by the caller).
+        jitter_cv: coefficient of variation of the multiplicative lognormal jitter on
+            inference times (mean 1); 0 = every stage takes exactly its profiled latency.
+        feedback: whether workers report every stage to the scheduler (the runtime does).
+        drain_s: how long after the window to keep running so that requests finish;
+            ``None`` = 4 x the largest SLO + 1 s.
+        failures: ``(time_s, vgpu_id)`` pairs: that vGPU dies at that time.
+        policy: data-plane policy name, passed to ``build_scheduler``.
+        scheduler_options: extra keyword options for ``build_scheduler``.
+    """
+
+    duration_s: float = 30.0
+    seed: int = 0
+    jitter_cv: float = 0.0
+    feedback: bool = True
+    drain_s: float | None = None
+    failures: tuple[tuple[float, str], ...] = ()
+    policy: str = "reservation"
+    scheduler_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class VgpuState:
+    """A simulated vGPU (one worker)."""
+
+    vgpu_id: str
+    gpu: str
+    level: int
+    server: str
+    free_us: float = 0.0
+    busy_in_window_us: float = 0.0
+    failed_at_us: float = math.inf
+
+
+class _BatchRun:
+    """A dispatched batch in execution (internal)."""
+
+    __slots__ = ("record", "dispatch", "last_partition", "lost")
+
+    def __init__(self, record: BatchRecord, dispatch: Dispatch, last_partition: int):
+        self.record = record
+        self.dispatch = dispatch
+        self.last_partition = last_partition
+        self.lost = False
+
+
+# ---- events (one class per kind; each handler returns its follow-ups) -------------------
+
+
+class ArrivalEvent(Event):
+    """Request number ``index`` (in arrival order) reaches the frontend; chains the next one."""
+
+    __slots__ = ("sim", "index")
+    priority = Priority.ARRIVAL
+
+    def __init__(self, time_us: float, sim: "Simulator", index: int):
+        super().__init__(time_us)
+        self.sim = sim
+        self.index = index
+
+    def handle(self):
+        return self.sim.on_arrival(self.index)
+
+
+class StageReadyEvent(Event):
+    """A stage is eligible to run on its vGPU (input there, planned start reached)."""
+
+    __slots__ = ("sim", "run", "k")
+    priority = Priority.WORKER
+
+    def __init__(self, time_us: float, sim: "Simulator", run: _BatchRun, k: int):
+        super().__init__(time_us)
+        self.sim, self.run, self.k = sim, run, k
+
+    def handle(self):
+        return self.sim.on_stage_ready(self.run, self.k)
+
+
+class StageEndEvent(Event):
+    """A stage's inference ended on its vGPU."""
+
+    __slots__ = ("sim", "run", "k")
+    priority = Priority.WORKER
+
+    def __init__(self, time_us: float, sim: "Simulator", run: _BatchRun, k: int):
+        super().__init__(time_us)
+        self.sim, self.run, self.k = sim, run, k
+
+    def handle(self):
+        return self.sim.on_stage_end(self.run, self.k)
+
+
+class TransferReadyEvent(Event):
+    """A stage's input transfer is eligible (previous stage done, planned start reached)."""
+
+    __slots__ = ("sim", "run", "k")
+    priority = Priority.WORKER
+
+    def __init__(self, time_us: float, sim: "Simulator", run: _BatchRun, k: int):
+        super().__init__(time_us)
+        self.sim, self.run, self.k = sim, run, k
+
+    def handle(self):
+        return self.sim.on_transfer_ready(self.run, self.k)
+
+
+class WakeEvent(Event):
+    """The scheduler's ``WakeAt``."""
+
+    __slots__ = ("sim",)
+    priority = Priority.TIMER
+
+    def __init__(self, time_us: float, sim: "Simulator"):
+        super().__init__(time_us)
+        self.sim = sim
+
+    def handle(self):
+        return self.sim.on_wake(self.time_us)
+
+
+class FailureEvent(Event):
+    """A vGPU dies."""
+
+    __slots__ = ("sim", "vgpu_id")
+    priority = Priority.FAILURE
+
+    def __init__(self, time_us: float, sim: "Simulator", vgpu_id: str):
+        super().__init__(time_us)
+        self.sim, self.vgpu_id = sim, vgpu_id
+
+    def handle(self):
+        return self.sim.on_failure(self.vgpu_id)
+
+
+# ---- the simulator -------------------------------------------------------------------------
+
+
+def default_scheduler_factory(policy: str = "reservation", **options: Any) -> SchedulerFactory:
+    """``build_scheduler`` of :mod:`ppipe.dataplane` with a policy and options."""
+
+    def factory(plan: Plan, profiles: dict, cluster: ClusterSpec, clock: Any):
+        try:
+            from ppipe.dataplane import build_scheduler
+        except ImportError as exc:  # the data plane is a separate sub-package
+            raise NotAvailableError(
+                f"the data plane is not available ({exc})", fix="install a ppipe build that includes ppipe.dataplane"
+            ) from None
+        return build_scheduler(plan, profiles, cluster, clock, policy=policy, **options)
+
+    return factory
+
+
+def vgpus_of_plan(plan: Plan, cluster: ClusterSpec) -> dict[str, VgpuState]:
+    """The plan's vGPUs with their GPU type, level and server; checks placement against the cluster.
+
+    Raises:
+        UserError: a partition without its vGPUs placed, or a server/GPU type the cluster lacks.
+    """
+    servers = {name: group for name, group in cluster.server_names()}
+    out: dict[str, VgpuState] = {}
+    for m in plan.models:
+        for pi, pipe in enumerate(m.pipelines):
+            for k, part in enumerate(pipe.partitions):
+                placed = plan.placements_of(m.name, pi, k)
+                if len(placed) != part.count:
+                    raise UserError(
+                        f"model '{m.name}' pipeline {pi} partition {k}: {part.count} vGPUs planned, {len(placed)} placed",
+                        fix="re-run `ppipe plan`: every vGPU of every pool needs an entry in 'placement'",
+                    )
+                for p in placed:
+                    group = servers.get(p.server)
+                    if group is None:
+                        raise UserError(
+                            f"placement: server '{p.server}' is not in cluster '{cluster.name}'",
+                            fix="simulate with the cluster the plan was made for (--cluster), or re-plan",
+                        )
+                    if group.gpu_type != part.gpu:
+                        raise UserError(
+                            f"placement: server '{p.server}' has {group.gpu_type} GPUs, but model '{m.name}' "
+                            f"pipeline {pi} partition {k} runs on {part.gpu}",
+                            fix="simulate with the cluster the plan was made for (--cluster), or re-plan",
+                        )
+                    out.setdefault(p.vgpu_id, VgpuState(p.vgpu_id, part.gpu, p.vgpu, p.server))
+    return out
+
+
+class Simulator:
+    """One simulation run of a plan.
+
+    Args:
+        plan: the plan (its placement names the vGPUs and servers).
+        profiles: model name -> profile (for SLO-independent facts the scheduler needs).
+        cluster: the cluster the plan was made for.
+        config: run settings.
+        scheduler_factory: ``factory(plan, profiles, cluster, clock) -> Scheduler``;
+            default: ``ppipe.dataplane.build_scheduler`` with ``config.policy``.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        profiles: Mapping[str, ModelProfile],
+        cluster: ClusterSpec,
+        config: SimConfig = SimConfig(),
+        scheduler_factory: SchedulerFactory | None = None,
+    ):
+        if config.duration_s <= 0:
+            raise UserError(f"duration must be > 0 s, got {config.duration_s}", fix="give e.g. --duration-s 30")
+        if config.jitter_cv < 0:
+            raise UserError(f"jitter CV must be >= 0, got {config.jitter_cv}", fix="give e.g. --jitter-cv 0.1")
+        self.plan = plan
+        self.profiles = dict(profiles)
+        self.cluster = cluster
+        self.config = config
+        self.loop = EventLoop()
+        self.clock = self.loop.clock
+        self.vgpus = vgpus_of_plan(plan, cluster)
+        self.window_us = config.duration_s * 1e6
+        self._up_free: dict[str, float] = {}
+        self._down_free: dict[str, float] = {}
+        self._slo_us = {m.name: m.slo_ms * 1e3 for m in plan.models}
+        self._last_partition = {
+            (m.name, pi): len(p.partitions) - 1 for m in plan.models for pi, p in enumerate(m.pipelines)
+        }
+        factory = scheduler_factory or default_scheduler_factory(config.policy, **dict(config.scheduler_options))
+        self.scheduler = factory(plan, self.profiles, cluster, self.clock)
+        # jitter: lognormal with mean 1 and CV c has sigma^2 = ln(1 + c^2), mu = -sigma^2 / 2
+        self._jitter_rng = np.random.default_rng(np.random.SeedSequence([int(config.seed), 0x717E]))
+        s2 = math.log1p(config.jitter_cv**2)
+        self._jit_mu, self._jit_sigma = -s2 / 2, math.sqrt(s2)
+        self._jit_buf: np.ndarray = np.empty(0)
+        self._jit_pos = 0
+        # state filled by run()
+        self.records: list[RequestRecord] = []
+        self.batches: list[BatchRecord] = []
+        self._runs_by_id: dict[int, _BatchRun] = {}
+        self._arr_t: np.ndarray = np.empty(0)
+        self._arr_model: list[str] = []
+        self._pending_wakes: set[float] = set()
+        self._wakes_now = (-1.0, 0)
+        self.scheduler_s = 0.0
+        self.scheduler_calls = 0
+        self.anomalies: list[str] = []
+        self.anomaly_count = 0
+
+    # ---- entry point ----------------------------------------------------------------------
+
+    def run(self, arrivals_us: Mapping[str, np.ndarray]) -> "Simulator":
+        """Simulate the given arrivals (us, per model) and drain. Returns ``self`` (records filled)."""
+        unknown = sorted(set(arrivals_us) - set(self._slo_us))
+        if unknown:
+            raise UserError(f"arrivals for model(s) {unknown} that the plan does not serve", fix=f"use models of the plan: {sorted(self._slo_us)}")
+        names = sorted(arrivals_us)
+        times = [np.asarray(arrivals_us[n], dtype=float) for n in names]
+        all_t = np.concatenate(times) if times else np.empty(0)
+        which = np.concatenate([np.full(t.size, i) for i, t in enumerate(times)]) if times else np.empty(0, int)
+        order = np.argsort(all_t, kind="stable")
+        self._arr_t = all_t[order]
+        self._arr_model = [names[i] for i in which[order]]
+        n = self._arr_t.size
+        self.records = [None] * n  # type: ignore[list-item]  # filled as requests arrive
+        for t_s, vgpu_id in sorted(self.config.failures):
+            if vgpu_id not in self.vgpus:
+                raise UserError(f"failure of unknown vGPU '{vgpu_id}'", fix=f"use a vGPU id of the plan, e.g. {next(iter(self.vgpus), '?')}")
+            self.loop.schedule(FailureEvent(t_s * 1e6, self, vgpu_id))
+        if n:
+            self.loop.schedule(ArrivalEvent(float(self._arr_t[0]), self, 0))
+        drain_s = self.config.drain_s
+        if drain_s is None:
+            drain_s = 4 * max(self._slo_us.values()) / 1e6 + 1.0
+        self.loop.run(until_us=self.window_us + drain_s * 1e6)
+        return self
+
+    # ---- decisions -> events ---------------------------------------------------------------
+
+    def _call(self, fn, arg=None) -> list:
+        t0 = time.perf_counter()
+        out = fn() if arg is None else fn(arg)
+        self.scheduler_s += time.perf_counter() - t0
+        self.scheduler_calls += 1
+        return out
+
+    def _anomaly(self, what: str) -> None:
+        self.anomaly_count += 1
+        if len(self.anomalies) < 20:
+            self.anomalies.append(f"t={self.clock.now_us():.1f}us: {what}")
+
+    def apply(self, decisions: Iterable[Any]) -> list[Event]:
+        """Turn the scheduler's decisions into state changes and follow-up events."""
+        out: list[Event] = []
+        now = self.clock.now_us()
+        for d in decisions or ():
+            if isinstance(d, Dispatch):
+                ev = self._start_dispatch(d, now)
+                if ev is not None:
+                    out.append(ev)
+            elif isinstance(d, Drop):
+                self._drop(d.request.id, d.reason, d.detail)
+            elif isinstance(d, WakeAt):
+                t = max(float(d.t_us), now)
+                if t not in self._pending_wakes:
+                    self._pending_wakes.add(t)
+                    out.append(WakeEvent(t, self))
+            else:
+                raise TypeError(f"unknown decision {d!r} from the scheduler")
+        return out
+
+    def _drop(self, rid: int, reason: DropReason | str, detail: str) -> None:
+        rec = self.records[rid] if 0 <= rid < len(self.records) else None
+        if rec is None:
+            self._anomaly(f"drop of unknown request {rid}")
+            return
+        if rec.drop_reason is not None or rec.completion_us >= 0:
+            self._anomaly(f"drop of request {rid}, which already ended ({rec.outcome.value})")
+            return
+        rec.drop_reason = reason.value if isinstance(reason, DropReason) else str(reason)
+        rec.drop_detail = detail
+        if rec.stages_done == 0 and rec.dispatch_us < 0:
+            rec.drop_where = QUEUE
+        elif rec.dispatch_us >= 0 and rec.stages_done == 0:
+            rec.drop_where = "in-flight:stage0"
+        else:
+            rec.drop_where = f"after-stage{rec.stages_done - 1}"
+
+    def _start_dispatch(self, d: Dispatch, now: float) -> Event | None:
+        if not d.stages:
+            self._anomaly(f"dispatch {d.batch_id} has no stages")
+            return None
+        rids = tuple(r.id for r in d.requests)
+        rec = BatchRecord(d.batch_id, d.model, d.pipeline, rids, now)
+        rec.stages = [
+            StageRun(s.partition, s.vgpu_id, s.server, s.start_us, s.infer_us) for s in d.stages
+        ]
+        last = self._last_partition.get((d.model, d.pipeline))
+        if last is None:
+            self._anomaly(f"dispatch {d.batch_id} on unknown pipeline {d.model}/{d.pipeline}")
+            return None
+        run = _BatchRun(rec, d, last)
+        self.batches.append(rec)
+        self._runs_by_id[d.batch_id] = run
+        for rid in rids:
+            r = self.records[rid]
+            if r.drop_reason is not None or r.completion_us >= 0:
+                self._anomaly(f"dispatch {d.batch_id} carries request {rid}, which already ended")
+                continue
+            if r.dispatch_us < 0:
+                r.dispatch_us = now
+            r.batch_ids.append(d.batch_id)
+        first = d.stages[0]
+        if first.partition > 0 and first.transfer_us > 0:
+            ts = first.transfer_start_us if first.transfer_start_us is not None else now
+            return TransferReadyEvent(max(now, ts), self, run, 0)
+        return StageReadyEvent(max(now, first.start_us), self, run, 0)
+
+    # ---- event handlers ----------------------------------------------------------------------
+
+    def on_arrival(self, i: int) -> list[Event]:
+        t = float(self._arr_t[i])
+        model = self._arr_model[i]
+        rec = RequestRecord(i, model, t, t + self._slo_us[model])
+        self.records[i] = rec
+        out = self.apply(self._call(self.scheduler.submit, Request(i, model, t, rec.deadline_us)))
+        if i + 1 < self._arr_t.size:
+            out.append(ArrivalEvent(float(self._arr_t[i + 1]), self, i + 1))
+        return out
+
+    def on_wake(self, t: float) -> list[Event]:
+        self._pending_wakes.discard(t)
+        last_t, count = self._wakes_now
+        count = count + 1 if last_t == t else 1
+        self._wakes_now = (t, count)
+        if count > _MAX_WAKES_AT_ONE_INSTANT:
+            raise RuntimeError(f"the scheduler asked to be woken at t={t} us more than {_MAX_WAKES_AT_ONE_INSTANT} times")
+        return self.apply(self._call(self.scheduler.wake))
+
+    def on_failure(self, vgpu_id: str) -> list[Event]:
+        self.vgpus[vgpu_id].failed_at_us = self.clock.now_us()
+        return self.apply(self._call(self.scheduler.mark_failed, vgpu_id))
+
+    def _jitter(self) -> float:
+        if self._jit_sigma == 0.0:
+            return 1.0
+        if self._jit_pos >= self._jit_buf.size:
+            self._jit_buf = self._jitter_rng.lognormal(self._jit_mu, self._jit_sigma, 4096)
+            self._jit_pos = 0
+        x = float(self._jit_buf[self._jit_pos])
+        self._jit_pos += 1
+        return x
+
+    def _lose(self, run: _BatchRun, k: int) -> None:
+        """The batch's worker died: its requests that nobody dropped yet are dropped here."""
+        run.lost = True
+        st = run.record.stages[k]
+        for rid in run.record.request_ids:
+            r = self.records[rid]
+            if r.drop_reason is None and r.completion_us < 0:
+                self._drop(rid, DropReason.WORKER_FAILED, f"vGPU {st.vgpu_id} died while the batch was on it")
+
+    def on_stage_ready(self, run: _BatchRun, k: int) -> list[Event]:
+        st = run.record.stages[k]
+        vg = self.vgpus.get(st.vgpu_id)
+        if vg is None:
+            self._anomaly(f"batch {run.record.batch_id} stage {k} on unknown vGPU {st.vgpu_id}")
+            self._lose(run, k)
+            return []
+        now = self.clock.now_us()
+        if vg.failed_at_us <= now:
+            self._lose(run, k)
+            return []
+        start = now if now > vg.free_us else vg.free_us
+        end = start + st.planned_infer_us * self._jitter()
+        vg.free_us = end
+        # busy time inside the arrival window, for temporal utilization
+        lo, hi = start, min(end, self.window_us)
+        if hi > lo:
+            vg.busy_in_window_us += hi - lo
+        st.start_us, st.end_us = start, end
+        return [StageEndEvent(end, self, run, k)]
+
+    def on_stage_end(self, run: _BatchRun, k: int) -> list[Event]:
+        rec = run.record
+        st = rec.stages[k]
+        now = self.clock.now_us()
+        vg = self.vgpus[st.vgpu_id]
+        if vg.failed_at_us < now:  # died mid-inference: this stage never finishes
+            self._lose(run, k)
+            return []
+        out: list[Event] = []
+        if self.config.feedback:
+            out.extend(
+                self.apply(
+                    self._call(
+                        self.scheduler.report,
+                        StageReport(rec.batch_id, st.partition, st.vgpu_id, st.start_us, st.end_us, st.transfer_start_us, st.transfer_end_us),
+                    )
+                )
+            )
+        alive = []
+        for rid in rec.request_ids:
+            r = self.records[rid]
+            if r.drop_reason is None and r.completion_us < 0:
+                r.stages_done = st.partition + 1
+                r.last_server = st.server
+                r.last_end_us = now
+                alive.append(r)
+        if k + 1 < len(rec.stages):
+            nxt = rec.stages[k + 1]
+            ds = run.dispatch.stages[k + 1]
+            if ds.transfer_us > 0:
+                ts = ds.transfer_start_us if ds.transfer_start_us is not None else now
+                out.append(TransferReadyEvent(max(now, ts), self, run, k + 1))
+            else:
+                out.append(StageReadyEvent(max(now, nxt.planned_start_us), self, run, k + 1))
+        elif st.partition == run.last_partition:
+            for r in alive:
+                r.completion_us = now
+        return out
+
+    def on_transfer_ready(self, run: _BatchRun, k: int) -> list[Event]:
+        st = run.record.stages[k]
+        ds = run.dispatch.stages[k]
+        now = self.clock.now_us()
+        if k > 0:
+            src = run.record.stages[k - 1].server
+        else:  # a dispatch that continues requests from an earlier stage: they wait where it ran
+            srcs = [self.records[rid] for rid in run.record.request_ids]
+            src = max(srcs, key=lambda r: r.last_end_us).last_server or st.server
+        dst = st.server
+        if src == dst:
+            start = now  # same server: local copy, no NIC
+        else:
+            start = max(now, self._up_free.get(src, 0.0), self._down_free.get(dst, 0.0))
+            self._up_free[src] = self._down_free[dst] = start + ds.transfer_us
+        end = start + ds.transfer_us
+        st.transfer_start_us, st.transfer_end_us = start, end
+        return [StageReadyEvent(max(end, st.planned_start_us), self, run, k)]
+
+
+def simulate(
+    plan: Plan,
+    profiles: Mapping[str, ModelProfile],
+    cluster: ClusterSpec,
+    arrivals_us: Mapping[str, np.ndarray],
+    config: SimConfig = SimConfig(),
+    scheduler_factory: SchedulerFactory | None = None,
+):
+    """Run one simulation and summarize it.
+
+    Returns:
+        a :class:`ppipe.sim.metrics.SimResult`.
+    """
+    from ppipe.sim.metrics import summarize
+
+    t0 = time.perf_counter()
+    sim = Simulator(plan, profiles, cluster, config, scheduler_factory).run(arrivals_us)
+    wall_s = time.perf_counter() - t0
+    return summarize(sim, wall_s=wall_s)
