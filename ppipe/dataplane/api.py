@@ -9,6 +9,26 @@ the same scheduler objects (DESIGN.md: "the scheduler that the simulator runs is
 scheduler that `ppipe serve` runs").
 
 Units: every time is in microseconds (``*_us``), on the clock's time line.
+
+Driver contract (what the simulator and the runtime do with the decisions):
+
+* ``Dispatch``: run the batch along ``stages`` in order. A stage's planned times are the
+  scheduler's view; a faithful driver starts a stage at the latest of its planned start,
+  the arrival of its input, and the moment its vGPU (and, for a transfer, the sender's
+  uplink and the receiver's downlink) is free, serving each resource in order. Policies
+  that do not reserve NICs (``reactive``) rely on the driver to model NIC contention.
+  Same-server transfers (sender and receiver on one server) use no NIC.
+* After each stage, call ``report(StageReport)`` with its real start/end (and, for stages
+  after the first, the real transfer start/end into it); the scheduler corrects its tables.
+* ``Drop``: answer the request with the reason. A Drop may name a request of a batch that
+  is already in flight (``WORKER_FAILED`` after ``mark_failed``; ``DEADLINE_UNREACHABLE``
+  from the reactive policy's late drops): the driver must not count that request as
+  served; for ``WORKER_FAILED`` the batch's remaining stages are cancelled (their
+  reservations are already released).
+* ``WakeAt(t)``: call ``wake()`` at ``t``. Stale timers are harmless (``wake()`` does
+  nothing for models that are not due).
+* ``build_scheduler(...)`` returns an object that also has ``stats()`` (counters: probe()
+  calls, dispatches, probes per dispatch, waits, drops per reason, corrections).
 """
 
 from __future__ import annotations

@@ -1,0 +1,505 @@
+"""Adaptive batching (the paper's Algorithm 1), shared by every policy.
+
+:class:`BatchingScheduler` implements the :class:`~ppipe.dataplane.api.Scheduler`
+protocol: per-model queues, Algorithm 1, dispatch bookkeeping, feedback correction and
+failure handling. A policy subclasses it and supplies ``probe()`` (how a path and its
+times are found for a pipeline and a batch size). The reservation policy
+(:mod:`ppipe.dataplane.reservation`) probes the reservation tables of vGPUs and NICs (the
+paper's Algorithm 2); the reactive baseline (:mod:`ppipe.dataplane.reactive`) looks only at
+each pool's own vGPU queues.
+
+Algorithm 1, as implemented, for one model with queue ``q`` sorted by deadline
+(= arrival + SLO, so by arrival for one model)::
+
+    while q:
+        1. p* = the live pipeline whose probe at its planned batch waits least
+           (waiting = finish - now - sum of the path's transfer and inference durations;
+           ties: lower pipeline index).
+        2. for bs in p*'s usable batch sizes <= its planned batch, largest first:
+               r = probe(p*, bs); stop at the first r that finishes by q[0].deadline.
+        3. if no bs >= 1 fits:          drop q[0] (DEADLINE_UNREACHABLE); back to 1.
+           elif len(q) < bs:            wait, see below.
+           else:                        reserve(r) and dispatch q[:bs] along r.
+
+Readings of the paper's pseudo-code (its slips, as the issue notes):
+
+* its last lines reserve ``r``, the step-1 probe result; the step-2 result (the path and
+  batch chosen for the deadline) is what is meant and what is reserved here;
+* "for bs = p.bs down to 0 ... if bs == 0" means "no batch size >= 1 fits";
+* step 2 starts at the planned batch, which step 1 has just probed on the same tables, so
+  with ``reuse_step1_probe`` (default) that result is reused rather than probed again.
+
+Waiting "till the last moment": when fewer requests are queued than the chosen batch, the
+batcher probes the largest usable batch it could send *now* (``<= len(q)``). If that path
+still has slack before ``q[0].deadline``, it returns ``WakeAt(now + slack)``; the path's
+finish time moves at most one for one with its start while the tables stay as they are,
+so at that moment the queued requests can still go. When the slack is gone (a wake at the
+last moment, or no slack to begin with) it dispatches what is queued. A new arrival, a
+wake, or a feedback report that makes the tables busier re-runs the batcher, so a wait is
+always re-decided on current tables.
+
+Determinism: queues are ordered by (deadline, arrival, id); pipelines by plan index; a
+pool's vGPUs by id; every comparison is strict, so the first in that order wins a tie.
+No set or dict iteration order reaches a decision.
+
+Several models: each has its own queue and runs Algorithm 1 on its own; models share
+NICs (servers host vGPUs of several models), so one model's reservations shape another's
+probes. ``wake()`` runs the models whose wake time has come, in plan order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ppipe.dataplane.api import (
+    Clock,
+    Decision,
+    Dispatch,
+    Drop,
+    DropReason,
+    Request,
+    Reservation,
+    Stage,
+    StageReport,
+    WakeAt,
+    downlink,
+    uplink,
+    vgpu_resource,
+)
+from ppipe.dataplane.options import SchedulerOptions
+from ppipe.dataplane.tables import EPS_US, ReservationTable
+from ppipe.dataplane.topology import Pipeline, Topology, VGpu
+
+
+class Hop:
+    """One stage of a probed path: the transfer into it (if any), then its inference."""
+
+    __slots__ = ("vgpu", "transfer_start", "transfer_us", "uses_nic", "prev", "start", "infer_us")
+
+    def __init__(self, vgpu: VGpu, transfer_start: float | None, transfer_us: float, uses_nic: bool, prev: VGpu | None, start: float, infer_us: float):
+        self.vgpu = vgpu
+        self.transfer_start = transfer_start
+        self.transfer_us = transfer_us
+        self.uses_nic = uses_nic
+        self.prev = prev
+        self.start = start
+        self.infer_us = infer_us
+
+
+class ProbeResult:
+    """What probe() returns: a path through a pipeline at a batch size, with its times.
+
+    Attributes:
+        pipeline: the probed pipeline.
+        batch: the batch size probed.
+        start: the time the probe started from (now).
+        finish: when the last stage's inference ends.
+        wait: total time spent waiting for resources along the path (us).
+        hops: one :class:`Hop` per partition.
+    """
+
+    __slots__ = ("pipeline", "batch", "start", "finish", "wait", "hops")
+
+    def __init__(self, pipeline: Pipeline, batch: int, start: float, finish: float, wait: float, hops: list[Hop]):
+        self.pipeline = pipeline
+        self.batch = batch
+        self.start = start
+        self.finish = finish
+        self.wait = wait
+        self.hops = hops
+
+    @property
+    def path(self) -> list[str]:
+        return [h.vgpu.id for h in self.hops]
+
+    def reservations(self) -> list[Reservation]:
+        """The resource intervals this path needs (what ``reserve`` marks busy)."""
+        out: list[Reservation] = []
+        for h in self.hops:
+            if h.uses_nic and h.transfer_us > 0:
+                out.append(Reservation(uplink(h.prev.server), h.transfer_start, h.transfer_us))
+                out.append(Reservation(downlink(h.vgpu.server), h.transfer_start, h.transfer_us))
+            if h.infer_us > 0:
+                out.append(Reservation(vgpu_resource(h.vgpu.id), h.start, h.infer_us))
+        return out
+
+
+class InFlight:
+    """A dispatched batch the scheduler remembers until it completes or expires."""
+
+    __slots__ = ("dispatch", "hops", "reported", "stage_end", "planned_finish", "expected_end", "keys", "live")
+
+    def __init__(self, dispatch: Dispatch, hops: list[Hop], keys: list[tuple[ReservationTable, tuple]]):
+        self.dispatch = dispatch
+        self.hops = hops
+        self.reported = [False] * len(hops)
+        self.stage_end = [h.start + h.infer_us for h in hops]
+        self.planned_finish = self.stage_end[-1]
+        self.expected_end = self.planned_finish
+        self.keys = keys
+        self.live = list(dispatch.requests)  # requests not dropped mid-flight
+
+
+@dataclass
+class Counters:
+    """What the simulator and the benchmark read. ``probes`` counts probe() calls."""
+
+    probes: int = 0
+    dispatches: int = 0
+    dispatched_requests: int = 0
+    waits: int = 0
+    drops: dict[str, int] = field(default_factory=dict)
+    corrections: int = 0
+    cascaded: int = 0
+    expired_inflight: int = 0
+
+    @property
+    def probes_per_dispatch(self) -> float:
+        return self.probes / self.dispatches if self.dispatches else float("nan")
+
+    def as_dict(self) -> dict:
+        return {
+            "probes": self.probes,
+            "dispatches": self.dispatches,
+            "dispatched_requests": self.dispatched_requests,
+            "probes_per_dispatch": self.probes_per_dispatch,
+            "waits": self.waits,
+            "drops": dict(sorted(self.drops.items())),
+            "corrections": self.corrections,
+            "cascaded": self.cascaded,
+            "expired_inflight": self.expired_inflight,
+        }
+
+
+def _queue_key(r: Request) -> tuple[float, float, int]:
+    return (r.deadline_us, r.arrival_us, r.id)
+
+
+class BatchingScheduler:
+    """Algorithm 1 over a compiled :class:`Topology`; subclasses provide ``probe``.
+
+    Args:
+        topology: the compiled plan (:func:`ppipe.dataplane.topology.compile_plan`).
+        clock: the time source; only ``now_us()`` is read here (drivers honour WakeAt).
+        options: tunables (:class:`SchedulerOptions`).
+    """
+
+    policy_name = "base"
+
+    def __init__(self, topology: Topology, clock: Clock, options: SchedulerOptions | None = None):
+        self.topology = topology
+        self.clock = clock
+        self.options = options or SchedulerOptions()
+        self.models: list[str] = list(topology.pipelines)
+        self.queues: dict[str, deque[Request]] = {m: deque() for m in self.models}
+        self.wake_at: dict[str, float | None] = {m: None for m in self.models}
+        self.inflight: dict[int, InFlight] = {}
+        self._expiry: list[tuple[float, int]] = []
+        self._next_batch_id = 0
+        self.counters = Counters()
+        self.failed: list[str] = []
+        self._live: dict[str, list[Pipeline]] = {m: [p for p in ps if p.alive] for m, ps in topology.pipelines.items()}
+
+    # ---- the policy's part ---------------------------------------------------------
+    def probe(self, pipeline: Pipeline, bs: int, t0: float | None = None) -> ProbeResult:  # pragma: no cover
+        raise NotImplementedError
+
+    def _after_report(self, rec: InFlight, report: StageReport, now: float) -> list[Decision]:
+        return []
+
+    # ---- Scheduler protocol --------------------------------------------------------
+    def submit(self, request: Request) -> list[Decision]:
+        """A request arrived: queue it (or refuse it) and run its model's batcher."""
+        now = self.clock.now_us()
+        self._housekeeping(now)
+        q = self.queues.get(request.model)
+        if q is None:
+            return [self._drop(request, DropReason.UNKNOWN_MODEL, f"models served: {', '.join(self.models)}")]
+        if not self._live[request.model]:
+            return [self._drop(request, DropReason.NO_PIPELINE, "every pipeline of the model has a failed pool")]
+        bound = self.options.queue_bound(request.model)
+        if bound is not None and len(q) >= bound:
+            return [self._drop(request, DropReason.QUEUE_FULL, f"queue bound {bound}")]
+        if not q or _queue_key(request) >= _queue_key(q[-1]):
+            q.append(request)
+        else:  # out-of-order arrival (clock skew in the runtime): keep the queue sorted
+            items = list(q)
+            insort(items, request, key=_queue_key)
+            q.clear()
+            q.extend(items)
+        return self._run_model(request.model, now)
+
+    def wake(self) -> list[Decision]:
+        """A timer fired: run the batcher of every model whose wake time has come."""
+        now = self.clock.now_us()
+        self._housekeeping(now)
+        out: list[Decision] = []
+        for m in self.models:
+            t = self.wake_at[m]
+            if t is not None and t <= now + EPS_US:
+                out.extend(self._run_model(m, now))
+        return out
+
+    def report(self, report: StageReport) -> list[Decision]:
+        """Feedback correction: a worker reports the real times of one stage."""
+        now = self.clock.now_us()
+        self.counters.corrections += 1
+        rec = self.inflight.get(report.batch_id)
+        later = False
+        g = self.topology.vgpus.get(report.vgpu_id)
+        part = report.partition
+        if g is not None:
+            self.counters.cascaded += g.table.correct((report.batch_id, part, "i"), report.start_us, report.end_us)
+        if rec is not None and 0 <= part < len(rec.hops):
+            hop = rec.hops[part]
+            later = report.end_us > rec.stage_end[part] + EPS_US
+            if hop.uses_nic and report.transfer_start_us is not None and report.transfer_end_us is not None:
+                for tab, kind in ((hop.prev.up, "u"), (hop.vgpu.down, "d")):
+                    self.counters.cascaded += tab.correct((report.batch_id, part, kind), report.transfer_start_us, report.transfer_end_us)
+                later = later or report.transfer_end_us > hop.transfer_start + hop.transfer_us + EPS_US
+            rec.reported[part] = True
+            delay = report.end_us - rec.stage_end[part]
+            if rec.planned_finish + delay > rec.expected_end:
+                rec.expected_end = rec.planned_finish + delay
+                heapq.heappush(self._expiry, (rec.expected_end, report.batch_id))
+        out: list[Decision] = []
+        if rec is not None:
+            if all(rec.reported):
+                self._forget(report.batch_id)
+            else:
+                out.extend(self._after_report(rec, report, now))
+        self._housekeeping(now)
+        if later and self.options.reevaluate_on_report:
+            for m in self.models:
+                if self.wake_at[m] is not None:
+                    out.extend(self._run_model(m, now))
+        return out
+
+    def mark_failed(self, vgpu_id: str) -> list[Decision]:
+        """A worker died: stop routing to it and drop the in-flight requests it held.
+
+        The vGPU leaves its pool at once; a pool left empty disables its pipeline; a model
+        with no live pipeline drops its queue (and later arrivals) with ``NO_PIPELINE``.
+        An in-flight batch is lost (its requests dropped with ``WORKER_FAILED`` and its
+        remaining reservations released) when the failed vGPU holds a stage that has not
+        been reported done, or holds the stage just before the first unreported one (its
+        feature map may not have left the dead worker yet).
+        """
+        now = self.clock.now_us()
+        g = self.topology.vgpus.get(vgpu_id)
+        if g is None or not g.alive:
+            return []
+        g.alive = False
+        self.failed.append(vgpu_id)
+        pipe = self.topology.pipelines[g.model][g.pipeline]
+        pool = pipe.pools[g.partition]
+        pool.vgpus.remove(g)
+        pool.refresh()
+        if not pool.vgpus:
+            pipe.alive = False
+            self._live[g.model] = [p for p in self.topology.pipelines[g.model] if p.alive]
+        g.table = ReservationTable(g.table.name)  # nothing will run there any more
+        out: list[Decision] = []
+        for bid in list(self.inflight):
+            rec = self.inflight[bid]
+            first_open = next((i for i, done in enumerate(rec.reported) if not done), None)
+            if first_open is None:
+                continue
+            hit = any(h.vgpu is g for h in rec.hops[first_open:])
+            if first_open > 0 and rec.hops[first_open - 1].vgpu is g:
+                hit = True
+            if hit:
+                for r in rec.live:
+                    out.append(self._drop(r, DropReason.WORKER_FAILED, f"vGPU {vgpu_id} failed"))
+                self._release(rec)
+                self._forget(bid)
+        out.extend(self._run_model(g.model, now))
+        return out
+
+    # ---- introspection -------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters as a plain dict (probes, dispatches, probes per dispatch, drops...)."""
+        d = self.counters.as_dict()
+        d["policy"] = self.policy_name
+        d["queued"] = {m: len(q) for m, q in self.queues.items()}
+        d["inflight"] = len(self.inflight)
+        return d
+
+    def live_pipelines(self, model: str) -> list[Pipeline]:
+        return list(self._live[model])
+
+    # ---- Algorithm 1 ---------------------------------------------------------------
+    def _run_model(self, model: str, now: float) -> list[Decision]:
+        out: list[Decision] = []
+        q = self.queues[model]
+        self.wake_at[model] = None
+        reuse = self.options.reuse_step1_probe
+        k_min = self.options.min_batch_on_overload
+        while q:
+            pipes = self._live[model]
+            if not pipes:
+                while q:
+                    out.append(self._drop(q.popleft(), DropReason.NO_PIPELINE, "every pipeline of the model has a failed pool"))
+                break
+            # Step 1: the pipeline with the least waiting at its planned batch.
+            best: ProbeResult | None = None
+            for p in pipes:
+                r = self.probe(p, p.batches[0], now)
+                if best is None or r.wait < best.wait - EPS_US:
+                    best = r
+            p = best.pipeline
+            head = q[0]
+            # Step 2: the largest batch whose path finishes by the oldest deadline.
+            chosen: ProbeResult | None = None
+            for bs in p.batches:
+                r = best if (reuse and bs == best.batch) else self.probe(p, bs, now)
+                if r.finish <= head.deadline_us + EPS_US:
+                    chosen = r
+                    break
+            if k_min and (chosen is None or chosen.batch < min(k_min, p.batches[0])):
+                shed = self._shed_for_min_batch(p, k_min, now, out)
+                if shed is not None:
+                    self._dispatch(shed, [q.popleft() for _ in range(shed.batch)], out)
+                    continue
+            # Step 3: drop, wait or dispatch.
+            if chosen is None:
+                out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"pipeline {p.index}: even batch {p.batches[-1]} finishes too late"))
+                continue
+            if len(q) < chosen.batch:
+                now_r: ProbeResult | None = None
+                for bs in p.batches:
+                    if bs > len(q):
+                        continue
+                    r = self.probe(p, bs, now)
+                    if r.finish <= head.deadline_us + EPS_US:
+                        now_r = r
+                        break
+                if now_r is None:
+                    # Only larger batches fit (a non-monotone profile): nothing can be sent
+                    # now and the head cannot wait for a batch that fits -> drop it.
+                    out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"pipeline {p.index}: no batch <= {len(q) + 1} fits"))
+                    continue
+                slack = head.deadline_us - now_r.finish
+                if slack > EPS_US:
+                    t = now + slack
+                    self.wake_at[model] = t
+                    self.counters.waits += 1
+                    out.append(WakeAt(t))
+                    break
+                chosen = now_r
+            self._dispatch(chosen, [q.popleft() for _ in range(chosen.batch)], out)
+        return out
+
+    def _shed_for_min_batch(self, p: Pipeline, k_min: int, now: float, out: list[Decision]) -> ProbeResult | None:
+        """Optional overload fix (``min_batch_on_overload``): keep batches >= k by shedding the oldest."""
+        q = self.queues[p.model]
+        bk = next((b for b in p.batches if b <= k_min), None)
+        if bk is None or len(q) < bk:
+            return None
+        r = self.probe(p, bk, now)
+        if r.finish > q[bk - 1].deadline_us + EPS_US:
+            return None  # even the k-th request would be late: shedding would not help
+        while len(q) >= bk and q[0].deadline_us + EPS_US < r.finish:
+            out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"shed to keep batch {bk} (min_batch_on_overload)"))
+        if len(q) >= bk and r.finish <= q[0].deadline_us + EPS_US:
+            return r
+        return None
+
+    # ---- reserve + dispatch --------------------------------------------------------
+    def reserve(self, result: ProbeResult, batch_id: int) -> list[tuple[ReservationTable, tuple]]:
+        """Mark the path's intervals busy (the paper's ``reserve``); returns (table, key) pairs."""
+        keys: list[tuple[ReservationTable, tuple]] = []
+        limit = self.options.prune_threshold
+        now = result.start
+        for d, h in enumerate(result.hops):
+            if h.uses_nic and h.transfer_us > 0:
+                for tab, kind in ((h.prev.up, "u"), (h.vgpu.down, "d")):
+                    if len(tab) > limit:
+                        tab.prune(now)
+                    key = (batch_id, d, kind)
+                    tab.add(h.transfer_start, h.transfer_us, key)
+                    keys.append((tab, key))
+            if h.infer_us > 0:
+                tab = h.vgpu.table
+                if len(tab) > limit:
+                    tab.prune(now)
+                key = (batch_id, d, "i")
+                tab.add(h.start, h.infer_us, key)
+                keys.append((tab, key))
+        return keys
+
+    def _dispatch(self, r: ProbeResult, requests: list[Request], out: list[Decision]) -> None:
+        bid = self._next_batch_id
+        self._next_batch_id += 1
+        keys = self.reserve(r, bid)
+        pipe = r.pipeline
+        stages = tuple(
+            Stage(
+                partition=d,
+                vgpu_id=h.vgpu.id,
+                server=h.vgpu.server,
+                first_block=pipe.pools[d].first_block,
+                last_block=pipe.pools[d].last_block,
+                transfer_start_us=h.transfer_start,
+                transfer_us=h.transfer_us,
+                start_us=h.start,
+                infer_us=h.infer_us,
+            )
+            for d, h in enumerate(r.hops)
+        )
+        disp = Dispatch(
+            batch_id=bid,
+            model=pipe.model,
+            pipeline=pipe.index,
+            requests=tuple(requests),
+            stages=stages,
+            reservations=tuple(self._reservations_of(r, keys)),
+        )
+        rec = InFlight(disp, r.hops, keys)
+        self.inflight[bid] = rec
+        heapq.heappush(self._expiry, (rec.expected_end, bid))
+        self.counters.dispatches += 1
+        self.counters.dispatched_requests += len(requests)
+        out.append(disp)
+
+    @staticmethod
+    def _reservations_of(r: ProbeResult, keys: list[tuple[ReservationTable, tuple]]) -> list[Reservation]:
+        """The Reservation records of what ``reserve`` actually marked (a policy may skip NICs)."""
+        out = []
+        for tab, (_bid, d, kind) in keys:
+            h = r.hops[d]
+            if kind == "i":
+                out.append(Reservation(tab.name, h.start, h.infer_us))
+            else:
+                out.append(Reservation(tab.name, h.transfer_start, h.transfer_us))
+        return out
+
+    # ---- bookkeeping ---------------------------------------------------------------
+    def _drop(self, request: Request, reason: DropReason, detail: str = "") -> Drop:
+        self.counters.drops[reason.value] = self.counters.drops.get(reason.value, 0) + 1
+        return Drop(request, reason, detail)
+
+    def _release(self, rec: InFlight) -> None:
+        for tab, key in rec.keys:
+            tab.remove(key)
+
+    def _forget(self, bid: int) -> None:
+        self.inflight.pop(bid, None)
+
+    def _housekeeping(self, now: float) -> None:
+        """Forget in-flight batches whose expected end (plus grace) has passed."""
+        grace = self.options.inflight_grace_us
+        exp = self._expiry
+        while exp and exp[0][0] + grace < now:
+            t, bid = heapq.heappop(exp)
+            rec = self.inflight.get(bid)
+            if rec is not None and rec.expected_end + grace < now:
+                del self.inflight[bid]
+                self.counters.expired_inflight += 1
+
+
+PolicyFactory = Callable[[Topology, Clock, SchedulerOptions], BatchingScheduler]

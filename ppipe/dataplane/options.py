@@ -1,0 +1,106 @@
+"""Scheduler options: the ``**options`` of :func:`ppipe.dataplane.build_scheduler`.
+
+A frozen dataclass rather than a pydantic model: the scheduler reads these on its hot path.
+Unknown option names are a :class:`~ppipe.errors.UserError` with a "did you mean".
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from ppipe.errors import UserError
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """Tunables of the data plane. Every field has a default that follows the paper.
+
+    Attributes:
+        max_queue: admission control. Bound on the number of queued (not yet dispatched)
+            requests of a model; a request that finds the queue full is dropped at once with
+            ``QUEUE_FULL``. An int applies to every model; a mapping gives a bound per model
+            name (models not named are unbounded). ``None``: unbounded (the paper).
+        local_transfer_gbps: feature maps between two vGPUs on the same server do not use
+            the NIC. ``None`` (default): such a transfer takes no time (a device-to-device
+            or shared-memory copy is orders of magnitude faster than the 6-10 Gbit/s
+            effective network of the paper's clusters). A number: the copy takes
+            ``bytes * 8 / local_transfer_gbps``, still without reserving a NIC.
+        reuse_step1_probe: Algorithm 1 step 2 starts at the planned batch, which step 1 has
+            just probed on the same pipeline and the same tables; reuse that result instead
+            of probing again (same decision, one probe() call fewer).
+        reevaluate_on_report: after feedback correction, re-run the batcher of models that
+            are waiting (WakeAt pending), because a corrected table can move their last
+            feasible moment earlier.
+        inflight_grace_us: an in-flight batch is forgotten when its last stage is reported,
+            or when its expected end (planned end, pushed back by reported delays) is more
+            than this many us in the past.
+        prune_threshold: a reservation table is pruned of past intervals when it holds more
+            than this many (amortises the list deletion).
+        late_drop: (reactive policy) when a stage report shows a batch can no longer meet
+            its deadline on the rest of its path, drop its requests at once (the per-pool
+            baseline drops at the downstream pool, paper §7.4).
+        min_batch_on_overload: an optional fix for the paper's behaviour under overload
+            (drop-oldest then shrinks batches toward 1 and throughput falls below plan).
+            0 (default) keeps the paper's Algorithm 1. With k >= 1: when the oldest request
+            cannot be served in a batch of at least ``min(k, planned batch)`` but at least
+            that many requests are queued, drop requests from the head until the head can
+            be served in such a batch (shed load by the oldest, but keep batches efficient).
+    """
+
+    max_queue: int | Mapping[str, int] | None = None
+    local_transfer_gbps: float | None = None
+    reuse_step1_probe: bool = True
+    reevaluate_on_report: bool = True
+    inflight_grace_us: float = 0.0
+    prune_threshold: int = 64
+    late_drop: bool = True
+    min_batch_on_overload: int = 0
+
+    def queue_bound(self, model: str) -> int | None:
+        if self.max_queue is None:
+            return None
+        if isinstance(self.max_queue, Mapping):
+            return self.max_queue.get(model)
+        return int(self.max_queue)
+
+    @classmethod
+    def from_kwargs(cls, options: Mapping[str, Any]) -> "SchedulerOptions":
+        """Build from ``build_scheduler(**options)``; unknown names raise UserError."""
+        known = [f.name for f in fields(cls)]
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise UserError(
+                    f"unknown data-plane option '{name}'{hint}",
+                    fix=f"use one of: {', '.join(sorted(known))}",
+                )
+        opts = cls(**dict(options))
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        bounds = (
+            self.max_queue.values()
+            if isinstance(self.max_queue, Mapping)
+            else ([] if self.max_queue is None else [self.max_queue])
+        )
+        for b in bounds:
+            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+                raise UserError(f"max_queue must be a positive integer per model, got {b!r}", fix="set max_queue >= 1 or None")
+        if self.local_transfer_gbps is not None and not self.local_transfer_gbps > 0:
+            raise UserError(
+                f"local_transfer_gbps must be > 0 or None, got {self.local_transfer_gbps!r}",
+                fix="leave it unset for free same-server copies",
+            )
+        if self.inflight_grace_us < 0:
+            raise UserError(f"inflight_grace_us must be >= 0, got {self.inflight_grace_us}", fix="use 0 or more")
+        if self.prune_threshold < 1:
+            raise UserError(f"prune_threshold must be >= 1, got {self.prune_threshold}", fix="use e.g. 64")
+        if self.min_batch_on_overload < 0:
+            raise UserError(
+                f"min_batch_on_overload must be >= 0, got {self.min_batch_on_overload}",
+                fix="0 keeps the paper's behaviour",
+            )

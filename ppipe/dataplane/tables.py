@@ -1,0 +1,176 @@
+"""Reservation tables: future busy intervals of every vGPU and every server NIC.
+
+One :class:`ReservationTable` per resource (``vgpu:<id>``, ``up:<server>``,
+``down:<server>``). A table holds non-overlapping half-open intervals ``[start, end)``
+sorted by start, each tagged with a key (``(batch_id, partition, kind)``) so that feedback
+correction can find the interval a worker reports on. Because the intervals never overlap,
+their ends are sorted too, and "the first interval that ends after t" is one bisect.
+
+:func:`earliest_slot` is the paper's ``earliestSlot(res, t, l)`` (Algorithm 2): the
+earliest time ``>= t`` at which every resource in a list is free for ``l`` us. It fills
+gaps between reservations (it does not only append after the last one).
+
+Pruning: intervals that ended at or before the scheduler's "now" can never matter again
+(every query starts at ``t >= now``), so :meth:`ReservationTable.prune` drops them. The
+scheduler prunes a table lazily when it has grown past a threshold, which keeps tables
+short (their length is the number of *future* reservations) without paying a list
+deletion on every call.
+
+Correction (feedback): :meth:`ReservationTable.correct` replaces a reserved interval by the
+one a worker reports. The truth wins over the plan: an interval before it that now overlaps
+is cut short at the reported start, and later intervals that now overlap are pushed back
+(cascade), each keeping its duration. This mirrors what a worker does: it runs its queued
+work in order, so a batch that ran late delays every batch reserved behind it on the same
+resource.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from typing import Hashable, Sequence
+
+EPS_US = 1e-6
+"""Tolerance for float comparisons of times (1 ps): sums of float latencies drift by ulps."""
+
+
+class ReservationTable:
+    """Busy intervals of one resource, sorted, non-overlapping.
+
+    Attributes:
+        name: resource id, for messages.
+        starts, ends: parallel sorted lists of interval bounds (us).
+        keys: the key of each interval (``None`` for anonymous reservations).
+    """
+
+    __slots__ = ("name", "starts", "ends", "keys")
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.keys: list[Hashable] = []
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def intervals(self) -> list[tuple[float, float, Hashable]]:
+        """All intervals as (start, end, key), in order."""
+        return list(zip(self.starts, self.ends, self.keys))
+
+    # ---- queries -----------------------------------------------------------------
+    def earliest(self, t: float, duration: float) -> float:
+        """Earliest start ``>= t`` of a free gap of ``duration`` us in this table."""
+        ends = self.ends
+        i = bisect_right(ends, t + EPS_US)  # first interval that ends after t
+        n = len(ends)
+        if i == n:
+            return t
+        starts = self.starts
+        while i < n and starts[i] < t + duration - EPS_US:
+            if ends[i] > t:
+                t = ends[i]
+            i += 1
+        return t
+
+    def busy_until(self) -> float:
+        """End of the last reservation (``-inf`` if empty)."""
+        return self.ends[-1] if self.ends else float("-inf")
+
+    # ---- updates -----------------------------------------------------------------
+    def add(self, start: float, duration: float, key: Hashable = None) -> None:
+        """Mark ``[start, start + duration)`` busy. The caller found it free (earliest_slot)."""
+        if duration <= 0:
+            return
+        end = start + duration
+        i = bisect_right(self.starts, start)
+        # Guard the invariant cheaply: a reservation must fit in the gap it was probed in.
+        if (i > 0 and self.ends[i - 1] > start + EPS_US) or (i < len(self.starts) and self.starts[i] < end - EPS_US):
+            raise ValueError(
+                f"{self.name}: [{start:.3f}, {end:.3f}) overlaps an existing reservation; "
+                "reservations must come from a probe on the current tables"
+            )
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+        self.keys.insert(i, key)
+
+    def prune(self, now: float) -> int:
+        """Drop intervals that ended at or before ``now``; returns how many."""
+        k = bisect_right(self.ends, now)
+        if k:
+            del self.starts[:k], self.ends[:k], self.keys[:k]
+        return k
+
+    def find(self, key: Hashable) -> int:
+        """Index of the interval with ``key`` or -1. Linear, used on feedback only."""
+        try:
+            return self.keys.index(key)
+        except ValueError:
+            return -1
+
+    def remove(self, key: Hashable) -> bool:
+        """Remove the interval with ``key``; returns whether there was one."""
+        i = self.find(key)
+        if i < 0:
+            return False
+        del self.starts[i], self.ends[i], self.keys[i]
+        return True
+
+    def correct(self, key: Hashable, start: float, end: float, now: float | None = None) -> int:
+        """Replace the interval ``key`` by the observed ``[start, end)``.
+
+        The reported interval is inserted even if its key was pruned or never reserved
+        (the truth is what occupied the resource). An earlier interval that now overlaps
+        is cut at ``start``; later ones that now overlap are pushed back, cascading, each
+        keeping its duration. Returns how many later intervals moved.
+        """
+        self.remove(key)
+        if end < start:
+            end = start
+        if now is not None and end <= now:
+            return 0  # entirely in the past: nothing left to plan around
+        i = bisect_left(self.starts, start)
+        if i > 0 and self.ends[i - 1] > start:
+            # The truth says the resource was busy with `key` from `start` on: the earlier
+            # reservation must have ended (or will end) no later than that.
+            self.ends[i - 1] = max(self.starts[i - 1], start)
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+        self.keys.insert(i, key)
+        moved = 0
+        prev_end = end
+        j = i + 1
+        n = len(self.starts)
+        while j < n and self.starts[j] < prev_end - EPS_US:
+            dur = self.ends[j] - self.starts[j]
+            self.starts[j] = prev_end
+            self.ends[j] = prev_end + dur
+            prev_end = self.ends[j]
+            moved += 1
+            j += 1
+        return moved
+
+    def check(self) -> None:
+        """Raise AssertionError-free ValueError if the invariant is broken (tests)."""
+        for a in range(1, len(self.starts)):
+            if self.starts[a] < self.ends[a - 1] - EPS_US or self.starts[a] < self.starts[a - 1]:
+                raise ValueError(f"{self.name}: intervals {a - 1} and {a} overlap or are out of order")
+
+
+def earliest_slot(tables: Sequence[ReservationTable], t: float, duration: float) -> float:
+    """Earliest time ``>= t`` at which all ``tables`` are free for ``duration`` us.
+
+    The paper's ``earliestSlot(res, t, l)``. Iterates to a fixed point: each table moves
+    the candidate start to its own earliest fit; when no table moves it, all are free.
+    Terminates because every move jumps to the end of some reservation, and there are
+    finitely many.
+    """
+    if duration <= 0 or not tables:
+        return t
+    if len(tables) == 1:
+        return tables[0].earliest(t, duration)
+    while True:
+        t0 = t
+        for tab in tables:
+            t = tab.earliest(t, duration)
+        if t <= t0 + EPS_US:
+            return t
