@@ -1,0 +1,22 @@
+"""The runtime: ``ppipe serve`` on Ray behind an Open Inference Protocol (KServe v2) API.
+
+Pieces (each a module):
+
+- :mod:`~ppipe.runtime.clock`: :class:`WallClock`, the data plane's ``Clock`` on the
+  asyncio loop of the frontend; converts workers' wall times to the scheduler's timeline.
+- :mod:`~ppipe.runtime.protocol`: KServe v2 request/response encoding (JSON tensors and
+  the binary tensor extension), pure functions.
+- :mod:`~ppipe.runtime.backends`: how a worker runs its partition: ``ort`` (onnxruntime),
+  ``tensorrt`` (GPU) or ``emulated`` (sleeps for the profiled latency, emits tensors of
+  the profiled size; for rehearsals and tests, never a stand-in for a GPU result).
+- :mod:`~ppipe.runtime.worker`: :class:`VgpuWorker`, one Ray actor per vGPU of the plan.
+  A batch goes worker to worker along its reserved path (fp16 feature maps, Ray object
+  store); the last worker's output goes back to the frontend.
+- :mod:`~ppipe.runtime.deploy`: placing the workers on the Ray nodes the plan names.
+- :mod:`~ppipe.runtime.driver`: :class:`Runtime`, which runs the data plane's scheduler
+  under the wall clock and turns its decisions into actor calls.
+- :mod:`~ppipe.runtime.server`: the starlette app (health, metadata, infer, /metrics).
+- :mod:`~ppipe.runtime.bench`: the open-loop load generator behind ``ppipe bench``.
+
+Ray, onnxruntime and TensorRT are imported lazily: importing this package is cheap.
+"""

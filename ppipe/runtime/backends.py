@@ -1,0 +1,300 @@
+"""Execution backends: how a worker runs blocks ``first..last`` of a model on a batch.
+
+A backend takes and returns a dict of named arrays whose first axis is the batch. Three
+are available, by name:
+
+- ``ort``: onnxruntime over the profile's per-block ONNX sub-models (``BlockSpec.onnx``;
+  built-in models get them from :func:`ppipe.profiler.ensure_block_models`). CPU by
+  default; the CUDA execution provider on GPU types when onnxruntime has it. On the CPU
+  a vGPU of level v gets ``max(1, cores // v)`` intra-op threads.
+- ``tensorrt``: TensorRT engines built from the same sub-models (fp16), on the GPU the
+  worker was pinned to. Needs ``tensorrt`` and ``cupy`` (``pip install ppipe[gpu]``).
+- ``emulated``: sleeps for the profiled latency of the partition at the batch
+  (``ModelProfile.partition_latency_us``) and emits fp16 tensors of the profiled size
+  (``out_bytes_per_sample`` of the partition's last block). It rehearses a plan for a
+  cluster one does not have (a 100-GPU plan on a laptop) and drives tests. Its latencies
+  are the profile's, by construction; it measures the serving system, not a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from bisect import bisect_left
+from typing import Protocol
+
+import numpy as np
+
+from ppipe.errors import NotAvailableError, UserError
+from ppipe.spec.profile import ModelProfile
+
+BACKENDS = ("ort", "tensorrt", "emulated")
+
+Tensors = dict[str, np.ndarray]
+
+
+class Backend(Protocol):
+    """Runs one partition. ``run`` may block (it is called in a thread) or be a coroutine."""
+
+    name: str
+
+    async def run(self, inputs: Tensors, batch: int) -> Tensors: ...
+
+
+def interpolated_latency_us(profile: ModelProfile, gpu: str, vgpu: int, batch: int, first: int, last: int) -> float:
+    """Profiled latency of blocks first..last at ``batch``; linear between profiled batches.
+
+    The scheduler may dispatch a batch size the profile lacks (it shrinks batches to meet a
+    deadline); between two profiled sizes the latency is interpolated linearly, beyond the
+    largest it is extrapolated from the last two (or scaled, with a single point).
+    """
+    sizes = profile.batches(gpu, vgpu)
+    if not sizes:
+        raise UserError(
+            f"model '{profile.name}' has no timings for gpu={gpu} vgpu={vgpu}",
+            fix="profile the model for that GPU type and vGPU level, or plan for a cluster the profile covers",
+        )
+    if batch in sizes:
+        return profile.partition_latency_us(gpu, vgpu, batch, first, last)
+    i = bisect_left(sizes, batch)
+    if i == 0:
+        lo, hi = sizes[0], sizes[min(1, len(sizes) - 1)]
+    elif i == len(sizes):
+        lo, hi = sizes[max(0, len(sizes) - 2)], sizes[-1]
+    else:
+        lo, hi = sizes[i - 1], sizes[i]
+    l_lo = profile.partition_latency_us(gpu, vgpu, lo, first, last)
+    if lo == hi:
+        return l_lo * batch / lo
+    l_hi = profile.partition_latency_us(gpu, vgpu, hi, first, last)
+    return max(0.0, l_lo + (l_hi - l_lo) * (batch - lo) / (hi - lo))
+
+
+def emulated_tensor_name(block: int) -> str:
+    return f"emulated_block{block}"
+
+
+class EmulatedBackend:
+    """Sleeps for the profiled latency; returns fp16 zeros of the profiled feature-map size.
+
+    Args:
+        profile: the model profile.
+        gpu, vgpu: the pool's GPU type and vGPU level (the latency row to use).
+        first, last: block range of the partition.
+        time_scale: multiply every sleep (1.0 = the profile's latency).
+    """
+
+    name = "emulated"
+
+    def __init__(self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, time_scale: float = 1.0):
+        self.profile, self.gpu, self.vgpu, self.first, self.last = profile, gpu, vgpu, first, last
+        self.time_scale = time_scale
+        self.is_last = last == profile.num_blocks - 1
+        interpolated_latency_us(profile, gpu, vgpu, 1, first, last)  # fail at start, not per batch
+
+    def latency_us(self, batch: int) -> float:
+        return interpolated_latency_us(self.profile, self.gpu, self.vgpu, batch, self.first, self.last) * self.time_scale
+
+    async def run(self, inputs: Tensors, batch: int) -> Tensors:
+        t_end = time.perf_counter() + self.latency_us(batch) / 1e6
+        # asyncio.sleep wakes up to a scheduler tick late; sleep most of the way, then
+        # yield in short steps so the emulated latency stays close to the profile's.
+        while True:
+            left = t_end - time.perf_counter()
+            if left <= 0:
+                break
+            await asyncio.sleep(left - 0.001 if left > 0.002 else 0)
+        return self.outputs(batch)
+
+    def outputs(self, batch: int) -> Tensors:
+        m = self.profile.manifest
+        if self.is_last and m.outputs:
+            return {o.name: np.zeros((batch, *o.shape), dtype=o.dtype) for o in m.outputs}
+        n = max(1, self.profile.cut_bytes(self.last) // 2)
+        name = "output" if self.is_last else emulated_tensor_name(self.last)
+        return {name: np.zeros((batch, n), dtype=np.float16)}
+
+
+def _cpu_threads(vgpu: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // vgpu)
+
+
+def block_model_paths(profile: ModelProfile, first: int, last: int) -> list[str]:
+    """Runnable ONNX files of blocks first..last, generating them for built-in models."""
+    paths = [profile.block_onnx_path(b) for b in range(first, last + 1)]
+    if any(p is None or not p.exists() for p in paths):
+        try:  # the profiler regenerates block sub-models of built-in models deterministically
+            from ppipe.profiler import ensure_block_models  # type: ignore[attr-defined]
+        except ImportError:
+            ensure_block_models = None
+        if ensure_block_models is not None:
+            generated = list(ensure_block_models(profile))
+            paths = [generated[b] for b in range(first, last + 1)]
+    missing = [first + i for i, p in enumerate(paths) if p is None or not os.path.exists(p)]
+    if missing:
+        raise NotAvailableError(
+            f"model '{profile.name}': no runnable ONNX sub-model for block(s) {missing}"
+            + (f" (profile folder {profile.directory})" if profile.directory else ""),
+            fix="profile the model from its ONNX file with `ppipe profile` (it writes block sub-models), "
+            "or serve with --backend emulated to rehearse the plan with profiled latencies",
+        )
+    return [str(p) for p in paths]
+
+
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(uint8)": np.uint8,
+    "tensor(int8)": np.int8,
+    "tensor(bool)": np.bool_,
+}
+
+
+def keep_after(profile: ModelProfile, last: int) -> list[str] | None:
+    """Names of the tensors that leave block ``last`` (None: every output of the block)."""
+    m = profile.manifest
+    if last == profile.num_blocks - 1 and m.outputs:
+        return [o.name for o in m.outputs]
+    return list(m.blocks[last].out_tensors) or None
+
+
+class OrtBackend:
+    """onnxruntime over the partition's block sub-models, run one after another.
+
+    Tensors that arrive in another float type than a sub-model declares (fp16 feature maps
+    from the previous worker) are cast to the declared type.
+    """
+
+    name = "ort"
+
+    def __init__(self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int):
+        import onnxruntime as ort
+
+        self.paths = block_model_paths(profile, first, last)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = _cpu_threads(vgpu) if gpu == "cpu" else 1
+        opts.inter_op_num_threads = 1
+        providers = ["CPUExecutionProvider"]
+        if gpu != "cpu" and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        self.sessions = [ort.InferenceSession(p, sess_options=opts, providers=providers) for p in self.paths]
+        self.keep = keep_after(profile, last)
+
+    def run_sync(self, inputs: Tensors) -> Tensors:
+        env = dict(inputs)
+        last_outs: list[str] = []
+        for sess in self.sessions:
+            feed = {}
+            for i in sess.get_inputs():
+                if i.name not in env:
+                    raise RuntimeError(f"sub-model {sess} needs tensor '{i.name}', have {sorted(env)}")
+                want = _ORT_TYPES.get(i.type)
+                arr = env[i.name]
+                feed[i.name] = arr.astype(want, copy=False) if want is not None and arr.dtype != want else arr
+            names = [o.name for o in sess.get_outputs()]
+            env.update(zip(names, sess.run(names, feed)))
+            last_outs = names
+        return {k: env[k] for k in (self.keep or last_outs)}
+
+    async def run(self, inputs: Tensors, batch: int) -> Tensors:
+        # onnxruntime releases the GIL: a thread keeps the actor's loop answering pings.
+        return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs)
+
+
+class TensorRTBackend:
+    """TensorRT engines (fp16) built from the block sub-models, on this worker's GPU.
+
+    Written against the TensorRT >= 10 Python API (named I/O tensors, ``execute_async_v3``)
+    with CuPy device buffers. Engines are built at worker start with an optimization
+    profile covering batches 1..``max_batch``.
+    """
+
+    name = "tensorrt"
+
+    def __init__(self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, max_batch: int = 32):
+        try:
+            import tensorrt as trt  # noqa: F401
+            import cupy  # noqa: F401
+        except ImportError as exc:
+            raise NotAvailableError(
+                f"the tensorrt backend needs TensorRT and CuPy ({exc.name} is not installed)",
+                fix="pip install 'ppipe[gpu]' on the GPU servers, or use --backend ort / emulated",
+            ) from None
+        import cupy as cp
+        import tensorrt as trt
+
+        self.cp, self.trt = cp, trt
+        self.keep = keep_after(profile, last)
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self.logger)
+        self.engines = [self._build(p, max_batch) for p in block_model_paths(profile, first, last)]
+        self.contexts = [e.create_execution_context() for e in self.engines]
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+    def _build(self, path: str, max_batch: int):
+        trt = self.trt
+        builder = trt.Builder(self.logger)
+        network = builder.create_network(0)
+        parser = trt.OnnxParser(network, self.logger)
+        with open(path, "rb") as fh:
+            if not parser.parse(fh.read()):
+                errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+                raise RuntimeError(f"TensorRT cannot parse {path}: {errs}")
+        config = builder.create_builder_config()
+        config.set_flag(trt.BuilderFlag.FP16)
+        prof = builder.create_optimization_profile()
+        for i in range(network.num_inputs):
+            t = network.get_input(i)
+            rest = tuple(t.shape)[1:]
+            prof.set_shape(t.name, (1, *rest), (max(1, max_batch // 2), *rest), (max_batch, *rest))
+        config.add_optimization_profile(prof)
+        blob = builder.build_serialized_network(network, config)
+        if blob is None:
+            raise RuntimeError(f"TensorRT failed to build an engine for {path}")
+        return self.runtime.deserialize_cuda_engine(blob)
+
+    def run_sync(self, inputs: Tensors) -> Tensors:
+        cp, trt = self.cp, self.trt
+        env = {k: cp.asarray(v) for k, v in inputs.items()}
+        last_outs: list[str] = []
+        with self.stream:
+            for engine, ctx in zip(self.engines, self.contexts):
+                outs = []
+                for i in range(engine.num_io_tensors):
+                    name = engine.get_tensor_name(i)
+                    dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
+                    if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+                        arr = cp.ascontiguousarray(env[name].astype(dtype, copy=False))
+                        env[name] = arr
+                        ctx.set_input_shape(name, arr.shape)
+                        ctx.set_tensor_address(name, arr.data.ptr)
+                    else:
+                        outs.append((name, dtype))
+                for name, dtype in outs:
+                    arr = cp.empty(tuple(ctx.get_tensor_shape(name)), dtype=dtype)
+                    env[name] = arr
+                    ctx.set_tensor_address(name, arr.data.ptr)
+                if not ctx.execute_async_v3(self.stream.ptr):
+                    raise RuntimeError("TensorRT execute_async_v3 failed")
+                last_outs = [n for n, _ in outs]
+            self.stream.synchronize()
+        return {k: cp.asnumpy(env[k]) for k in (self.keep or last_outs)}
+
+    async def run(self, inputs: Tensors, batch: int) -> Tensors:
+        return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs)
+
+
+def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, **options) -> Backend:
+    """Build a backend by name (``ort``, ``tensorrt``, ``emulated``)."""
+    if name == "emulated":
+        return EmulatedBackend(profile, gpu, vgpu, first, last, time_scale=options.get("time_scale", 1.0))
+    if name == "ort":
+        return OrtBackend(profile, gpu, vgpu, first, last)
+    if name == "tensorrt":
+        return TensorRTBackend(profile, gpu, vgpu, first, last, max_batch=options.get("max_batch", 32))
+    raise UserError(f"unknown backend '{name}'", fix=f"use one of {', '.join(BACKENDS)}")

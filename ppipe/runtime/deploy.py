@@ -1,0 +1,221 @@
+"""From a plan to running workers: resolve profiles, map servers to Ray nodes, start actors.
+
+Servers map to Ray nodes through custom resources named in the cluster YAML
+(``ServerGroup.ray_resource``): server ``<group>-<i>`` goes to a node that offers resource
+``<ray_resource>-<i>`` if any node does, else to any node offering ``<ray_resource>``.
+Groups without ``ray_resource`` are placed wherever Ray likes, which on a single local
+node is that node. Start the nodes with e.g.
+``ray start --address=HEAD:6379 --resources='{"l4": 1, "l4-0": 1}'``.
+
+On GPUs, each worker is pinned to the plan's GPU (``CUDA_VISIBLE_DEVICES``) and a worker
+of vGPU level v > 1 runs under MPS with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/v``; the
+MPS control daemon must run on every GPU server (``nvidia-cuda-mps-control -d``). Ray's
+own GPU accounting is bypassed (``num_gpus=0``) because the plan, not Ray, decides which
+vGPU shares which GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ppipe.errors import UserError
+from ppipe.runtime.worker import VgpuWorker, WorkerSpec
+from ppipe.spec.cluster import ClusterSpec, load_cluster
+from ppipe.spec.plan import Plan, load_plan
+from ppipe.spec.profile import ModelProfile, load_profile
+
+# A worker asks for this much of its server's custom resource: enough to pin it to the
+# node, small enough that any number of vGPUs fit on a node offering 1 unit.
+RESOURCE_SHARE = 0.001
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Everything ``serve`` needs, loaded and checked."""
+
+    plan: Plan
+    cluster: ClusterSpec
+    profiles: dict[str, ModelProfile]
+    plan_file: str | None = None
+    cluster_file: str | None = None
+
+
+def load_deployment(plan_path: str | Path, cluster_ref: str | Path | None = None) -> Deployment:
+    """Load plan.yaml, its cluster (``--cluster`` or the plan's own) and its model profiles."""
+    plan_path = Path(plan_path)
+    plan = load_plan(plan_path)
+    base = plan_path.resolve().parent
+    if cluster_ref is None:
+        if plan.cluster_file:
+            cand = Path(plan.cluster_file)
+            cluster_ref = cand if cand.is_absolute() or not (base / cand).exists() else base / cand
+        else:
+            cluster_ref = plan.cluster
+    cluster = load_cluster(cluster_ref)
+    if cluster.name != plan.cluster:
+        raise UserError(
+            f"plan is for cluster '{plan.cluster}' but the cluster file describes '{cluster.name}'",
+            fix="pass the cluster the plan was made for with --cluster",
+            file=str(plan_path),
+        )
+    profiles = {}
+    for m in plan.models:
+        ref = Path(m.profile)
+        if not ref.is_absolute() and (base / ref).exists():
+            ref = base / ref
+        profiles[m.name] = load_profile(ref)
+    return Deployment(plan=plan, cluster=cluster, profiles=profiles, plan_file=str(plan_path), cluster_file=str(cluster_ref))
+
+
+def worker_specs(dep: Deployment) -> list[WorkerSpec]:
+    """One spec per vGPU of the placement; checks the placement covers every pool."""
+    plan, file = dep.plan, dep.plan_file
+    if not plan.placement:
+        raise UserError(
+            "the plan has no placement (which vGPU runs on which GPU of which server)",
+            fix="re-run `ppipe plan`, which writes 'placement'",
+            file=file,
+        )
+    servers = {name for name, _ in dep.cluster.server_names()}
+    specs: list[WorkerSpec] = []
+    seen: dict[str, str] = {}
+    for k, p in enumerate(plan.placement):
+        where = f"placement[{k}]"
+        try:
+            mp = plan.model(p.model)
+            pp = mp.pipelines[p.pipeline].partitions[p.partition]
+        except (KeyError, IndexError):
+            raise UserError(
+                f"{where} names model '{p.model}' pipeline {p.pipeline} partition {p.partition}, which the plan lacks",
+                fix="re-run `ppipe plan`",
+                file=file,
+            ) from None
+        if p.server not in servers:
+            raise UserError(
+                f"{where}.server '{p.server}' is not a server of cluster '{dep.cluster.name}' ({', '.join(sorted(servers))})",
+                fix="serve with the cluster file the plan was made for (--cluster)",
+                file=file,
+            )
+        if p.vgpu_id in seen:
+            raise UserError(f"{where}: vGPU {p.vgpu_id} is placed twice (also {seen[p.vgpu_id]})", fix="re-run `ppipe plan`", file=file)
+        seen[p.vgpu_id] = where
+        prof = dep.profiles[p.model]
+        specs.append(
+            WorkerSpec(
+                vgpu_id=p.vgpu_id,
+                server=p.server,
+                gpu_index=p.gpu_index,
+                model=p.model,
+                pipeline=p.pipeline,
+                partition=p.partition,
+                first_block=pp.first_block,
+                last_block=pp.last_block,
+                gpu=pp.gpu,
+                vgpu=pp.vgpu,
+                profile_dir=str(prof.directory),
+            )
+        )
+    for mp in plan.models:
+        for i, pl in enumerate(mp.pipelines):
+            for j, part in enumerate(pl.partitions):
+                n = len(plan.placements_of(mp.name, i, j))
+                if n != part.count:
+                    raise UserError(
+                        f"model '{mp.name}' pipeline {i} partition {j} plans {part.count} vGPU(s), the placement has {n}",
+                        fix="re-run `ppipe plan`",
+                        file=file,
+                    )
+    return specs
+
+
+def node_resources_for(spec: WorkerSpec, cluster: ClusterSpec, offered: set[str], cluster_file: str | None = None) -> dict[str, float]:
+    """The custom resources that pin ``spec``'s worker to its server's Ray node.
+
+    Args:
+        offered: the custom resource names some alive Ray node offers.
+    """
+    group = next(g for name, g in cluster.server_names() if name == spec.server)
+    if group.ray_resource is None:
+        return {}
+    index = spec.server.rsplit("-", 1)[-1]
+    specific = f"{group.ray_resource}-{index}"
+    if specific in offered:
+        return {specific: RESOURCE_SHARE}
+    if group.ray_resource in offered:
+        return {group.ray_resource: RESOURCE_SHARE}
+    k = cluster.servers.index(group)
+    raise UserError(
+        f"no Ray node offers resource '{group.ray_resource}' (or '{specific}') for server {spec.server}",
+        fix=f"start that server's Ray node with --resources='{{\"{group.ray_resource}\": 1}}', "
+        f"or fix servers[{k}].ray_resource",
+        file=cluster_file,
+    )
+
+
+def worker_env(spec: WorkerSpec, backend: str) -> dict[str, str]:
+    """Environment of a worker process: its GPU and, for vGPU levels > 1, its MPS share."""
+    if spec.gpu == "cpu" or backend == "emulated":
+        return {}
+    env = {"CUDA_VISIBLE_DEVICES": str(spec.gpu_index)}
+    if spec.vgpu > 1:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 // spec.vgpu)
+    return env
+
+
+def offered_resources() -> set[str]:
+    import ray
+
+    names: set[str] = set()
+    for node in ray.nodes():
+        if node.get("Alive"):
+            names.update(node.get("Resources", {}))
+    return names
+
+
+def start_workers(
+    dep: Deployment, backend: str = "ort", backend_options: dict[str, Any] | None = None, start_timeout_s: float = 300.0
+) -> dict[str, Any]:
+    """Start one actor per vGPU on its server's node; returns {vgpu_id: actor handle}.
+
+    Ray must be initialised. Waits until every worker has built its backend (a backend
+    error, e.g. a missing sub-model, is raised here, not at the first request).
+    """
+    import ray
+
+    specs = worker_specs(dep)
+    offered = offered_resources()
+    actor_cls = ray.remote(VgpuWorker)
+    handles: dict[str, Any] = {}
+    for s in specs:
+        opts: dict[str, Any] = {
+            "num_cpus": 0,
+            "num_gpus": 0,
+            "resources": node_resources_for(s, dep.cluster, offered, dep.cluster_file),
+            "max_concurrency": 1000,
+            "max_restarts": 0,  # a dead vGPU is marked failed; the plan decides, not Ray
+        }
+        env = worker_env(s, backend)
+        if env:
+            opts["runtime_env"] = {"env_vars": env}
+        handles[s.vgpu_id] = actor_cls.options(**opts).remote(s, backend, backend_options)
+    try:
+        ray.get([h.set_peers.remote(handles) for h in handles.values()], timeout=start_timeout_s)
+    except ray.exceptions.RayActorError as exc:
+        cause = getattr(exc, "cause", None) or exc
+        for h in handles.values():
+            ray.kill(h)
+        _reraise_user_error(cause)
+        raise
+    return handles
+
+
+def _reraise_user_error(cause: BaseException) -> None:
+    """A UserError raised in a worker's constructor reaches the user as itself."""
+    text = str(cause)
+    if isinstance(cause, UserError):
+        raise cause
+    for line in text.splitlines():
+        if "NotAvailableError" in line or "UserError" in line:
+            raise UserError(f"a worker failed to start: {text.strip().splitlines()[-1]}")

@@ -1,0 +1,329 @@
+"""The runtime's driver: the data plane's scheduler under the wall clock, with Ray workers.
+
+:class:`Runtime` owns the scheduler (built by :func:`ppipe.dataplane.build_scheduler`, or
+any factory with its signature) and applies its decisions:
+
+- :class:`~ppipe.dataplane.api.Dispatch`: stack the requests' inputs into a batch, call
+  the first worker of the reserved path and walk the chain of stage results (each stage's
+  report goes to ``scheduler.report`` as soon as it arrives); split the outputs and answer
+  every request of the batch.
+- :class:`~ppipe.dataplane.api.Drop`: answer the request with :class:`DroppedError`.
+- :class:`~ppipe.dataplane.api.WakeAt`: ``clock.call_at(t, scheduler.wake)``.
+
+A worker that dies (a call fails with ``RayActorError``, or the health loop's ping does)
+is given to ``scheduler.mark_failed`` once; the requests of its in-flight batches are
+answered with ``worker-failed``. Every request gets exactly one answer: its outputs, or an
+error; a request the scheduler neither dispatched nor dropped within SLO + ``answer_grace_s``
+is answered with a timeout error.
+
+Everything runs on one asyncio loop (the HTTP server's), so the scheduler, which is not
+thread-safe, is only ever called from that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, StageReport, WakeAt
+from ppipe.runtime.clock import WallClock, wall_us
+from ppipe.runtime.metrics import RuntimeMetrics
+from ppipe.spec.cluster import ClusterSpec
+from ppipe.spec.plan import Plan
+from ppipe.spec.profile import ModelProfile
+
+log = logging.getLogger("ppipe.runtime")
+
+SchedulerFactory = Callable[..., Any]
+
+
+class DroppedError(Exception):
+    """A request that will not be served; ``reason`` is a :class:`DropReason` value or 'timeout'/'worker-error'."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"dropped: {reason}" + (f": {detail}" if detail else ""))
+
+
+@dataclass
+class _Pending:
+    request: Request
+    future: asyncio.Future
+    dispatched: bool = False
+
+
+@dataclass
+class BatchTrace:
+    """What happened to one dispatched batch (kept for tests and debugging)."""
+
+    batch_id: int
+    model: str
+    route: list[str]
+    request_ids: list[int]
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+def default_scheduler_factory(plan, profiles, cluster, clock, policy: str = "reservation", **options):
+    from ppipe.dataplane import build_scheduler  # the data plane's one scheduler
+
+    return build_scheduler(plan, profiles, cluster, clock, policy=policy, **options)
+
+
+class Runtime:
+    """Serves a plan: scheduler + workers, behind :meth:`infer`.
+
+    Args:
+        plan, profiles, cluster: what to serve (profiles by model name).
+        workers: {vGPU id: Ray actor handle} from :func:`ppipe.runtime.deploy.start_workers`.
+        scheduler_factory: ``f(plan, profiles, cluster, clock, policy=..., **options)``;
+            default :func:`ppipe.dataplane.build_scheduler`.
+        policy, scheduler_options: passed to the factory.
+        health_interval_s: how often every live worker is pinged.
+        answer_grace_s: a request still unanswered at deadline + this gets a timeout error.
+        keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        profiles: dict[str, ModelProfile],
+        cluster: ClusterSpec,
+        workers: dict[str, Any],
+        *,
+        scheduler_factory: SchedulerFactory | None = None,
+        policy: str = "reservation",
+        scheduler_options: dict[str, Any] | None = None,
+        metrics: RuntimeMetrics | None = None,
+        health_interval_s: float = 0.25,
+        answer_grace_s: float = 30.0,
+        keep_traces: int = 0,
+    ):
+        self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
+        self._factory = scheduler_factory or default_scheduler_factory
+        self._policy, self._options = policy, dict(scheduler_options or {})
+        self.metrics = metrics or RuntimeMetrics()
+        self.health_interval_s, self.answer_grace_s = health_interval_s, answer_grace_s
+        self.keep_traces = keep_traces
+        self.traces: list[BatchTrace] = []
+        self.failed: dict[str, float] = {}  # vGPU id -> scheduler time it was marked failed
+        self.clock: WallClock | None = None
+        self.scheduler: Any = None
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count()
+        self._wakes: set[float] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._health: asyncio.Task | None = None
+        self._queued: dict[str, int] = {m.name: 0 for m in plan.models}
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Make the clock and the scheduler on the running loop; start the health loop."""
+        self.clock = WallClock(asyncio.get_running_loop())
+        self.scheduler = self._factory(self.plan, self.profiles, self.cluster, self.clock, policy=self._policy, **self._options)
+        self._health = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+        for p in list(self._pending.values()):
+            self._answer_error(p.request.id, DroppedError("shutdown", "the server is shutting down"))
+        for t in list(self._tasks):
+            t.cancel()
+
+    @property
+    def started(self) -> bool:
+        return self.scheduler is not None
+
+    def model_ready(self, model: str) -> bool:
+        """A model is ready while every partition of one of its pipelines has a live vGPU."""
+        mp = self.plan.model(model)
+        for i, pl in enumerate(mp.pipelines):
+            if all(
+                any(p.vgpu_id not in self.failed for p in self.plan.placements_of(model, i, j)) for j in range(len(pl.partitions))
+            ):
+                return True
+        return False
+
+    # ---- requests ---------------------------------------------------------------------
+    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Serve one sample (arrays without the batch axis); returns its outputs.
+
+        Raises:
+            DroppedError: the scheduler dropped it, a worker on its path failed, or no answer came.
+        """
+        if self.scheduler is None:
+            raise RuntimeError("Runtime.start() has not run")
+        mp = self.plan.model(model)
+        now = self.clock.now_us()
+        req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + mp.slo_ms * 1e3, payload=inputs)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[req.id] = _Pending(req, fut)
+        self._queued[model] += 1
+        self.metrics.queue.labels(model).inc()
+        self._apply(self.scheduler.submit(req))
+        timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            self._answer_error(req.id, DroppedError("timeout", f"no answer within {timeout_s:.1f} s"))
+            return fut.result()  # raises the DroppedError
+        finally:
+            self._pending.pop(req.id, None)
+
+    # ---- decisions ------------------------------------------------------------------------
+    def _apply(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            if isinstance(d, Dispatch):
+                self._dispatch(d)
+            elif isinstance(d, Drop):
+                self.metrics.drops.labels(d.request.model, d.reason.value).inc()
+                self._answer_error(d.request.id, DroppedError(d.reason.value, d.detail))
+            elif isinstance(d, WakeAt):
+                self._wake_at(d.t_us)
+            else:  # pragma: no cover - the protocol has three decision types
+                raise TypeError(f"unknown decision {d!r}")
+
+    def _wake_at(self, t_us: float) -> None:
+        if t_us in self._wakes:
+            return
+        self._wakes.add(t_us)
+
+        def fire() -> None:
+            self._wakes.discard(t_us)
+            self._apply(self.scheduler.wake())
+
+        self.clock.call_at(t_us, fire)
+
+    def _mark_dispatched(self, req: Request) -> None:
+        p = self._pending.get(req.id)
+        if p is not None and not p.dispatched:
+            p.dispatched = True
+            self._dequeue(req.model)
+
+    def _dequeue(self, model: str) -> None:
+        self._queued[model] -= 1
+        self.metrics.queue.labels(model).dec()
+
+    def _answer_error(self, rid: int, err: DroppedError) -> None:
+        p = self._pending.get(rid)
+        if p is None or p.future.done():
+            return
+        if not p.dispatched:
+            p.dispatched = True
+            self._dequeue(p.request.model)
+        p.future.set_exception(err)
+
+    def _answer(self, rid: int, outputs: dict[str, np.ndarray]) -> None:
+        p = self._pending.get(rid)
+        if p is None or p.future.done():
+            return
+        p.future.set_result(outputs)
+        if self.clock.now_us() > p.request.deadline_us:
+            self.metrics.late.labels(p.request.model).inc()
+
+    def _dispatch(self, d: Dispatch) -> None:
+        for r in d.requests:
+            self._mark_dispatched(r)
+        self.metrics.batch.labels(d.model).observe(d.batch)
+        task = asyncio.get_running_loop().create_task(self._run_batch(d))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_batch(self, d: Dispatch) -> None:
+        import ray
+
+        route = [s.vgpu_id for s in d.stages]
+        trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests])
+        if self.keep_traces:
+            self.traces.append(trace)
+            del self.traces[: -self.keep_traces]
+        names = list(d.requests[0].payload)
+        inputs = {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
+        k = 0
+        try:
+            handle = self.workers.get(route[0])
+            if handle is None or route[0] in self.failed:
+                raise _StageFailed(0, "worker was marked failed before the batch was sent")
+            ref = handle.run_stage.remote(d.batch_id, route, 0, inputs, d.batch, wall_us())
+            while True:
+                try:
+                    report, nxt = await ref
+                except ray.exceptions.OwnerDiedError as exc:
+                    # the object was owned by the previous worker, which died after forwarding
+                    raise _StageFailed(max(0, k - 1), str(exc).splitlines()[0]) from None
+                except ray.exceptions.RayActorError as exc:
+                    raise _StageFailed(k, str(exc).splitlines()[0]) from None
+                trace.reports.append(report)
+                self._report(d, k, report)
+                if k == len(route) - 1:
+                    outputs = nxt
+                    break
+                ref, k = nxt, k + 1
+        except _StageFailed as exc:
+            vgpu = route[exc.stage]
+            trace.error = f"worker-failed: {vgpu}: {exc.detail}"
+            self.mark_failed(vgpu)
+            for r in d.requests:
+                self.metrics.drops.labels(d.model, DropReason.WORKER_FAILED.value).inc()
+                self._answer_error(r.id, DroppedError(DropReason.WORKER_FAILED.value, f"vGPU {vgpu} failed while running the batch"))
+            return
+        except Exception as exc:  # a backend error inside a live worker: answer, keep serving
+            log.exception("batch %s failed", d.batch_id)
+            trace.error = f"worker-error: {exc}"
+            for r in d.requests:
+                self._answer_error(r.id, DroppedError("worker-error", str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            return
+        for i, r in enumerate(d.requests):
+            self._answer(r.id, {n: a[i] for n, a in outputs.items()})
+
+    def _report(self, d: Dispatch, k: int, rep: dict[str, Any]) -> None:
+        c = self.clock
+        self.metrics.busy.labels(rep["vgpu_id"]).inc(max(0.0, rep["end_us"] - rep["start_us"]) / 1e6)
+        sr = StageReport(
+            batch_id=d.batch_id,
+            partition=d.stages[k].partition,
+            vgpu_id=rep["vgpu_id"],
+            start_us=c.from_wall_us(rep["start_us"]),
+            end_us=c.from_wall_us(rep["end_us"]),
+            transfer_start_us=None if rep["transfer_start_us"] is None else c.from_wall_us(rep["transfer_start_us"]),
+            transfer_end_us=None if rep["transfer_end_us"] is None else c.from_wall_us(rep["transfer_end_us"]),
+        )
+        self._apply(self.scheduler.report(sr))
+
+    # ---- failures ------------------------------------------------------------------------------
+    def mark_failed(self, vgpu_id: str) -> None:
+        """Tell the scheduler (once) that a vGPU is gone; it stops routing to it."""
+        if vgpu_id in self.failed:
+            return
+        self.failed[vgpu_id] = self.clock.now_us()
+        self.metrics.failed.labels(vgpu_id).set(1)
+        log.warning("vGPU %s failed; the scheduler stops routing to it", vgpu_id)
+        self._apply(self.scheduler.mark_failed(vgpu_id))
+
+    async def _health_loop(self) -> None:
+        import ray
+
+        async def probe(vgpu: str, h: Any) -> None:
+            try:
+                await asyncio.wait_for(h.ping.remote(), timeout=max(1.0, 4 * self.health_interval_s))
+            except ray.exceptions.RayActorError:
+                self.mark_failed(vgpu)
+            except asyncio.TimeoutError:
+                pass  # slow is not dead (a loaded machine); a dead actor fails fast
+
+        while True:
+            live = [(v, h) for v, h in self.workers.items() if v not in self.failed]
+            await asyncio.gather(*(probe(v, h) for v, h in live))
+            await asyncio.sleep(self.health_interval_s)
+
+
+class _StageFailed(Exception):
+    def __init__(self, stage: int, detail: str):
+        self.stage, self.detail = stage, detail

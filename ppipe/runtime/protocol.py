@@ -1,0 +1,239 @@
+"""Open Inference Protocol v2 (KServe v2 REST) encoding: pure functions, no I/O.
+
+Requests carry tensors as JSON (``"data"``: a flat or nested list, row-major) or, with the
+binary tensor extension, as raw little-endian bytes after a JSON header whose length is
+given by the ``Inference-Header-Content-Length`` HTTP header; a binary input says its
+size in ``parameters.binary_data_size``. A response is binary when the request asks for
+it (``parameters.binary_data_output: true``, or ``parameters.binary_data: true`` on a
+requested output) and JSON otherwise.
+
+Every malformed request raises :class:`ProtocolError` with the HTTP status to answer
+and a message that says what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+HEADER_LENGTH = "inference-header-content-length"
+
+# KServe v2 datatype <-> numpy dtype. BYTES (strings) is not a CNN input; refused.
+DATATYPES: dict[str, str] = {
+    "BOOL": "bool",
+    "UINT8": "uint8",
+    "UINT16": "uint16",
+    "UINT32": "uint32",
+    "UINT64": "uint64",
+    "INT8": "int8",
+    "INT16": "int16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "FP16": "float16",
+    "FP32": "float32",
+    "FP64": "float64",
+}
+NUMPY_TO_DATATYPE = {v: k for k, v in DATATYPES.items()}
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; ``status`` is the HTTP status code to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class InferInput:
+    name: str
+    array: np.ndarray
+
+
+@dataclass
+class InferRequest:
+    """A parsed infer request."""
+
+    id: str | None
+    inputs: list[InferInput]
+    binary_output: bool = False
+    requested_outputs: list[str] = field(default_factory=list)
+
+
+def datatype_of(dtype: np.dtype | str) -> str:
+    name = np.dtype(dtype).name
+    try:
+        return NUMPY_TO_DATATYPE[name]
+    except KeyError:
+        raise ProtocolError(500, f"no KServe v2 datatype for numpy dtype {name}") from None
+
+
+def parse_infer_request(body: bytes, header_length: str | None = None) -> InferRequest:
+    """Parse an infer request body (JSON, or JSON header + binary tensors).
+
+    Args:
+        body: the raw HTTP body.
+        header_length: value of the ``Inference-Header-Content-Length`` header, if any.
+
+    Raises:
+        ProtocolError: 400 with a message naming the field at fault.
+    """
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise ProtocolError(400, f"Inference-Header-Content-Length '{header_length}' is not an integer") from None
+        if not 0 < n <= len(body):
+            raise ProtocolError(
+                400, f"Inference-Header-Content-Length {n} is outside the body's {len(body)} bytes"
+            )
+        head_bytes, tail = body[:n], memoryview(body)[n:]
+    else:
+        head_bytes, tail = body, memoryview(b"")
+    try:
+        head = json.loads(head_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        hint = " (binary tensors need the Inference-Header-Content-Length header)" if header_length is None else ""
+        raise ProtocolError(400, f"request body is not valid JSON: {exc}{hint}") from None
+    if not isinstance(head, dict):
+        raise ProtocolError(400, "request body must be a JSON object with an 'inputs' list")
+    raw_inputs = head.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise ProtocolError(400, "'inputs' must be a non-empty list of tensors")
+    inputs: list[InferInput] = []
+    offset = 0
+    for i, t in enumerate(raw_inputs):
+        where = f"inputs[{i}]"
+        if not isinstance(t, dict):
+            raise ProtocolError(400, f"{where} must be an object with name, shape, datatype and data")
+        name, shape, datatype = t.get("name"), t.get("shape"), t.get("datatype")
+        if not isinstance(name, str):
+            raise ProtocolError(400, f"{where}.name must be a string")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ProtocolError(400, f"{where}.shape must be a list of non-negative integers, got {shape!r}")
+        if datatype not in DATATYPES:
+            raise ProtocolError(400, f"{where}.datatype {datatype!r} is not supported; use one of {', '.join(DATATYPES)}")
+        dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        params = t.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise ProtocolError(400, f"{where}.parameters must be an object")
+        if "binary_data_size" in params:
+            size = params["binary_data_size"]
+            if not isinstance(size, int) or size < 0:
+                raise ProtocolError(400, f"{where}.parameters.binary_data_size must be a non-negative integer")
+            if size != count * dtype.itemsize:
+                raise ProtocolError(
+                    400, f"{where}: binary_data_size {size} != {count} elements x {dtype.itemsize} bytes of {datatype}"
+                )
+            if offset + size > len(tail):
+                raise ProtocolError(400, f"{where}: binary data runs past the end of the body")
+            arr = np.frombuffer(tail[offset : offset + size], dtype=dtype).reshape(shape)
+            offset += size
+        else:
+            if "data" not in t:
+                raise ProtocolError(400, f"{where} has no 'data' (and no parameters.binary_data_size)")
+            try:
+                arr = np.asarray(t["data"], dtype=dtype)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ProtocolError(400, f"{where}.data cannot be read as {datatype}: {exc}") from None
+            if arr.size != count:
+                raise ProtocolError(400, f"{where}.data has {arr.size} elements, shape {shape} needs {count}")
+            arr = arr.reshape(shape)
+        inputs.append(InferInput(name=name, array=arr))
+    if offset != len(tail):
+        raise ProtocolError(400, f"{len(tail) - offset} bytes after the last binary tensor are not claimed by any input")
+    params = head.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ProtocolError(400, "'parameters' must be an object")
+    binary = bool(params.get("binary_data_output", False))
+    requested: list[str] = []
+    outs = head.get("outputs") or []
+    if not isinstance(outs, list):
+        raise ProtocolError(400, "'outputs' must be a list")
+    for j, o in enumerate(outs):
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            raise ProtocolError(400, f"outputs[{j}] must be an object with a 'name'")
+        requested.append(o["name"])
+        if (o.get("parameters") or {}).get("binary_data"):
+            binary = True
+    rid = head.get("id")
+    return InferRequest(id=None if rid is None else str(rid), inputs=inputs, binary_output=binary, requested_outputs=requested)
+
+
+def encode_infer_response(
+    model: str, outputs: dict[str, np.ndarray], request_id: str | None, binary: bool
+) -> tuple[bytes, dict[str, str]]:
+    """Encode outputs as a KServe v2 response body; returns (body, extra HTTP headers)."""
+    head: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
+    if request_id is not None:
+        head["id"] = request_id
+    blobs: list[bytes] = []
+    for name, arr in outputs.items():
+        arr = np.ascontiguousarray(arr)
+        entry: dict[str, Any] = {"name": name, "shape": list(arr.shape), "datatype": datatype_of(arr.dtype)}
+        if binary:
+            data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+            entry["parameters"] = {"binary_data_size": len(data)}
+            blobs.append(data)
+        else:
+            entry["data"] = arr.reshape(-1).tolist()
+        head["outputs"].append(entry)
+    head_bytes = json.dumps(head, separators=(",", ":")).encode()
+    if not binary:
+        return head_bytes, {"content-type": "application/json"}
+    return head_bytes + b"".join(blobs), {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(head_bytes)),
+    }
+
+
+def encode_infer_request(
+    inputs: dict[str, np.ndarray], binary: bool = False, request_id: str | None = None, binary_output: bool = False
+) -> tuple[bytes, dict[str, str]]:
+    """Client side (``ppipe bench``, tests): encode an infer request; returns (body, headers)."""
+    head: dict[str, Any] = {"inputs": []}
+    if request_id is not None:
+        head["id"] = request_id
+    if binary_output:
+        head["parameters"] = {"binary_data_output": True}
+    blobs = []
+    for name, arr in inputs.items():
+        arr = np.ascontiguousarray(arr)
+        entry: dict[str, Any] = {"name": name, "shape": list(arr.shape), "datatype": datatype_of(arr.dtype)}
+        if binary:
+            data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+            entry["parameters"] = {"binary_data_size": len(data)}
+            blobs.append(data)
+        else:
+            entry["data"] = arr.reshape(-1).tolist()
+        head["inputs"].append(entry)
+    head_bytes = json.dumps(head, separators=(",", ":")).encode()
+    if not binary:
+        return head_bytes, {"content-type": "application/json"}
+    return head_bytes + b"".join(blobs), {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(head_bytes)),
+    }
+
+
+def decode_infer_response(body: bytes, header_length: str | None = None) -> dict[str, np.ndarray]:
+    """Client side: decode a response body into {output name: array}."""
+    n = int(header_length) if header_length is not None else len(body)
+    head = json.loads(body[:n])
+    tail = memoryview(body)[n:]
+    out: dict[str, np.ndarray] = {}
+    offset = 0
+    for t in head["outputs"]:
+        dtype = np.dtype(DATATYPES[t["datatype"]]).newbyteorder("<")
+        size = (t.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            out[t["name"]] = np.frombuffer(tail[offset : offset + size], dtype=dtype).reshape(t["shape"])
+            offset += size
+        else:
+            out[t["name"]] = np.asarray(t["data"], dtype=dtype).reshape(t["shape"])
+    return out

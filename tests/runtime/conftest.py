@@ -1,0 +1,80 @@
+"""Runtime test fixtures: a tiny model, hand-built plans, and ONE Ray cluster per session.
+
+The session's Ray cluster (``ray.cluster_utils.Cluster``) has two nodes on this machine,
+offering the custom resources ``nodeA`` and ``nodeB``, so the multi-node test and the
+single-node ones share one Ray instance. Plans on ``local-cpu`` (no ``ray_resource``)
+land on either node.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ppipe.spec.cluster import ClusterSpec
+from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan, Plan, PlanSettings, SolverReport
+
+from tests.runtime.tinynet import write_tinynet
+
+
+def make_plan(profile, cluster: ClusterSpec, partitions, batch: int = 4, slo_ms: float | None = None, profile_ref: str | None = None) -> Plan:
+    """A one-pipeline plan: ``partitions`` = [(first, last, gpu, vgpu, count)], placed by the planner's placer."""
+    from ppipe.planner.placement import place
+
+    parts = []
+    for first, last, gpu, v, count in partitions:
+        infer = profile.partition_latency_us(gpu, v, batch, first, last)
+        parts.append(
+            PartitionPlan(first_block=first, last_block=last, gpu=gpu, vgpu=v, count=count, infer_us=infer, throughput_rps=count * batch / infer * 1e6)
+        )
+    lat = sum(p.infer_us for p in parts)
+    thr = min(p.throughput_rps for p in parts)
+    mp = ModelPlan(
+        name=profile.name,
+        profile=profile_ref or str(profile.directory),
+        slo_ms=slo_ms or profile.manifest.slo_ms or 200.0,
+        weight=1.0,
+        throughput_rps=thr,
+        pipelines=[PipelinePlan(batch=batch, throughput_rps=thr, latency_us=lat, partitions=parts)],
+    )
+    return Plan(
+        cluster=cluster.name,
+        settings=PlanSettings(planner="hand", formulation="ppipe", gpu_rule="physical", objective="none", margin=0.0, max_partitions=3),
+        solver=SolverReport(name="none", status="heuristic", seconds=0.0, objective=0.0),
+        models=[mp],
+        placement=place([mp], cluster),
+    )
+
+
+@pytest.fixture(scope="session")
+def tinynet(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tinynet")
+    return write_tinynet(d)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One Ray instance for the whole runtime tier: two nodes with custom resources."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"nodeA": 1}, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=2, resources={"nodeB": 1}, object_store_memory=80 * 1024 * 1024)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def write_cluster(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
