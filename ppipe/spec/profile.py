@@ -42,6 +42,13 @@ class SourceSpec(StrictModel):
     )
     path: str | None = Field(default=None, description="Source ONNX file or artifact folder, if any.")
     note: str = Field(default="", description="Free text, e.g. how weights were materialized.")
+    builtin: str | None = Field(
+        default=None, description="For kind 'builtin': the name of the onnx backend-test model (e.g. resnet50)."
+    )
+    weights_seed: int | None = Field(
+        default=None, description="For kind 'builtin': seed of the materialized weights (block sub-models are regenerated from it)."
+    )
+    sha256: str | None = Field(default=None, description="SHA-256 of the source ONNX file, to detect a changed file on resume.")
 
 
 class BlockSpec(StrictModel):

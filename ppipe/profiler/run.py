@@ -1,0 +1,431 @@
+"""``ppipe profile`` as a Python API: ONNX model -> ``models/<name>/`` (model.yaml + profile.csv).
+
+Steps (each is a function of this package):
+
+1. load the ONNX file (or a built-in model with materialized weights) and prepare it
+   (:mod:`ppipe.profiler.graph`);
+2. time every layer at batch 1 on this machine's CPU (onnxruntime profiler) and cut the
+   model into blocks of about equal time, preferring small feature maps at the cuts
+   (:mod:`ppipe.profiler.blocks`); write the block sub-models;
+3. measure every (level, batch, block) of the grid on the local device: ``cpu``
+   (onnxruntime, :mod:`ppipe.profiler.ort_backend`) or an NVIDIA GPU (TensorRT,
+   :mod:`ppipe.profiler.trt_backend`);
+4. add estimates for GPU types that are not here (:mod:`ppipe.profiler.estimate`);
+5. write ``model.yaml`` (blocks, cut sizes, input, provenance per GPU type) and
+   ``profile.csv``.
+
+**Grid** (the PPipe paper's, :func:`batch_grid`): batches 1..B at level 1, up to 4 at
+level 2 and up to 2 at levels 3 and 4 (B = 8 by default). CPU levels are 1 and 2 (the
+``local-cpu`` cluster); GPU types get levels 1..4.
+
+**Resume.** ``model.yaml`` is written with the blocks before anything is measured, and
+every measurement is appended to ``profile.partial.csv`` as soon as it is taken. Running
+the same command again reuses the cuts of the existing ``model.yaml`` (if it describes the
+same source, input and number of blocks) and skips every (gpu, vgpu, batch, block) row it
+already has, in ``profile.csv`` or in ``profile.partial.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ppipe.errors import NotAvailableError, UserError
+from ppipe.profiler.blocks import (
+    DEFAULT_BLOCKS,
+    DEFAULT_SIZE_WEIGHT,
+    Block,
+    block_fingerprint,
+    blocks_from_last_nodes,
+    cache_root,
+    partition,
+    write_blocks,
+)
+from ppipe.profiler.graph import GraphInfo, analyze, file_sha256, load_onnx, prepare_model
+from ppipe.spec.base import dump_yaml
+
+log = logging.getLogger(__name__)
+
+PARTIAL_CSV = "profile.partial.csv"
+CPU = "cpu"
+CPU_LEVELS = (1, 2)
+GPU_LEVELS = (1, 2, 3, 4)
+MAX_BATCH_AT_LEVEL = {1: None, 2: 4, 3: 2, 4: 2}  # None: no cap beyond the requested batches
+
+Key = tuple[str, int, int, int]
+
+
+def batch_grid(batches: Sequence[int], levels: Sequence[int]) -> dict[int, list[int]]:
+    """The batches profiled at each level: all at level 1, <= 4 at level 2, <= 2 at 3 and 4."""
+    out = {}
+    for v in levels:
+        cap = MAX_BATCH_AT_LEVEL.get(v)
+        bs = sorted(b for b in set(batches) if cap is None or b <= cap)
+        if bs:
+            out[v] = bs
+    return out
+
+
+def parse_batches(text: str) -> list[int]:
+    """``1-8`` or ``1,2,4,8`` (or a mix) -> sorted batch sizes."""
+    out: set[int] = set()
+    try:
+        for part in text.replace(" ", "").split(","):
+            if not part:
+                continue
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+    except ValueError:
+        out = set()
+    if not out or min(out) < 1:
+        raise UserError(f"--batches {text!r} is not a list of batch sizes", fix="give e.g. 1-8 or 1,2,4,8 (batch sizes >= 1)")
+    return sorted(out)
+
+
+@dataclass
+class ProfileRequest:
+    """What to profile and how (the CLI's flags).
+
+    Attributes:
+        onnx_path: the user's ONNX file (or None with ``builtin``).
+        builtin: name of a built-in model (see :data:`ppipe.profiler.builtin.BUILTIN_MODELS`).
+        out_dir: output folder; default ``models/<name>``.
+        name: model name; default the built-in name or the file's stem.
+        num_blocks: blocks to cut the model into.
+        batches: batch sizes at level 1 (see :func:`batch_grid` for the others).
+        measure: the local device type to measure on: ``cpu`` (onnxruntime) or a GPU type
+            name (TensorRT on the local NVIDIA GPU, e.g. ``L4``); None: measure nothing.
+        estimate: GPU types to add roofline estimates for (``ppipe.profiler.estimate``).
+        cpu_levels: vGPU levels measured on a CPU.
+        gpu_levels: vGPU levels measured or estimated on GPU types.
+        input_shape: per-sample input shape for models with dynamic dimensions.
+        threads: intra-op threads of the whole CPU (level 1).
+        reps: timed runs per measurement.
+        seed: weights seed of built-in models.
+        size_weight: weight of cut sizes against balance when cutting.
+    """
+
+    onnx_path: Path | None = None
+    builtin: str | None = None
+    out_dir: Path | None = None
+    name: str | None = None
+    num_blocks: int = DEFAULT_BLOCKS
+    batches: list[int] = field(default_factory=lambda: list(range(1, 9)))
+    measure: str | None = CPU
+    estimate: list[str] = field(default_factory=list)
+    cpu_levels: tuple[int, ...] = CPU_LEVELS
+    gpu_levels: tuple[int, ...] = GPU_LEVELS
+    input_shape: list[int] | None = None
+    threads: int | None = None
+    reps: int = 10
+    seed: int = 0
+    size_weight: float = DEFAULT_SIZE_WEIGHT
+
+
+def _load(req: ProfileRequest):
+    """(model, source spec dict, default name, source file) for the request."""
+    from ppipe.profiler.builtin import DEFAULT_SEED, WEIGHTS_NOTE, load_builtin
+
+    if (req.onnx_path is None) == (req.builtin is None):
+        raise UserError("give either an ONNX file or --builtin NAME (not both)", fix="e.g. `ppipe profile --builtin resnet50`")
+    if req.builtin is not None:
+        seed = DEFAULT_SEED if req.seed is None else req.seed
+        model, path = load_builtin(req.builtin, seed)
+        src = {
+            "kind": "builtin",
+            "path": f"onnx/backend/test/data/light/{path.name}",
+            "builtin": req.builtin,
+            "weights_seed": seed,
+            "sha256": file_sha256(path),
+            "note": WEIGHTS_NOTE.format(name=req.builtin, seed=seed),
+        }
+        return model, src, req.builtin, path
+    path = Path(req.onnx_path)
+    model = load_onnx(path)
+    src = {"kind": "onnx", "path": str(path.resolve()), "sha256": file_sha256(path)}
+    return model, src, path.stem, path
+
+
+def _reusable_cuts(manifest_path: Path, src: dict, input_shape: list[int], num_blocks: int) -> list[str] | None:
+    """Cuts of an existing model.yaml that describes the same model, else None."""
+    from ppipe.spec.base import load_yaml_model
+    from ppipe.spec.profile import ModelManifest
+
+    if not manifest_path.is_file():
+        return None
+    try:
+        old = load_yaml_model(ModelManifest, manifest_path)
+    except UserError:
+        return None
+    same = (
+        old.source.kind == src["kind"]
+        and old.source.sha256 == src.get("sha256")
+        and old.source.builtin == src.get("builtin")
+        and old.source.weights_seed == src.get("weights_seed")
+        and old.input is not None
+        and list(old.input.shape) == list(input_shape)
+        and len(old.blocks) == num_blocks
+        and all(b.last_node for b in old.blocks)
+    )
+    return [b.last_node for b in old.blocks] if same else None
+
+
+def _read_rows(path: Path) -> dict[Key, float]:
+    rows: dict[Key, float] = {}
+    if not path.is_file():
+        return rows
+    with path.open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            try:
+                rows[(row["gpu"], int(row["vgpu"]), int(row["batch"]), int(row["block"]))] = float(row["latency_us"])
+            except (KeyError, TypeError, ValueError):
+                continue  # a line cut short by an interrupted run: measure it again
+    return rows
+
+
+class _PartialWriter:
+    def __init__(self, path: Path):
+        new = not path.is_file() or path.stat().st_size == 0
+        self._fh = path.open("a", newline="")
+        self._w = csv.writer(self._fh)
+        if new:
+            self._w.writerow(["gpu", "vgpu", "batch", "block", "latency_us"])
+            self._fh.flush()
+
+    def add(self, key: Key, lat: float) -> None:
+        self._w.writerow([*key, f"{lat:.3f}"])
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: list[str] | None, latency_bs1, provenance):
+    from ppipe.spec.profile import BlockSpec, ModelManifest, SourceSpec, TensorSpec
+
+    def node_name(pos):
+        return info.node(pos).name
+
+    return ModelManifest(
+        name=name,
+        description=f"{len(info.compute_nodes)} compute nodes cut into {len(blocks)} blocks by `ppipe profile`",
+        source=SourceSpec(**src),
+        input=TensorSpec(name=info.input_name, shape=list(info.input_shape), dtype=info.input_dtype),
+        outputs=[
+            TensorSpec(name=o, shape=list(info.shapes.get(o, [])), dtype=_dtype(info, o)) for o in info.output_names
+        ],
+        blocks=[
+            BlockSpec(
+                index=b.index,
+                first_node=node_name(b.first),
+                last_node=node_name(b.last),
+                num_nodes=b.last - b.first + 1,
+                out_bytes_per_sample=b.out_bytes_per_sample,
+                out_tensors=list(b.out_tensors),
+                onnx=None if onnx_rel is None else onnx_rel[b.index],
+            )
+            for b in blocks
+        ],
+        latency_bs1_us=latency_bs1,
+        provenance=provenance,
+    )
+
+
+def _dtype(info: GraphInfo, name: str) -> str:
+    from ppipe.profiler.graph import _np_dtype_name
+
+    return _np_dtype_name(info.elem_types.get(name, 1))
+
+
+def _estimate(block_paths: list[Path], gpus: list[str], levels: Sequence[int], batches: Sequence[int]) -> dict[Key, float]:
+    try:
+        from ppipe.profiler.estimate import roofline_table
+    except ImportError as exc:
+        raise NotAvailableError(
+            f"GPU estimates are not available in this build ({exc})",
+            fix="drop --estimate, or install a ppipe build with ppipe.profiler.estimate",
+        ) from None
+    levels_by_gpu = {g: list(levels) for g in gpus}
+    grid = batch_grid(batches, levels)
+    table = roofline_table([str(p) for p in block_paths], gpus, levels_by_gpu, grid)
+    return {(g, int(v), int(b), int(blk)): float(lat) for (g, v, b, blk), lat in table.items()}
+
+
+def _estimate_provenance(gpu: str) -> str:
+    try:
+        from ppipe.profiler import estimate
+
+        fn = getattr(estimate, "provenance", None)
+        if callable(fn):
+            return str(fn(gpu))
+    except ImportError:
+        pass
+    return f"estimated: roofline model of the block graphs on the {gpu} spec sheet (ppipe.profiler.estimate), not measured"
+
+
+def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[str], None] | None = None):
+    """Run the whole profiler for one model and write its folder.
+
+    Args:
+        req: what to profile.
+        progress: show a progress bar over the measurement grid.
+        echo: where to print progress lines (default: nowhere).
+
+    Returns:
+        The written :class:`ppipe.spec.profile.ModelProfile`.
+
+    Raises:
+        UserError: bad input file, shapes, flags; NotAvailableError: a backend is missing.
+    """
+    from ppipe.profiler.ort_backend import default_threads, layer_times_us
+    from ppipe.spec.profile import ModelProfile
+
+    say = echo or (lambda _m: None)
+    if req.measure is None and not req.estimate:
+        raise UserError("nothing to do: no --measure and no --estimate", fix="give --measure cpu and/or --estimate L4,T4")
+    model, src, default_name, src_path = _load(req)
+    name = req.name or default_name
+    out = Path(req.out_dir) if req.out_dir is not None else Path("models") / name
+    info = analyze(prepare_model(model, input_shape=req.input_shape, source=str(src_path)))
+    threads = req.threads or default_threads()
+
+    # 1. cuts: reuse those of an existing model.yaml for the same model, else cut afresh
+    out.mkdir(parents=True, exist_ok=True)
+    last_nodes = _reusable_cuts(out / "model.yaml", src, info.input_shape, req.num_blocks)
+    if last_nodes is not None:
+        blocks = blocks_from_last_nodes(info, last_nodes)
+        say(f"resuming: reusing the {len(blocks)} blocks of {out / 'model.yaml'}")
+        existing = _read_rows(out / "profile.csv")
+        existing.update(_read_rows(out / PARTIAL_CSV))
+    else:
+        say(f"timing {len(info.compute_nodes)} layers (onnxruntime, {threads} threads) to cut {req.num_blocks} blocks")
+        names = [info.node(p).name for p in range(len(info.compute_nodes))]
+        times = layer_times_us(info.model, names, threads)
+        blocks = partition(info, times, req.num_blocks, req.size_weight)
+        existing = {}
+        for stale in (out / PARTIAL_CSV, out / "profile.csv"):
+            stale.unlink(missing_ok=True)  # rows of other cuts are meaningless now
+
+    # 2. block files: next to model.yaml for a user's file, in the cache for built-ins
+    if src["kind"] == "builtin":
+        block_dir = cache_root() / name
+        onnx_rel = None
+    else:
+        block_dir = out / "blocks"
+        onnx_rel = [f"blocks/block_{b.index:02d}.onnx" for b in blocks]
+    block_paths = write_blocks(info, blocks, block_dir, name)
+    old_provenance = _old_provenance(out) if last_nodes is not None else {}
+    manifest = _manifest(name, src, info, blocks, onnx_rel, {}, old_provenance)
+    # model.yaml goes first (without a table): an interrupted run resumes from its cuts
+    dump_yaml(manifest.model_dump(mode="json", exclude_none=True), out / "model.yaml")
+    if src["kind"] == "builtin":
+        (block_dir / "blocks.stamp.json").write_text(json.dumps({"fingerprint": block_fingerprint(manifest), "model": name}))
+
+    table: dict[Key, float] = dict(existing)
+    provenance: dict[str, str] = {}
+    # 3. measure on the local device
+    if req.measure is not None:
+        if req.measure == CPU:
+            from ppipe.profiler.ort_backend import BlockTimer, provenance as ort_provenance
+
+            levels = [v for v in req.cpu_levels if v <= threads]
+            if len(levels) < len(req.cpu_levels):
+                say(f"skipping CPU levels {sorted(set(req.cpu_levels) - set(levels))}: only {threads} thread(s)")
+            timer = BlockTimer(threads, reps=req.reps)
+            measure_fn = timer.latency_us
+            provenance[CPU] = ort_provenance(threads, req.reps)
+        else:
+            from ppipe.profiler.trt_backend import TensorRTTimer
+
+            levels = list(req.gpu_levels)
+            timer = TensorRTTimer(reps=req.reps)
+            measure_fn = timer.latency_us
+            provenance[req.measure] = timer.provenance()
+        grid = batch_grid(req.batches, levels)
+        todo = [
+            (v, blk, b)
+            for v, bs in grid.items()
+            for blk in range(len(blocks))
+            for b in bs
+            if (req.measure, v, b, blk) not in table
+        ]
+        done = sum(len(bs) for bs in grid.values()) * len(blocks) - len(todo)
+        say(f"measuring {len(todo)} (level, block, batch) points on {req.measure}" + (f" ({done} already done)" if done else ""))
+        writer = _PartialWriter(out / PARTIAL_CSV)
+        try:
+            bar = _progress(len(todo), f"{name} on {req.measure}", progress)
+            for v, blk, b in todo:
+                lat = measure_fn(block_paths[blk], v, b)
+                key = (req.measure, v, b, blk)
+                table[key] = lat
+                writer.add(key, lat)
+                bar.update(1)
+            bar.close()
+        finally:
+            writer.close()
+        if hasattr(timer, "close"):
+            timer.close()
+    # 4. estimates for the GPU types that are not here
+    if req.estimate:
+        gpus = [g for g in req.estimate if g != req.measure]
+        missing_gpus = [g for g in gpus if not any(k[0] == g for k in table)]
+        if missing_gpus:
+            say(f"estimating {', '.join(missing_gpus)}")
+            est = _estimate(block_paths, missing_gpus, req.gpu_levels, req.batches)
+            for k, lat in est.items():
+                table.setdefault(k, lat)
+        for g in gpus:
+            provenance[g] = _estimate_provenance(g)
+    # keep the provenance of GPU types measured in earlier runs
+    for g in {k[0] for k in table}:
+        provenance.setdefault(g, old_provenance.get(g, "unknown (rows kept from an earlier run)"))
+
+    # 5. write
+    gpus_here = sorted({k[0] for k in table})
+    latency_bs1 = {}
+    for g in gpus_here:
+        if all((g, 1, 1, blk) in table for blk in range(len(blocks))):
+            latency_bs1[g] = round(sum(max(table[(g, 1, 1, blk)], 1.0) for blk in range(len(blocks))), 3)
+    manifest = _manifest(name, src, info, blocks, onnx_rel, latency_bs1, dict(sorted(provenance.items())))
+    profile = ModelProfile(manifest=manifest, table=table, directory=out)
+    profile.save(out)
+    (out / PARTIAL_CSV).unlink(missing_ok=True)
+    return profile
+
+
+def _old_provenance(out: Path) -> dict[str, str]:
+    import yaml
+
+    p = out / "model.yaml"
+    if not p.is_file():
+        return {}
+    try:
+        return {str(k): str(v) for k, v in ((yaml.safe_load(p.read_text()) or {}).get("provenance") or {}).items()}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return {}
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled or total == 0:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="pt")
+
+
+__all__ = ["ProfileRequest", "batch_grid", "parse_batches", "profile_model"]
