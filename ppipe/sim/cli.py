@@ -1,0 +1,167 @@
+"""``ppipe simulate``: a plan under a virtual clock -- one load factor, or a sweep.
+
+A thin layer over :mod:`ppipe.sim.sweep`: reads plan.yaml (profiles from each model's
+``profile`` path, relative to plan.yaml; the cluster from ``--cluster``, the plan's
+``cluster_file`` or the built-in named by ``cluster``), runs, prints a summary, and
+optionally writes JSON and PNG figures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ppipe.errors import UserError
+
+
+def _policies() -> list[str]:
+    try:
+        from ppipe.dataplane import POLICIES
+    except ImportError:  # the data plane sub-package is absent: the simulator will say so when it runs
+        return []
+    return sorted(POLICIES)
+
+
+@click.command("simulate")
+@click.argument("plan_file", metavar="PLAN.yaml", type=click.Path(dir_okay=False))
+@click.option("--cluster", default=None, help="Cluster YAML or built-in name (overrides plan.yaml 'cluster_file' / 'cluster').")
+@click.option("--load", type=float, default=None, help="Load factor: 1.0 = each model's planned throughput_rps (plan.yaml models[].throughput_rps). Default 1.0.")
+@click.option("--sweep", is_flag=True, help="Find each model's largest load factor with attainment >= --target (1.0 down by 0.05, as the paper).")
+@click.option("--search", type=click.Choice(["scan", "bisect"]), default="scan", show_default=True,
+              help="Sweep order: 'scan' 1.0 down by 0.05 (the paper); 'bisect' over the same grid (fewer runs, assumes monotone attainment).")
+@click.option("--bisect-steps", type=int, default=0, show_default=True, help="After the sweep, halve the 0.05 step above each answer this many times.")
+@click.option("--target", type=float, default=0.99, show_default=True, help="Attainment target of the sweep.")
+@click.option("--arrivals", type=click.Choice(["poisson", "bursty", "trace"]), default=None,
+              help="Arrival process (default poisson; 'trace' with --trace FILE).")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
+              help="Trace to replay: Azure Functions 2021 CSV (end_timestamp,duration) or one timestamp (s) per line; implies --arrivals trace.")
+@click.option("--cv", type=float, default=2.0, show_default=True, help="Coefficient of variation of the gaps for --arrivals bursty.")
+@click.option("--duration-s", type=float, default=30.0, show_default=True, help="Arrival window per load point, in s (the paper: 30).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of arrivals and jitter.")
+@click.option("--policy", default="reservation", show_default=True, help="Data-plane policy: reservation (the paper's) or reactive (per-pool baseline).")
+@click.option("--jitter-cv", type=float, default=0.0, show_default=True, help="CV of lognormal jitter on inference times (0 = exactly the profile).")
+@click.option("--no-feedback", is_flag=True, help="Workers do not report actual stage times to the scheduler.")
+@click.option("--rates-from", type=click.Path(dir_okay=False), default=None,
+              help="Base rates (load 1.0) from this plan's models[].throughput_rps instead of PLAN.yaml's (drive systems at the same rates).")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG figures into this folder.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
+def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, arrivals, trace_file, cv, duration_s, seed,
+             policy, jitter_cv, no_feedback, rates_from, plot_dir, json_out) -> None:
+    """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
+    from ppipe.sim.arrivals import ArrivalKind, read_trace
+    from ppipe.sim.simulator import SimConfig
+    from ppipe.sim.sweep import Workload, base_rates, check_rates, load_inputs, run_point
+    from ppipe.sim.sweep import sweep as run_sweep
+    from ppipe.spec.plan import load_plan
+
+    if sweep and load is not None:
+        raise UserError("--load and --sweep exclude each other", fix="give --load F for one point, or --sweep")
+    if not (0 < target <= 1):
+        raise UserError(f"--target must be in (0, 1], got {target}", fix="e.g. --target 0.99")
+    known = _policies()
+    if known and policy not in known:
+        raise UserError(f"unknown --policy '{policy}'", fix=f"use one of: {', '.join(known)}")
+    if trace_file and arrivals not in (None, "trace"):
+        raise UserError(f"--trace goes with --arrivals trace, not '{arrivals}'", fix="drop --trace, or use --arrivals trace")
+    kind = ArrivalKind(arrivals or ("trace" if trace_file else "poisson"))
+    if kind is ArrivalKind.TRACE and not trace_file:
+        raise UserError("--arrivals trace needs --trace FILE", fix="give the trace file with --trace")
+    workload = Workload(kind=kind, cv=cv, trace_s=read_trace(trace_file) if trace_file else None)
+
+    plan, profiles, spec = load_inputs(plan_file, cluster)
+    rates = None
+    if rates_from:
+        if not Path(rates_from).is_file():
+            raise UserError("reference plan not found", fix="give a plan.yaml for --rates-from", file=rates_from)
+        rates = check_rates(plan, base_rates(load_plan(rates_from)), f"--rates-from {rates_from}")
+    config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=not no_feedback, policy=policy)
+    base = rates or base_rates(plan)
+
+    if sweep:
+        def progress(f, res):
+            parts = "  ".join(f"{m}={100 * mm.attainment:.2f}%" for m, mm in res.models.items())
+            click.echo(f"load {f:.3f}: {parts}  ({res.wall_s:.1f} s)")
+
+        result = run_sweep(plan, profiles, spec, rates_rps=rates, workload=workload, config=config, target=target,
+                           search=search, bisect_steps=bisect_steps, progress=progress)
+        _print_sweep(result, base)
+        payload = {"plan": str(plan_file), "policy": policy, "arrivals": kind.value, "base_rates_rps": base, **result.to_dict()}
+        # the figures of one point: the highest load at which every model still met the target
+        passed = [v for v in result.max_load.values() if v is not None]
+        key = round(min(passed), 6) if passed else min(result.points)
+        shown = result.points.get(key, result.points[min(result.points)])
+    else:
+        f = 1.0 if load is None else load
+        shown = run_point(plan, profiles, spec, f, rates_rps=rates, workload=workload, config=config)
+        _print_point(shown, f, base)
+        payload = {"plan": str(plan_file), "policy": policy, "arrivals": kind.value, "load": f, "base_rates_rps": base, **shown.to_dict()}
+        result = None
+
+    if json_out:
+        Path(json_out).write_text(json.dumps(payload, indent=2, default=str))
+        click.echo(f"wrote {json_out}")
+    if plot_dir:
+        from ppipe.sim import plots
+
+        d = Path(plot_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        written = []
+        if result is not None:
+            written.append(plots.plot_attainment(result, d / "attainment_vs_load.png"))
+        if shown is not None:
+            written.append(plots.plot_timeline(shown, d / "timeline.png"))
+            written.append(plots.plot_utilization(shown, d / "utilization.png"))
+        for p in written:
+            click.echo(f"wrote {p}")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _print_point(res, load: float, base: dict[str, float]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"load factor {load:g}, {res.duration_s:g} s of arrivals")
+    for col in ("model", "rate req/s", "requests", "attainment", "goodput req/s", "dropped", "late", "p50 ms", "p99 ms", "batches (size: n)", "drops (reason)"):
+        t.add_column(col)
+    rows = list(res.models.values()) + [res.overall]
+    for mm in rows:
+        rate = sum(base.values()) * load if mm.model == "all" else base.get(mm.model, 0.0) * load
+        t.add_row(
+            mm.model, f"{rate:.1f}", str(mm.requests), _pct(mm.attainment), f"{mm.goodput_rps:.1f}", _pct(mm.drop_rate),
+            _pct(mm.late_rate), _ms(mm.p50_latency_ms), _ms(mm.p99_latency_ms),
+            " ".join(f"{b}:{n}" for b, n in mm.batch_histogram.items()),
+            " ".join(f"{k}:{v}" for k, v in mm.drops_by_reason.items()) or "-",
+        )
+    con = Console()
+    con.print(t)
+    util = "  ".join(f"{g}: {100 * u:.1f}% ({100 * res.utilization_used.get(g, 0):.1f}% of used)" for g, u in res.utilization.items())
+    con.print(f"utilization  {util}")
+    ppd = "-" if res.probes_per_dispatch is None else f"{res.probes_per_dispatch:.2f}"
+    spd = "-" if res.scheduler_us_per_dispatch is None else f"{res.scheduler_us_per_dispatch:.1f}"
+    con.print(f"dispatches {res.dispatches}, probes/dispatch {ppd}, scheduler {spd} us/dispatch, "
+              f"{res.events} events, {res.wall_s:.1f} s wall ({res.sim_s_per_wall_s:.1f} simulated s per wall s)")
+    if res.anomaly_count:
+        con.print(f"[yellow]{res.anomaly_count} scheduler anomalies, e.g. {res.anomalies[:3]}[/yellow]")
+
+
+def _print_sweep(result, base: dict[str, float]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"largest load factor with attainment >= {100 * result.target:g} %")
+    t.add_column("model")
+    t.add_column("base rate req/s")
+    t.add_column("max load factor")
+    for m, v in result.max_load.items():
+        t.add_row(m, f"{base.get(m, 0):.1f}", "< 0.05" if v is None else f"{v:.3f}")
+    t.add_row("mean", "", f"{result.mean_max_load:.3f}")
+    Console().print(t)
