@@ -1,0 +1,381 @@
+"""``ppipe.plan(...)``: cluster + model profiles -> an immutable :class:`~ppipe.spec.plan.Plan`.
+
+Defaults, and where they come from:
+
+* SLO of a model (first that applies): ``slo_ms=`` (one value or per model);
+  ``slo_scale=`` x its batch-1 latency on the reference GPU; ``slo_ms`` of its model.yaml;
+  5 x its batch-1 latency on the reference GPU (the paper's rule). The reference GPU is the
+  L4 when the profile has it (the paper's choice), else the cluster's type on which the
+  whole model runs fastest at batch 1. The batch-1 latency is ``latency_bs1_us`` of
+  model.yaml when present, else the sum of the profiled block latencies.
+* ``formulation="ppipe"`` (default): physical GPU packing, several configurations per
+  template, margin 0.4, batch-build estimate from the NP plan.
+  ``formulation="ppipe-atc25"``: the paper's choices all at once (paper GPU rule, one
+  configuration per template, margin 0.4, batch-build estimate from the NP plan, SLO =
+  5 x the L4 batch-1 latency, model.yaml's slo_ms ignored). Explicit arguments still win.
+* A profile must time every GPU type of the cluster (at some level); GPU types the
+  cluster lacks are ignored (the PPipe artifact times four types for every model).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence, Union
+
+from ppipe.errors import InfeasibleError, UserError
+from ppipe.planner.baselines import dart_r, np_levels
+from ppipe.planner.configs import ModelSpec
+from ppipe.planner.core import milp_plan
+from ppipe.planner.objectives import ObjectiveLike, get_objective
+from ppipe.planner.solvers import get_solver
+from ppipe.spec.cluster import ClusterSpec, load_cluster, resolve_cluster_path
+from ppipe.spec.plan import Plan, PlanSettings, SolverReport
+from ppipe.spec.profile import ModelProfile, load_profile, resolve_model_dir
+
+PLANNERS = ("ppipe", "np", "dart-r")
+FORMULATIONS = ("ppipe", "ppipe-atc25")
+DEFAULT_SLO_SCALE = 5.0
+REFERENCE_GPU = "L4"
+
+ModelRef = Union[ModelProfile, str, Path]
+
+
+def _formulation_defaults(formulation: str) -> dict:
+    if formulation == "ppipe":
+        return dict(gpu_rule="physical", configs_per_template="many", margin=0.4, batch_build=True, paper_slo=False)
+    if formulation == "ppipe-atc25":
+        return dict(gpu_rule="paper", configs_per_template="one", margin=0.4, batch_build=True, paper_slo=True)
+    raise UserError(f"unknown formulation '{formulation}'", fix=f"use one of: {', '.join(FORMULATIONS)} (option --formulation)")
+
+
+def resolve_cluster(cluster: ClusterSpec | str | Path) -> tuple[ClusterSpec, str | None]:
+    """(spec, file) from a ClusterSpec, a YAML path or a built-in name."""
+    if isinstance(cluster, ClusterSpec):
+        return cluster, None
+    return load_cluster(cluster), str(resolve_cluster_path(cluster))
+
+
+def profile_ref(profile: ModelProfile) -> str:
+    """What plan.yaml records to reload a profile: its folder, or the artifact it came from.
+
+    In-memory imports of the PPipe artifact are recorded as ``ppipe-artifact:<dir>#<model>``.
+    """
+    if profile.directory is not None:
+        return str(Path(profile.directory).resolve())
+    src = profile.manifest.source
+    if src.kind == "ppipe-artifact" and src.path:
+        return f"ppipe-artifact:{Path(src.path).resolve()}#{profile.name}"
+    return f"memory:{profile.name}"
+
+
+def load_profile_ref(ref: str, base: str | Path | None = None) -> ModelProfile:
+    """Reload a profile recorded by :func:`profile_ref` (relative paths against ``base``)."""
+    if ref.startswith("ppipe-artifact:"):
+        from ppipe.spec.artifact import load_artifact_model
+
+        root, _, name = ref[len("ppipe-artifact:") :].rpartition("#")
+        return load_artifact_model(root, name)
+    if ref.startswith("memory:"):
+        raise UserError(f"profile '{ref}' was built in memory and cannot be reloaded", fix="save it with ModelProfile.save(dir) and plan again")
+    p = Path(ref)
+    if base is not None and not p.is_absolute():
+        p = Path(base) / p
+    return load_profile(p)
+
+
+def resolve_models(models: Iterable[ModelRef] | None) -> list[ModelProfile]:
+    """Profiles from profiles, folders or built-in names; None = every built-in model."""
+    if models is None:
+        from ppipe.spec.cluster import builtin_dirs
+
+        found = sorted({m.parent for d in builtin_dirs("models") for m in d.glob("*/model.yaml")}, key=lambda p: p.name)
+        if not found:
+            raise UserError(
+                "no models given and no built-in models found (the repository's models/ folder is empty)",
+                fix="name model folders (made by `ppipe profile` or `ppipe import-ppipe`) after the cluster",
+            )
+        models = found
+    out: list[ModelProfile] = []
+    for ref in models:
+        out.append(ref if isinstance(ref, ModelProfile) else load_profile(resolve_model_dir(ref)))
+    if not out:
+        raise UserError("no models to plan", fix="give at least one model profile")
+    names = [p.name for p in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise UserError(f"model(s) {dup} given more than once", fix="give each model once")
+    return out
+
+
+def _model_file(p: ModelProfile) -> str | None:
+    return str(Path(p.directory) / "model.yaml") if p.directory is not None else None
+
+
+def usable_levels(profile: ModelProfile, cluster: ClusterSpec) -> dict[str, list[int]]:
+    """Per cluster GPU type, the vGPU levels both the cluster allows and the profile times.
+
+    Raises:
+        UserError: a cluster type the profile does not time at any allowed level.
+    """
+    have = set(profile.gpus())
+    out: dict[str, list[int]] = {}
+    for g in cluster.gpu_types:
+        if g.name not in have:
+            raise UserError(
+                f"model '{profile.name}' has no timings for GPU type '{g.name}' of cluster '{cluster.name}' "
+                f"(profile.csv, column 'gpu', has: {', '.join(sorted(have)) or 'nothing'})",
+                fix=f"profile the model on {g.name} (`ppipe profile`), or plan on a cluster without {g.name}",
+                file=_model_file(profile),
+            )
+        lv = [v for v in g.vgpu_levels if profile.batches(g.name, v)]
+        if not lv:
+            raise UserError(
+                f"model '{profile.name}' times GPU type '{g.name}' only at vGPU level(s) {profile.levels(g.name)}, "
+                f"but cluster '{cluster.name}' allows {g.vgpu_levels}",
+                fix=f"profile the model on {g.name} at one of levels {g.vgpu_levels}, or change vgpu_levels of {g.name} in the cluster file",
+                file=_model_file(profile),
+            )
+        out[g.name] = lv
+    return out
+
+
+def batch1_latency_us(profile: ModelProfile, gpu: str) -> float:
+    if gpu in profile.manifest.latency_bs1_us:
+        return float(profile.manifest.latency_bs1_us[gpu])
+    return profile.model_latency_us(gpu, 1, 1)
+
+
+def reference_gpu(profile: ModelProfile, cluster: ClusterSpec) -> str:
+    """L4 when the profile has it, else the cluster's type with the fastest batch-1 model latency."""
+    if REFERENCE_GPU in profile.manifest.latency_bs1_us or profile.batches(REFERENCE_GPU, 1):
+        return REFERENCE_GPU
+    cands = [k for k in cluster.gpu_counts if profile.batches(k, 1)]
+    if not cands:
+        raise UserError(
+            f"model '{profile.name}': no batch-1 timing at vGPU level 1 on any type of cluster '{cluster.name}', "
+            "so no default SLO can be derived",
+            fix="give the SLO (--slo-ms / slo_ms=) or profile batch 1 at level 1",
+            file=_model_file(profile),
+        )
+    return min(cands, key=lambda k: batch1_latency_us(profile, k))
+
+
+def _per_model(value, names: list[str], what: str, flag: str):
+    """A scalar, a sequence in model order, or a mapping by model name -> {name: value or None}."""
+    if value is None:
+        return {n: None for n in names}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise UserError(f"{what}: unknown model(s) {unknown}", fix=f"use model names from: {', '.join(names)} ({flag})")
+        return {n: (float(value[n]) if n in value else None) for n in names}
+    if isinstance(value, (int, float)):
+        return {n: float(value) for n in names}
+    vals = list(value)
+    if len(vals) != len(names):
+        raise UserError(f"{what}: {len(vals)} value(s) for {len(names)} model(s)", fix=f"give one value per model, in order ({flag})")
+    return {n: float(v) for n, v in zip(names, vals)}
+
+
+def resolve_slos(profiles: list[ModelProfile], cluster: ClusterSpec, slo_ms, slo_scale, paper_slo: bool) -> dict[str, float]:
+    names = [p.name for p in profiles]
+    explicit = _per_model(slo_ms, names, "slo_ms", "--slo-ms")
+    out = {}
+    for p in profiles:
+        if explicit[p.name] is not None:
+            out[p.name] = explicit[p.name]
+            continue
+        if slo_scale is None and not paper_slo and p.manifest.slo_ms is not None:
+            out[p.name] = float(p.manifest.slo_ms)
+            continue
+        scale = DEFAULT_SLO_SCALE if slo_scale is None else float(slo_scale)
+        if scale <= 0:
+            raise UserError(f"slo_scale must be positive, got {scale}", fix="pass e.g. --slo-scale 5")
+        ref = REFERENCE_GPU if paper_slo and REFERENCE_GPU in p.manifest.latency_bs1_us else reference_gpu(p, cluster)
+        out[p.name] = scale * batch1_latency_us(p, ref) / 1000.0
+    for n, v in out.items():
+        if not v > 0:
+            raise UserError(f"SLO of model '{n}' must be positive, got {v} ms", fix="pass a positive --slo-ms")
+    return out
+
+
+def plan(
+    cluster: ClusterSpec | str | Path = "HC2-S",
+    models: Sequence[ModelRef] | None = None,
+    *,
+    objective: ObjectiveLike | None = None,
+    planner: str = "ppipe",
+    formulation: str = "ppipe",
+    solver: str = "highs",
+    slo_ms: float | Mapping[str, float] | Sequence[float] | None = None,
+    slo_scale: float | None = None,
+    weights: Mapping[str, float] | Sequence[float] | None = None,
+    margin: float | None = None,
+    max_partitions: int | None = None,
+    gpu_rule: str | None = None,
+    configs_per_template: str | None = None,
+    batch_build: bool | None = None,
+    required_rps: float | Mapping[str, float] | None = None,
+    time_limit_s: float | None = 60.0,
+    gap: float = 1e-4,
+    place: bool = True,
+) -> Plan:
+    """Plan pooled pipelines for models on a cluster.
+
+    Args:
+        cluster: a ClusterSpec, a cluster YAML path, or a built-in name (``"HC2-S"``).
+        models: ModelProfiles, model folders or built-in model names; None = all built-in models.
+        objective: ``"max-min"`` (default), ``"total"``, ``"min-cost"`` (needs
+            ``required_rps``), an Objective object, or ``fn(milp, variables)``.
+        planner: ``"ppipe"`` (MILP), ``"np"`` (no partitioning, no MPS) or ``"dart-r"``.
+        formulation: ``"ppipe"`` or ``"ppipe-atc25"`` (every paper choice; see module docstring).
+        solver: ``"highs"`` (default), ``"cbc"`` or ``"gurobi"``.
+        slo_ms: SLO in ms: one value, one per model (in order), or {model: ms}.
+        slo_scale: SLO = this x the batch-1 latency on the reference GPU.
+        weights: workload weights w_m (one per model, or {model: w}); default 1 each.
+        margin: share of the SLO the planner keeps free (default 0.4).
+        max_partitions: D, at most this many partitions per pipeline (default 3).
+        gpu_rule: ``"physical"`` or ``"paper"`` (default from the formulation).
+        configs_per_template: ``"many"`` or ``"one"`` (default from the formulation).
+        batch_build: apply beta(b) with x_hat from the NP plan (default True).
+        required_rps: rate per model for the min-cost objective.
+        time_limit_s: solver time limit in s (None = none).
+        gap: relative MIP gap at which the solver stops (1e-4 = 0.01 %).
+        place: assign vGPUs to servers (``Plan.placement``).
+
+    Returns:
+        The immutable plan.
+
+    Raises:
+        UserError: bad input (unknown names, profiles that do not cover the cluster, ...).
+        InfeasibleError: a model meets its SLO on no GPU type (the message gives the
+            smallest feasible SLO), or the objective's rates cannot be carried.
+        SolverTimeLimitError: the time limit struck before any plan was found.
+    """
+    t0 = time.perf_counter()
+    planner = planner.lower()
+    if planner not in PLANNERS:
+        raise UserError(f"unknown planner '{planner}'", fix=f"use one of: {', '.join(PLANNERS)} (option --planner)")
+    fd = _formulation_defaults(formulation)
+    gpu_rule = gpu_rule or fd["gpu_rule"]
+    if gpu_rule not in ("physical", "paper"):
+        raise UserError(f"unknown GPU rule '{gpu_rule}'", fix="use 'physical' or 'paper' (option --gpu-rule)")
+    configs_per_template = configs_per_template or fd["configs_per_template"]
+    if configs_per_template not in ("many", "one"):
+        raise UserError(f"configs_per_template must be 'many' or 'one', got '{configs_per_template}'", fix="option --configs-per-template")
+    margin = fd["margin"] if margin is None else float(margin)
+    if not 0 <= margin < 1:
+        raise UserError(f"margin must be in [0, 1), got {margin}", fix="pass e.g. --margin 0.4")
+    max_partitions = 3 if max_partitions is None else int(max_partitions)
+    if max_partitions < 1:
+        raise UserError(f"max_partitions must be >= 1, got {max_partitions}", fix="pass e.g. --max-partitions 2")
+    batch_build = fd["batch_build"] if batch_build is None else bool(batch_build)
+    obj = get_objective(objective, required_rps)
+    slv = get_solver(solver)
+
+    spec, cluster_file = resolve_cluster(cluster)
+    profiles = resolve_models(models)
+    names = [p.name for p in profiles]
+    levels = [usable_levels(p, spec) for p in profiles]
+    slos = resolve_slos(profiles, spec, slo_ms, slo_scale, fd["paper_slo"])
+    w = _per_model(weights, names, "weights", "--weights")
+    w = {n: (1.0 if v is None else v) for n, v in w.items()}
+    for n, v in w.items():
+        if not v > 0:
+            raise UserError(f"weight of model '{n}' must be positive, got {v}", fix="pass positive --weights")
+    files = [_model_file(p) for p in profiles]
+    specs = [ModelSpec(profile=p, slo_ms=slos[p.name], weight=w[p.name], profile_ref=profile_ref(p)) for p in profiles]
+    solve_kw = dict(solver=slv, margin=margin, time_limit_s=time_limit_s, gap=gap, files=files)
+
+    def run_np(objective_):
+        # NP: one partition, level 1 only, the paper's per-template choice; beta off (NP is its source).
+        return milp_plan(
+            specs,
+            spec,
+            np_levels(levels),
+            objective=objective_,
+            max_partitions=1,
+            gpu_rule=gpu_rule,
+            one_config_per_template=(configs_per_template == "one"),
+            **solve_kw,
+        )
+
+    np_out = None
+    if planner in ("dart-r",) or (planner == "ppipe" and batch_build):
+        try:
+            np_out = run_np(get_objective("max-min"))
+        except InfeasibleError:
+            np_out = None  # no whole-model GPU meets some SLO: no estimate, beta off
+    if np_out is not None and planner != "np":
+        xhat = {m.name: m.throughput_rps for m in np_out.models}
+        specs = [
+            ModelSpec(s.profile, s.slo_ms, s.weight, (xhat[s.name] if batch_build and xhat[s.name] > 0 else None), s.profile_ref)
+            for s in specs
+        ]
+    applied_bb = any(s.batch_build_rps for s in specs)
+
+    if planner == "np":
+        out = run_np(obj)
+        models_out, result, columns = out.models, out.result, out.columns
+        report = SolverReport(
+            name=result.solver, status=result.status, gap=result.gap, seconds=time.perf_counter() - t0,
+            objective=result.objective, columns=columns,
+        )
+    elif planner == "ppipe":
+        out = milp_plan(
+            specs,
+            spec,
+            levels,
+            objective=obj,
+            max_partitions=max_partitions,
+            gpu_rule=gpu_rule,
+            one_config_per_template=(configs_per_template == "one"),
+            **solve_kw,
+        )
+        models_out, result = out.models, out.result
+        report = SolverReport(
+            name=result.solver, status=result.status, gap=result.gap, seconds=time.perf_counter() - t0,
+            objective=result.objective, columns=out.columns,
+        )
+    else:  # dart-r
+        if np_out is None:
+            np_out = run_np(get_objective("max-min"))  # raises the InfeasibleError with its message
+        models_out = dart_r(specs, spec, levels, np_out.models, margin=margin)
+        z = min(m.throughput_rps / m.weight for m in models_out)
+        report = SolverReport(
+            name=np_out.result.solver, status="heuristic", gap=0.0, seconds=time.perf_counter() - t0, objective=z,
+            columns=np_out.columns,
+        )
+
+    placement = []
+    used = None
+    if place:
+        from ppipe.planner.placement import gpus_used as placed_gpus
+        from ppipe.planner.placement import place as place_vgpus
+
+        placement = place_vgpus(models_out, spec, gpu_rule)
+        used = placed_gpus(placement, spec)
+    if used is None:
+        from ppipe.planner.formulation import gpus_needed
+
+        used = gpus_needed(models_out, list(spec.gpu_counts), gpu_rule)
+    settings = PlanSettings(
+        planner=planner,
+        formulation=formulation,
+        gpu_rule=gpu_rule,
+        configs_per_template=configs_per_template,
+        objective=obj.name,
+        margin=margin,
+        max_partitions=1 if planner == "np" else (2 if planner == "dart-r" else max_partitions),
+        batch_build=applied_bb and planner != "np",
+    )
+    return Plan(
+        cluster=spec.name,
+        cluster_file=cluster_file,
+        settings=settings,
+        solver=report,
+        models=models_out,
+        gpus_used=used,
+        placement=placement,
+    )

@@ -1,0 +1,345 @@
+"""Column generation for the planner: every SLO-feasible pipeline configuration.
+
+A *template* is an ordered tuple of GPU types, one per partition slot (length 1..D). A
+*configuration* of a template fixes the cut points (contiguous block ranges covering
+all blocks), the vGPU level of every partition and the pipeline's unified batch size.
+Constraint (1) of the MILP (the latency SLO, see :mod:`ppipe.planner.milp`) involves a
+configuration alone, so it is enforced here, before the MILP exists: only configurations
+whose latency fits the SLO become columns.
+
+Everything is computed with numpy over all cut points x levels x batches of a template at
+once (prefix sums of block latencies give every partition latency by one subtraction).
+
+Two configurations with the same template and the same level per slot use the same
+resources per vGPU; if one's per-vGPU throughput is at least the other's in every slot it
+*dominates*: any plan using the weaker one stays feasible, with no less throughput, when
+it uses the stronger one with the same vGPU counts. Dominated configurations are dropped
+(exactly, so the optimum is unchanged). Under the physical GPU rule resources depend only
+on the multiset of (type, level) of the partitions, not their order, so the comparison
+then runs across templates with the same multiset.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ppipe.spec.cluster import ClusterSpec
+from ppipe.spec.profile import MIN_BLOCK_LATENCY_US, ModelProfile
+
+BATCH_BUILD_FACTOR = 1.3  # PLANNING_MODEL.md: beta(b) = 1.3 * 1e6 * (b - 1) / x_hat
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model as the planner sees it.
+
+    Attributes:
+        profile: the latency interface.
+        slo_ms: end-to-end SLO (the runtime deadline).
+        weight: workload weight w_m.
+        batch_build_rps: x_hat_m for the batch-gathering estimate beta(b); None = off.
+        profile_ref: what plan.yaml records in ``profile``.
+    """
+
+    profile: ModelProfile
+    slo_ms: float
+    weight: float = 1.0
+    batch_build_rps: float | None = None
+    profile_ref: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.profile.name
+
+
+@dataclass
+class ConfigSet:
+    """The columns of one model: arrays indexed by configuration c (and slot d < D).
+
+    Unused slots (d >= nparts[c]) hold gpu = -1, level = 0, X = 0.
+    """
+
+    model: int
+    types: list[str]  # cluster GPU types; gpu[c, d] indexes this list
+    nparts: np.ndarray  # (C,) partitions of the configuration
+    template: np.ndarray  # (C,) template index into `templates`
+    templates: list[tuple[int, ...]]
+    batch: np.ndarray  # (C,)
+    gpu: np.ndarray  # (C, D) type index
+    level: np.ndarray  # (C, D) vGPU level
+    first: np.ndarray  # (C, D) first block
+    last: np.ndarray  # (C, D) last block (inclusive)
+    infer_us: np.ndarray  # (C, D)
+    transfer_us: np.ndarray  # (C, D) batch transfer after the partition (0 for the last)
+    X: np.ndarray  # (C, D) per-vGPU throughput in req/s
+    latency_us: np.ndarray  # (C,) inference + transfer (without beta)
+    enumerated: int = 0  # before SLO filtering and pruning
+    min_latency_b1_us: float = float("inf")  # smallest pipeline latency at batch 1 (for error messages)
+    stats: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.nparts.shape[0])
+
+
+def templates_for(num_types: int, max_partitions: int) -> list[tuple[int, ...]]:
+    """Ordered tuples of type indices, length 1..D, no two consecutive slots of one type.
+
+    A cut between two partitions of the same type only adds a transfer; it could help
+    only by mixing vGPU levels of one type, which ppipe does not consider (the paper's
+    templates pair different GPU classes).
+    """
+    out: list[tuple[int, ...]] = []
+    for n in range(1, max_partitions + 1):
+        for t in itertools.product(range(num_types), repeat=n):
+            if all(a != b for a, b in zip(t, t[1:])):
+                out.append(t)
+    return out
+
+
+def _prefix_tables(profile: ModelProfile, types: list[str], levels: dict[str, list[int]], batches: list[int]):
+    """PT[k]: (len(levels[k]), len(batches), M + 1) prefix sums of max(L, 1 us); NaN where unprofiled."""
+    M = profile.num_blocks
+    out = []
+    for k in types:
+        arr = np.full((len(levels[k]), len(batches), M + 1), np.nan)
+        for vi, v in enumerate(levels[k]):
+            have = set(profile.batches(k, v))
+            for bi, b in enumerate(batches):
+                if b not in have:
+                    continue
+                lat = np.array([profile.table[(k, v, b, i)] for i in range(M)], dtype=float)
+                arr[vi, bi, 0] = 0.0
+                arr[vi, bi, 1:] = np.cumsum(np.maximum(lat, MIN_BLOCK_LATENCY_US))
+        out.append(arr)
+    return out
+
+
+def enumerate_configs(
+    m: int,
+    spec: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    max_partitions: int,
+    margin: float,
+    levels: dict[str, list[int]],
+    group_by_multiset: bool,
+    prune: bool = True,
+) -> ConfigSet:
+    """All SLO-feasible configurations of one model (constraint 1), dominated ones pruned.
+
+    Args:
+        m: index of the model in the plan.
+        spec: the model, its SLO and batch-build estimate.
+        cluster: GPU types, GPUs per server and NIC bandwidths.
+        max_partitions: D.
+        margin: share of the SLO kept free.
+        levels: usable vGPU levels per GPU type (cluster levels that the profile has).
+        group_by_multiset: compare configurations across templates with the same
+            multiset of (type, level) (exact under the physical GPU rule only).
+        prune: drop dominated configurations.
+    """
+    prof = spec.profile
+    M = prof.num_blocks
+    types = [g.name for g in cluster.gpu_types]
+    K = len(types)
+    D = max_partitions
+    batches = sorted({b for k in types for v in levels[k] for b in prof.batches(k, v)})
+    Bn = len(batches)
+    bvec = np.array(batches, dtype=float)
+    PT = _prefix_tables(prof, types, levels, batches)
+    # tau[k][j]: seconds*1e6 to send one sample over the cut after block j at type k's NIC.
+    cut_bits = np.array([prof.cut_bytes(j) * 8.0 for j in range(M)], dtype=float)
+    bw = np.array([cluster.effective_bandwidth_gbps(k) for k in types]) * 1e9
+    spp = np.array([cluster.gpus_per_server(k) for k in types], dtype=float)
+    budget_us = spec.slo_ms * 1000.0 * (1.0 - margin)
+    beta = np.zeros(Bn)
+    if spec.batch_build_rps:
+        beta = BATCH_BUILD_FACTOR * 1e6 * (bvec - 1.0) / spec.batch_build_rps
+
+    templates = templates_for(K, D)
+    cols: dict[str, list[np.ndarray]] = {key: [] for key in ("tmpl", "n", "b", "gpu", "lvl", "first", "last", "inf", "tr", "X", "lat")}
+    enumerated = 0
+    min_lat_b1 = float("inf")
+    b1 = batches.index(1) if 1 in batches else None
+    for ti, tmpl in enumerate(templates):
+        n = len(tmpl)
+        if n > M:
+            continue
+        combos = list(itertools.combinations(range(1, M), n - 1))
+        cuts = np.array(combos, dtype=int).reshape(len(combos), n - 1)
+        Q = cuts.shape[0]
+        bnd = np.concatenate([np.zeros((Q, 1), int), cuts, np.full((Q, 1), M, int)], axis=1)  # (Q, n+1)
+        shape = [len(levels[types[k]]) for k in tmpl] + [Bn, Q]
+        lat = np.zeros(shape)
+        infer = []
+        trans = []
+        for d, k in enumerate(tmpl):
+            s, e = bnd[:, d], bnd[:, d + 1]
+            inf_d = PT[k][:, :, e] - PT[k][:, :, s]  # (V_d, B, Q)
+            view = [1] * n + [Bn, Q]
+            view[d] = inf_d.shape[0]
+            inf_d = inf_d.reshape(view)
+            infer.append(inf_d)
+            lat = lat + inf_d
+            if d < n - 1:
+                k2 = tmpl[d + 1]
+                # The batch crosses the slower of the two NICs.
+                tau = cut_bits[e - 1] / min(bw[k], bw[k2]) * 1e6  # (Q,)
+                tr_d = bvec[:, None] * tau[None, :]  # (B, Q)
+                trans.append(tr_d)
+                lat = lat + tr_d
+            else:
+                trans.append(np.zeros((Bn, Q)))
+        enumerated += int(np.isfinite(lat).sum())
+        if b1 is not None:
+            lb1 = lat[..., b1, :]
+            if np.isfinite(lb1).any():
+                min_lat_b1 = min(min_lat_b1, float(np.nanmin(lb1)))
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(lat) & (lat + beta.reshape([1] * n + [Bn, 1]) <= budget_us)
+        idx = np.nonzero(ok)
+        if idx[0].size == 0:
+            continue
+        C = idx[0].size
+        bi, qi = idx[n], idx[n + 1]
+        gpu = np.full((C, D), -1, int)
+        lvl = np.zeros((C, D), int)
+        first = np.full((C, D), -1, int)
+        last = np.full((C, D), -1, int)
+        inf = np.zeros((C, D))
+        tr = np.zeros((C, D))
+        X = np.zeros((C, D))
+        bsz = bvec[bi]
+        for d, k in enumerate(tmpl):
+            vi = idx[d]
+            v = np.array(levels[types[k]])[vi]
+            gpu[:, d] = k
+            lvl[:, d] = v
+            first[:, d] = bnd[qi, d]
+            last[:, d] = bnd[qi, d + 1] - 1
+            inf[:, d] = _pick(infer[d], d, n, vi, bi, qi)
+            tr[:, d] = trans[d][bi, qi]
+            x = 1e6 * bsz / inf[:, d]
+            # NIC caps: a server's link is shared by its s_k GPUs and their v vGPUs.
+            share = v * spp[k]
+            if d > 0:
+                t_in = cut_bits[bnd[qi, d] - 1] / bw[k] * 1e6
+                with np.errstate(divide="ignore"):
+                    x = np.minimum(x, np.where(t_in > 0, 1e6 / (t_in * share), np.inf))
+            if d < n - 1:
+                t_out = cut_bits[bnd[qi, d + 1] - 1] / bw[k] * 1e6
+                with np.errstate(divide="ignore"):
+                    x = np.minimum(x, np.where(t_out > 0, 1e6 / (t_out * share), np.inf))
+            X[:, d] = x
+        cols["tmpl"].append(np.full(C, ti))
+        cols["n"].append(np.full(C, n))
+        cols["b"].append(bsz.astype(int))
+        cols["gpu"].append(gpu)
+        cols["lvl"].append(lvl)
+        cols["first"].append(first)
+        cols["last"].append(last)
+        cols["inf"].append(inf)
+        cols["tr"].append(tr)
+        cols["X"].append(X)
+        cols["lat"].append(lat[ok])
+
+    def cat(key, shape):
+        return np.concatenate(cols[key]) if cols[key] else np.zeros(shape)
+
+    cs = ConfigSet(
+        model=m,
+        types=types,
+        nparts=cat("n", (0,)).astype(int),
+        template=cat("tmpl", (0,)).astype(int),
+        templates=templates,
+        batch=cat("b", (0,)).astype(int),
+        gpu=cat("gpu", (0, D)).astype(int),
+        level=cat("lvl", (0, D)).astype(int),
+        first=cat("first", (0, D)).astype(int),
+        last=cat("last", (0, D)).astype(int),
+        infer_us=cat("inf", (0, D)),
+        transfer_us=cat("tr", (0, D)),
+        X=cat("X", (0, D)),
+        latency_us=cat("lat", (0,)),
+        enumerated=enumerated,
+        min_latency_b1_us=min_lat_b1,
+    )
+    cs.stats["feasible"] = len(cs)
+    if prune and len(cs):
+        keep = pareto_keep(cs, group_by_multiset)
+        cs = subset(cs, keep)
+    cs.stats["kept"] = len(cs)
+    return cs
+
+
+def _pick(arr: np.ndarray, d: int, n: int, vi: np.ndarray, bi: np.ndarray, qi: np.ndarray) -> np.ndarray:
+    """Gather arr[..., vi at axis d, ..., bi, qi] from a broadcast-shaped array."""
+    sel = [np.zeros_like(vi)] * n
+    sel[d] = vi
+    return arr[tuple(sel) + (bi, qi)]
+
+
+def subset(cs: ConfigSet, keep: np.ndarray) -> ConfigSet:
+    """The configurations of ``cs`` selected by a boolean mask or index array."""
+    out = ConfigSet(
+        model=cs.model,
+        types=cs.types,
+        nparts=cs.nparts[keep],
+        template=cs.template[keep],
+        templates=cs.templates,
+        batch=cs.batch[keep],
+        gpu=cs.gpu[keep],
+        level=cs.level[keep],
+        first=cs.first[keep],
+        last=cs.last[keep],
+        infer_us=cs.infer_us[keep],
+        transfer_us=cs.transfer_us[keep],
+        X=cs.X[keep],
+        latency_us=cs.latency_us[keep],
+        enumerated=cs.enumerated,
+        min_latency_b1_us=cs.min_latency_b1_us,
+        stats=dict(cs.stats),
+    )
+    return out
+
+
+def pareto_keep(cs: ConfigSet, group_by_multiset: bool) -> np.ndarray:
+    """Boolean mask of the configurations that no other one dominates (see module docstring)."""
+    C, D = cs.X.shape
+    keys: list[tuple] = []
+    # Per configuration: its slots in the order used for comparison.
+    order = np.tile(np.arange(D), (C, 1))
+    for c in range(C):
+        n = int(cs.nparts[c])
+        if group_by_multiset:
+            # Sort the slots by (type, level, -X) so that equal (type, level) slots align
+            # strongest first: componentwise >= after this sort implies a matching exists.
+            slots = sorted(range(n), key=lambda d: (cs.gpu[c, d], cs.level[c, d], -cs.X[c, d]))
+            order[c, :n] = slots
+            keys.append(tuple((int(cs.gpu[c, d]), int(cs.level[c, d])) for d in slots))
+        else:
+            keys.append((int(cs.template[c]),) + tuple(int(cs.level[c, d]) for d in range(n)))
+    Xs = np.take_along_axis(cs.X, order, axis=1)
+    groups: dict[tuple, list[int]] = {}
+    for c, key in enumerate(keys):
+        groups.setdefault(key, []).append(c)
+    keep = np.zeros(C, bool)
+    for members in groups.values():
+        idx = np.array(members)
+        x = Xs[idx]
+        # Stable tie-break: among equal X vectors keep the lowest-latency one.
+        rank = np.lexsort((cs.latency_us[idx],) + tuple(-x[:, d] for d in reversed(range(x.shape[1]))))
+        idx, x = idx[rank], x[rank]
+        if len(idx) == 1:
+            keep[idx] = True
+            continue
+        ge = (x[:, None, :] >= x[None, :, :]).all(axis=2)  # ge[i, j]: i >= j everywhere
+        gt = (x[:, None, :] > x[None, :, :]).any(axis=2)
+        ar = np.arange(len(idx))
+        # j is dominated by i != j if i >= j everywhere and (> somewhere, or equal and ranked earlier).
+        dom = (ge & (gt | (ar[:, None] < ar[None, :])) & (ar[:, None] != ar[None, :])).any(axis=0)
+        keep[idx[~dom]] = True
+    return keep

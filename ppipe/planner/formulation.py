@@ -1,0 +1,319 @@
+r"""The planner's MILP: build it from configurations, and read a plan back from a solution.
+
+This is the model of PLANNING_MODEL.md in column form (one column group per SLO-feasible
+pipeline configuration, :mod:`ppipe.planner.configs`). Names in the code follow the math.
+
+Sets
+    K           GPU types of the cluster (k), with vGPU levels V_k.
+    M           models (m).
+    T_m         templates of model m: ordered tuples of GPU types, length 1..D.
+    C_m         configurations of model m (c): a template t(c), cut points, a level v_{c,d}
+                and a type k_{c,d} per partition slot d = 1..n_c, and one batch b_c.
+
+Parameters
+    N_k         GPUs of type k.
+    X_{c,d}     throughput (req/s) of ONE vGPU running slot d of c at batch b_c, with the
+                NIC caps: min(1e6 b / C, 1e6 / (tau_in v s_k), 1e6 / (tau_out v s_k)).
+    U_{c,d}     upper bound on g_{c,d}: min(N_k v, ceil(xmax_c / X_{c,d})), where
+                xmax_c = min_d N_{k_{c,d}} v_{c,d} X_{c,d} bounds c's throughput; more vGPUs
+                than that can never raise it.
+    w_m         workload weight; p_k price per GPU (cheapest-GPUs objective).
+
+Variables (these are what a custom objective sees, :class:`PlanVariables`)
+    g_{c,d} in Z+      vGPUs in the pool of slot d of configuration c          ("g")
+    x_c >= 0           throughput of the pipeline of c, for n_c >= 2           ("x_config")
+                       (for n_c = 1 it is X_{c,1} g_{c,1} and needs no column)
+    x_m >= 0           throughput of model m                                   ("x_model")
+    gpus_k in Z+       physical GPUs of type k in use, <= N_k                  ("gpus")
+    P_{k,v} in Z+      GPUs of type k at level v (physical rule)               ("P")
+    n_{m,d,k} in Z+    GPUs of type k for slot d of model m (paper rule)       ("n")
+    y_c in {0,1}       configuration c is its template's one (one-config only) ("y")
+    z >= 0             normalized throughput (max-min objective)               ("z")
+
+Objective (default, :class:`~ppipe.planner.objectives.MaxMinNormalized`)
+    maximize z
+
+Constraints
+    (1)  latency: sum_d (C_{c,d} + n_{c,d}) + beta(b_c) + margin_m <= T_m.
+         It concerns one configuration alone, so it is enforced by generating only the
+         configurations that satisfy it (no row).
+    (2)  GPUs, one of two rules:
+         (2a) physical packing:  v P_{k,v} >= sum_{(c,d): k_{c,d}=k, v_{c,d}=v} g_{c,d}   "c2a_level_gpus"
+              gpus_k = sum_v P_{k,v}                                              "c2c_type_gpus"
+         (2b) paper rule:  12 n_{m,d,k} >= sum_{c in C_m: k_{c,d}=k} (12 / v_{c,d}) g_{c,d}
+              (sum of g/v rounded up; scaled by 12 = lcm(1..4) to keep integer data)
+                                                                                   "c2b_paper_gpus"
+              gpus_k = sum_{m,d} n_{m,d,k}                                        "c2c_type_gpus"
+         gpus_k <= N_k is the column's bound.
+    (3)  objective rows, e.g. max-min: w_m z - x_m <= 0                           "c3_maxmin"
+    (4)  pipeline throughput is its slowest pool's:  x_c <= X_{c,d} g_{c,d}       "c4_pipeline"
+    (5)  model throughput:  x_m = sum_{c: n_c>=2} x_c + sum_{c: n_c=1} X_{c,1} g_{c,1}   "c5_model"
+    (6)  one configuration per template (the paper's formulation only):
+         (6a) sum_{c in C_m: t(c)=t} y_c <= 1                                     "c6a_one_config"
+         (6b) g_{c,d} <= U_{c,d} y_c                                              "c6b_link"
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ppipe.planner.configs import ConfigSet, ModelSpec
+from ppipe.planner.milp import Milp
+from ppipe.spec.cluster import ClusterSpec
+from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan
+
+PAPER_SCALE = 12  # lcm(1, 2, 3, 4): g/v with integer coefficients
+
+
+@dataclass
+class PlanVariables:
+    """The MILP's documented columns, by name, for objectives (built-in or the user's).
+
+    Attributes:
+        models: model names, in plan order.
+        types: GPU types, in cluster order.
+        x_model: model name -> column of x_m, its planned throughput in req/s.
+        gpus: GPU type -> column of gpus_k, physical GPUs of that type in use.
+        price: GPU type -> price per GPU (from the cluster file).
+        weight: model name -> w_m.
+        g: per model, a (C, D) array of the columns g_{c,d} (-1 for unused slots).
+        x_config: per model, a (C,) array of the columns x_c (-1 where n_c = 1).
+        configs: per model, the :class:`~ppipe.planner.configs.ConfigSet`.
+        extra: columns objectives add (e.g. ``"z"``).
+    """
+
+    models: list[str]
+    types: list[str]
+    x_model: dict[str, int]
+    gpus: dict[str, int]
+    price: dict[str, float]
+    weight: dict[str, float]
+    g: list[np.ndarray] = field(default_factory=list)
+    x_config: list[np.ndarray] = field(default_factory=list)
+    configs: list[ConfigSet] = field(default_factory=list)
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def build(
+    models: list[ModelSpec],
+    configs: list[ConfigSet],
+    cluster: ClusterSpec,
+    *,
+    gpu_rule: str = "physical",
+    one_config_per_template: bool = False,
+) -> tuple[Milp, PlanVariables]:
+    """Build constraints (2), (4), (5) and (6) over the given configurations.
+
+    The objective and its rows (3) are added by an objective object afterwards.
+    """
+    if gpu_rule not in ("physical", "paper"):
+        raise ValueError(f"gpu_rule must be 'physical' or 'paper', got {gpu_rule!r}")
+    types = [g.name for g in cluster.gpu_types]
+    N = np.array([cluster.gpu_counts[k] for k in types], dtype=float)
+    milp = Milp()
+    gpus = milp.add_cols(len(types), lb=0, ub=N, integer=True, name="gpus")
+    x_model = milp.add_cols(len(models), lb=0, name="x_model")
+    v = PlanVariables(
+        models=[s.name for s in models],
+        types=types,
+        x_model={s.name: int(x_model[i]) for i, s in enumerate(models)},
+        gpus={k: int(gpus[i]) for i, k in enumerate(types)},
+        price={g.name: g.price_per_gpu for g in cluster.gpu_types},
+        weight={s.name: s.weight for s in models},
+        configs=list(configs),
+    )
+    # Terms of the GPU rows, collected over all models: key -> (cols, coefs).
+    gpu_terms: dict[tuple, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+
+    for mi, cs in enumerate(configs):
+        C, D = cs.X.shape
+        mask = cs.gpu >= 0
+        Nk = np.where(mask, N[np.maximum(cs.gpu, 0)], 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cap = np.where(mask, Nk * cs.level * cs.X, np.inf)
+            xmax = cap.min(axis=1) if C else np.zeros(0)
+            U = np.where(mask, np.minimum(Nk * cs.level, np.ceil(xmax[:, None] / np.where(mask, cs.X, 1.0) - 1e-9)), 0.0)
+        U = np.maximum(U, 0.0)
+        gcols = milp.add_cols(int(mask.sum()), lb=0, ub=U[mask], integer=True, name="g")
+        gidx = np.full((C, D), -1, int)
+        gidx[mask] = gcols
+        multi = cs.nparts >= 2
+        xcols = milp.add_cols(int(multi.sum()), lb=0, ub=xmax[multi], name="x_config")
+        xidx = np.full(C, -1, int)
+        xidx[multi] = xcols
+        v.g.append(gidx)
+        v.x_config.append(xidx)
+
+        # (4) x_c - X_{c,d} g_{c,d} <= 0 for every used slot of a multi-partition configuration.
+        pc, pd = np.nonzero(mask & multi[:, None])
+        P = pc.size
+        if P:
+            r = np.arange(P)
+            milp.add_rows(
+                P,
+                np.concatenate([r, r]),
+                np.concatenate([xidx[pc], gidx[pc, pd]]),
+                np.concatenate([np.ones(P), -cs.X[pc, pd]]),
+                ub=0.0,
+                name="c4_pipeline",
+            )
+        # (5) x_m - sum x_c - sum X g (single-partition) = 0.
+        single = np.nonzero(~multi)[0]
+        cols = np.concatenate([[x_model[mi]], xcols, gidx[single, 0]])
+        vals = np.concatenate([[1.0], -np.ones(xcols.size), -cs.X[single, 0]])
+        milp.add_rows(1, np.zeros(cols.size, int), cols, vals, lb=0.0, ub=0.0, name="c5_model")
+
+        # (6) the paper's formulation: one configuration per template.
+        if one_config_per_template and C:
+            y = milp.add_cols(C, lb=0, ub=1, integer=True, name="y")
+            tmpl_ids, tmpl_row = np.unique(cs.template, return_inverse=True)
+            milp.add_rows(tmpl_ids.size, tmpl_row, y, np.ones(C), ub=1.0, name="c6a_one_config")
+            lc, ld = np.nonzero(mask)
+            L = lc.size
+            r = np.arange(L)
+            milp.add_rows(
+                L,
+                np.concatenate([r, r]),
+                np.concatenate([gidx[lc, ld], y[lc]]),
+                np.concatenate([np.ones(L), -U[lc, ld]]),
+                ub=0.0,
+                name="c6b_link",
+            )
+
+        # Terms of (2): per (k, v) for the physical rule, per (m, d, k) for the paper rule.
+        lc, ld = np.nonzero(mask)
+        if gpu_rule == "physical":
+            keys = np.stack([cs.gpu[lc, ld], cs.level[lc, ld]], axis=1)
+            coef = np.ones(lc.size)
+        else:
+            keys = np.stack([np.full(lc.size, mi), ld, cs.gpu[lc, ld]], axis=1)
+            coef = PAPER_SCALE / cs.level[lc, ld]
+        if lc.size:
+            uk, inv = np.unique(keys, axis=0, return_inverse=True)
+            inv = inv.reshape(-1)
+            for j, key in enumerate(map(tuple, uk)):
+                sel = inv == j
+                cols_l, coefs_l = gpu_terms.setdefault(tuple(int(a) for a in key), ([], []))
+                cols_l.append(gidx[lc[sel], ld[sel]])
+                coefs_l.append(coef[sel])
+
+    # (2a)/(2b): one integer column per key, and its row.
+    keys = sorted(gpu_terms)
+    if keys:
+        key_type = np.array([k[0] if gpu_rule == "physical" else k[2] for k in keys])
+        agg = milp.add_cols(len(keys), lb=0, ub=N[key_type], integer=True, name="P" if gpu_rule == "physical" else "n")
+        rows, cols, vals = [], [], []
+        for i, key in enumerate(keys):
+            cl, co = gpu_terms[key]
+            c_all = np.concatenate(cl)
+            scale = key[1] if gpu_rule == "physical" else PAPER_SCALE
+            rows.append(np.full(c_all.size + 1, i))
+            cols.append(np.concatenate([[agg[i]], c_all]))
+            vals.append(np.concatenate([[float(scale)], -np.concatenate(co)]))
+        milp.add_rows(
+            len(keys),
+            np.concatenate(rows),
+            np.concatenate(cols),
+            np.concatenate(vals),
+            lb=0.0,
+            name="c2a_level_gpus" if gpu_rule == "physical" else "c2b_paper_gpus",
+        )
+    else:
+        key_type = np.zeros(0, int)
+        agg = np.zeros(0, int)
+    # (2c) gpus_k = sum of the per-key GPU counts of type k.
+    rows = [np.arange(len(types))]
+    cols = [gpus]
+    vals = [np.ones(len(types))]
+    if len(keys):
+        rows.append(key_type)
+        cols.append(agg)
+        vals.append(-np.ones(len(keys)))
+    milp.add_rows(len(types), np.concatenate(rows), np.concatenate(cols), np.concatenate(vals), lb=0.0, ub=0.0, name="c2c_type_gpus")
+    return milp, v
+
+
+def extract(x: np.ndarray, v: PlanVariables, models: list[ModelSpec]) -> list[ModelPlan]:
+    """Read the pipelines of each model from a solution.
+
+    vGPU counts are rounded; a pipeline's throughput is recomputed as min_d X g (the
+    solver may leave it below that in a model that is not the bottleneck), and pools
+    with more vGPUs than that throughput needs are trimmed (this only frees GPUs).
+    """
+    out = []
+    for mi, spec in enumerate(models):
+        cs = v.configs[mi]
+        gidx = v.g[mi]
+        pipes: list[PipelinePlan] = []
+        for c in range(len(cs)):
+            n = int(cs.nparts[c])
+            g = np.array([round(float(x[gidx[c, d]])) for d in range(n)], dtype=float)
+            if (g < 1).any():
+                continue
+            X = cs.X[c, :n]
+            thr = float((X * g).min())
+            if thr <= 1e-9:
+                continue
+            g = np.minimum(g, np.ceil(thr / X - 1e-9))
+            parts = []
+            for d in range(n):
+                parts.append(
+                    PartitionPlan(
+                        first_block=int(cs.first[c, d]),
+                        last_block=int(cs.last[c, d]),
+                        gpu=cs.types[int(cs.gpu[c, d])],
+                        vgpu=int(cs.level[c, d]),
+                        count=int(g[d]),
+                        infer_us=float(cs.infer_us[c, d]),
+                        transfer_us=float(cs.transfer_us[c, d]),
+                        throughput_rps=float(X[d] * g[d]),
+                    )
+                )
+            pipes.append(
+                PipelinePlan(
+                    batch=int(cs.batch[c]),
+                    throughput_rps=thr,
+                    latency_us=float(cs.latency_us[c]),
+                    template=[cs.types[int(k)] for k in cs.gpu[c, :n]],
+                    partitions=parts,
+                )
+            )
+        pipes.sort(key=lambda p: (len(p.partitions), -p.throughput_rps))
+        out.append(
+            ModelPlan(
+                name=spec.name,
+                profile=spec.profile_ref or "",
+                slo_ms=spec.slo_ms,
+                weight=spec.weight,
+                throughput_rps=float(sum(p.throughput_rps for p in pipes)),
+                pipelines=pipes,
+            )
+        )
+    return out
+
+
+def gpus_needed(models: list[ModelPlan], types: list[str], gpu_rule: str) -> dict[str, int]:
+    """Physical GPUs per type that the pools need under a GPU rule (constraint 2)."""
+    used = {k: 0 for k in types}
+    if gpu_rule == "physical":
+        per_level: dict[tuple[str, int], int] = {}
+        for m in models:
+            for p in m.pipelines:
+                for part in p.partitions:
+                    per_level[(part.gpu, part.vgpu)] = per_level.get((part.gpu, part.vgpu), 0) + part.count
+        for (k, lv), cnt in per_level.items():
+            used[k] += math.ceil(cnt / lv)
+    else:
+        from fractions import Fraction
+
+        for m in models:
+            share: dict[tuple[int, str], Fraction] = {}
+            for p in m.pipelines:
+                for d, part in enumerate(p.partitions):
+                    share[(d, part.gpu)] = share.get((d, part.gpu), Fraction(0)) + Fraction(part.count, part.vgpu)
+            for (_d, k), s in share.items():
+                used[k] += math.ceil(s)
+    return used

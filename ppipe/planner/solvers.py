@@ -1,0 +1,251 @@
+"""Solver backends: HiGHS (default, through ``highspy``), CBC (PuLP's bundled binary), Gurobi.
+
+Each backend takes a :class:`~ppipe.planner.milp.Milp` and returns a :class:`SolveResult`;
+none prints. The status is read from the solver itself (not from a wrapper's summary) and
+mapped to one of ``optimal`` (proven within the gap), ``time_limit`` (stopped with a
+feasible solution), ``infeasible``, or an error:
+
+* no solution when the time limit struck: :class:`SolverTimeLimitError` (a UserError: the
+  fix is a longer limit);
+* the model is infeasible: ``status="infeasible"`` (the planner turns it into an
+  :class:`~ppipe.errors.InfeasibleError` that says why);
+* anything else: :class:`~ppipe.errors.SolverError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from ppipe.errors import NotAvailableError, SolverError, UserError
+from ppipe.planner.milp import Milp
+
+
+class SolverName(str, enum.Enum):
+    HIGHS = "highs"
+    CBC = "cbc"
+    GUROBI = "gurobi"
+
+
+class SolverTimeLimitError(UserError):
+    """The time limit struck before the solver found any plan."""
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """What a solver returns.
+
+    Attributes:
+        solver: backend name.
+        status: ``optimal`` | ``time_limit`` | ``infeasible``.
+        x: column values (None when infeasible).
+        objective: objective value of ``x``.
+        gap: relative MIP gap at the end (``inf`` when the backend does not report it).
+        seconds: solve time (not counting model building).
+    """
+
+    solver: str
+    status: str
+    x: np.ndarray | None
+    objective: float
+    gap: float
+    seconds: float
+
+
+def get_solver(name: str | SolverName) -> "Solver":
+    """The backend for a name: ``highs``, ``cbc`` or ``gurobi``."""
+    try:
+        key = SolverName(str(name).lower())
+    except ValueError:
+        raise UserError(
+            f"unknown solver '{name}'", fix=f"use one of: {', '.join(s.value for s in SolverName)} (option --solver)"
+        ) from None
+    return {SolverName.HIGHS: HighsSolver, SolverName.CBC: CbcSolver, SolverName.GUROBI: GurobiSolver}[key]()
+
+
+class Solver:
+    name = "base"
+
+    def solve(self, milp: Milp, *, time_limit_s: float | None = None, gap: float = 1e-4, threads: int | None = None) -> SolveResult:
+        raise NotImplementedError
+
+
+def _timeout(name: str, limit: float | None) -> SolverTimeLimitError:
+    return SolverTimeLimitError(
+        f"{name} found no plan within the time limit of {limit} s",
+        fix="raise --time-limit-s (or time_limit_s=), or simplify: fewer models, --max-partitions 2",
+    )
+
+
+class HighsSolver(Solver):
+    """HiGHS through highspy, the matrix passed directly (no modelling layer)."""
+
+    name = "highs"
+
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None):
+        import highspy
+
+        t0 = time.perf_counter()
+        col_lb, col_ub, integ, row_lb, row_ub, cost = milp.arrays()
+        start, index, value = milp.csc()
+        inf = highspy.kHighsInf
+        lp = highspy.HighsLp()
+        lp.num_col_ = milp.num_cols
+        lp.num_row_ = milp.num_rows
+        lp.col_cost_ = cost
+        lp.col_lower_ = col_lb
+        lp.col_upper_ = np.where(np.isinf(col_ub), inf, col_ub)
+        lp.row_lower_ = np.where(np.isinf(row_lb), -inf, row_lb)
+        lp.row_upper_ = np.where(np.isinf(row_ub), inf, row_ub)
+        lp.sense_ = highspy.ObjSense.kMaximize if milp.sense == "max" else highspy.ObjSense.kMinimize
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = start
+        lp.a_matrix_.index_ = index
+        lp.a_matrix_.value_ = value
+        lp.a_matrix_.num_col_ = milp.num_cols
+        lp.a_matrix_.num_row_ = milp.num_rows
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integ]
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("mip_rel_gap", float(gap))
+        if time_limit_s is not None:
+            h.setOptionValue("time_limit", float(time_limit_s))
+        if threads is not None:
+            h.setOptionValue("threads", int(threads))
+        h.passModel(lp)
+        h.run()
+        st = h.getModelStatus()
+        info = h.getInfo()
+        secs = time.perf_counter() - t0
+        MS = highspy.HighsModelStatus
+        has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        if st == MS.kInfeasible:
+            return SolveResult(self.name, "infeasible", None, math.nan, math.inf, secs)
+        if st in (MS.kUnbounded, MS.kUnboundedOrInfeasible):
+            raise SolverError(f"HiGHS: the model is {h.modelStatusToString(st)} (a planner bug: every variable is bounded)")
+        if st == MS.kModelEmpty:
+            return SolveResult(self.name, "optimal", np.zeros(milp.num_cols), 0.0, 0.0, secs)
+        x = np.array(h.getSolution().col_value) if has_sol else None
+        if st == MS.kOptimal and x is not None:
+            g = info.mip_gap if integ.any() else 0.0
+            return SolveResult(self.name, "optimal", x, float(info.objective_function_value), max(0.0, float(g)), secs)
+        if st in (MS.kTimeLimit, MS.kInterrupt, MS.kIterationLimit, MS.kSolutionLimit, MS.kObjectiveBound):
+            if x is None:
+                raise _timeout("HiGHS", time_limit_s)
+            g = float(info.mip_gap)
+            return SolveResult(self.name, "time_limit", x, float(info.objective_function_value), g if math.isfinite(g) else math.inf, secs)
+        raise SolverError(f"HiGHS ended with status '{h.modelStatusToString(st)}'")
+
+
+class CbcSolver(Solver):
+    """CBC, the binary bundled with PuLP (the model is rebuilt as a PuLP problem)."""
+
+    name = "cbc"
+
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None):
+        import pulp
+
+        t0 = time.perf_counter()
+        col_lb, col_ub, integ, row_lb, row_ub, cost = milp.arrays()
+        prob = pulp.LpProblem("ppipe", pulp.LpMaximize if milp.sense == "max" else pulp.LpMinimize)
+        xs = [
+            pulp.LpVariable(
+                f"x{j}",
+                lowBound=None if math.isinf(col_lb[j]) else col_lb[j],
+                upBound=None if math.isinf(col_ub[j]) else col_ub[j],
+                cat=pulp.LpInteger if integ[j] else pulp.LpContinuous,
+            )
+            for j in range(milp.num_cols)
+        ]
+        prob += pulp.LpAffineExpression([(xs[j], cost[j]) for j in np.nonzero(cost)[0]])
+        r, c, v = milp.coo()
+        order = np.argsort(r, kind="stable")
+        r, c, v = r[order], c[order], v[order]
+        bounds = np.searchsorted(r, np.arange(milp.num_rows + 1))
+        for i in range(milp.num_rows):
+            a, b = bounds[i], bounds[i + 1]
+            expr = pulp.LpAffineExpression([(xs[c[k]], v[k]) for k in range(a, b)])
+            if row_lb[i] == row_ub[i]:
+                prob += expr == row_lb[i]
+                continue
+            if not math.isinf(row_lb[i]):
+                prob += expr >= row_lb[i]
+            if not math.isinf(row_ub[i]):
+                prob += expr <= row_ub[i]
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=threads)
+        prob.solve(cmd)
+        secs = time.perf_counter() - t0
+        # sol_status: 1 optimal, 2 feasible (stopped early), 0 none found, -1 infeasible, -2 unbounded.
+        ss = prob.sol_status
+        if ss == pulp.LpSolutionInfeasible or prob.status == pulp.LpStatusInfeasible:
+            return SolveResult(self.name, "infeasible", None, math.nan, math.inf, secs)
+        if ss == pulp.LpSolutionNoSolutionFound:
+            raise _timeout("CBC", time_limit_s)
+        if ss not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            raise SolverError(f"CBC ended with status '{pulp.LpStatus.get(prob.status, prob.status)}'")
+        x = np.array([xj.varValue or 0.0 for xj in xs])
+        obj = float(cost @ x)
+        if ss == pulp.LpSolutionOptimal:
+            return SolveResult(self.name, "optimal", x, obj, 0.0, secs)
+        # PuLP does not pass CBC's bound back, so the gap of an early stop is unknown.
+        return SolveResult(self.name, "time_limit", x, obj, math.inf, secs)
+
+
+class GurobiSolver(Solver):
+    """Gurobi through gurobipy's matrix API; falls back to HiGHS if the licence refuses the model."""
+
+    name = "gurobi"
+
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None):
+        try:
+            import gurobipy as gp
+            from gurobipy import GRB
+        except ImportError:
+            raise NotAvailableError(
+                "the Gurobi solver needs gurobipy, which is not installed",
+                fix="pip install 'ppipe[gurobi]' (and a Gurobi licence), or use --solver highs",
+            ) from None
+        import scipy.sparse as sp
+
+        t0 = time.perf_counter()
+        col_lb, col_ub, integ, row_lb, row_ub, cost = milp.arrays()
+        r, c, v = milp.coo()
+        A = sp.csr_matrix((v, (r, c)), shape=(milp.num_rows, milp.num_cols))
+        try:
+            env = gp.Env(params={"OutputFlag": 0})
+            m = gp.Model("ppipe", env=env)
+            x = m.addMVar(milp.num_cols, lb=col_lb, ub=col_ub, vtype=np.where(integ, GRB.INTEGER, GRB.CONTINUOUS))
+            has_ub = ~np.isinf(row_ub)
+            has_lb = ~np.isinf(row_lb)
+            if has_ub.any():
+                m.addMConstr(A[has_ub], x, GRB.LESS_EQUAL, row_ub[has_ub])
+            if has_lb.any():
+                m.addMConstr(A[has_lb], x, GRB.GREATER_EQUAL, row_lb[has_lb])
+            m.setObjective(cost @ x, GRB.MAXIMIZE if milp.sense == "max" else GRB.MINIMIZE)
+            m.Params.MIPGap = gap
+            if time_limit_s is not None:
+                m.Params.TimeLimit = time_limit_s
+            if threads is not None:
+                m.Params.Threads = threads
+            m.optimize()
+        except gp.GurobiError as exc:
+            if getattr(exc, "errno", None) in (10009, 10010):  # no licence / size-limited licence
+                warnings.warn(f"Gurobi refused the model ({exc}); solving with HiGHS instead", stacklevel=2)
+                return HighsSolver().solve(milp, time_limit_s=time_limit_s, gap=gap, threads=threads)
+            raise SolverError(f"Gurobi failed: {exc}") from None
+        secs = time.perf_counter() - t0
+        st = m.Status
+        if st in (GRB.INFEASIBLE, GRB.INF_OR_UNBD):
+            return SolveResult(self.name, "infeasible", None, math.nan, math.inf, secs)
+        if st == GRB.OPTIMAL:
+            return SolveResult(self.name, "optimal", np.array(x.X), float(m.ObjVal), float(getattr(m, "MIPGap", 0.0) if integ.any() else 0.0), secs)
+        if st in (GRB.TIME_LIMIT, GRB.INTERRUPTED, GRB.SOLUTION_LIMIT, GRB.NODE_LIMIT):
+            if m.SolCount == 0:
+                raise _timeout("Gurobi", time_limit_s)
+            return SolveResult(self.name, "time_limit", np.array(x.X), float(m.ObjVal), float(m.MIPGap), secs)
+        raise SolverError(f"Gurobi ended with status code {st}")
