@@ -66,6 +66,7 @@ class BatchTrace:
     model: str
     route: list[str]
     request_ids: list[int]
+    dispatched_us: float = 0.0
     reports: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
 
@@ -240,7 +241,7 @@ class Runtime:
         import ray
 
         route = [s.vgpu_id for s in d.stages]
-        trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests])
+        trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.now_us())
         if self.keep_traces:
             self.traces.append(trace)
             del self.traces[: -self.keep_traces]

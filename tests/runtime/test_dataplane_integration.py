@@ -1,0 +1,175 @@
+"""The runtime with the data plane's real scheduler: serving, multi-node paths, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from ppipe.runtime.deploy import load_deployment, start_workers
+from ppipe.runtime.driver import Runtime
+from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
+from ppipe.runtime.server import BackgroundServer, create_app
+from ppipe.spec.cluster import load_cluster
+from tests.runtime.conftest import make_plan
+from tests.runtime.tinynet import reference, write_tinynet
+
+pytestmark = pytest.mark.ray
+
+TWO_NODES = """
+version: 1
+name: two-nodes
+bandwidth_efficiency: 1.0
+gpu_types:
+- {name: cpu, vgpu_levels: [1, 2]}
+servers:
+- {name: a, gpu_type: cpu, gpus_per_server: 1, count: 1, nic_bandwidth_gbps: 10, ray_resource: nodeA}
+- {name: b, gpu_type: cpu, gpus_per_server: 1, count: 1, nic_bandwidth_gbps: 10, ray_resource: nodeB}
+"""
+
+THREE_CPUS = """
+version: 1
+name: three-cpus
+bandwidth_efficiency: 1.0
+gpu_types:
+- {name: cpu, vgpu_levels: [1, 2]}
+servers:
+- {name: h, gpu_type: cpu, gpus_per_server: 3, count: 1, nic_bandwidth_gbps: 10}
+"""
+
+
+def _serve(plan, tmp_path, backend, cluster_file=None):
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    dep = load_deployment(path, cluster_file)
+    workers = start_workers(dep, backend=backend)
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, keep_traces=10_000)
+    return rt, workers, create_app(rt)
+
+
+def _kill_all(workers):
+    import ray
+
+    for h in workers.values():
+        ray.kill(h)
+
+
+def test_real_scheduler_serves_a_two_partition_plan(ray_cluster, tinynet, tmp_path):
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
+    rt, workers, app = _serve(plan, tmp_path, "ort")
+    xs = np.random.default_rng(2).normal(size=(8, 3, 8, 8)).astype(np.float32)
+    try:
+        with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+            body, headers = encode_infer_request({"input": xs}, binary=True)
+            r = c.post("/v2/models/tinynet/infer", content=body, headers=headers)
+            assert r.status_code == 200, r.text
+            got = decode_infer_response(r.content)["logits"]
+            np.testing.assert_allclose(got, reference(tinynet.directory, xs), rtol=2e-2, atol=2e-2)
+            stats = rt.scheduler.stats() if hasattr(rt.scheduler, "stats") else {}
+    finally:
+        _kill_all(workers)
+    assert all(t.error is None and len(t.reports) == 2 for t in rt.traces)
+    assert stats.get("dispatches", len(rt.traces)) == len(rt.traces)
+
+
+def test_batches_cross_nodes_along_reserved_paths(ray_cluster, tmp_path):
+    import ray
+
+    prof = write_tinynet(tmp_path / "m", base_us=2000.0)
+    cfile = tmp_path / "two-nodes.yaml"
+    cfile.write_text(TWO_NODES)
+    plan = make_plan(prof, load_cluster(cfile), [(0, 1, "cpu", 1, 1), (2, 2, "cpu", 1, 1)])
+    servers = {p.partition: p.server for p in plan.placement}
+    assert servers == {0: "a-0", 1: "b-0"}
+    node_of = {}
+    for n in ray.nodes():
+        if n["Alive"]:
+            for res in ("nodeA", "nodeB"):
+                if res in n["Resources"]:
+                    node_of[res] = n["NodeID"]
+    rt, workers, app = _serve(plan, tmp_path, "emulated", cfile)
+    try:
+        with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+            for _ in range(3):
+                body, headers = encode_infer_request({"input": np.zeros((4, 3, 8, 8), np.float32)})
+                r = c.post("/v2/models/tinynet/infer", content=body, headers=headers)
+                assert r.status_code == 200, r.text
+                assert decode_infer_response(r.content)["logits"].shape == (4, 5)
+    finally:
+        _kill_all(workers)
+    assert rt.traces
+    for t in rt.traces:
+        assert t.error is None
+        assert [r["node_id"] for r in t.reports] == [node_of["nodeA"], node_of["nodeB"]]
+        assert [r["vgpu_id"] for r in t.reports] == t.route
+
+
+def test_killed_worker_fails_its_requests_and_the_rest_keeps_serving(ray_cluster, tmp_path):
+    import ray
+
+    prof = write_tinynet(tmp_path / "m", base_us=4000.0)  # ~4-20 ms per stage: batches are in flight
+    cfile = tmp_path / "three.yaml"
+    cfile.write_text(THREE_CPUS)
+    plan = make_plan(prof, load_cluster(cfile), [(0, 1, "cpu", 1, 2), (2, 2, "cpu", 1, 1)], slo_ms=400.0)
+    pool0 = [p.vgpu_id for p in plan.placements_of("tinynet", 0, 0)]
+    victim = pool0[0]
+    rt, workers, app = _serve(plan, tmp_path, "emulated", cfile)
+    results: list[tuple[float, int, str]] = []
+    x = np.zeros((1, 3, 8, 8), np.float32)
+    body, headers = encode_infer_request({"input": x}, binary=True)
+
+    async def load(url: str, seconds: float, rate: float) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            async def one():
+                t = time.monotonic()
+                r = await c.post("/v2/models/tinynet/infer", content=body, headers=headers)
+                results.append((t, r.status_code, r.headers.get("ppipe-drop-reason", "")))
+
+            tasks = []
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                tasks.append(asyncio.create_task(one()))
+                await asyncio.sleep(1 / rate)
+            await asyncio.gather(*tasks)
+
+    killed_at = {}
+
+    def killer():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            busy = [t for t in list(rt.traces) if t.route[0] == victim and not t.reports and t.error is None]
+            if busy and time.monotonic() - start > 1.0:
+                killed_at["t"] = time.monotonic()
+                killed_at["clock_us"] = rt.clock.now_us()
+                ray.kill(workers[victim])
+                return
+            time.sleep(0.002)
+
+    try:
+        with BackgroundServer(app) as srv:
+            start = time.monotonic()
+            th = threading.Thread(target=killer)
+            th.start()
+            asyncio.run(load(srv.url, 4.0, 60.0))
+            th.join()
+            with httpx.Client(base_url=srv.url) as c:
+                ready = c.get("/v2/health/ready").status_code
+    finally:
+        _kill_all({k: v for k, v in workers.items() if k != victim})
+    assert "t" in killed_at, "the victim never had a batch in flight"
+    sent = len(results)
+    assert sent > 100 and all(code in (200, 503) for _, code, _ in results)  # every request answered
+    failed = [r for r in results if r[1] == 503]
+    assert any(reason == "worker-failed" for _, _, reason in failed), failed[:5]
+    # the scheduler learnt of the failure within a second, and routed nothing to it after
+    assert victim in rt.failed and rt.failed[victim] - killed_at["clock_us"] < 1e6
+    late = [t for t in rt.traces if victim in t.route and t.dispatched_us > rt.failed[victim]]
+    assert not late
+    # the rest keeps serving: requests sent a second after the kill succeed
+    after = [code for t, code, _ in results if t > killed_at["t"] + 1.0]
+    assert after and all(code == 200 for code in after)
+    assert ready == 200
