@@ -1,0 +1,191 @@
+"""``ppipe bench``: an open-loop load generator against a running ``ppipe serve``.
+
+Requests are sent at the arrival times of a Poisson, bursty (gamma) or trace-driven process
+(the simulator's generators, :mod:`ppipe.sim.arrivals`, so a bench and a simulation of the
+same seed see the same arrivals), whether or not earlier ones were answered. Latency is
+measured from a request's *scheduled* send time, so a client that falls behind shows up
+as latency rather than as a lower offered rate. A request attains its SLO when it is
+answered 200 within the model's SLO (from its metadata, or ``--slo-ms``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ppipe.errors import UserError
+from ppipe.runtime.protocol import DATATYPES, encode_infer_request
+
+
+@dataclass
+class BenchResult:
+    """Figures of one bench run. Latencies in ms; rates in requests/s."""
+
+    model: str
+    arrivals: str
+    offered_rps: float
+    duration_s: float
+    sent: int
+    ok: int
+    on_time: int
+    slo_ms: float
+    slo_attainment: float
+    goodput_rps: float
+    p50_ms: float | None
+    p99_ms: float | None
+    drops: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    client_lag_p99_ms: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self), default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def sample_input(meta: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
+    """One random sample (with a batch axis of 1) that fits the model's metadata."""
+    spec = meta["inputs"][0]
+    shape = [d for d in spec["shape"][1:]]
+    if any(d < 0 for d in shape) or not shape:
+        raise UserError(
+            f"model '{meta['name']}' does not declare its input shape (metadata: {spec['shape']})",
+            fix="profile the model with an input spec, or give --input-shape",
+        )
+    dtype = np.dtype(DATATYPES.get(spec["datatype"], "float32"))
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(1, *shape)).astype(dtype) if dtype.kind == "f" else rng.integers(0, 8, size=(1, *shape)).astype(dtype)
+    return {spec["name"]: x}
+
+
+def arrival_times_us(kind: str, rate_rps: float, duration_s: float, seed: int, trace: str | None = None, cv: float = 2.0) -> np.ndarray:
+    from ppipe.sim.arrivals import make_arrivals, read_trace
+
+    if kind == "trace" and trace is None:
+        raise UserError("--arrivals trace needs a trace file", fix="give --trace FILE")
+    trace_s = read_trace(trace) if kind == "trace" else None
+    return make_arrivals(kind, {"m": rate_rps}, duration_s * 1e6, seed, cv=cv, trace_s=trace_s)["m"]
+
+
+async def run_bench(
+    url: str,
+    model: str,
+    rate_rps: float,
+    duration_s: float,
+    arrivals: str = "poisson",
+    trace: str | None = None,
+    binary: bool = False,
+    seed: int = 0,
+    slo_ms: float | None = None,
+    token: str | None = None,
+    cv: float = 2.0,
+    input_shape: list[int] | None = None,
+    timeout_s: float = 60.0,
+) -> BenchResult:
+    """Drive ``url`` open loop; returns the figures (see :class:`BenchResult`)."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits) as client:
+        try:
+            r = await client.get(f"/v2/models/{model}")
+        except httpx.HTTPError as exc:
+            raise UserError(f"cannot reach {url}: {exc}", fix="start `ppipe serve` first, or fix the URL") from None
+        if r.status_code != 200:
+            raise UserError(f"{url}/v2/models/{model}: HTTP {r.status_code}: {r.text[:200]}", fix="check --model and --token")
+        meta = r.json()
+        if input_shape:
+            meta["inputs"][0]["shape"] = [-1, *input_shape]
+        slo = slo_ms or (meta.get("parameters") or {}).get("slo_ms")
+        if not slo:
+            raise UserError(f"model '{model}' does not state its SLO", fix="give --slo-ms")
+        body, req_headers = encode_infer_request(sample_input(meta, seed), binary=binary, binary_output=binary)
+        times_us = arrival_times_us(arrivals, rate_rps, duration_s, seed, trace, cv)
+        path = f"/v2/models/{model}/infer"
+        lat_ms: list[float] = []
+        lag_ms: list[float] = []
+        codes: dict[str, int] = {}
+        drops: dict[str, int] = {}
+        on_time = ok = 0
+
+        async def one(t_sched: float) -> None:
+            nonlocal on_time, ok
+            lag_ms.append((time.perf_counter() - t_sched) * 1e3)
+            try:
+                resp = await client.post(path, content=body, headers=req_headers)
+            except httpx.HTTPError as exc:
+                key = type(exc).__name__
+                codes[key] = codes.get(key, 0) + 1
+                return
+            dt_ms = (time.perf_counter() - t_sched) * 1e3
+            if resp.status_code == 200:
+                ok += 1
+                lat_ms.append(dt_ms)
+                on_time += int(dt_ms <= slo)
+            elif resp.status_code in (503, 504, 500) and resp.headers.get("ppipe-drop-reason"):
+                reason = resp.headers["ppipe-drop-reason"]
+                drops[reason] = drops.get(reason, 0) + 1
+            else:
+                key = f"HTTP {resp.status_code}"
+                codes[key] = codes.get(key, 0) + 1
+
+        tasks = []
+        t0 = time.perf_counter() + 0.05
+        for t in times_us:
+            t_sched = t0 + t / 1e6
+            delay = t_sched - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(t_sched)))
+        await asyncio.gather(*tasks)
+    sent = len(times_us)
+    return BenchResult(
+        model=model,
+        arrivals=arrivals,
+        offered_rps=rate_rps,
+        duration_s=duration_s,
+        sent=sent,
+        ok=ok,
+        on_time=on_time,
+        slo_ms=float(slo),
+        slo_attainment=on_time / sent if sent else 0.0,
+        goodput_rps=on_time / duration_s,
+        p50_ms=_percentile(lat_ms, 50),
+        p99_ms=_percentile(lat_ms, 99),
+        drops=drops,
+        errors=codes,
+        client_lag_p99_ms=_percentile(lag_ms, 99),
+    )
+
+
+def format_table(res: BenchResult) -> str:
+    """The figures as an aligned text table."""
+
+    def f(x, unit=""):
+        return "-" if x is None else (f"{x:.2f}{unit}" if isinstance(x, float) else f"{x}{unit}")
+
+    rows = [
+        ("model", res.model),
+        ("arrivals", f"{res.arrivals} at {res.offered_rps:g} req/s for {res.duration_s:g} s"),
+        ("sent / ok / on time", f"{res.sent} / {res.ok} / {res.on_time}"),
+        ("SLO attainment", f"{100 * res.slo_attainment:.2f} % (SLO {res.slo_ms:g} ms)"),
+        ("goodput", f(res.goodput_rps, " req/s")),
+        ("latency p50 / p99", f"{f(res.p50_ms)} / {f(res.p99_ms)} ms"),
+        ("drops", ", ".join(f"{k}: {v}" for k, v in sorted(res.drops.items())) or "0"),
+        ("other errors", ", ".join(f"{k}: {v}" for k, v in sorted(res.errors.items())) or "0"),
+        ("client lag p99", f"{f(res.client_lag_p99_ms)} ms"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+
+
+def to_json(res: BenchResult) -> str:
+    return json.dumps(res.as_dict(), indent=2, sort_keys=True)

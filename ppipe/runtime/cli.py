@@ -1,0 +1,110 @@
+"""``ppipe serve`` and ``ppipe bench``."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+
+import click
+
+from ppipe.errors import UserError
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class _NullClock:
+    """A clock for building a throw-away scheduler (validation only; never waits)."""
+
+    def now_us(self) -> float:
+        return 0.0
+
+    def call_at(self, t_us, fn):  # pragma: no cover - never called while validating
+        raise RuntimeError("validation clock cannot wait")
+
+
+@click.command("serve")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--cluster", default=None, help="Cluster YAML or built-in name; overrides the plan's 'cluster_file'/'cluster'.")
+@click.option("--ray-address", default=None, help="Ray cluster to join ('auto' or HOST:PORT); default: start a local Ray instance.")
+@click.option(
+    "--backend",
+    type=click.Choice(["ort", "tensorrt", "emulated"]),
+    default="ort",
+    show_default=True,
+    help="How workers run partitions: onnxruntime, TensorRT, or emulated (sleep for the profiled latency).",
+)
+@click.option("--policy", default="reservation", show_default=True, help="Data-plane policy (reservation | reactive).")
+@click.option("--max-queue", type=int, default=None, help="Admission control: bound on queued requests per model (data-plane option max_queue).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; use 0.0.0.0 to expose (with --token).")
+@click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")
+@click.option("--token", default=None, envvar="PPIPE_TOKEN", help="Bearer token required on every endpoint but health (env PPIPE_TOKEN).")
+@click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest request body accepted (413 above).")
+@click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
+def serve(plan_file, cluster, ray_address, backend, policy, max_queue, host, port, token, max_body_mb, num_cpus):
+    """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API."""
+    import uvicorn
+
+    from ppipe.runtime.deploy import load_deployment, start_workers
+    from ppipe.runtime.driver import Runtime, default_scheduler_factory
+    from ppipe.runtime.server import create_app
+
+    dep = load_deployment(plan_file, cluster)
+    options = {} if max_queue is None else {"max_queue": max_queue}
+    # build the scheduler once before starting anything: a bad policy, option or a plan
+    # that does not fit its profiles is a UserError now, not after the workers are up
+    default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options)
+    if not _is_loopback(host) and not token:
+        click.echo(f"warning: serving on {host} without --token: anyone who reaches this port can use it", err=True)
+    import ray
+
+    if ray_address:
+        ray.init(address=ray_address, include_dashboard=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False)
+    workers = start_workers(dep, backend=backend)
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, policy=policy, scheduler_options=options)
+    def shutdown():
+        for h in workers.values():
+            ray.kill(h)
+
+    app = create_app(rt, token=token, max_body_bytes=int(max_body_mb * 1024 * 1024), on_shutdown=shutdown)
+    click.echo(
+        f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
+        f"({len(workers)} vGPU workers, backend {backend}, policy {policy})"
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+@click.command("bench")
+@click.argument("url")
+@click.option("--model", required=True, help="Model name on the server.")
+@click.option("--rate", "rate_rps", required=True, type=float, help="Mean request rate, req/s.")
+@click.option("--duration-s", default=10.0, show_default=True, type=float, help="Length of the arrival window, s.")
+@click.option("--arrivals", type=click.Choice(["poisson", "bursty", "trace"]), default="poisson", show_default=True, help="Arrival process.")
+@click.option("--trace", type=click.Path(dir_okay=False), default=None, help="Trace file for --arrivals trace (Azure Functions CSV or timestamps).")
+@click.option("--cv", default=2.0, show_default=True, type=float, help="Coefficient of variation of gaps for --arrivals bursty.")
+@click.option("--binary/--json", default=False, show_default=True, help="Binary tensor extension or JSON tensors.")
+@click.option("--slo-ms", type=float, default=None, help="SLO to judge answers by (default: the model's, from its metadata).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the arrivals and the input.")
+@click.option("--token", default=None, envvar="PPIPE_TOKEN", help="Bearer token of the server.")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON to this file.")
+def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out):
+    """Open-loop load against URL (a `ppipe serve`): SLO attainment, goodput, p50/p99, drops."""
+    from ppipe.runtime.bench import format_table, run_bench, to_json
+
+    if rate_rps <= 0 or duration_s <= 0:
+        raise UserError("--rate and --duration-s must be positive")
+    res = asyncio.run(
+        run_bench(url, model, rate_rps, duration_s, arrivals=arrivals, trace=trace, binary=binary, seed=seed, slo_ms=slo_ms, token=token, cv=cv)
+    )
+    click.echo(format_table(res))
+    text = to_json(res)
+    click.echo(text)
+    if json_out:
+        with open(json_out, "w") as fh:
+            fh.write(text + "\n")
