@@ -362,7 +362,7 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
         try:
             bar = _progress(len(todo), f"{name} on {req.measure}", progress)
             for v, blk, b in todo:
-                lat = measure_fn(block_paths[blk], v, b)
+                lat = round(measure_fn(block_paths[blk], v, b), 3)  # as profile.csv stores it
                 key = (req.measure, v, b, blk)
                 table[key] = lat
                 writer.add(key, lat)
