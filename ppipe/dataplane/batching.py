@@ -360,11 +360,8 @@ class BatchingScheduler:
                 if r.finish <= head.deadline_us + EPS_US:
                     chosen = r
                     break
-            if k_min and (chosen is None or chosen.batch < min(k_min, p.batches[0])):
-                shed = self._shed_for_min_batch(p, k_min, now, out)
-                if shed is not None:
-                    self._dispatch(shed, [q.popleft() for _ in range(shed.batch)], out)
-                    continue
+            if k_min and self._shed_for_min_batch(p, chosen, k_min, now, out):
+                continue
             # Step 3: drop, wait or dispatch.
             if chosen is None:
                 out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"pipeline {p.index}: even batch {p.batches[-1]} finishes too late"))
@@ -394,20 +391,28 @@ class BatchingScheduler:
             self._dispatch(chosen, [q.popleft() for _ in range(chosen.batch)], out)
         return out
 
-    def _shed_for_min_batch(self, p: Pipeline, k_min: int, now: float, out: list[Decision]) -> ProbeResult | None:
-        """Optional overload fix (``min_batch_on_overload``): keep batches >= k by shedding the oldest."""
+    def _shed_for_min_batch(self, p: Pipeline, chosen: ProbeResult | None, k_min: int, now: float, out: list[Decision]) -> bool:
+        """Optional overload fix (``min_batch_on_overload``); True if it shed requests.
+
+        When the head's deadline only allows a batch smaller than ``bk`` (the largest usable
+        batch <= min(k, planned)) but a request arriving now could still ride a ``bk``
+        batch, the pipeline is backlogged: instead of spending it on a small batch, drop
+        the queued requests that a ``bk`` batch cannot serve in time, oldest first, and
+        start over (the next head then fits a batch >= bk, or waits for one).
+        """
+        cap = min(k_min, p.batches[0])
+        bk = next((b for b in p.batches if b <= cap), None)
+        if bk is None or (chosen is not None and chosen.batch >= bk):
+            return False
         q = self.queues[p.model]
-        bk = next((b for b in p.batches if b <= k_min), None)
-        if bk is None or len(q) < bk:
-            return None
         r = self.probe(p, bk, now)
-        if r.finish > q[bk - 1].deadline_us + EPS_US:
-            return None  # even the k-th request would be late: shedding would not help
-        while len(q) >= bk and q[0].deadline_us + EPS_US < r.finish:
-            out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"shed to keep batch {bk} (min_batch_on_overload)"))
-        if len(q) >= bk and r.finish <= q[0].deadline_us + EPS_US:
-            return r
-        return None
+        if r.finish > now + self.topology.slo_us[p.model] + EPS_US:
+            return False  # even a fresh request misses a bk batch: keep the paper's rule
+        shed = False
+        while q and q[0].deadline_us + EPS_US < r.finish:
+            out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"shed to keep batches >= {bk} (min_batch_on_overload)"))
+            shed = True
+        return shed
 
     # ---- reserve + dispatch --------------------------------------------------------
     def reserve(self, result: ProbeResult, batch_id: int) -> list[tuple[ReservationTable, tuple]]:

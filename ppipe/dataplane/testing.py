@@ -163,3 +163,34 @@ def toy_plan(cluster: ClusterSpec, models: Sequence[ToyModel]) -> Plan:
         models=mplans,
         placement=placement,
     )
+
+
+# The paper's Fig. 5: pool 1 = {node 1}, pool 2 = {node 2, node 3}, every GPU on its own
+# server. Block 0 takes 100 us, block 1 200 us at batch 1 (x1.5 at batch 2, x2.5 at 4);
+# the cut after block 0 is 10 kB per sample: 10 us per sample at 8 Gbit/s.
+FIG5_NODES = ("n-0/gpu0/s0", "n-1/gpu0/s0", "n-2/gpu0/s0")
+
+
+def fig5_world(slo_ms: float = 5.0, batch: int = 4, policy: str = "reservation", batches: Sequence[int] = (1, 2, 4), **options: Any):
+    """The Fig. 5 pipeline as (scheduler, ManualClock); ``options`` go to build_scheduler."""
+    from ppipe.dataplane import build_scheduler
+
+    cluster = toy_cluster([("n", "A", 1, 3, 8.0)])
+    prof = toy_profile("m", {"A": [100.0, 200.0]}, out_bytes=[10_000, 10], batches=batches)
+    plan = toy_plan(
+        cluster,
+        [
+            ToyModel(
+                "m",
+                slo_ms,
+                [
+                    ToyPipeline(
+                        batch,
+                        [ToyPartition(0, 0, "A", 1, [("n-0", 0, 0)]), ToyPartition(1, 1, "A", 1, [("n-1", 0, 0), ("n-2", 0, 0)])],
+                    )
+                ],
+            )
+        ],
+    )
+    clock = ManualClock()
+    return build_scheduler(plan, {"m": prof}, cluster, clock, policy=policy, **options), clock

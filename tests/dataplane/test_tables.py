@@ -1,0 +1,96 @@
+"""Reservation tables: gap filling, several resources at once, pruning, correction."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppipe.dataplane.tables import ReservationTable, earliest_slot
+
+
+def table(*intervals):
+    t = ReservationTable("r")
+    for s, e in intervals:
+        t.add(s, e - s, (s, e))
+    return t
+
+
+def test_earliest_fills_a_gap_that_is_long_enough():
+    t = table((10, 20), (30, 40), (60, 70))
+    assert t.earliest(0, 10) == 0  # fits before the first
+    assert t.earliest(0, 11) == 40  # 20..30 is too short; 40..60 fits
+    assert t.earliest(15, 5) == 20  # inside a reservation -> its end, and 20..25 is free
+    assert t.earliest(41, 19) == 41
+    assert t.earliest(41, 20) == 70  # appends after the last one
+
+
+def test_touching_intervals_are_not_overlaps():
+    t = table((10, 20))
+    assert t.earliest(0, 10) == 0
+    t.add(0, 10)
+    t.add(20, 5)
+    t.check()
+    with pytest.raises(ValueError, match="overlaps"):
+        t.add(19, 2)
+
+
+def test_two_resources_must_be_free_at_the_same_time():
+    up = table((0, 10), (25, 40))
+    down = table((12, 30))
+    # up free at 10..25 but down busy 12..30; down free from 30 but up busy until 40.
+    assert earliest_slot([up, down], 0, 5) == 40
+    assert earliest_slot([up, down], 0, 2) == 10  # 10..12 is free on both
+    assert earliest_slot([down, up], 0, 2) == 10  # order of the list does not matter
+
+
+def test_prune_drops_only_intervals_that_ended():
+    t = table((0, 10), (10, 20), (25, 30))
+    assert t.prune(10) == 1
+    assert [(s, e) for s, e, _ in t.intervals()] == [(10, 20), (25, 30)]
+    assert t.prune(24.9) == 1
+    assert t.earliest(0, 100) == 30
+
+
+def test_correct_late_end_pushes_later_reservations_back_in_cascade():
+    t = table((0, 10), (10, 20), (25, 30), (50, 60))
+    moved = t.correct((0, 10), 0, 18)
+    assert moved == 2
+    assert [(s, e) for s, e, _ in t.intervals()] == [(0, 18), (18, 28), (28, 33), (50, 60)]
+    t.check()
+
+
+def test_correct_early_end_frees_the_gap_and_trims_an_overlapped_predecessor():
+    t = table((0, 10), (20, 30))
+    t.correct((20, 30), 5, 12)  # ran early, right after a predecessor that ended at 5
+    assert [(s, e) for s, e, _ in t.intervals()] == [(0, 5), (5, 12)]
+    assert t.earliest(0, 10) == 12
+
+
+def test_correct_of_an_unknown_key_inserts_the_truth():
+    t = table((0, 10))
+    t.correct("ghost", 10, 15)
+    assert [(s, e) for s, e, _ in t.intervals()] == [(0, 10), (10, 15)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.lists(st.tuples(st.integers(0, 100), st.integers(1, 20)), max_size=8), min_size=1, max_size=3),
+    st.integers(0, 120),
+    st.integers(1, 30),
+)
+def test_earliest_slot_is_free_on_all_and_minimal(specs, t0, dur):
+    tables = []
+    for spec in specs:
+        tab = ReservationTable()
+        for s, d in spec:
+            if tab.earliest(s, d) == s:  # keep only non-overlapping intervals
+                tab.add(s, d)
+        tables.append(tab)
+
+    def free(t):
+        return all(not (s < t + dur and t < e) for tab in tables for s, e, _ in tab.intervals())
+
+    got = earliest_slot(tables, t0, dur)
+    assert got >= t0 and free(got)
+    # Minimal: the earliest free start is t0 or the end of some interval.
+    cands = sorted({t0} | {e for tab in tables for _s, e, _ in tab.intervals() if e >= t0})
+    assert got == next(c for c in cands if free(c))
