@@ -29,8 +29,9 @@ def _policies() -> list[str]:
 @click.option("--cluster", default=None, help="Cluster YAML or built-in name (overrides plan.yaml 'cluster_file' / 'cluster').")
 @click.option("--load", type=float, default=None, help="Load factor: 1.0 = each model's planned throughput_rps (plan.yaml models[].throughput_rps). Default 1.0.")
 @click.option("--sweep", is_flag=True, help="Find each model's largest load factor with attainment >= --target (1.0 down by 0.05, as the paper).")
-@click.option("--search", type=click.Choice(["scan", "bisect"]), default="scan", show_default=True,
-              help="Sweep order: 'scan' 1.0 down by 0.05 (the paper); 'bisect' over the same grid (fewer runs, assumes monotone attainment).")
+@click.option("--search", type=click.Choice(["scan", "bisect", "guided"]), default="scan", show_default=True,
+              help="Sweep order: 'scan' 1.0 down by 0.05 (the paper); 'bisect'/'guided' over the same grid "
+              "(fewer runs; assume attainment falls as load rises).")
 @click.option("--bisect-steps", type=int, default=0, show_default=True, help="After the sweep, halve the 0.05 step above each answer this many times.")
 @click.option("--target", type=float, default=0.99, show_default=True, help="Attainment target of the sweep.")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty", "trace"]), default=None,
@@ -42,13 +43,14 @@ def _policies() -> list[str]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of arrivals and jitter.")
 @click.option("--policy", default="reservation", show_default=True, help="Data-plane policy: reservation (the paper's) or reactive (per-pool baseline).")
 @click.option("--jitter-cv", type=float, default=0.0, show_default=True, help="CV of lognormal jitter on inference times (0 = exactly the profile).")
-@click.option("--no-feedback", is_flag=True, help="Workers do not report actual stage times to the scheduler.")
+@click.option("--feedback", type=click.Choice(["all", "changed", "none"]), default="all", show_default=True,
+              help="Which stages workers report to the scheduler: all (as the runtime), only those that differ from the plan (faster, same result), none.")
 @click.option("--rates-from", type=click.Path(dir_okay=False), default=None,
               help="Base rates (load 1.0) from this plan's models[].throughput_rps instead of PLAN.yaml's (drive systems at the same rates).")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG figures into this folder.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
 def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, arrivals, trace_file, cv, duration_s, seed,
-             policy, jitter_cv, no_feedback, rates_from, plot_dir, json_out) -> None:
+             policy, jitter_cv, feedback, rates_from, plot_dir, json_out) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
     from ppipe.sim.simulator import SimConfig
@@ -76,7 +78,7 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, arri
         if not Path(rates_from).is_file():
             raise UserError("reference plan not found", fix="give a plan.yaml for --rates-from", file=rates_from)
         rates = check_rates(plan, base_rates(load_plan(rates_from)), f"--rates-from {rates_from}")
-    config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=not no_feedback, policy=policy)
+    config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy)
     base = rates or base_rates(plan)
 
     if sweep:
@@ -125,24 +127,37 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _print_point(res, load: float, base: dict[str, float]) -> None:
+def _console():
     from rich.console import Console
+
+    con = Console()
+    # piped or captured output: do not squeeze tables into 80 columns
+    return con if con.is_terminal else Console(width=140)
+
+
+def _print_point(res, load: float, base: dict[str, float]) -> None:
     from rich.table import Table
 
     t = Table(title=f"load factor {load:g}, {res.duration_s:g} s of arrivals")
-    for col in ("model", "rate req/s", "requests", "attainment", "goodput req/s", "dropped", "late", "p50 ms", "p99 ms", "batches (size: n)", "drops (reason)"):
-        t.add_column(col)
+    for col in ("model", "offered/s", "requests", "attainment", "goodput/s", "dropped", "late", "p50 ms", "p99 ms"):
+        t.add_column(col, overflow="fold")
     rows = list(res.models.values()) + [res.overall]
+    extra = []
     for mm in rows:
         rate = sum(base.values()) * load if mm.model == "all" else base.get(mm.model, 0.0) * load
         t.add_row(
             mm.model, f"{rate:.1f}", str(mm.requests), _pct(mm.attainment), f"{mm.goodput_rps:.1f}", _pct(mm.drop_rate),
             _pct(mm.late_rate), _ms(mm.p50_latency_ms), _ms(mm.p99_latency_ms),
-            " ".join(f"{b}:{n}" for b, n in mm.batch_histogram.items()),
-            " ".join(f"{k}:{v}" for k, v in mm.drops_by_reason.items()) or "-",
         )
-    con = Console()
+        if mm.model != "all":
+            hist = " ".join(f"{b}:{n}" for b, n in mm.batch_histogram.items()) or "-"
+            drops = " ".join(f"{k}:{v}" for k, v in mm.drops_by_reason.items()) or "-"
+            where = " ".join(f"{k}:{v}" for k, v in mm.drops_by_where.items()) or "-"
+            extra.append(f"{mm.model}: batches (size:count) {hist}; drops {drops} (where: {where})")
+    con = _console()
     con.print(t)
+    for line in extra:
+        con.print(line, highlight=False)
     util = "  ".join(f"{g}: {100 * u:.1f}% ({100 * res.utilization_used.get(g, 0):.1f}% of used)" for g, u in res.utilization.items())
     con.print(f"utilization  {util}")
     ppd = "-" if res.probes_per_dispatch is None else f"{res.probes_per_dispatch:.2f}"
@@ -154,7 +169,6 @@ def _print_point(res, load: float, base: dict[str, float]) -> None:
 
 
 def _print_sweep(result, base: dict[str, float]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"largest load factor with attainment >= {100 * result.target:g} %")
@@ -164,4 +178,4 @@ def _print_sweep(result, base: dict[str, float]) -> None:
     for m, v in result.max_load.items():
         t.add_row(m, f"{base.get(m, 0):.1f}", "< 0.05" if v is None else f"{v:.3f}")
     t.add_row("mean", "", f"{result.mean_max_load:.3f}")
-    Console().print(t)
+    _console().print(t)

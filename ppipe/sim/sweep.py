@@ -19,6 +19,11 @@ model's answer that many times (one run per model and step).
 finds each model's highest passing grid point by bisection over the grid, each run
 informing every model. It agrees with the scan whenever attainment is monotone in the
 load; it needs ~5 runs instead of up to 20.
+
+``search="guided"`` is the bisection with a better next guess: a failing run at load
+``f`` where a model met a share ``a`` of its requests says its capacity is about ``a x f``,
+so the next run is at the grid point just below that (then one step up, to confirm).
+Same answer as ``bisect`` under the same assumption, usually in 3-4 runs.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ DEFAULT_TARGET = 0.99
 class Search(str, enum.Enum):
     SCAN = "scan"
     BISECT = "bisect"
+    GUIDED = "guided"
 
 
 def load_inputs(plan_path: str | Path, cluster: str | Path | None = None) -> tuple[Plan, dict[str, ModelProfile], ClusterSpec]:
@@ -214,13 +220,20 @@ def sweep(
             open_ = [m for m in names if hi[m] - lo[m] > 1]
             if not open_:
                 break
-            # test 1.0 first (a plan that holds at full load resolves at once), then the
-            # middle of the widest open interval
+            # test 1.0 first (a plan that holds at full load resolves at once), then inside
+            # the widest open interval
             if grid[-1] not in points:
                 i = len(grid) - 1
             else:
                 m = max(open_, key=lambda m: (hi[m] - lo[m], -names.index(m)))
                 i = (lo[m] + hi[m]) // 2
+                if search is Search.GUIDED and hi[m] < len(grid):
+                    f_fail = grid[hi[m]]
+                    capacity = points[round(f_fail, 6)].models[m].attainment * f_fail
+                    guess = int(math.floor(capacity / GRID_STEP + 1e-9)) - 1  # grid[i] = (i + 1) * step
+                    i = min(max(guess, lo[m] + 1), hi[m] - 1)
+                    if round(grid[i], 6) in points:
+                        i = (lo[m] + hi[m]) // 2
             res = at(grid[i])
             for m in names:
                 if ok(res, m):

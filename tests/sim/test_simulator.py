@@ -125,7 +125,7 @@ def test_no_feedback_means_no_reports(tiny):
         seen.append(FakeScheduler(p, pr, c, clock))
         return seen[-1]
 
-    simulate(plan, profiles, cluster, {"tiny": np.array([0.0, 10.0])}, SimConfig(duration_s=0.01, feedback=False), factory)
+    simulate(plan, profiles, cluster, {"tiny": np.array([0.0, 10.0])}, SimConfig(duration_s=0.01, feedback="none"), factory)
     assert seen[0].reports == []
 
 

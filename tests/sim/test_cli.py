@@ -1,0 +1,87 @@
+"""`ppipe simulate`: a run from files on disk with the real data plane, and its exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from sim_fakes import tiny_cluster, tiny_plan, tiny_profile
+
+from ppipe.cli import main
+
+
+@pytest.fixture
+def plan_dir(tmp_path: Path) -> Path:
+    tiny_profile().save(tmp_path / "models" / "tiny")
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(tiny_cluster().model_dump(mode="json")))
+    plan = tiny_plan(profile_path="models/tiny").model_copy(update={"cluster_file": "cluster.yaml"})
+    plan.save(tmp_path / "plan.yaml")
+    return tmp_path
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, ["simulate", *map(str, args)])
+
+
+def test_one_point_with_json_and_plots(plan_dir, tmp_path):
+    out = tmp_path / "r.json"
+    figs = tmp_path / "figs"
+    r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--json", out, "--plot", figs)
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["load"] == 0.3 and data["overall"]["attainment"] == 1.0
+    assert data["overall"]["requests"] == data["overall"]["ok"] > 300
+    assert data["anomaly_count"] == 0
+    assert (figs / "timeline.png").stat().st_size > 1000 and (figs / "utilization.png").exists()
+    assert "attainment" in r.output
+
+
+def test_sweep_writes_the_attainment_curve(plan_dir, tmp_path):
+    figs = tmp_path / "figs"
+    r = invoke(plan_dir / "plan.yaml", "--sweep", "--search", "guided", "--duration-s", 0.5, "--plot", figs, "--policy", "reactive")
+    assert r.exit_code == 0, r.output
+    assert "largest load factor" in r.output and (figs / "attainment_vs_load.png").exists()
+
+
+def test_rates_from_another_plan(plan_dir, tmp_path):
+    other = tiny_plan(profile_path="models/tiny").model_copy(update={"models": [tiny_plan().models[0].model_copy(update={"throughput_rps": 100.0})]})
+    other.save(plan_dir / "other.yaml")
+    out = tmp_path / "r.json"
+    r = invoke(plan_dir / "plan.yaml", "--load", 1.0, "--duration-s", 2, "--rates-from", plan_dir / "other.yaml", "--json", out)
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["overall"]["offered_rps"] == pytest.approx(100, rel=0.2)
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--load", "0.5", "--sweep"], "exclude each other"),
+        (["--policy", "fifo"], "unknown --policy"),
+        (["--arrivals", "trace"], "needs --trace"),
+        (["--load", "-1"], "load factor must be > 0"),
+        (["--duration-s", "0"], "duration must be > 0"),
+        (["--cluster", "no-such-cluster"], "no such cluster"),
+        (["--arrivals", "bursty", "--cv", "0"], "cv"),
+    ],
+)
+def test_bad_input_exits_2(plan_dir, extra, match):
+    r = invoke(plan_dir / "plan.yaml", *extra)
+    assert r.exit_code == 2, r.output
+    assert match in r.output
+
+
+def test_missing_plan_and_bad_profile_exit_2(plan_dir, tmp_path):
+    r = invoke(tmp_path / "nope.yaml")
+    assert r.exit_code == 2 and "plan file not found" in r.output
+    data = yaml.safe_load((plan_dir / "plan.yaml").read_text())
+    data["models"][0]["profile"] = "models/missing"
+    (plan_dir / "bad.yaml").write_text(yaml.safe_dump(data))
+    r = invoke(plan_dir / "bad.yaml")
+    assert r.exit_code == 2 and "models/missing" in r.output
+    data["models"][0]["profil"] = data["models"][0].pop("profile")
+    (plan_dir / "typo.yaml").write_text(yaml.safe_dump(data))
+    r = invoke(plan_dir / "typo.yaml")
+    assert r.exit_code == 2 and "profile" in r.output

@@ -1,0 +1,86 @@
+"""Load sweeps: the search finds each model's largest grid load with attainment >= target."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+from sim_fakes import FakeScheduler
+
+from ppipe.sim.simulator import SimConfig
+from ppipe.sim.sweep import base_rates, run_point, sweep
+
+sweep_mod = importlib.import_module("ppipe.sim.sweep")  # the package re-exports a function of the same name
+
+
+def _fake_point(thresholds: dict[str, float], calls: list):
+    """run_point stand-in: a model meets 100 % up to its threshold, then ~capacity/load."""
+
+    def fake(plan, profiles, cluster, load, **kw):
+        calls.append(load)
+        models = {}
+        for m, cap in thresholds.items():
+            att = 1.0 if load <= cap + 1e-9 else min(0.985, (cap + 0.02) / load)
+            models[m] = SimpleNamespace(attainment=att)
+        return SimpleNamespace(models=models)
+
+    return fake
+
+
+@pytest.mark.parametrize("search", ["scan", "bisect", "guided"])
+def test_search_finds_the_threshold_per_model(monkeypatch, tiny, search):
+    plan, profiles, cluster = tiny
+    thresholds = {"tiny": 0.65}
+    calls: list = []
+    monkeypatch.setattr(sweep_mod, "run_point", _fake_point(thresholds, calls))
+    res = sweep(plan, profiles, cluster, search=search)
+    assert res.max_load == {"tiny": 0.65}
+    assert len(calls) == len(set(calls))  # no load simulated twice
+    if search == "scan":
+        assert calls == [round(1.0 - 0.05 * i, 4) for i in range(8)]  # 1.0 down to 0.65
+    if search == "guided":
+        assert len(calls) <= 4
+
+
+def test_several_models_and_none_passing(monkeypatch, tiny):
+    plan, profiles, cluster = tiny
+    thresholds = {"a": 1.0, "b": 0.3, "c": 0.0}
+    for search in ("scan", "bisect", "guided"):
+        calls: list = []
+        monkeypatch.setattr(sweep_mod, "run_point", _fake_point(thresholds, calls))
+        plan2 = plan.model_copy(update={"models": [plan.models[0].model_copy(update={"name": n}) for n in thresholds]})
+        res = sweep(plan2, profiles, cluster, search=search)
+        assert res.max_load == {"a": 1.0, "b": 0.3, "c": None}, search
+        assert res.mean_max_load == pytest.approx(1.3 / 3)
+
+
+def test_bisect_steps_refine_below_the_grid(monkeypatch, tiny):
+    plan, profiles, cluster = tiny
+    calls: list = []
+    monkeypatch.setattr(sweep_mod, "run_point", _fake_point({"tiny": 0.67}, calls))
+    res = sweep(plan, profiles, cluster, search="guided", bisect_steps=2)
+    assert res.max_load["tiny"] == pytest.approx(0.6625)  # 0.65 + 0.0125: within 0.0125 of 0.67
+
+
+def test_real_runs_on_the_tiny_plan(tiny):
+    plan, profiles, cluster = tiny
+    fake = lambda p, pr, c, clock: FakeScheduler(p, pr, c, clock)  # noqa: E731
+    cfg = SimConfig(duration_s=1.0)
+    low = run_point(plan, profiles, cluster, 0.2, config=cfg, scheduler_factory=fake)
+    assert low.attainment == 1.0
+    assert low.overall.offered_rps == pytest.approx(0.2 * base_rates(plan)["tiny"], rel=0.1)
+    # explicit rates (another plan's) replace the plan's own
+    other = run_point(plan, profiles, cluster, 0.5, rates_rps={"tiny": 100.0}, config=cfg, scheduler_factory=fake)
+    assert other.overall.offered_rps == pytest.approx(50, rel=0.3)
+    res = sweep(plan, profiles, cluster, config=cfg, scheduler_factory=fake, search="scan")
+    assert res.max_load["tiny"] is not None and 0.3 <= res.max_load["tiny"] < 1.0
+    assert all(r.models["tiny"].attainment < 0.99 for f, r in res.points.items() if f > res.max_load["tiny"])
+
+
+def test_missing_rate_is_a_user_error(tiny):
+    from ppipe.errors import UserError
+
+    plan, profiles, cluster = tiny
+    with pytest.raises(UserError, match="no rate"):
+        run_point(plan, profiles, cluster, 1.0, rates_rps={"other": 1.0})
