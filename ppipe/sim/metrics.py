@@ -67,6 +67,8 @@ class SimResult:
     events: int
     wall_s: float
     sim_s_per_wall_s: float
+    cpu_s: float
+    sim_s_per_cpu_s: float
     anomalies: list[str]
     anomaly_count: int
     records: list[RequestRecord] = field(default_factory=list, repr=False)
@@ -142,7 +144,7 @@ def utilization(vgpus: dict, gpu_counts: dict[str, int], window_us: float) -> tu
     return all_gpus, used_gpus
 
 
-def summarize(sim, wall_s: float) -> SimResult:
+def summarize(sim, wall_s: float, cpu_s: float | None = None) -> SimResult:
     """Summarize a finished :class:`~ppipe.sim.simulator.Simulator`."""
     dur = sim.config.duration_s
     by_model: dict[str, list[RequestRecord]] = {m.name: [] for m in sim.plan.models}
@@ -156,7 +158,9 @@ def summarize(sim, wall_s: float) -> SimResult:
     util, util_used = utilization(sim.vgpus, sim.cluster.gpu_counts, sim.window_us)
     dispatches = len(sim.batches)
     probes = _probe_count(sim.scheduler)
-    sim_s = max(sim.clock.now_us(), sim.window_us) / 1e6
+    # simulated time = the arrival window (the drain after it is bookkeeping, not load)
+    sim_s = sim.window_us / 1e6
+    cpu_s = wall_s if cpu_s is None else cpu_s
     return SimResult(
         duration_s=dur,
         models=models,
@@ -170,6 +174,8 @@ def summarize(sim, wall_s: float) -> SimResult:
         events=sim.loop.processed,
         wall_s=wall_s,
         sim_s_per_wall_s=sim_s / wall_s if wall_s > 0 else math.inf,
+        cpu_s=cpu_s,
+        sim_s_per_cpu_s=sim_s / cpu_s if cpu_s > 0 else math.inf,
         anomalies=list(sim.anomalies),
         anomaly_count=sim.anomaly_count,
         records=sim.records,

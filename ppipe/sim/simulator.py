@@ -578,7 +578,7 @@ def simulate(
     """
     from ppipe.sim.metrics import summarize
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     sim = Simulator(plan, profiles, cluster, config, scheduler_factory).run(arrivals_us)
-    wall_s = time.perf_counter() - t0
-    return summarize(sim, wall_s=wall_s)
+    wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    return summarize(sim, wall_s=wall_s, cpu_s=cpu_s)

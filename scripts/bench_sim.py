@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""Benchmark the simulator and the data plane it drives.
+
+1. **Dispatch time** on a 100-GPU plan (HC2-L, model group G1 by default, PPipe paper
+   formulation): the wall time of each scheduler call that dispatched, divided by the
+   batches it dispatched (median and p99, us), and probe() calls per dispatch (the
+   scheduler's own counter). Target: median <= 50 us (the paper: 3.58 probes, < 9 us in Java).
+2. **Simulation speed** at load 1.0 on HC1-L: simulated seconds per wall second, for the
+   group and for one model alone (target >= 10), with the share of wall time spent inside
+   the scheduler.
+
+Timings depend on the machine and its load: run it on a quiet machine and report the
+figures as measured there. Uses the PPipe artifact (``--artifact`` or PPIPE_ARTIFACT).
+
+    python scripts/bench_sim.py [--duration-s 10] [--group G1] [--single efficientnet-b8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_ARTIFACT = Path(os.environ.get("PPIPE_ARTIFACT", REPO.parent / "shared" / "data" / "ppipe-artifact"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reproduce_fig6 import GROUPS, WEIGHTS, _plan, resolve  # noqa: E402
+
+
+class TimedScheduler:
+    """Wraps a scheduler: records the wall time of every call and how many batches it dispatched."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.per_dispatch_us: list[float] = []
+        self.total_s = 0.0
+
+    def _timed(self, fn, *a):
+        from ppipe.dataplane.api import Dispatch
+
+        t0 = time.perf_counter()
+        out = fn(*a)
+        dt = time.perf_counter() - t0
+        self.total_s += dt
+        n = sum(1 for d in out if isinstance(d, Dispatch))
+        if n:
+            self.per_dispatch_us.extend([dt * 1e6 / n] * n)
+        return out
+
+    def submit(self, r):
+        return self._timed(self.inner.submit, r)
+
+    def wake(self):
+        return self._timed(self.inner.wake)
+
+    def report(self, rep):
+        return self._timed(self.inner.report, rep)
+
+    def mark_failed(self, v):
+        return self._timed(self.inner.mark_failed, v)
+
+    def stats(self):
+        return self.inner.stats()
+
+
+def _run(plan, profiles, cluster, duration_s, seed, policy="reservation"):
+    from ppipe.dataplane import build_scheduler
+    from ppipe.sim import SimConfig, run_point
+
+    box = {}
+
+    def factory(p, pr, c, clock):
+        box["s"] = TimedScheduler(build_scheduler(p, pr, c, clock, policy=policy))
+        return box["s"]
+
+    cfg = SimConfig(duration_s=duration_s, seed=seed, feedback="changed", policy=policy)
+    res = run_point(plan, {p.name: p for p in profiles}, cluster, 1.0, config=cfg, scheduler_factory=factory)
+    return res, box["s"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--artifact", default=str(DEFAULT_ARTIFACT))
+    ap.add_argument("--group", default="G1", choices=list(GROUPS))
+    ap.add_argument("--single", default="efficientnet-b8", help="model for the one-model speed figure")
+    ap.add_argument("--duration-s", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    artifact = Path(args.artifact)
+    if not (artifact / "block-timing").is_dir():
+        print(f"PPipe artifact not found at {artifact}", file=sys.stderr)
+        return 2
+    from ppipe.spec.artifact import load_artifact_model
+    from ppipe.spec.cluster import load_cluster
+
+    group = [load_artifact_model(artifact, resolve(artifact, s)) for s in GROUPS[args.group]]
+
+    print(f"== dispatch time on a 100-GPU plan (HC2-L, {args.group}, load 1.0, {args.duration_s:g} s) ==")
+    hc2 = load_cluster("HC2-L")
+    plan = _plan(hc2, group, "ppipe", 0.4, 2, WEIGHTS["poisson"])
+    vgpus = len(plan.placement)
+    res, sched = _run(plan, group, hc2, args.duration_s, args.seed)
+    d = sorted(sched.per_dispatch_us)
+    print(f"vGPUs in the plan: {vgpus}; dispatches: {len(d)}; attainment {100 * res.attainment:.2f} %")
+    print(f"dispatch time: median {statistics.median(d):.1f} us, p99 {d[int(0.99 * (len(d) - 1))]:.1f} us (target median <= 50 us)")
+    print(f"probes per dispatch: {res.probes_per_dispatch:.2f} (paper: 3.58)")
+
+    hc1 = load_cluster("HC1-L")
+    for label, profs, weights in ((args.group, group, WEIGHTS["poisson"]), (args.single, [load_artifact_model(artifact, resolve(artifact, args.single))], None)):
+        plan = _plan(hc1, profs, "ppipe", 0.4, 2, weights)
+        res, sched = _run(plan, profs, hc1, args.duration_s, args.seed)
+        share = sched.total_s / res.wall_s if res.wall_s else float("nan")
+        rate = sum(m.throughput_rps for m in plan.models)
+        print(f"\n== simulation speed, HC1-L, {label}, load 1.0 ({rate:.0f} req/s offered, {args.duration_s:g} s) ==")
+        print(f"{res.sim_s_per_wall_s:.1f} simulated s per wall s ({res.wall_s:.2f} s wall, {res.events} events, "
+              f"{res.events / res.wall_s / 1e3:.0f} k events/s); target >= 10")
+        print(f"{res.sim_s_per_cpu_s:.1f} simulated s per CPU s of this process ({res.cpu_s:.2f} s CPU: differs from wall "
+              f"when other processes share the cores); scheduler calls {100 * share:.0f} % of wall time")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
