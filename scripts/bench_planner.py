@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Planner benchmark on the PPipe artifact: objective, status, gap and seconds per case.
+
+Cases (PLANNING_MODEL.md):
+  main      24 cases: groups G1..G6 x HC1..HC4-L, weights 0.30/0.33/0.37, the paper's
+            formulation (ppipe-atc25), 2 partitions.
+  ablation  18 single-model cases: L4 + T4 (25/75, HC2-L), 3 partitions, margin 0.1.
+  four      a 4-GPU-type cluster (L4, T4, V100, P4, 25 each) with 3 models (G1..G6).
+  gain      ppipe's default formulation (physical packing, several configurations per
+            template) on the 24 main cases, and its gain over the paper's in %.
+
+Times are wall-clock for one ``ppipe.plan(...)`` call: model building, the NP plan for
+the batch-build estimate, solving and extraction included (profiles are loaded once,
+in memory, from the artifact). Usage::
+
+    python scripts/bench_planner.py                      # everything
+    python scripts/bench_planner.py --suite main --groups G1,G2 --clusters HC2-L
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import ppipe  # noqa: E402
+from ppipe.spec.artifact import load_artifact_model  # noqa: E402
+from ppipe.spec.cluster import ClusterSpec, GpuType, ServerGroup  # noqa: E402
+
+GROUPS = {
+    "G1": ["efficientnet-b8_3rdparty_8xb32-aa-advprop_in1k", "encnet_r101-d8_4xb2-40k_cityscapes-512x1024", "rtmdet_x_8xb32-300e_coco"],
+    "G2": ["colorization-v2", "googlenet-v3-pytorch", "repvgg-b3"],
+    "G3": ["apcnet_r101-d8_4xb2-40k_cityscapes-512x1024", "atss_r101_fpn_1x_coco", "gcnet_r101-d8_4xb2-40k_cityscapes-512x1024"],
+    "G4": ["fcn-d6_r101-d16_4xb2-40k_cityscapes-512x1024", "gfl_x101-32x4d_fpn_ms-2x_coco", "wide_resnet101_2"],
+    "G5": ["centernet-update_r50-caffe_fpn_ms-1x_coco", "convnext_large", "dnl_r101-d8_4xb2-40k_cityscapes-512x1024"],
+    "G6": ["fsaf_r101_fpn_1x_coco", "nonlocal_r101-d8_4xb2-40k_cityscapes-512x1024", "tf_efficientdet_d1"],
+}
+CLUSTERS = ["HC1-L", "HC2-L", "HC3-L", "HC4-L"]
+WEIGHTS = [0.30, 0.33, 0.37]
+
+
+def four_type_cluster() -> ClusterSpec:
+    return ClusterSpec(
+        name="HC-4types",
+        bandwidth_efficiency=0.2,
+        gpu_types=[GpuType(name="L4", vgpu_levels=[1, 2, 3, 4]), GpuType(name="T4", vgpu_levels=[1, 2, 3, 4]),
+                   GpuType(name="V100", vgpu_levels=[1, 2, 3, 4]), GpuType(name="P4", vgpu_levels=[1])],
+        servers=[
+            ServerGroup(name="l4", gpu_type="L4", gpus_per_server=1, count=25, nic_bandwidth_gbps=50),
+            ServerGroup(name="t4", gpu_type="T4", gpus_per_server=1, count=25, nic_bandwidth_gbps=50),
+            ServerGroup(name="v100", gpu_type="V100", gpus_per_server=1, count=25, nic_bandwidth_gbps=50),
+            ServerGroup(name="p4", gpu_type="P4", gpus_per_server=1, count=25, nic_bandwidth_gbps=50),
+        ],
+    )
+
+
+def run_case(label: str, cluster, profiles, rows: list, **kw) -> dict:
+    t0 = time.perf_counter()
+    plan = ppipe.plan(cluster, profiles, **kw)
+    secs = time.perf_counter() - t0
+    s = plan.solver
+    row = dict(case=label, objective=s.objective, status=s.status, gap=s.gap, seconds=secs, columns=s.columns)
+    rows.append(row)
+    print(f"{label:<44} {s.objective:>10.2f} {s.status:>10} {s.gap * 100:>7.3f}% {secs:>7.2f}s {s.columns:>6}", flush=True)
+    return row
+
+
+def header(title: str) -> None:
+    print(f"\n== {title}")
+    print(f"{'case':<44} {'objective':>10} {'status':>10} {'gap':>8} {'seconds':>8} {'cols':>6}")
+
+
+def summary(rows: list, target: str = "") -> None:
+    if not rows:
+        return
+    t = [r["seconds"] for r in rows]
+    n_opt = sum(r["status"] == "optimal" and r["gap"] <= 1e-3 for r in rows)
+    print(f"-- {len(rows)} cases: proven optimal (gap <= 0.1 %) {n_opt}/{len(rows)}; "
+          f"median {statistics.median(t):.3f} s, max {max(t):.3f} s {target}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact", default=str(REPO.parent / "shared" / "data" / "ppipe-artifact"), help="PPipe artifact folder.")
+    ap.add_argument("--suite", action="append", choices=["main", "ablation", "four", "gain"], help="Suites to run (repeatable; default all).")
+    ap.add_argument("--groups", default=",".join(GROUPS), help="Model groups for main/gain/four, e.g. G1,G2.")
+    ap.add_argument("--clusters", default=",".join(CLUSTERS), help="Clusters for main/gain.")
+    ap.add_argument("--models", default=None, help="Models for the ablation (comma-separated; default the 18 of model_list.txt).")
+    ap.add_argument("--solver", default="highs", help="highs | cbc | gurobi.")
+    ap.add_argument("--time-limit-s", type=float, default=120.0, help="Solver time limit per case.")
+    ap.add_argument("--gap", type=float, default=1e-4, help="Relative MIP gap at which to stop.")
+    args = ap.parse_args(argv)
+    suites = args.suite or ["main", "ablation", "four", "gain"]
+    art = Path(args.artifact)
+    if not (art / "block-timing").is_dir():
+        print(f"PPipe artifact not found at {art} (--artifact)", file=sys.stderr)
+        return 2
+    groups = [g for g in args.groups.split(",") if g]
+    clusters = [c for c in args.clusters.split(",") if c]
+    cache: dict[str, object] = {}
+
+    def prof(name):
+        if name not in cache:
+            cache[name] = load_artifact_model(art, name)
+        return cache[name]
+
+    common = dict(solver=args.solver, time_limit_s=args.time_limit_s, gap=args.gap)
+    paper_obj: dict[str, float] = {}
+    if "main" in suites or "gain" in suites:
+        header("main: paper formulation (ppipe-atc25), 2 partitions, weights 0.30/0.33/0.37")
+        rows: list = []
+        for g in groups:
+            for c in clusters:
+                r = run_case(f"{g} {c}", c, [prof(n) for n in GROUPS[g]], rows,
+                             formulation="ppipe-atc25", max_partitions=2, weights=WEIGHTS, **common)
+                paper_obj[f"{g} {c}"] = r["objective"]
+        summary(rows, "(targets: median <= 0.25 s, max <= 2 s)")
+    if "gain" in suites:
+        header("gain: ppipe default formulation (physical packing, many configurations per template), same cases")
+        rows = []
+        gains = []
+        for g in groups:
+            for c in clusters:
+                r = run_case(f"{g} {c}", c, [prof(n) for n in GROUPS[g]], rows, formulation="ppipe-atc25",
+                             gpu_rule="physical", configs_per_template="many", max_partitions=2, weights=WEIGHTS, **common)
+                base = paper_obj[f"{g} {c}"]
+                gains.append(100.0 * (r["objective"] / base - 1.0) if base > 0 else 0.0)
+        summary(rows)
+        if gains:
+            print(f"-- gain over the paper's formulation: min {min(gains):.2f} %, mean {statistics.mean(gains):.2f} %, "
+                  f"max {max(gains):.2f} %")
+    if "ablation" in suites:
+        header("ablation: one model on HC2-L (L4 + T4, 25/75), 3 partitions, margin 0.1, paper formulation")
+        names = args.models.split(",") if args.models else (art / "model_list.txt").read_text().split()
+        rows = []
+        for n in names:
+            run_case(n[:44], "HC2-L", [prof(n)], rows, formulation="ppipe-atc25", max_partitions=3, margin=0.1, **common)
+        summary(rows, "(target: each proven optimal in <= 20 s)")
+    if "four" in suites:
+        header("four GPU types (L4, T4, V100, P4; 25 each), 3 models, paper formulation, 2 partitions")
+        cl = four_type_cluster()
+        rows = []
+        for g in groups:
+            run_case(f"{g} 4-types", cl, [prof(n) for n in GROUPS[g]], rows, formulation="ppipe-atc25",
+                     max_partitions=2, weights=WEIGHTS, **common)
+        summary(rows, "(target: <= 10 s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
