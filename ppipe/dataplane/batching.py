@@ -254,6 +254,8 @@ class BatchingScheduler:
         part = report.partition
         if g is not None:
             self.counters.cascaded += g.table.correct((report.batch_id, part, "i"), report.start_us, report.end_us)
+            if g.alive and g.pool is not None:
+                g.pool.touch(g)  # it may be free earlier than the pool's idle-heap thinks
         if rec is not None and 0 <= part < len(rec.hops):
             hop = rec.hops[part]
             later = report.end_us > rec.stage_end[part] + EPS_US

@@ -23,6 +23,7 @@ value per GPU type; per server is finer where groups differ).
 
 from __future__ import annotations
 
+import heapq
 from typing import Mapping
 
 from ppipe.dataplane.api import downlink, uplink, vgpu_resource
@@ -33,10 +34,13 @@ from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
 
 
+_NEG_INF = float("-inf")
+
+
 class VGpu:
     """One placed vGPU. ``alive`` turns False on mark_failed."""
 
-    __slots__ = ("id", "server", "gpu", "level", "table", "up", "down", "bw_gbps", "alive", "model", "pipeline", "partition")
+    __slots__ = ("id", "server", "gpu", "level", "table", "up", "down", "bw_gbps", "alive", "model", "pipeline", "partition", "pool")
 
     def __init__(self, vid: str, server: str, gpu: str, level: int, up: ReservationTable, down: ReservationTable, bw_gbps: float):
         self.id = vid
@@ -51,15 +55,26 @@ class VGpu:
         self.model = ""
         self.pipeline = -1
         self.partition = -1
+        self.pool: "Pool | None" = None
 
     def __repr__(self) -> str:
         return f"VGpu({self.id})"
 
 
 class Pool:
-    """The vGPUs of one partition of one pipeline."""
+    """The vGPUs of one partition of one pipeline.
 
-    __slots__ = ("index", "first_block", "last_block", "gpu", "level", "vgpus", "infer_us", "out_bits", "servers", "max_bw_gbps")
+    Besides the vGPUs in id order (the scan order of probe), a pool keeps a lazy min-heap
+    of ``(busy_until, vgpu_id)``: :meth:`longest_idle` returns the vGPU whose reservations
+    end first, the candidate probe tries before scanning the pool. Entries are repaired
+    when they reach the top (a reservation made the vGPU busier), and :meth:`touch` adds a
+    fresh entry when a table may have become *less* busy (feedback, release).
+    """
+
+    __slots__ = (
+        "index", "first_block", "last_block", "gpu", "level", "vgpus", "infer_us", "out_bits", "servers",
+        "max_bw_gbps", "heap", "by_id",
+    )
 
     def __init__(self, index: int, first_block: int, last_block: int, gpu: str, level: int):
         self.index = index
@@ -72,11 +87,39 @@ class Pool:
         self.out_bits = 0.0  # bits per sample sent to the next pool (0 for the last)
         self.servers: frozenset[str] = frozenset()
         self.max_bw_gbps = 0.0
+        self.heap: list[tuple[float, str]] = []
+        self.by_id: dict[str, VGpu] = {}
 
     def refresh(self) -> None:
         """Recompute derived sets after vGPUs were added or removed."""
         self.servers = frozenset(g.server for g in self.vgpus)
         self.max_bw_gbps = max((g.bw_gbps for g in self.vgpus), default=0.0)
+        self.by_id = {g.id: g for g in self.vgpus}
+        self.heap = [(g.table.busy_until(), g.id) for g in self.vgpus]
+        heapq.heapify(self.heap)
+
+    def touch(self, g: VGpu) -> None:
+        """Note that ``g``'s table changed in a way that may make it free earlier."""
+        heapq.heappush(self.heap, (g.table.busy_until(), g.id))
+        if len(self.heap) > 4 * len(self.vgpus) + 16:
+            self.refresh()
+
+    def longest_idle(self) -> VGpu | None:
+        """The live vGPU whose last reservation ends first (ties: lower id), or None."""
+        heap = self.heap
+        while heap:
+            bu, vid = heap[0]
+            g = self.by_id.get(vid)
+            if g is None:
+                heapq.heappop(heap)
+                continue
+            ends = g.table.ends
+            cur = ends[-1] if ends else _NEG_INF
+            if bu != cur:
+                heapq.heapreplace(heap, (cur, vid))
+                continue
+            return g
+        return None
 
 
 class Pipeline:
@@ -189,6 +232,7 @@ def compile_plan(plan: Plan, profiles: Mapping[str, ModelProfile], cluster: Clus
                     g = VGpu(vid, pl.server, part.gpu, part.vgpu, up, down, server_bw[pl.server])
                     g.model, g.pipeline, g.partition = m.name, pi, di
                     topo.vgpus[vid] = g
+                    g.pool = pool
                     pool.vgpus.append(g)
                 # Deterministic tie-break: candidates are scanned in vGPU id order.
                 pool.vgpus.sort(key=lambda g: g.id)
