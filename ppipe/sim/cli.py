@@ -48,9 +48,11 @@ def _policies() -> list[str]:
 @click.option("--rates-from", type=click.Path(dir_okay=False), default=None,
               help="Base rates (load 1.0) from this plan's models[].throughput_rps instead of PLAN.yaml's (drive systems at the same rates).")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG figures into this folder.")
+@click.option("--records", "records_out", type=click.Path(dir_okay=False), default=None,
+              help="Write one CSV row per request (arrival, dispatch, stages, completion or drop reason/place) of the run shown.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
 def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, arrivals, trace_file, cv, duration_s, seed,
-             policy, jitter_cv, feedback, rates_from, plot_dir, json_out) -> None:
+             policy, jitter_cv, feedback, rates_from, plot_dir, records_out, json_out) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
     from ppipe.sim.simulator import SimConfig
@@ -101,6 +103,11 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, arri
         payload = {"plan": str(plan_file), "policy": policy, "arrivals": kind.value, "load": f, "base_rates_rps": base, **shown.to_dict()}
         result = None
 
+    if records_out and shown is not None:
+        from ppipe.sim.records import write_records_csv
+
+        write_records_csv(records_out, shown.records, shown.batches)
+        click.echo(f"wrote {records_out}")
     if json_out:
         Path(json_out).write_text(json.dumps(payload, indent=2, default=str))
         click.echo(f"wrote {json_out}")

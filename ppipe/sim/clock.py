@@ -153,6 +153,6 @@ class EventLoop:
                     if ft < t:
                         raise ValueError(f"{ev!r} returned {f!r}, which is in the past")
                     self._seq += 1
-                    push(heap, (ft, int(f.priority), self._seq, f))
+                    push(heap, (ft, f.priority, self._seq, f))  # IntEnum: compared as int, only on time ties
         self.processed += n
         return n

@@ -73,7 +73,9 @@ def plot_timeline(result: SimResult, path: str | Path, start_us: float | None = 
             if st.start_us < 0 or st.end_us <= start_us or st.start_us >= end_us or st.vgpu_id not in row:
                 continue
             y = row[st.vgpu_id]
-            x0, w = (st.start_us - start_us) / 1e3, (st.end_us - st.start_us) / 1e3
+            # clip to the window so that bars and labels at its edges stay inside the axes
+            x0 = (max(st.start_us, start_us) - start_us) / 1e3
+            w = (min(st.end_us, end_us) - max(st.start_us, start_us)) / 1e3
             ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=colour[b.model], edgecolors="black", linewidth=0.3)
             if w > span_us / 1e3 / 80:
                 ax.text(x0 + w / 2, y, str(b.batch), ha="center", va="center", fontsize=5)

@@ -66,9 +66,6 @@ class RequestRecord:
     drop_reason: str | None = None
     drop_where: str | None = None
     drop_detail: str = ""
-    stages_done: int = 0
-    last_server: str | None = None
-    last_end_us: float = -1.0
 
     @property
     def outcome(self) -> Outcome:
@@ -81,3 +78,38 @@ class RequestRecord:
     @property
     def latency_us(self) -> float | None:
         return self.completion_us - self.arrival_us if self.completion_us >= 0 and self.drop_reason is None else None
+
+
+RECORD_COLUMNS = (
+    "id", "model", "arrival_us", "deadline_us", "dispatch_us", "completion_us", "outcome", "latency_us",
+    "drop_reason", "drop_where", "drop_detail", "batch_ids", "stages",
+)
+
+
+def write_records_csv(path, records, batches) -> None:
+    """One row per request; ``stages`` = ``partition@vgpu:start-end`` per stage run, ``;``-separated.
+
+    A request in several batches (a policy that dispatches stage by stage) lists every
+    batch and every stage it went through.
+    """
+    import csv
+    from pathlib import Path
+
+    by_id = {b.batch_id: b for b in batches}
+    with Path(path).open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(RECORD_COLUMNS)
+        for r in records:
+            stages = []
+            for bid in r.batch_ids:
+                b = by_id.get(bid)
+                for st in b.stages if b else ():
+                    if st.start_us >= 0:
+                        stages.append(f"{st.partition}@{st.vgpu_id}:{st.start_us:.3f}-{st.end_us:.3f}")
+            lat = r.latency_us
+            w.writerow([
+                r.id, r.model, f"{r.arrival_us:.3f}", f"{r.deadline_us:.3f}",
+                f"{r.dispatch_us:.3f}" if r.dispatch_us >= 0 else "", f"{r.completion_us:.3f}" if r.completion_us >= 0 else "",
+                r.outcome.value, f"{lat:.3f}" if lat is not None else "", r.drop_reason or "", r.drop_where or "",
+                r.drop_detail, ";".join(map(str, r.batch_ids)), ";".join(stages),
+            ])

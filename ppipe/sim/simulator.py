@@ -389,12 +389,27 @@ class Simulator:
             return
         rec.drop_reason = reason.value if isinstance(reason, DropReason) else str(reason)
         rec.drop_detail = detail
-        if rec.stages_done == 0 and rec.dispatch_us < 0:
-            rec.drop_where = QUEUE
-        elif rec.dispatch_us >= 0 and rec.stages_done == 0:
-            rec.drop_where = "in-flight:stage0"
-        else:
-            rec.drop_where = f"after-stage{rec.stages_done - 1}"
+        rec.drop_where = self._where(rec)
+
+    def _last_done(self, rec: RequestRecord) -> StageRun | None:
+        """The last stage of the request that finished (None if none has)."""
+        for bid in reversed(rec.batch_ids):
+            run = self._runs_by_id.get(bid)
+            if run is None:
+                continue
+            for st in reversed(run.record.stages):
+                if 0 <= st.end_us <= self.clock.now_us():
+                    return st
+        return None
+
+    def _where(self, rec: RequestRecord) -> str:
+        if not rec.batch_ids:
+            return QUEUE
+        done = self._last_done(rec)
+        if done is None:
+            first = self._runs_by_id[rec.batch_ids[0]].record.stages[0]
+            return f"in-flight:stage{first.partition}"
+        return f"after-stage{done.partition}"
 
     def _start_dispatch(self, d: Dispatch, now: float) -> Event | None:
         if not d.stages:
@@ -500,24 +515,6 @@ class Simulator:
             self._lose(run, k)
             return []
         out: list[Event] = []
-        fb = self.config.feedback
-        if fb == "all" or (fb == "changed" and self._differs(run, k)):
-            out.extend(
-                self.apply(
-                    self._call(
-                        self.scheduler.report,
-                        StageReport(rec.batch_id, st.partition, st.vgpu_id, st.start_us, st.end_us, st.transfer_start_us, st.transfer_end_us),
-                    )
-                )
-            )
-        alive = []
-        for rid in rec.request_ids:
-            r = self.records[rid]
-            if r.drop_reason is None and r.completion_us < 0:
-                r.stages_done = st.partition + 1
-                r.last_server = st.server
-                r.last_end_us = now
-                alive.append(r)
         if k + 1 < len(rec.stages):
             nxt = rec.stages[k + 1]
             ds = run.dispatch.stages[k + 1]
@@ -527,8 +524,17 @@ class Simulator:
             else:
                 out.append(StageReadyEvent(max(now, nxt.planned_start_us), self, run, k + 1))
         elif st.partition == run.last_partition:
-            for r in alive:
-                r.completion_us = now
+            records = self.records
+            for rid in rec.request_ids:
+                r = records[rid]
+                if r.drop_reason is None and r.completion_us < 0:
+                    r.completion_us = now
+        # the worker reports after it has passed the result on: a completed request is
+        # answered, whatever the scheduler decides next
+        fb = self.config.feedback
+        if fb == "all" or (fb == "changed" and self._differs(run, k)):
+            rep = StageReport(rec.batch_id, st.partition, st.vgpu_id, st.start_us, st.end_us, st.transfer_start_us, st.transfer_end_us)
+            out.extend(self.apply(self._call(self.scheduler.report, rep)))
         return out
 
     @staticmethod
@@ -550,8 +556,11 @@ class Simulator:
         if k > 0:
             src = run.record.stages[k - 1].server
         else:  # a dispatch that continues requests from an earlier stage: they wait where it ran
-            srcs = [self.records[rid] for rid in run.record.request_ids]
-            src = max(srcs, key=lambda r: r.last_end_us).last_server or st.server
+            # (a batch re-formed from requests of several earlier batches is modelled as
+            # coming from the server where the latest of them finished)
+            prev = [self._last_done(self.records[rid]) for rid in run.record.request_ids]
+            prev = [p for p in prev if p is not None]
+            src = max(prev, key=lambda p: p.end_us).server if prev else st.server
         dst = st.server
         if src == dst:
             start = now  # same server: local copy, no NIC

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -29,8 +30,15 @@ def invoke(*args):
 def test_one_point_with_json_and_plots(plan_dir, tmp_path):
     out = tmp_path / "r.json"
     figs = tmp_path / "figs"
-    r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--json", out, "--plot", figs)
+    recs = tmp_path / "requests.csv"
+    r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--json", out, "--plot", figs, "--records", recs)
     assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(recs.open()))
+    assert rows and all(row["outcome"] == "ok" for row in rows)
+    first = rows[0]
+    # two stages, block 0 on a B vGPU then block 1 on the A vGPU; latency = completion - arrival
+    assert [s.split("@")[0] for s in first["stages"].split(";")] == ["0", "1"]
+    assert float(first["latency_us"]) == pytest.approx(float(first["completion_us"]) - float(first["arrival_us"]))
     data = json.loads(out.read_text())
     assert data["load"] == 0.3 and data["overall"]["attainment"] == 1.0
     assert data["overall"]["requests"] == data["overall"]["ok"] > 300
