@@ -252,8 +252,11 @@ class BatchingScheduler:
         later = False
         g = self.topology.vgpus.get(report.vgpu_id)
         part = report.partition
+        hint = rec.hops[part] if rec is not None and 0 <= part < len(rec.hops) else None
         if g is not None:
-            self.counters.cascaded += g.table.correct((report.batch_id, part, "i"), report.start_us, report.end_us)
+            self.counters.cascaded += g.table.correct(
+                (report.batch_id, part, "i"), report.start_us, report.end_us, hint_start=hint.start if hint else None
+            )
             if g.alive and g.pool is not None:
                 g.pool.touch(g)  # it may be free earlier than the pool's idle-heap thinks
         if rec is not None and 0 <= part < len(rec.hops):
@@ -261,7 +264,9 @@ class BatchingScheduler:
             later = report.end_us > rec.stage_end[part] + EPS_US
             if hop.uses_nic and report.transfer_start_us is not None and report.transfer_end_us is not None:
                 for tab, kind in ((hop.prev.up, "u"), (hop.vgpu.down, "d")):
-                    self.counters.cascaded += tab.correct((report.batch_id, part, kind), report.transfer_start_us, report.transfer_end_us)
+                    self.counters.cascaded += tab.correct(
+                        (report.batch_id, part, kind), report.transfer_start_us, report.transfer_end_us, hint_start=hop.transfer_start
+                    )
                 later = later or report.transfer_end_us > hop.transfer_start + hop.transfer_us + EPS_US
             rec.reported[part] = True
             delay = report.end_us - rec.stage_end[part]
@@ -390,6 +395,14 @@ class BatchingScheduler:
                     out.append(WakeAt(t))
                     break
                 chosen = now_r
+            elif self.options.defer_small_batches and chosen.batch < p.batches[0] and chosen.hops[0].start > now + EPS_US:
+                # The small batch would only sit in a reservation until its first vGPU is
+                # free: decide then, with whatever has arrived meanwhile.
+                t = chosen.hops[0].start
+                self.wake_at[model] = t
+                self.counters.waits += 1
+                out.append(WakeAt(t))
+                break
             self._dispatch(chosen, [q.popleft() for _ in range(chosen.batch)], out)
         return out
 

@@ -47,6 +47,12 @@ class SchedulerOptions:
             cannot be served in a batch of at least ``min(k, planned batch)`` but at least
             that many requests are queued, drop requests from the head until the head can
             be served in such a batch (shed load by the oldest, but keep batches efficient).
+            Under overload the tables fill far ahead, so combine it with
+            ``defer_small_batches`` (otherwise a backlog never forms in the queue).
+        defer_small_batches: another overload option (default off: the paper dispatches at
+            once). A batch smaller than the planned one whose path would start later than
+            now (its first vGPU is busy) is not committed yet: the batcher wakes when that
+            vGPU frees and decides again with the requests that arrived meanwhile.
     """
 
     max_queue: int | Mapping[str, int] | None = None
@@ -57,6 +63,7 @@ class SchedulerOptions:
     prune_threshold: int = 64
     late_drop: bool = True
     min_batch_on_overload: int = 0
+    defer_small_batches: bool = False
 
     def queue_bound(self, model: str) -> int | None:
         if self.max_queue is None:

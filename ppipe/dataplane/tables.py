@@ -100,34 +100,45 @@ class ReservationTable:
             del self.starts[:k], self.ends[:k], self.keys[:k]
         return k
 
-    def find(self, key: Hashable) -> int:
-        """Index of the interval with ``key`` or -1. Linear, used on feedback only."""
+    def find(self, key: Hashable, hint_start: float | None = None) -> int:
+        """Index of the interval with ``key`` or -1.
+
+        ``hint_start``: where the interval was reserved. Corrections only push intervals
+        later, so the search starts there and looks a few places ahead before falling
+        back to a linear search.
+        """
+        keys = self.keys
+        if hint_start is not None:
+            i = bisect_left(self.starts, hint_start - EPS_US)
+            for j in range(i, min(i + 4, len(keys))):
+                if keys[j] == key:
+                    return j
         try:
-            return self.keys.index(key)
+            return keys.index(key)
         except ValueError:
             return -1
 
-    def remove(self, key: Hashable) -> bool:
+    def remove(self, key: Hashable, hint_start: float | None = None) -> bool:
         """Remove the interval with ``key``; returns whether there was one."""
-        i = self.find(key)
+        i = self.find(key, hint_start)
         if i < 0:
             return False
         del self.starts[i], self.ends[i], self.keys[i]
         return True
 
-    def correct(self, key: Hashable, start: float, end: float, now: float | None = None) -> int:
+    def correct(self, key: Hashable, start: float, end: float, now: float | None = None, hint_start: float | None = None) -> int:
         """Replace the interval ``key`` by the observed ``[start, end)``.
 
         The reported interval is inserted even if its key was pruned or never reserved
         (the truth is what occupied the resource). An earlier interval that now overlaps
         is cut at ``start``; later ones that now overlap are pushed back, cascading, each
-        keeping its duration. Returns how many later intervals moved.
+        keeping its duration (a late report still pushes back what was reserved behind it,
+        even when the reported interval itself is already over). With ``now``, past
+        intervals are pruned afterwards. Returns how many later intervals moved.
         """
-        self.remove(key)
+        self.remove(key, hint_start)
         if end < start:
             end = start
-        if now is not None and end <= now:
-            return 0  # entirely in the past: nothing left to plan around
         i = bisect_left(self.starts, start)
         if i > 0 and self.ends[i - 1] > start:
             # The truth says the resource was busy with `key` from `start` on: the earlier
@@ -147,6 +158,8 @@ class ReservationTable:
             prev_end = self.ends[j]
             moved += 1
             j += 1
+        if now is not None:
+            self.prune(now)  # a report usually comes after the fact: keep only what matters
         return moved
 
     def check(self) -> None:

@@ -174,3 +174,20 @@ def test_min_batch_on_overload_sheds_the_oldest_to_keep_batches_large(fig5):
     assert [d.batch for d in got if isinstance(d, Dispatch)] == [4]
     assert [d.request.id for d in got if isinstance(d, Drop)] == [0]
     assert fixed.stats()["queued"] == {"m": 1}
+
+
+def test_defer_small_batches_waits_for_the_first_vgpu_instead_of_committing(fig5):
+    def run(s, clock):
+        s.topology.vgpus["n-0/gpu0/s0"].table.add(0.0, 4400.0, "backlog")  # b4 ends 5190 > 5000, b2 4870
+        out = s.submit(req(0, 0.0)) + s.submit(req(1, 0.0))
+        return out
+
+    paper, clock = fig5()
+    out = run(paper, clock)
+    assert kinds(out) == ["WakeAt", "Dispatch"] and out[1].batch == 2 and out[1].stages[0].start_us == 4400.0
+    deferred, clock = fig5(defer_small_batches=True)
+    out = run(deferred, clock)
+    assert out[-1] == WakeAt(4400.0) and "Dispatch" not in kinds(out)
+    clock.t_us = 4400.0
+    (d,) = deferred.wake()
+    assert isinstance(d, Dispatch) and d.batch == 2 and d.stages[0].start_us == 4400.0

@@ -1,12 +1,11 @@
 """The reactive baseline, determinism, and invariants over a random trace."""
 
-import heapq
 import random
 
 import pytest
 
 from ppipe.dataplane import POLICIES, Dispatch, Drop, DropReason, Request, StageReport, WakeAt, build_scheduler
-from ppipe.dataplane.testing import FIG5_NODES, ManualClock, ToyModel, ToyPartition, ToyPipeline, toy_cluster, toy_plan, toy_profile
+from ppipe.dataplane.testing import FIG5_NODES, ManualClock, replay, ToyModel, ToyPartition, ToyPipeline, toy_cluster, toy_plan, toy_profile
 
 N1, N2, N3 = FIG5_NODES
 
@@ -81,60 +80,15 @@ def world(policy, **options):
 
 
 def drive(s, clock, n=400, seed=1, rate_per_ms=3.0, jitter=0.0, fail=None):
-    """A tiny event loop: Poisson arrivals, timers, stage reports at (jittered) plan times."""
+    """Poisson arrivals of both models, replayed with ppipe.dataplane.testing.replay."""
     rnd = random.Random(seed)
-    ev = []
-    seq = 0
-    t = 0.0
     slo = {"a": 10_000.0, "b": 6_000.0}
+    reqs, t = [], 0.0
     for i in range(n):
         t += rnd.expovariate(rate_per_ms / 1000.0)
         m = "a" if rnd.random() < 0.6 else "b"
-        heapq.heappush(ev, (t, 1, seq, "arrive", Request(i, m, t, t + slo[m])))
-        seq += 1
-    if fail:
-        heapq.heappush(ev, (fail[0], 0, -1, "fail", fail[1]))
-    log = []
-    outcome = {}
-
-    def apply(decisions):
-        nonlocal seq
-        for d in decisions:
-            log.append(d)
-            if isinstance(d, Dispatch):
-                shift = 0.0
-                for st in d.stages:
-                    dur = st.infer_us * (1.0 + jitter * rnd.random())
-                    start = st.start_us + shift
-                    shift += dur - st.infer_us
-                    rep = StageReport(d.batch_id, st.partition, st.vgpu_id, start, start + dur,
-                                      st.transfer_start_us, None if st.transfer_start_us is None else st.transfer_start_us + st.transfer_us)
-                    heapq.heappush(ev, (start + dur, 2, seq, "report", rep))
-                    seq += 1
-                for r in d.requests:
-                    assert r.id not in outcome
-                    outcome[r.id] = ("dispatched", d.finish_us, r.deadline_us)
-            elif isinstance(d, Drop):
-                prev = outcome.get(d.request.id)
-                assert prev is None or d.reason in (DropReason.WORKER_FAILED, DropReason.DEADLINE_UNREACHABLE)
-                outcome[d.request.id] = ("dropped", d.reason)
-            elif isinstance(d, WakeAt):
-                assert d.t_us >= clock.now_us()
-                heapq.heappush(ev, (d.t_us, 3, seq, "wake", None))
-                seq += 1
-
-    while ev:
-        t, _p, _s, kind, x = heapq.heappop(ev)
-        clock.t_us = max(clock.t_us, t)
-        if kind == "arrive":
-            apply(s.submit(x))
-        elif kind == "wake":
-            apply(s.wake())
-        elif kind == "report":
-            apply(s.report(x))
-        else:
-            apply(s.mark_failed(x))
-    return log, outcome
+        reqs.append(Request(i, m, t, t + slo[m]))
+    return replay(s, clock, reqs, jitter=jitter, seed=seed, failures=[fail] if fail else ())
 
 
 @pytest.mark.parametrize("policy", ["reservation", "reactive"])

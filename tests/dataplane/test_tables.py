@@ -94,3 +94,10 @@ def test_earliest_slot_is_free_on_all_and_minimal(specs, t0, dur):
     # Minimal: the earliest free start is t0 or the end of some interval.
     cands = sorted({t0} | {e for tab in tables for _s, e, _ in tab.intervals() if e >= t0})
     assert got == next(c for c in cands if free(c))
+
+
+def test_a_report_of_a_finished_interval_still_pushes_back_what_follows():
+    t = table((0, 10), (10, 20))
+    moved = t.correct((0, 10), 0, 15, now=15)  # reported after the fact, at its end
+    assert moved == 1
+    assert [(s, e) for s, e, _ in t.intervals()] == [(15, 25)]  # the past one is pruned
