@@ -41,9 +41,11 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
 @click.option("--input-shape", help="Per-sample input shape without the batch (e.g. 3,224,224); required when the ONNX input has dynamic dimensions (model.yaml 'input.shape').")
 @click.option("--threads", type=int, help="Intra-op threads of the whole CPU (level 1). Default: the cores this process may use.")
 @click.option("--reps", type=int, default=10, show_default=True, help="Timed runs per measurement (the median is kept).")
+@click.option("--stat", "statistic", type=click.Choice(["median", "min"]), default="median", show_default=True, help="Statistic of the timed runs kept per measurement; 'min' damps a machine shared with other work (model.yaml 'provenance').")
+@click.option("--refresh-estimates", is_flag=True, help="Recompute the --estimate types even where profile.csv has rows for them.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed of built-in models (model.yaml 'source.weights_seed').")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def profile(model, builtin, out_dir, name, num_blocks, batches, measure, estimate, cpu_levels, gpu_levels, input_shape, threads, reps, seed, no_progress):
+def profile(model, builtin, out_dir, name, num_blocks, batches, measure, estimate, cpu_levels, gpu_levels, input_shape, threads, reps, statistic, refresh_estimates, seed, no_progress):
     """Cut MODEL (an ONNX file) into blocks and profile them per GPU type x vGPU level x batch.
 
     \b
@@ -81,6 +83,8 @@ def profile(model, builtin, out_dir, name, num_blocks, batches, measure, estimat
         threads=threads,
         reps=reps,
         seed=seed,
+        statistic=statistic,
+        refresh_estimates=refresh_estimates,
     )
     prof = profile_model(req, progress=not no_progress, echo=lambda m: click.echo(m, err=True))
     out = prof.directory

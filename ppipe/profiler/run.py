@@ -110,6 +110,8 @@ class ProfileRequest:
         reps: timed runs per measurement.
         seed: weights seed of built-in models.
         size_weight: weight of cut sizes against balance when cutting.
+        statistic: ``median`` or ``min`` of the timed runs (``min`` damps a busy machine).
+        refresh_estimates: recompute estimates even where rows exist.
     """
 
     onnx_path: Path | None = None
@@ -127,6 +129,8 @@ class ProfileRequest:
     reps: int = 10
     seed: int = 0
     size_weight: float = DEFAULT_SIZE_WEIGHT
+    statistic: str = "median"
+    refresh_estimates: bool = False
 
 
 def _load(req: ProfileRequest):
@@ -338,9 +342,9 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
             levels = [v for v in req.cpu_levels if v <= threads]
             if len(levels) < len(req.cpu_levels):
                 say(f"skipping CPU levels {sorted(set(req.cpu_levels) - set(levels))}: only {threads} thread(s)")
-            timer = BlockTimer(threads, reps=req.reps)
+            timer = BlockTimer(threads, reps=req.reps, statistic=req.statistic)
             measure_fn = timer.latency_us
-            provenance[CPU] = ort_provenance(threads, req.reps)
+            provenance[CPU] = ort_provenance(threads, req.reps, req.statistic)
         else:
             from ppipe.profiler.trt_backend import TensorRTTimer
 
@@ -375,6 +379,8 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
     # 4. estimates for the GPU types that are not here
     if req.estimate:
         gpus = [g for g in req.estimate if g != req.measure]
+        if req.refresh_estimates:
+            table = {k: lat for k, lat in table.items() if k[0] not in gpus}
         missing_gpus = [g for g in gpus if not any(k[0] == g for k in table)]
         if missing_gpus:
             say(f"estimating {', '.join(missing_gpus)}")
