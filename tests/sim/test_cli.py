@@ -93,3 +93,18 @@ def test_missing_plan_and_bad_profile_exit_2(plan_dir, tmp_path):
     (plan_dir / "typo.yaml").write_text(yaml.safe_dump(data))
     r = invoke(plan_dir / "typo.yaml")
     assert r.exit_code == 2 and "profile" in r.output
+
+
+def test_trace_and_bursty_arrivals(plan_dir, tmp_path):
+    trace = tmp_path / "azure.csv"
+    rows = ["app,func,end_timestamp,duration"] + [f"a,f,{1.0 + 0.01 * i + (0.5 if i % 10 == 0 else 0)},0.5" for i in range(200)]
+    trace.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "t.json"
+    r = invoke(plan_dir / "plan.yaml", "--load", 0.25, "--duration-s", 1, "--trace", trace, "--json", out)
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["arrivals"] == "trace"
+    assert data["overall"]["offered_rps"] == pytest.approx(0.25 * 2000, rel=0.15)
+    r = invoke(plan_dir / "plan.yaml", "--load", 0.25, "--duration-s", 1, "--arrivals", "bursty", "--cv", 3, "--json", out)
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["arrivals"] == "bursty"
