@@ -17,7 +17,7 @@ Nothing here is imported by the planner, simulator or runtime except through
 
 from __future__ import annotations
 
-__all__ = ["ensure_block_models"]
+__all__ = ["ensure_block_models", "ensure_reference_model", "input_spec"]
 
 
 def ensure_block_models(profile, cache_dir=None):
@@ -25,3 +25,17 @@ def ensure_block_models(profile, cache_dir=None):
     from ppipe.profiler.blocks import ensure_block_models as _impl
 
     return _impl(profile, cache_dir)
+
+
+def ensure_reference_model(profile, cache_dir=None):
+    """See :func:`ppipe.profiler.blocks.ensure_reference_model`: the whole fp32 model as ONNX."""
+    from ppipe.profiler.blocks import ensure_reference_model as _impl
+
+    return _impl(profile, cache_dir)
+
+
+def input_spec(profile):
+    """The model input recorded in model.yaml (name, per-sample shape, dtype)."""
+    from ppipe.profiler.blocks import input_spec as _impl
+
+    return _impl(profile)
