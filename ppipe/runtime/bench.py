@@ -6,6 +6,9 @@ same seed see the same arrivals), whether or not earlier ones were answered. Lat
 measured from a request's *scheduled* send time, so a client that falls behind shows up
 as latency rather than as a lower offered rate. A request attains its SLO when it is
 answered 200 within the model's SLO (from its metadata, or ``--slo-ms``).
+
+Requests go out through :class:`ppipe.runtime.httpclient.RawHttpClient` (default; see
+there why) or httpx (``client="httpx"``).
 """
 
 from __future__ import annotations
@@ -88,56 +91,82 @@ async def run_bench(
     cv: float = 2.0,
     input_shape: list[int] | None = None,
     timeout_s: float = 60.0,
+    client: str = "raw",
 ) -> BenchResult:
     """Drive ``url`` open loop; returns the figures (see :class:`BenchResult`)."""
     import httpx
 
+    from ppipe.runtime.httpclient import HttpError, RawHttpClient
+
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits) as client:
+    base = url.rstrip("/")
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout_s) as meta_client:
         try:
-            r = await client.get(f"/v2/models/{model}")
+            r = await meta_client.get(f"/v2/models/{model}")
         except httpx.HTTPError as exc:
             raise UserError(f"cannot reach {url}: {exc}", fix="start `ppipe serve` first, or fix the URL") from None
-        if r.status_code != 200:
-            raise UserError(f"{url}/v2/models/{model}: HTTP {r.status_code}: {r.text[:200]}", fix="check --model and --token")
-        meta = r.json()
-        if input_shape:
-            meta["inputs"][0]["shape"] = [-1, *input_shape]
-        slo = slo_ms or (meta.get("parameters") or {}).get("slo_ms")
-        if not slo:
-            raise UserError(f"model '{model}' does not state its SLO", fix="give --slo-ms")
-        body, req_headers = encode_infer_request(sample_input(meta, seed), binary=binary, binary_output=binary)
-        times_us = arrival_times_us(arrivals, rate_rps, duration_s, seed, trace, cv)
-        path = f"/v2/models/{model}/infer"
-        lat_ms: list[float] = []
-        lag_ms: list[float] = []
-        codes: dict[str, int] = {}
-        drops: dict[str, int] = {}
-        on_time = ok = 0
+    if r.status_code != 200:
+        raise UserError(f"{url}/v2/models/{model}: HTTP {r.status_code}: {r.text[:200]}", fix="check --model and --token")
+    meta = r.json()
+    if input_shape:
+        meta["inputs"][0]["shape"] = [-1, *input_shape]
+    slo = slo_ms or (meta.get("parameters") or {}).get("slo_ms")
+    if not slo:
+        raise UserError(f"model '{model}' does not state its SLO", fix="give --slo-ms")
+    body, req_headers = encode_infer_request(sample_input(meta, seed), binary=binary, binary_output=binary)
+    times_us = arrival_times_us(arrivals, rate_rps, duration_s, seed, trace, cv)
+    path = f"/v2/models/{model}/infer"
+    lat_ms: list[float] = []
+    lag_ms: list[float] = []
+    codes: dict[str, int] = {}
+    drops: dict[str, int] = {}
+    on_time = ok = 0
 
-        async def one(t_sched: float) -> None:
-            nonlocal on_time, ok
-            lag_ms.append((time.perf_counter() - t_sched) * 1e3)
-            try:
-                resp = await client.post(path, content=body, headers=req_headers)
-            except httpx.HTTPError as exc:
-                key = type(exc).__name__
-                codes[key] = codes.get(key, 0) + 1
-                return
-            dt_ms = (time.perf_counter() - t_sched) * 1e3
-            if resp.status_code == 200:
-                ok += 1
-                lat_ms.append(dt_ms)
-                on_time += int(dt_ms <= slo)
-            elif resp.status_code in (503, 504, 500) and resp.headers.get("ppipe-drop-reason"):
-                reason = resp.headers["ppipe-drop-reason"]
-                drops[reason] = drops.get(reason, 0) + 1
-            else:
-                key = f"HTTP {resp.status_code}"
-                codes[key] = codes.get(key, 0) + 1
+    if client == "httpx":
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        hx = httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout_s, limits=limits)
 
-        tasks = []
+        async def post() -> tuple[int, dict[str, str]]:
+            resp = await hx.post(path, content=body, headers=req_headers)
+            return resp.status_code, resp.headers
+
+        close = hx.aclose
+        errors: tuple[type[BaseException], ...] = (httpx.HTTPError,)
+    elif client == "raw":
+        raw = RawHttpClient(base, headers=headers, timeout_s=timeout_s)
+
+        async def post() -> tuple[int, dict[str, str]]:
+            status, hdrs, _ = await raw.request("POST", path, body, req_headers)
+            return status, hdrs
+
+        close = raw.aclose
+        errors = (HttpError, OSError, asyncio.TimeoutError)
+    else:
+        raise UserError(f"unknown client '{client}'", fix="use raw or httpx")
+
+    async def one(t_sched: float) -> None:
+        nonlocal on_time, ok
+        lag_ms.append((time.perf_counter() - t_sched) * 1e3)
+        try:
+            status, hdrs = await post()
+        except errors as exc:
+            key = type(exc).__name__
+            codes[key] = codes.get(key, 0) + 1
+            return
+        dt_ms = (time.perf_counter() - t_sched) * 1e3
+        if status == 200:
+            ok += 1
+            lat_ms.append(dt_ms)
+            on_time += int(dt_ms <= slo)
+        elif hdrs.get("ppipe-drop-reason"):
+            reason = hdrs["ppipe-drop-reason"]
+            drops[reason] = drops.get(reason, 0) + 1
+        else:
+            key = f"HTTP {status}"
+            codes[key] = codes.get(key, 0) + 1
+
+    tasks = []
+    try:
         t0 = time.perf_counter() + 0.05
         for t in times_us:
             t_sched = t0 + t / 1e6
@@ -146,6 +175,8 @@ async def run_bench(
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(t_sched)))
         await asyncio.gather(*tasks)
+    finally:
+        await close()
     sent = len(times_us)
     return BenchResult(
         model=model,

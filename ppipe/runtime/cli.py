@@ -93,14 +93,17 @@ def serve(plan_file, cluster, ray_address, backend, policy, max_queue, host, por
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the arrivals and the input.")
 @click.option("--token", default=None, envvar="PPIPE_TOKEN", help="Bearer token of the server.")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON to this file.")
-def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out):
+@click.option("--client", type=click.Choice(["raw", "httpx"]), default="raw", show_default=True,
+              help="HTTP client: a minimal asyncio HTTP/1.1 client, or httpx (slower under high concurrency).")
+def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client):
     """Open-loop load against URL (a `ppipe serve`): SLO attainment, goodput, p50/p99, drops."""
     from ppipe.runtime.bench import format_table, run_bench, to_json
 
     if rate_rps <= 0 or duration_s <= 0:
         raise UserError("--rate and --duration-s must be positive")
     res = asyncio.run(
-        run_bench(url, model, rate_rps, duration_s, arrivals=arrivals, trace=trace, binary=binary, seed=seed, slo_ms=slo_ms, token=token, cv=cv)
+        run_bench(url, model, rate_rps, duration_s, arrivals=arrivals, trace=trace, binary=binary, seed=seed, slo_ms=slo_ms, token=token, cv=cv,
+                  client=client)
     )
     click.echo(format_table(res))
     text = to_json(res)

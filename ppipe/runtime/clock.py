@@ -42,6 +42,8 @@ class WallClock:
         converted, so a wall-clock step during a wait shifts one timer, not the timeline.
         """
         delay_s = max(0.0, (t_us - self.now_us()) / 1e6)
+        if delay_s > 0:
+            delay_s += 1e-5  # round up: a timer must not fire before t_us (asyncio may run it a tick early)
         return self._loop.call_at(self._loop.time() + delay_s, fn)
 
     def from_wall_us(self, t_wall_us: float) -> float:

@@ -197,6 +197,12 @@ class Runtime:
         self._wakes.add(t_us)
 
         def fire() -> None:
+            # asyncio may run a timer up to one clock tick early, and the loop's monotonic
+            # clock and the wall clock drift apart; the scheduler ignores a wake before its
+            # time (and would not ask again), so an early timer is re-armed, never delivered.
+            if self.clock.now_us() < t_us:
+                self.clock.call_at(t_us, fire)
+                return
             self._wakes.discard(t_us)
             self._apply(self.scheduler.wake())
 
@@ -252,7 +258,12 @@ class Runtime:
             handle = self.workers.get(route[0])
             if handle is None or route[0] in self.failed:
                 raise _StageFailed(0, "worker was marked failed before the batch was sent")
-            ref = handle.run_stage.remote(d.batch_id, route, 0, inputs, d.batch, wall_us())
+            to_wall = self.clock.to_wall_us
+            timing = [
+                (None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us, to_wall(s.start_us))
+                for s in d.stages
+            ]
+            ref = handle.run_stage.remote(d.batch_id, route, 0, inputs, d.batch, wall_us(), timing)
             while True:
                 try:
                     report, nxt = await ref

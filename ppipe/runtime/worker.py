@@ -63,8 +63,11 @@ class VgpuWorker:
         self.spec = spec
         profile = load_profile(spec.profile_dir)
         self.backend = make_backend(
-            backend, profile, spec.gpu, spec.vgpu, spec.first_block, spec.last_block, **(backend_options or {})
+            backend, profile, spec.gpu, spec.vgpu, spec.first_block, spec.last_block,
+            **{k: v for k, v in (backend_options or {}).items() if k != "emulate_network"},
         )
+        # the emulated backend rehearses a cluster: feature maps take the planned NIC time
+        self.emulate_network = backend == "emulated" and bool((backend_options or {}).get("emulate_network", True))
         self._peers: dict[str, Any] = {}
         self._lock: asyncio.Lock | None = None
         self.batches = 0
@@ -88,9 +91,24 @@ class VgpuWorker:
         }
 
     async def run_stage(
-        self, batch_id: int, route: list[str], index: int, inputs: dict[str, np.ndarray], batch: int, sent_wall_us: float
+        self,
+        batch_id: int,
+        route: list[str],
+        index: int,
+        inputs: dict[str, np.ndarray],
+        batch: int,
+        sent_wall_us: float,
+        timing: list[tuple[float | None, float, float]] | None = None,
     ) -> tuple[dict[str, Any], Any]:
         """Run stage ``index`` of ``route`` on ``inputs``; forward to the next stage.
+
+        Args:
+            timing: per stage, the reservation in wall-clock us: ``(transfer_start,
+                transfer_us, start)``. A stage does not start before its reserved start
+                (as in the simulator): running a batch early could push an earlier-reserved
+                batch, whose data is still on its way, past its slot. With
+                ``emulate_network`` (emulated backend), a feature map from another stage
+                also "arrives" no sooner than ``max(sent, transfer_start) + transfer_us``.
 
         Returns:
             ``(report, next)``: ``report`` with wall-clock ``start_us``/``end_us`` and the
@@ -102,6 +120,18 @@ class VgpuWorker:
         received = wall_us()
         if route[index] != self.spec.vgpu_id:
             raise RuntimeError(f"batch {batch_id} stage {index} is for {route[index]}, not {self.spec.vgpu_id}")
+        t_xfer_start = t_end_xfer = None
+        not_before = received
+        if timing is not None:
+            xfer_start, xfer_us, planned_start = timing[index]
+            if index > 0 and self.emulate_network and xfer_us > 0:
+                t_xfer_start = max(sent_wall_us, xfer_start if xfer_start is not None else sent_wall_us)
+                t_end_xfer = t_xfer_start + xfer_us
+                not_before = max(not_before, t_end_xfer)
+            not_before = max(not_before, planned_start)
+        wait_s = (not_before - wall_us()) / 1e6
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -115,8 +145,8 @@ class VgpuWorker:
             "vgpu_id": self.spec.vgpu_id,
             "start_us": start,
             "end_us": end,
-            "transfer_start_us": sent_wall_us if index > 0 else None,
-            "transfer_end_us": received if index > 0 else None,
+            "transfer_start_us": (t_xfer_start if t_end_xfer is not None else sent_wall_us) if index > 0 else None,
+            "transfer_end_us": (t_end_xfer if t_end_xfer is not None else received) if index > 0 else None,
             "node_id": ray.get_runtime_context().get_node_id(),
         }
         if index + 1 == len(route):
@@ -124,5 +154,5 @@ class VgpuWorker:
         nxt = self._peers.get(route[index + 1])
         if nxt is None:
             raise RuntimeError(f"worker {self.spec.vgpu_id} has no handle for the next stage {route[index + 1]}")
-        ref = nxt.run_stage.remote(batch_id, route, index + 1, to_wire(outputs), batch, wall_us())
+        ref = nxt.run_stage.remote(batch_id, route, index + 1, to_wire(outputs), batch, wall_us(), timing)
         return report, ref

@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Benchmarks of `ppipe serve` on this machine (emulated workers; no GPU needed).
+
+Two figures:
+
+1. **Rehearsal vs simulation.** A PPipe plan for the paper's HC1-S (4 L4 + 12 P4, 16 GPUs)
+   of one PPipe-artifact model, served by emulated workers (one Ray actor per vGPU, each
+   sleeping for the profiled latency; feature maps wait out their planned NIC time), driven
+   by `ppipe bench` with Poisson arrivals. Its maximum load factor at 99 % SLO attainment
+   next to the simulator's (`ppipe.sim`) for the same plan, the same arrivals (same
+   generator and seed) and the same scan (1.0, 0.95, ...).
+2. **Frontend ceiling.** A one-block model with 1 us emulated latency and a 16-float
+   input, so that the frontend (HTTP, JSON/binary decoding, scheduler, actor calls) is the
+   bottleneck: the highest offered rate it serves at >= 99 % attainment, JSON and binary.
+
+The load generator runs in its own process (`ppipe bench`), the server (uvicorn + Ray
+driver) in this one, the workers in Ray's; all share this machine's cores, so the figures
+are a lower bound of what the runtime does on a dedicated host. Traffic goes to 127.0.0.1.
+
+    python scripts/bench_serve.py                 # both parts
+    python scripts/bench_serve.py --part ceiling  # one part
+    python scripts/bench_serve.py --duration-s 10 --model atss_r101_fpn_1x_coco
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+# The ceiling measures throughput: a long SLO keeps the data plane's wait-to-the-last-moment
+# (which a late timer turns into a drop, see the report) out of the figure.
+CEILING_SLO_MS = 500.0
+ARTIFACT = Path(os.environ.get("PPIPE_ARTIFACT", REPO.parent / "shared" / "data" / "ppipe-artifact"))
+
+
+def bench(url: str, model: str, rate: float, duration_s: float, seed: int, binary: bool = False) -> dict:
+    """One `ppipe bench` run in a subprocess; returns its JSON figures."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+        out = fh.name
+    cmd = [sys.executable, "-m", "ppipe.cli", "bench", url, "--model", model, "--rate", f"{rate:.3f}",
+           "--duration-s", str(duration_s), "--seed", str(seed), "--json-out", out, "--binary" if binary else "--json"]
+    import resource
+
+    self0, kids0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    self1, kids1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(out) as fh:
+        res = json.load(fh)
+    # CPU time per request: this process is the frontend (uvicorn + scheduler + Ray driver),
+    # the child is the load generator. On a shared machine these say more than req/s do.
+    n = max(1, res["sent"])
+    res["frontend_cpu_ms_per_request"] = 1e3 * ((self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime)) / n
+    res["client_cpu_ms_per_request"] = 1e3 * ((kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)) / n
+    return res
+
+
+def serve_in_process(plan, profiles, cluster, backend_options=None):
+    """Start emulated workers and the frontend (uvicorn thread); returns (server, workers, runtime)."""
+    from ppipe.runtime.deploy import Deployment, start_workers
+    from ppipe.runtime.driver import Runtime
+    from ppipe.runtime.server import BackgroundServer, create_app
+
+    dep = Deployment(plan=plan, cluster=cluster, profiles=profiles)
+    workers = start_workers(dep, backend="emulated", backend_options=backend_options)
+    rt = Runtime(plan, profiles, cluster, workers)
+    srv = BackgroundServer(create_app(rt)).__enter__()
+    return srv, workers, rt
+
+
+def stop(srv, workers) -> None:
+    import ray
+
+    srv.__exit__(None, None, None)
+    for h in workers.values():
+        ray.kill(h)
+
+
+# ---- part 1: rehearsal vs simulator -------------------------------------------------------------------
+def rehearsal(model: str, duration_s: float, seed: int, tmp: Path) -> dict:
+    from ppipe.planner.api import plan as make_plan
+    from ppipe.sim.simulator import SimConfig
+    from ppipe.sim.sweep import sweep
+    from ppipe.spec.artifact import import_artifact
+    from ppipe.spec.cluster import load_cluster
+    from ppipe.spec.profile import load_profile
+
+    if not (ARTIFACT / "block-timing").is_dir():
+        print(f"rehearsal: skipped, PPipe artifact not found at {ARTIFACT} (set PPIPE_ARTIFACT)")
+        return {}
+    (d,) = import_artifact(ARTIFACT, tmp / "profiles", [model])
+    cluster = load_cluster("HC1-S")
+    plan = make_plan(cluster, [str(d)], time_limit_s=60)
+    profiles = {model: load_profile(d)}
+    mp = plan.models[0]
+    print(f"\n== rehearsal: {model} on HC1-S, {len(plan.placement)} vGPUs, planned {mp.throughput_rps:.1f} req/s, SLO {mp.slo_ms:.1f} ms")
+    for i, pl in enumerate(mp.pipelines):
+        parts = ", ".join(f"blocks {p.first_block}-{p.last_block} on {p.count}x {p.gpu}/{p.vgpu}" for p in pl.partitions)
+        print(f"   pipeline {i}: batch {pl.batch}: {parts}")
+
+    t0 = time.perf_counter()
+    sim = sweep(plan, profiles, cluster, config=SimConfig(duration_s=duration_s, seed=seed))
+    sim_points = {f"{k:.2f}": round(v.models[model].attainment, 4) for k, v in sorted(sim.points.items(), reverse=True)}
+    print(f"   simulator: max load factor at 99 % = {sim.max_load[model]}  ({time.perf_counter() - t0:.1f} s; attainment {sim_points})")
+
+    srv, workers, rt = serve_in_process(plan, profiles, cluster)
+    points: dict[str, dict] = {}
+    best = None
+    try:
+        load = 1.0
+        while load > 0.04:
+            r = bench(srv.url, model, load * mp.throughput_rps, duration_s, seed)
+            points[f"{load:.2f}"] = r
+            print(f"   runtime  load {load:.2f}: attainment {100 * r['slo_attainment']:.2f} %  goodput {r['goodput_rps']:.1f} req/s  "
+                  f"p50 {r['p50_ms'] or 0:.1f} ms  p99 {r['p99_ms'] or 0:.1f} ms  drops {r['drops']}  client lag p99 {r['client_lag_p99_ms']:.1f} ms")
+            if r["slo_attainment"] >= 0.99:
+                best = load
+                break
+            load = round(load - 0.05, 2)
+    finally:
+        stop(srv, workers)
+    print(f"   runtime:   max load factor at 99 % = {best}")
+    if best is not None and sim.max_load[model] is not None:
+        print(f"   difference: {100 * (best - sim.max_load[model]):+.0f} points (target: within 5)")
+    return {"model": model, "vgpus": len(plan.placement), "planned_rps": mp.throughput_rps, "slo_ms": mp.slo_ms,
+            "duration_s": duration_s, "sim_max_load": sim.max_load[model], "sim_attainment": sim_points,
+            "runtime_max_load": best, "runtime_points": points}
+
+
+# ---- part 2: frontend ceiling ------------------------------------------------------------------------------
+def ceiling(duration_s: float, seed: int, tmp: Path, rates: list[float]) -> dict:
+    from ppipe.planner.placement import place
+    from ppipe.spec.cluster import load_cluster
+    from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan, Plan, PlanSettings, SolverReport
+    from ppipe.spec.profile import BlockSpec, ModelManifest, ModelProfile, SourceSpec, TensorSpec
+
+    manifest = ModelManifest(
+        name="null", source=SourceSpec(kind="synthetic", note="frontend ceiling: 1 us per batch"),
+        input=TensorSpec(name="input", shape=[16]), outputs=[TensorSpec(name="output", shape=[4])],
+        blocks=[BlockSpec(index=0, out_bytes_per_sample=16)], slo_ms=CEILING_SLO_MS,
+    )
+    table = {("cpu", v, b, 0): 1.0 for v in (1, 2) for b in (1, 2, 4, 8, 16, 32)}
+    prof = ModelProfile(manifest=manifest, table=table, directory=tmp / "null")
+    prof.save(tmp / "null")
+    cluster = load_cluster("local-cpu")
+    part = PartitionPlan(first_block=0, last_block=0, gpu="cpu", vgpu=2, count=2, infer_us=1.0, throughput_rps=1e6)
+    mp = ModelPlan(name="null", profile=str(tmp / "null"), slo_ms=CEILING_SLO_MS, weight=1.0, throughput_rps=1e6,
+                   pipelines=[PipelinePlan(batch=16, throughput_rps=1e6, latency_us=1.0, partitions=[part])])
+    plan = Plan(cluster="local-cpu", settings=PlanSettings(planner="hand", formulation="ppipe", gpu_rule="physical", objective="none",
+                margin=0.0, max_partitions=1), solver=SolverReport(name="none", status="heuristic", seconds=0, objective=0),
+                models=[mp], placement=place([mp], cluster))
+    print(f"\n== frontend ceiling: 1-block model, 1 us emulated latency, 16-float input, batch 16 on 2 vGPUs, SLO {CEILING_SLO_MS:g} ms")
+    srv, workers, rt = serve_in_process(plan, {"null": prof}, cluster)
+    out: dict[str, dict] = {}
+    try:
+        for binary in (False, True):
+            kind = "binary" if binary else "json"
+            out[kind] = {}
+            best = None
+            for rate in rates:
+                r = bench(srv.url, "null", rate, duration_s, seed, binary=binary)
+                out[kind][str(rate)] = r
+                print(f"   {kind:6s} {rate:6.0f} req/s offered: attainment {100 * r['slo_attainment']:.2f} %  goodput {r['goodput_rps']:.0f} req/s  "
+                      f"p50 {r['p50_ms'] or 0:.1f} ms  p99 {r['p99_ms'] or 0:.1f} ms  errors {r['errors'] or r['drops'] or 0}  client lag p99 {r['client_lag_p99_ms']:.1f} ms  "
+                      f"CPU/request: frontend {r['frontend_cpu_ms_per_request']:.2f} ms, client {r['client_cpu_ms_per_request']:.2f} ms")
+                if r["slo_attainment"] < 0.99:
+                    break
+                best = rate
+            out[kind]["ceiling_rps"] = best
+            print(f"   {kind}: highest offered rate at >= 99 % attainment: {best} req/s (target >= 1000)")
+    finally:
+        stop(srv, workers)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["all", "rehearsal", "ceiling"], default="all")
+    ap.add_argument("--model", default="atss_r101_fpn_1x_coco", help="PPipe-artifact model for the rehearsal")
+    ap.add_argument("--duration-s", type=float, default=10.0, help="arrival window per load point (the paper: 30)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rates", default="500,1000,1500,2000,3000", help="offered rates of the ceiling part")
+    ap.add_argument("--json-out", default=None, help="write all figures to this JSON file")
+    args = ap.parse_args()
+
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.part in ("all", "ceiling"):
+            results["ceiling"] = ceiling(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.rates.split(",")])
+        if args.part in ("all", "rehearsal"):
+            results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp))
+    ray.shutdown()
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+    print("\n" + json.dumps({k: ({kk: vv.get("ceiling_rps") for kk, vv in v.items()} if k == "ceiling" else
+                                 {kk: v.get(kk) for kk in ("model", "vgpus", "planned_rps", "sim_max_load", "runtime_max_load")})
+                             for k, v in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
