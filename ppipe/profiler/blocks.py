@@ -229,21 +229,6 @@ def make_input(info_or_shape, batch: int, seed: int = 0) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def _session(model_or_path, threads: int | None = None):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if threads:
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-    src = str(model_or_path) if isinstance(model_or_path, (str, Path)) else model_or_path.SerializeToString()
-    try:
-        return ort.InferenceSession(src, sess_options=so, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # ORT raises its own exception types (NOT_IMPLEMENTED, INVALID_GRAPH, ...)
-        raise UserError(f"onnxruntime cannot run this model: {exc}", fix="use ops the CPU provider supports, or profile on another backend") from None
-
-
 def run_blocks(block_models: Sequence, feeds: dict[str, np.ndarray], fp16_cuts: bool = False, threads: int | None = None) -> dict[str, np.ndarray]:
     """Run block sub-models (paths or ModelProtos) in sequence; return the last block's outputs.
 
@@ -253,9 +238,11 @@ def run_blocks(block_models: Sequence, feeds: dict[str, np.ndarray], fp16_cuts: 
         fp16_cuts: round every tensor crossing a cut to fp16 (as ppipe transmits it).
         threads: intra-op threads of each session.
     """
+    from ppipe.profiler.ort_backend import make_session
+
     current = dict(feeds)
     for i, bm in enumerate(block_models):
-        sess = _session(bm, threads)
+        sess = make_session(bm, threads or 0)
         names = [o.name for o in sess.get_outputs()]
         outs = sess.run(names, {x.name: current[x.name] for x in sess.get_inputs()})
         current = dict(zip(names, outs))

@@ -283,7 +283,7 @@ class GraphInfo:
         return int(np.prod(shape, dtype=np.int64)) * wire_bytes_per_element(self.elem_types[name])
 
 
-def _np_dtype_name(elem_type: int) -> str:
+def np_dtype_name(elem_type: int) -> str:
     from onnx import helper
 
     return str(np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)))
@@ -328,7 +328,7 @@ def analyze(model) -> GraphInfo:
         model=model,
         input_name=input_name,
         input_shape=shapes.get(input_name, []),
-        input_dtype=_np_dtype_name(elem_types.get(input_name, 1)),
+        input_dtype=np_dtype_name(elem_types.get(input_name, 1)),
         compute_nodes=compute,
         const_nodes=const,
         shapes=shapes,

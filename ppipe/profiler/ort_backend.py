@@ -59,11 +59,12 @@ def _ort():
     return ort
 
 
-def _session(model, threads: int, *, optimize: bool = True, profile_prefix: str | None = None):
+def make_session(model, threads: int, *, optimize: bool = True, profile_prefix: str | None = None):
+    """An onnxruntime CPU session (``threads`` 0: ORT's default); UserError if ORT cannot load the model."""
     ort = _ort()
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    so.intra_op_num_threads = max(1, threads)
+    so.intra_op_num_threads = max(0, threads)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -114,7 +115,7 @@ def layer_times_us(model, node_names: list[str], threads: int, runs: int = 5) ->
     by_output = {o: n.name for n in g.node for o in n.output}
     wanted = set(node_names)
     with tempfile.TemporaryDirectory(prefix="ppipe-ortprof-") as tmp:
-        sess = _session(model, threads, optimize=True, profile_prefix=str(Path(tmp) / "prof"))
+        sess = make_session(model, threads, optimize=True, profile_prefix=str(Path(tmp) / "prof"))
         feeds = _feeds(sess, 1)
         for _ in range(runs + 1):
             sess.run(None, feeds)
@@ -182,7 +183,7 @@ class BlockTimer:
         if sess is None:
             # one session per (block, level): sessions are reused across batch sizes
             self._cache.clear()
-            sess = self._cache[key] = _session(block_path, self.threads_at(level))
+            sess = self._cache[key] = make_session(block_path, self.threads_at(level))
         feeds = _feeds(sess, batch)
         for _ in range(self.warmup):
             sess.run(None, feeds)
@@ -195,4 +196,4 @@ class BlockTimer:
         return float(np.min(samples) if self.statistic == "min" else np.median(samples))
 
 
-__all__ = ["BlockTimer", "default_threads", "layer_times_us", "provenance"]
+__all__ = ["BlockTimer", "default_threads", "layer_times_us", "make_session", "provenance"]

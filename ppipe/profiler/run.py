@@ -243,9 +243,9 @@ def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: lis
 
 
 def _dtype(info: GraphInfo, name: str) -> str:
-    from ppipe.profiler.graph import _np_dtype_name
+    from ppipe.profiler.graph import np_dtype_name
 
-    return _np_dtype_name(info.elem_types.get(name, 1))
+    return np_dtype_name(info.elem_types.get(name, 1))
 
 
 def _estimate(block_paths: list[Path], gpus: list[str], levels: Sequence[int], batches: Sequence[int]) -> dict[Key, float]:

@@ -31,7 +31,7 @@ def _chain(channels):
 
 
 def _ref(info, x):
-    from ppipe.profiler.ort_backend import _session
+    from ppipe.profiler.ort_backend import make_session as _session
 
     sess = _session(info.model, 1)
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {info.input_name: x})))

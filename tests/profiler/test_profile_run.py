@@ -174,7 +174,7 @@ def test_builtin_blocks_regenerate_deterministically(tmp_path):
     # and the regenerated blocks reproduce the reference model
     import numpy as np
 
-    from ppipe.profiler.ort_backend import _session
+    from ppipe.profiler.ort_backend import make_session as _session
 
     spec = input_spec(loaded)
     x = make_input(spec.shape, 2, seed=5)
