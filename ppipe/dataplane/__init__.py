@@ -2,8 +2,11 @@
 
 Pure logic with an injected clock (no threads, sockets, sleeping or wall-clock reads).
 Entry point: :func:`build_scheduler`. Policies: ``reservation`` (the paper's §5.4,
-:mod:`ppipe.dataplane.reservation`) and ``reactive`` (the per-pool baseline of §7.4,
-:mod:`ppipe.dataplane.reactive`); add more with :func:`register_policy`.
+:mod:`ppipe.dataplane.reservation`), ``reactive`` (the baseline of §7.4 without
+reservations, whole-path dispatches: runs under the simulator and the runtime,
+:mod:`ppipe.dataplane.reactive`) and ``reactive-pool`` (the same baseline stage by stage,
+each pool batching on its own: needs a driver that takes one-stage dispatches, i.e. the
+simulator, :mod:`ppipe.dataplane.reactive_pool`); add more with :func:`register_policy`.
 """
 
 from ppipe.dataplane.api import (
@@ -22,12 +25,14 @@ from ppipe.dataplane.api import (
 from ppipe.dataplane.batching import BatchingScheduler, ProbeResult
 from ppipe.dataplane.options import SchedulerOptions
 from ppipe.dataplane.reactive import ReactiveScheduler
+from ppipe.dataplane.reactive_pool import ReactivePoolScheduler
 from ppipe.dataplane.registry import POLICIES, build_scheduler, register_policy
 from ppipe.dataplane.reservation import ReservationScheduler
 from ppipe.dataplane.tables import ReservationTable, earliest_slot
 
 register_policy("reservation")(ReservationScheduler)
 register_policy("reactive")(ReactiveScheduler)
+register_policy("reactive-pool")(ReactivePoolScheduler)
 
 __all__ = [
     "Clock",
@@ -45,6 +50,7 @@ __all__ = [
     "ProbeResult",
     "SchedulerOptions",
     "ReactiveScheduler",
+    "ReactivePoolScheduler",
     "ReservationScheduler",
     "ReservationTable",
     "earliest_slot",

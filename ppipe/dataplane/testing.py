@@ -215,7 +215,9 @@ def replay(
 
     Returns:
         (every decision in order, {request id: ("dispatched", planned finish, deadline) or
-        ("dropped", reason)}); a later in-flight drop overrides "dispatched".
+        ("dropped", reason)}); a later in-flight drop overrides "dispatched", and so does a
+        later one-stage dispatch of the same request (its planned finish is then that of
+        the last stage dispatched so far).
     """
     import random
 
@@ -248,7 +250,8 @@ def replay(
                     heapq.heappush(ev, (start + dur, 2, seq, "report", rep))
                     seq += 1
                 for r in d.requests:
-                    if r.id in outcome:
+                    # A dispatch that starts past partition 0 continues its requests (per-pool policies).
+                    if r.id in outcome and not (d.stages[0].partition > 0 and outcome[r.id][0] == "dispatched"):
                         raise AssertionError(f"request {r.id} decided twice: {outcome[r.id]} then dispatched")
                     outcome[r.id] = ("dispatched", d.finish_us, r.deadline_us)
             elif isinstance(d, Drop):

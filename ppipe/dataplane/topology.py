@@ -125,7 +125,7 @@ class Pool:
 class Pipeline:
     """One pooled pipeline of a model."""
 
-    __slots__ = ("model", "index", "planned_batch", "batches", "pools", "alive", "nominal_us")
+    __slots__ = ("model", "index", "planned_batch", "batches", "pools", "alive", "nominal_us", "planned_rps")
 
     def __init__(self, model: str, index: int, planned_batch: int):
         self.model = model
@@ -135,6 +135,7 @@ class Pipeline:
         self.pools: list[Pool] = []
         self.alive = True
         self.nominal_us: dict[int, float] = {}  # sum of inference latencies at each batch
+        self.planned_rps = 0.0  # the plan's throughput of this pipeline
 
 
 class Topology:
@@ -239,6 +240,7 @@ def compile_plan(plan: Plan, profiles: Mapping[str, ModelProfile], cluster: Clus
                 pool.refresh()
                 pipe.pools.append(pool)
             pipe.nominal_us = {b: sum(p.infer_us[b] for p in pipe.pools) for b in cands}
+            pipe.planned_rps = pp.throughput_rps
             pipes.append(pipe)
         topo.pipelines[m.name] = pipes
     return topo

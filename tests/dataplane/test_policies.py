@@ -131,3 +131,38 @@ def test_failure_mid_trace_routes_around_and_never_uses_the_dead_vgpu():
     after = [d for d in log if isinstance(d, Dispatch) and d.stages[0].start_us > 30_000.0]
     assert after and all(st.vgpu_id != "h-0/gpu0/s0" for d in after for st in d.stages)
     assert len(outcome) == 400
+
+
+def test_reusing_the_step1_probe_changes_the_probe_count_not_the_decisions():
+    logs = []
+    for reuse in (True, False):
+        s, clock = world("reservation", reuse_step1_probe=reuse)
+        log, _ = drive(s, clock, n=300, jitter=0.2)
+        logs.append((log, s.stats()["probes"]))
+    assert logs[0][0] == logs[1][0]
+    assert logs[0][1] < logs[1][1]
+
+
+def test_out_of_order_submissions_keep_the_queue_sorted_by_deadline(fig5):
+    s, clock = fig5()
+    s.submit(req(0, 100.0))
+    s.submit(req(1, 0.0))  # arrived earlier (e.g. clock skew between frontends)
+    assert [r.id for r in s.queues["m"]] == [1, 0]
+
+
+def test_the_longest_idle_vgpu_wins_among_equals(fig5):
+    s, clock = fig5(batch=1)
+    # n2 and n3 are both free at t=0, but n2 was busy until 50 and n3 never: n3 has been idle longer
+    s.topology.vgpus[N2].table.add(0.0, 50.0, "old work")
+    s.topology.vgpus[N2].pool.refresh()
+    clock.t_us = 60.0
+    (d,) = s.submit(req(0, 60.0))
+    assert d.stages[1].vgpu_id == N3
+
+
+def test_reactive_late_drop_can_be_switched_off(fig5):
+    rea, clock = fig5(policy="reactive", slo_ms=1.0, late_drop=False)
+    ds = [d for i in range(4) for d in rea.submit(req(i, 0.0, 1000.0))]
+    (d,) = [x for x in ds if isinstance(x, Dispatch)]
+    clock.t_us = 600.0
+    assert rea.report(StageReport(d.batch_id, 0, N1, 0.0, 600.0)) == []
