@@ -49,7 +49,7 @@ def test_one_point_with_json_and_plots(plan_dir, tmp_path):
 
 def test_sweep_writes_the_attainment_curve(plan_dir, tmp_path):
     figs = tmp_path / "figs"
-    r = invoke(plan_dir / "plan.yaml", "--sweep", "--search", "guided", "--duration-s", 0.5, "--plot", figs, "--policy", "reactive")
+    r = invoke(plan_dir / "plan.yaml", "--sweep", "--search", "guided", "--duration-s", 0.25, "--plot", figs, "--policy", "reactive")
     assert r.exit_code == 0, r.output
     assert "largest load factor" in r.output and (figs / "attainment_vs_load.png").exists()
 
