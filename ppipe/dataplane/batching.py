@@ -189,6 +189,7 @@ class BatchingScheduler:
     """
 
     policy_name = "base"
+    tracks_nics = True  # whether NIC tables are reserved and corrected (the reactive baseline: no)
 
     def __init__(self, topology: Topology, clock: Clock, options: SchedulerOptions | None = None):
         self.topology = topology
@@ -255,17 +256,18 @@ class BatchingScheduler:
         hint = rec.hops[part] if rec is not None and 0 <= part < len(rec.hops) else None
         if g is not None:
             self.counters.cascaded += g.table.correct(
-                (report.batch_id, part, "i"), report.start_us, report.end_us, hint_start=hint.start if hint else None
+                (report.batch_id, part, "i"), report.start_us, report.end_us, now=now, hint_start=hint.start if hint else None
             )
             if g.alive and g.pool is not None:
                 g.pool.touch(g)  # it may be free earlier than the pool's idle-heap thinks
         if rec is not None and 0 <= part < len(rec.hops):
             hop = rec.hops[part]
             later = report.end_us > rec.stage_end[part] + EPS_US
-            if hop.uses_nic and report.transfer_start_us is not None and report.transfer_end_us is not None:
+            if self.tracks_nics and hop.uses_nic and report.transfer_start_us is not None and report.transfer_end_us is not None:
                 for tab, kind in ((hop.prev.up, "u"), (hop.vgpu.down, "d")):
                     self.counters.cascaded += tab.correct(
-                        (report.batch_id, part, kind), report.transfer_start_us, report.transfer_end_us, hint_start=hop.transfer_start
+                        (report.batch_id, part, kind), report.transfer_start_us, report.transfer_end_us, now=now,
+                        hint_start=hop.transfer_start,
                     )
                 later = later or report.transfer_end_us > hop.transfer_start + hop.transfer_us + EPS_US
             rec.reported[part] = True

@@ -42,6 +42,7 @@ class ReactiveScheduler(BatchingScheduler):
     """Per-pool reactive batching: local vGPU queues, nominal transfers, no NIC reservations."""
 
     policy_name = "reactive"
+    tracks_nics = False
 
     def probe(self, pipeline: Pipeline, bs: int, t0: float | None = None) -> ProbeResult:
         """Path by local queues: per pool the vGPU whose queue frees first; transfers nominal."""
