@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ablation-duration-s", type=float, default=10.0,
                     help="window per point in the ablation (default 10 s: one model alone on 100 GPUs offers up to "
                     "~10k req/s, so 30 s points would not fit the 30-minute budget; 0 = --duration-s)")
-    ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--json", default=None, help="write all results here (rewritten after every finished case)")
     args = ap.parse_args(argv)
     artifact = Path(args.artifact)
     if not (artifact / "block-timing").is_dir():
@@ -270,6 +270,11 @@ def main(argv=None) -> int:
         return 2
     t0 = time.perf_counter()
     out: dict = {"args": vars(args)}
+
+    def save() -> None:
+        # after every case, so that an interrupted run keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     if not args.ablation_only:
         tasks = [(g, c, s, args) for c in args.clusters for g in args.groups for s in args.systems]
         # the baselines need more sweep points than PPipe: start them first
@@ -277,6 +282,8 @@ def main(argv=None) -> int:
         results = []
         for r in _run(main_task, tasks, args.jobs):
             results.append(r)
+            out["main"] = results
+            save()
             print(f"[{time.perf_counter() - t0:6.0f}s] {r['cluster']} {r['group']} {r['system']:6}: "
                   + " ".join(_fmt(v) for v in r["max_load"].values()) + f"  ({r['points']} points, {r['wall_s']:.0f} s)", flush=True)
         out["main"] = results
@@ -296,6 +303,8 @@ def main(argv=None) -> int:
         results = []
         for r in _run(ablation_task, tasks, args.jobs):
             results.append(r)
+            out["ablation"] = results
+            save()
             print(f"[{time.perf_counter() - t0:6.0f}s] ablation {r['case']} {r['policy']:11}: "
                   + " ".join(_fmt(v) for v in r["max_load"].values()) + f"  ({r['points']} points, {r['wall_s']:.0f} s)", flush=True)
         out["ablation"] = results
@@ -304,7 +313,7 @@ def main(argv=None) -> int:
     print(f"\ntotal wall time {total:.0f} s ({args.jobs} jobs)")
     out["wall_s"] = total
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        save()
         print(f"wrote {args.json}")
     return 0
 

@@ -262,7 +262,7 @@ class Simulator:
 
     Args:
         plan: the plan (its placement names the vGPUs and servers).
-        profiles: model name -> profile (for SLO-independent facts the scheduler needs).
+        profiles: model name -> profile (handed to the scheduler: latencies, cut bytes).
         cluster: the cluster the plan was made for.
         config: run settings.
         scheduler_factory: ``factory(plan, profiles, cluster, clock) -> Scheduler``;
