@@ -130,9 +130,10 @@ class ReservationTable:
         """Replace the interval ``key`` by the observed ``[start, end)``.
 
         The reported interval is inserted even if its key was pruned or never reserved
-        (the truth is what occupied the resource). An earlier interval that now overlaps
-        is cut at ``start``; later ones that now overlap are pushed back, cascading, each
-        keeping its duration (a late report still pushes back what was reserved behind it,
+        (the truth is what occupied the resource). An earlier interval that overlaps the
+        reported start has not run yet (reports come in the order the work ran), so it is
+        moved behind the reported one; later ones that now overlap are pushed back,
+        cascading, each keeping its duration (a late report still pushes back what was reserved behind it,
         even when the reported interval itself is already over). With ``now``, past
         intervals are pruned afterwards. Returns how many later intervals moved.
         """
@@ -140,16 +141,23 @@ class ReservationTable:
         if end < start:
             end = start
         i = bisect_left(self.starts, start)
-        if i > 0 and self.ends[i - 1] > start:
-            # The truth says the resource was busy with `key` from `start` on: the earlier
-            # reservation must have ended (or will end) no later than that.
-            self.ends[i - 1] = max(self.starts[i - 1], start)
+        moved = 0
+        if i > 0 and self.ends[i - 1] > start + EPS_US:
+            # An earlier reservation still overlaps the reported start. Had it run, its own
+            # report (sent when it ended, before this one) would have moved it before
+            # `start`; so it has not run yet (its input came late, and the worker took this
+            # one first): it now comes after the reported interval.
+            i -= 1
+            s0, e0, k0 = self.starts.pop(i), self.ends.pop(i), self.keys.pop(i)
+            self.starts.insert(i, end)
+            self.ends.insert(i, end + (e0 - s0))
+            self.keys.insert(i, k0)
+            moved += 1
         self.starts.insert(i, start)
         self.ends.insert(i, end)
         self.keys.insert(i, key)
-        moved = 0
-        prev_end = end
-        j = i + 1
+        prev_end = self.ends[i + 1] if moved else end
+        j = i + 2 if moved else i + 1
         n = len(self.starts)
         while j < n and self.starts[j] < prev_end - EPS_US:
             dur = self.ends[j] - self.starts[j]

@@ -58,11 +58,20 @@ def test_correct_late_end_pushes_later_reservations_back_in_cascade():
     t.check()
 
 
-def test_correct_early_end_frees_the_gap_and_trims_an_overlapped_predecessor():
+def test_correct_early_end_frees_the_gap():
     t = table((0, 10), (20, 30))
-    t.correct((20, 30), 5, 12)  # ran early, right after a predecessor that ended at 5
-    assert [(s, e) for s, e, _ in t.intervals()] == [(0, 5), (5, 12)]
-    assert t.earliest(0, 10) == 12
+    t.correct((20, 30), 20, 25)
+    assert [(s, e) for s, e, _ in t.intervals()] == [(0, 10), (20, 25)]
+    assert t.earliest(0, 10) == 10
+
+
+def test_correct_moves_an_earlier_unrun_reservation_behind_the_reported_one():
+    # (0,10) was reserved first, but its input came late: the worker ran (20,30)'s batch at 5.
+    t = table((0, 10), (20, 30), (30, 40))
+    moved = t.correct((20, 30), 5, 15)
+    assert [(s, e, k) for s, e, k in t.intervals()] == [(5, 15, (20, 30)), (15, 25, (0, 10)), (30, 40, (30, 40))]
+    assert moved == 1
+    t.check()
 
 
 def test_correct_of_an_unknown_key_inserts_the_truth():
