@@ -42,6 +42,21 @@ Determinism: queues are ordered by (deadline, arrival, id); pipelines by plan in
 pool's vGPUs by id; every comparison is strict, so the first in that order wins a tie.
 No set or dict iteration order reaches a decision.
 
+Feedback correction (``report``), decided here since the paper only says the tables
+"take the truth":
+
+* the reported stage's interval on its vGPU (and its transfer's on both NICs) is replaced
+  by the reported one; reservations behind it on the same resource that now overlap are
+  pushed back, cascading, each keeping its duration (a worker serves its queue in order,
+  so a late batch delays the ones behind it); an earlier reservation that overlaps the
+  reported start has not run yet and moves behind it (:meth:`ReservationTable.correct`);
+* with ``propagate_delays`` (default), a late stage also moves its own batch's not yet
+  reported downstream reservations to when their input can be there
+  (:meth:`ReservationTable.delay`); the downstream reservations of *other* batches pushed
+  back by a cascade are not moved along (their own reports correct them);
+* past intervals are pruned as reports come in; a model that is waiting re-decides when a
+  report shows the tables got busier (``reevaluate_on_report``).
+
 Several models: each has its own queue and runs Algorithm 1 on its own; models share
 NICs (servers host vGPUs of several models), so one model's reservations shape another's
 probes. ``wake()`` runs the models whose wake time has come, in plan order.
@@ -271,6 +286,8 @@ class BatchingScheduler:
                     )
                 later = later or report.transfer_end_us > hop.transfer_start + hop.transfer_us + EPS_US
             rec.reported[part] = True
+            if later and self.options.propagate_delays:
+                self._propagate(rec, report.batch_id, part, report.end_us)
             delay = report.end_us - rec.stage_end[part]
             if rec.planned_finish + delay > rec.expected_end:
                 rec.expected_end = rec.planned_finish + delay
@@ -287,6 +304,35 @@ class BatchingScheduler:
                 if self.wake_at[m] is not None:
                     out.extend(self._run_model(m, now))
         return out
+
+    def _propagate(self, rec: InFlight, bid: int, part: int, ready: float) -> None:
+        """A stage ended late: its batch's later stages cannot start as planned either.
+
+        Moves the batch's unreported downstream reservations (transfer on both NICs, then
+        inference) to no earlier than the time their input can be there, so that the
+        tables show where that work will really sit (and who is pushed back by it).
+        """
+        t = ready
+        for j in range(part + 1, len(rec.hops)):
+            if rec.reported[j]:
+                break
+            h = rec.hops[j]
+            if h.uses_nic and h.transfer_us > 0:
+                if self.tracks_nics:
+                    a = h.prev.up.delay((bid, j, "u"), t, h.transfer_start)
+                    b = h.vgpu.down.delay((bid, j, "d"), t, h.transfer_start)
+                    if a is not None and b is not None and a[0] != b[0]:
+                        # the two links must carry it at once: align both on the later start
+                        s2 = max(a[0], b[0])
+                        a = h.prev.up.delay((bid, j, "u"), s2)
+                        b = h.vgpu.down.delay((bid, j, "d"), s2)
+                    t = max(t, a[0] if a else t, b[0] if b else t) + h.transfer_us
+                else:
+                    t = max(t, h.transfer_start) + h.transfer_us
+            else:
+                t = t + h.transfer_us
+            moved = h.vgpu.table.delay((bid, j, "i"), t, h.start)
+            t = moved[1] if moved is not None else max(t, h.start) + h.infer_us
 
     def mark_failed(self, vgpu_id: str) -> list[Decision]:
         """A worker died: stop routing to it and drop the in-flight requests it held.

@@ -170,6 +170,41 @@ class ReservationTable:
             self.prune(now)  # a report usually comes after the fact: keep only what matters
         return moved
 
+    def delay(self, key: Hashable, not_before: float, hint_start: float | None = None) -> tuple[float, float] | None:
+        """Move the interval ``key`` so that it starts no earlier than ``not_before``.
+
+        For work whose input is late (feedback from an upstream stage): it becomes ready at
+        ``not_before``; work already due on this resource at that moment goes first (the
+        worker serves in order of readiness), so the interval starts after any interval
+        that overlaps ``not_before``; later ones that then overlap are pushed back.
+        Returns the interval's new (start, end), or None if ``key`` is not in the table.
+        """
+        i = self.find(key, hint_start)
+        if i < 0:
+            return None
+        s0, e0 = self.starts[i], self.ends[i]
+        if s0 >= not_before - EPS_US:
+            return s0, e0
+        dur = e0 - s0
+        del self.starts[i], self.ends[i], self.keys[i]
+        start = not_before
+        i = bisect_left(self.starts, start)
+        if i > 0 and self.ends[i - 1] > start:
+            start = self.ends[i - 1]
+        self.starts.insert(i, start)
+        self.ends.insert(i, start + dur)
+        self.keys.insert(i, key)
+        prev_end = start + dur
+        j = i + 1
+        n = len(self.starts)
+        while j < n and self.starts[j] < prev_end - EPS_US:
+            d = self.ends[j] - self.starts[j]
+            self.starts[j] = prev_end
+            self.ends[j] = prev_end + d
+            prev_end = self.ends[j]
+            j += 1
+        return start, start + dur
+
     def check(self) -> None:
         """Raise AssertionError-free ValueError if the invariant is broken (tests)."""
         for a in range(1, len(self.starts)):

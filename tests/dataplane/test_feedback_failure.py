@@ -133,3 +133,18 @@ def test_a_model_without_live_pipeline_drops_with_no_pipeline(fig5):
     assert [(d.request.id, d.reason) for d in out] == [(0, DropReason.NO_PIPELINE)]
     (d,) = s.submit(req(1, 0.0))
     assert isinstance(d, Drop) and d.reason is DropReason.NO_PIPELINE
+
+
+def test_a_late_stage_moves_its_batch_downstream_reservations(fig5):
+    s, clock = fig5()
+    b0, b1 = two_batches(s)
+    clock.t_us = 300.0
+    s.report(report(b0, 0, 0.0, 300.0))  # 50 us late: the transfer can start at 300, not 250
+    assert spans(s.topology.table("up:n-0")) == [(300.0, 340.0), (500.0, 540.0)]
+    assert spans(s.topology.table("down:n-1")) == [(300.0, 340.0)]
+    assert spans(s.topology.vgpus[N2].table) == [(340.0, 840.0)]
+    s2, clock2 = fig5(propagate_delays=False)
+    c0, c1 = two_batches(s2)
+    clock2.t_us = 300.0
+    s2.report(report(c0, 0, 0.0, 300.0))
+    assert spans(s2.topology.vgpus[N2].table) == [(290.0, 790.0)]

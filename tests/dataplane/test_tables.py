@@ -110,3 +110,13 @@ def test_a_report_of_a_finished_interval_still_pushes_back_what_follows():
     moved = t.correct((0, 10), 0, 15, now=15)  # reported after the fact, at its end
     assert moved == 1
     assert [(s, e) for s, e, _ in t.intervals()] == [(15, 25)]  # the past one is pruned
+
+
+def test_delay_moves_late_work_behind_what_is_already_due_and_cascades():
+    t = table((0, 10), (12, 20), (20, 30), (40, 50))
+    # (0,10)'s input arrives only at 15: (12,20) is due first, so it goes to 20, pushing (20,30)
+    assert t.delay((0, 10), 15) == (20, 30)
+    assert [(s, e) for s, e, _ in t.intervals()] == [(12, 20), (20, 30), (30, 40), (40, 50)]
+    assert t.delay((40, 50), 10) == (40, 50)  # already late enough: unchanged
+    assert t.delay("missing", 0) is None
+    t.check()
