@@ -82,14 +82,23 @@ class EmulatedBackend:
         profile: the model profile.
         gpu, vgpu: the pool's GPU type and vGPU level (the latency row to use).
         first, last: block range of the partition.
-        time_scale: multiply every sleep (1.0 = the profile's latency).
+        time_scale: multiply every sleep (1.0 = the profiled latency).
+        max_bytes_per_sample: cap on the size of the emitted feature maps (None: the
+            profiled size). The detection models of the paper cut 2-13 MB feature maps per
+            sample; a rehearsal of a 400 req/s plan on one small host cannot move GB/s
+            through its object store, so it caps them; the NIC time of a transfer is still
+            the planned one (the worker waits it out), only the bytes shrink.
     """
 
     name = "emulated"
 
-    def __init__(self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, time_scale: float = 1.0):
+    def __init__(
+        self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, time_scale: float = 1.0,
+        max_bytes_per_sample: int | None = None,
+    ):
         self.profile, self.gpu, self.vgpu, self.first, self.last = profile, gpu, vgpu, first, last
         self.time_scale = time_scale
+        self.max_bytes_per_sample = max_bytes_per_sample
         self.is_last = last == profile.num_blocks - 1
         interpolated_latency_us(profile, gpu, vgpu, 1, first, last)  # fail at start, not per batch
 
@@ -111,7 +120,10 @@ class EmulatedBackend:
         m = self.profile.manifest
         if self.is_last and m.outputs:
             return {o.name: np.zeros((batch, *o.shape), dtype=o.dtype) for o in m.outputs}
-        n = max(1, self.profile.cut_bytes(self.last) // 2)
+        size = self.profile.cut_bytes(self.last)
+        if self.max_bytes_per_sample is not None:
+            size = min(size, self.max_bytes_per_sample)
+        n = max(1, size // 2)
         name = "output" if self.is_last else emulated_tensor_name(self.last)
         return {name: np.zeros((batch, n), dtype=np.float16)}
 
@@ -292,7 +304,10 @@ class TensorRTBackend:
 def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, **options) -> Backend:
     """Build a backend by name (``ort``, ``tensorrt``, ``emulated``)."""
     if name == "emulated":
-        return EmulatedBackend(profile, gpu, vgpu, first, last, time_scale=options.get("time_scale", 1.0))
+        return EmulatedBackend(
+            profile, gpu, vgpu, first, last, time_scale=options.get("time_scale", 1.0),
+            max_bytes_per_sample=options.get("max_bytes_per_sample"),
+        )
     if name == "ort":
         return OrtBackend(profile, gpu, vgpu, first, last)
     if name == "tensorrt":

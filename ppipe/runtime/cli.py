@@ -45,7 +45,9 @@ class _NullClock:
 @click.option("--token", default=None, envvar="PPIPE_TOKEN", help="Bearer token required on every endpoint but health (env PPIPE_TOKEN).")
 @click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest request body accepted (413 above).")
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
-def serve(plan_file, cluster, ray_address, backend, policy, max_queue, host, port, token, max_body_mb, num_cpus):
+@click.option("--emulated-max-bytes", default=None, type=int,
+              help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
+def serve(plan_file, cluster, ray_address, backend, policy, max_queue, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API."""
     import uvicorn
 
@@ -66,7 +68,10 @@ def serve(plan_file, cluster, ray_address, backend, policy, max_queue, host, por
         ray.init(address=ray_address, include_dashboard=False)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False)
-    workers = start_workers(dep, backend=backend)
+    if emulated_max_bytes is not None and backend != "emulated":
+        raise UserError("--emulated-max-bytes applies to --backend emulated only")
+    opts = {} if emulated_max_bytes is None else {"max_bytes_per_sample": emulated_max_bytes}
+    workers = start_workers(dep, backend=backend, backend_options=opts)
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, policy=policy, scheduler_options=options)
     def shutdown():
         for h in workers.values():
@@ -95,15 +100,22 @@ def serve(plan_file, cluster, ray_address, backend, policy, max_queue, host, por
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the figures as JSON to this file.")
 @click.option("--client", type=click.Choice(["raw", "httpx"]), default="raw", show_default=True,
               help="HTTP client: a minimal asyncio HTTP/1.1 client, or httpx (slower under high concurrency).")
-def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client):
+@click.option("--input-shape", default=None, help="Per-sample input shape, e.g. 3,224,224, for models whose metadata has none.")
+def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape):
     """Open-loop load against URL (a `ppipe serve`): SLO attainment, goodput, p50/p99, drops."""
     from ppipe.runtime.bench import format_table, run_bench, to_json
 
     if rate_rps <= 0 or duration_s <= 0:
         raise UserError("--rate and --duration-s must be positive")
+    shape = None
+    if input_shape:
+        try:
+            shape = [int(d) for d in input_shape.split(",")]
+        except ValueError:
+            raise UserError(f"--input-shape '{input_shape}' is not a comma-separated list of integers", fix="e.g. --input-shape 3,224,224") from None
     res = asyncio.run(
         run_bench(url, model, rate_rps, duration_s, arrivals=arrivals, trace=trace, binary=binary, seed=seed, slo_ms=slo_ms, token=token, cv=cv,
-                  client=client)
+                  client=client, input_shape=shape)
     )
     click.echo(format_table(res))
     text = to_json(res)

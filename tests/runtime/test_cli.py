@@ -1,0 +1,77 @@
+"""`ppipe serve` and `ppipe bench` from the command line."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ppipe.cli import main
+
+
+def test_serve_names_a_missing_plan_file(tmp_path):
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "nope.yaml")])
+    assert r.exit_code == 2
+    assert "nope.yaml" in r.output
+
+
+def test_serve_rejects_a_plan_for_another_cluster(tmp_path, tinynet):
+    from ppipe.spec.cluster import load_cluster
+    from tests.runtime.conftest import make_plan
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)])
+    plan.save(tmp_path / "plan.yaml")
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--cluster", "HC1-S"])
+    assert r.exit_code == 2
+    assert "plan is for cluster 'local-cpu'" in r.output and "--cluster" in r.output
+
+
+def test_serve_rejects_an_unknown_policy_before_starting_ray(tmp_path, tinynet):
+    from ppipe.spec.cluster import load_cluster
+    from tests.runtime.conftest import make_plan
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)])
+    plan.save(tmp_path / "plan.yaml")
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--policy", "reservaton"])
+    assert r.exit_code == 2
+    assert "did you mean 'reservation'" in r.output
+
+
+def test_bench_without_a_server_says_so():
+    r = CliRunner().invoke(main, ["bench", "http://127.0.0.1:9", "--model", "m", "--rate", "10", "--duration-s", "1"])
+    assert r.exit_code == 2
+    assert "cannot reach http://127.0.0.1:9" in r.output
+
+
+@pytest.mark.ray
+def test_bench_against_a_running_server(ray_cluster, tinynet, tmp_path):
+    import ray
+
+    from ppipe.runtime.deploy import load_deployment, start_workers
+    from ppipe.runtime.driver import Runtime
+    from ppipe.runtime.server import BackgroundServer, create_app
+    from ppipe.spec.cluster import load_cluster
+    from tests.runtime.conftest import make_plan
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
+    plan.save(tmp_path / "plan.yaml")
+    dep = load_deployment(tmp_path / "plan.yaml")
+    workers = start_workers(dep, backend="emulated")
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers)
+    out = tmp_path / "bench.json"
+    try:
+        with BackgroundServer(create_app(rt, token="s3cret")) as srv:
+            r = CliRunner().invoke(main, ["bench", srv.url, "--model", "tinynet", "--rate", "40", "--duration-s", "1.5",
+                                          "--binary", "--token", "s3cret", "--json-out", str(out)])
+            denied = CliRunner().invoke(main, ["bench", srv.url, "--model", "tinynet", "--rate", "5", "--duration-s", "0.5"])
+    finally:
+        for h in workers.values():
+            ray.kill(h)
+    assert r.exit_code == 0, r.output
+    assert "SLO attainment" in r.output and "goodput" in r.output
+    res = json.loads(out.read_text())
+    assert res["sent"] > 20 and res["ok"] + sum(res["drops"].values()) + sum(res["errors"].values()) == res["sent"]
+    assert res["slo_attainment"] > 0.5 and res["p50_ms"] > 0
+    assert denied.exit_code == 2 and "HTTP 401" in denied.output

@@ -1,0 +1,304 @@
+"""Runtime pieces without Ray: clock, backends, deployment checks, the driver with fake workers."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import numpy as np
+import pytest
+
+from ppipe.dataplane.api import Dispatch, Drop, DropReason, Stage, WakeAt
+from ppipe.errors import NotAvailableError, UserError
+from ppipe.runtime.backends import EmulatedBackend, OrtBackend, interpolated_latency_us, make_backend
+from ppipe.runtime.clock import WallClock, wall_us
+from ppipe.runtime.deploy import Deployment, node_resources_for, worker_env, worker_specs
+from ppipe.runtime.driver import DroppedError, Runtime
+from ppipe.runtime.worker import WorkerSpec, to_wire
+from ppipe.spec.cluster import ClusterSpec, load_cluster
+from tests.runtime.conftest import make_plan
+from tests.runtime.fakes import FifoScheduler
+from tests.runtime.tinynet import reference
+
+
+# ---- clock -------------------------------------------------------------------------------------
+def test_wall_clock_timeline_and_timers():
+    async def main():
+        c = WallClock()
+        t0 = c.now_us()
+        assert 0 <= t0 < 1e6
+        assert abs(c.from_wall_us(wall_us()) - c.now_us()) < 1e4
+        assert c.to_wall_us(c.from_wall_us(123.0)) == pytest.approx(123.0)
+        fired = []
+        target = c.now_us() + 20_000
+        c.call_at(target, lambda: fired.append(c.now_us()))
+        c.call_at(c.now_us() - 5_000, lambda: fired.append(-1.0))  # in the past: at once
+        await asyncio.sleep(0.06)
+        return target, fired
+
+    target, fired = asyncio.run(main())
+    assert fired[0] == -1.0 and fired[1] >= target  # a timer never fires before its time
+
+
+# ---- backends --------------------------------------------------------------------------------------
+def test_interpolated_latency_matches_profile_and_interpolates(tinynet):
+    p = tinynet
+    assert interpolated_latency_us(p, "cpu", 1, 4, 0, 2) == pytest.approx(p.partition_latency_us("cpu", 1, 4, 0, 2))
+    l2, l4 = (p.partition_latency_us("cpu", 1, b, 0, 1) for b in (2, 4))
+    assert interpolated_latency_us(p, "cpu", 1, 3, 0, 1) == pytest.approx((l2 + l4) / 2)
+    l8 = p.partition_latency_us("cpu", 1, 8, 0, 1)
+    assert interpolated_latency_us(p, "cpu", 1, 12, 0, 1) == pytest.approx(l8 + (l8 - l4) * (12 - 8) / 4)
+    with pytest.raises(UserError, match="no timings for gpu=T4"):
+        interpolated_latency_us(p, "T4", 1, 1, 0, 1)
+
+
+def test_emulated_backend_sleeps_for_the_profile_and_emits_fp16_of_the_cut_size(tinynet):
+    b = EmulatedBackend(tinynet, "cpu", 1, 0, 1)
+
+    async def run():
+        t = wall_us()
+        out = await b.run({}, 4)
+        return out, wall_us() - t
+
+    out, took_us = asyncio.run(run())
+    assert took_us >= 0.98 * tinynet.partition_latency_us("cpu", 1, 4, 0, 1)
+    (arr,) = out.values()
+    assert arr.dtype == np.float16 and arr.shape == (4, tinynet.cut_bytes(1) // 2)
+    capped = EmulatedBackend(tinynet, "cpu", 1, 0, 1, max_bytes_per_sample=64).outputs(2)
+    assert next(iter(capped.values())).shape == (2, 32)
+    last = EmulatedBackend(tinynet, "cpu", 1, 2, 2).outputs(3)  # the model's declared outputs
+    assert last["logits"].shape == (3, 5)
+
+
+def test_ort_partitions_chained_with_fp16_cuts_equal_the_whole_model(tinynet):
+    x = np.random.default_rng(0).normal(size=(3, 3, 8, 8)).astype(np.float32)
+    a = OrtBackend(tinynet, "cpu", 2, 0, 1)
+    b = OrtBackend(tinynet, "cpu", 2, 2, 2)
+    mid = a.run_sync({"input": x})
+    assert list(mid) == ["t1"]
+    wire = to_wire(mid)
+    assert wire["t1"].dtype == np.float16
+    out = b.run_sync(wire)
+    np.testing.assert_allclose(out["logits"], reference(tinynet.directory, x), rtol=2e-2, atol=2e-2)
+
+
+def test_backend_errors_are_user_errors(tinynet, tmp_path):
+    with pytest.raises(UserError, match="unknown backend 'onnx'"):
+        make_backend("onnx", tinynet, "cpu", 1, 0, 0)
+    # a profile whose block files are gone and that the profiler cannot regenerate
+    from ppipe.spec.profile import ModelProfile
+
+    broken = ModelProfile(
+        manifest=tinynet.manifest.model_copy(update={"blocks": [b.model_copy(update={"onnx": None}) for b in tinynet.manifest.blocks]}),
+        table=tinynet.table,
+        directory=tmp_path,
+    )
+    with pytest.raises(UserError, match="no ONNX graph to cut|no runnable ONNX sub-model"):
+        OrtBackend(broken, "cpu", 1, 0, 1)
+
+
+def test_tensorrt_backend_without_tensorrt_is_a_clear_error(tinynet):
+    pytest.importorskip("numpy")
+    try:
+        import tensorrt  # noqa: F401
+
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(NotAvailableError, match="needs TensorRT and CuPy"):
+        make_backend("tensorrt", tinynet, "cpu", 1, 0, 0)
+
+
+# ---- deployment ------------------------------------------------------------------------------------------
+GROUPS = """
+version: 1
+name: g
+gpu_types:
+- {name: cpu, vgpu_levels: [1, 2]}
+servers:
+- {name: a, gpu_type: cpu, gpus_per_server: 1, count: 2, nic_bandwidth_gbps: 10, ray_resource: rackA}
+- {name: b, gpu_type: cpu, gpus_per_server: 1, count: 1, nic_bandwidth_gbps: 10}
+"""
+
+
+def _spec(server: str, gpu="cpu", v=1) -> WorkerSpec:
+    return WorkerSpec(f"{server}/gpu0/s0", server, 0, "m", 0, 0, 0, 0, gpu, v, "/x")
+
+
+def test_node_resources_prefer_the_per_server_resource(tmp_path):
+    import yaml
+
+    cluster = ClusterSpec.model_validate(yaml.safe_load(GROUPS))
+    assert node_resources_for(_spec("a-1"), cluster, {"rackA", "rackA-1"}) == {"rackA-1": 0.001}
+    assert node_resources_for(_spec("a-0"), cluster, {"rackA", "rackA-1"}) == {"rackA": 0.001}
+    assert node_resources_for(_spec("b-0"), cluster, set()) == {}
+    with pytest.raises(UserError, match=r"(?s)no Ray node offers resource .rackA.*servers\[0\]\.ray_resource"):
+        node_resources_for(_spec("a-0"), cluster, {"CPU"}, "g.yaml")
+
+
+def test_worker_env_pins_the_gpu_and_the_mps_share():
+    assert worker_env(_spec("a-0", "L4", 4), "tensorrt") == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+    assert worker_env(_spec("a-0", "L4", 1), "ort") == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert worker_env(_spec("a-0", "L4", 2), "emulated") == {}
+    assert worker_env(_spec("a-0", "cpu", 2), "ort") == {}
+
+
+def test_worker_specs_follow_the_placement_and_reject_a_plan_without_one(tinynet):
+    cluster = load_cluster("local-cpu")
+    plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
+    specs = worker_specs(Deployment(plan, cluster, {"tinynet": tinynet}, "plan.yaml"))
+    assert [(s.vgpu_id, s.first_block, s.last_block) for s in specs] == [
+        ("localhost-0/gpu0/s0", 0, 1),
+        ("localhost-0/gpu0/s1", 2, 2),
+    ]
+    empty = plan.model_copy(update={"placement": []})
+    with pytest.raises(UserError, match="plan.yaml: the plan has no placement"):
+        worker_specs(Deployment(empty, cluster, {"tinynet": tinynet}, "plan.yaml"))
+    short = plan.model_copy(update={"placement": plan.placement[:1]})
+    with pytest.raises(UserError, match="partition 1 plans 1 vGPU"):
+        worker_specs(Deployment(short, cluster, {"tinynet": tinynet}, "plan.yaml"))
+
+
+# ---- the driver with fake workers (no Ray) ---------------------------------------------------------------------
+class _Ref:
+    """Stands in for an ObjectRef: awaitable once."""
+
+    def __init__(self, coro):
+        self.task = asyncio.ensure_future(coro)
+
+    def __await__(self):
+        return self.task.__await__()
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return _Ref(self.fn(*args))
+
+
+class FakeWorker:
+    """Runs the emulated chain in-process; ``dead`` makes calls fail like a killed actor."""
+
+    def __init__(self, vgpu_id, peers):
+        self.vgpu_id, self.peers, self.dead = vgpu_id, peers, False
+        self.run_stage = _Method(self._run)
+        self.ping = _Method(self._ping)
+
+    async def _ping(self):
+        if self.dead:
+            import ray
+
+            raise ray.exceptions.RayActorError()
+        return {}
+
+    async def _run(self, batch_id, route, index, inputs, batch, sent, timing):
+        await self._ping()
+        t = wall_us()
+        rep = {"batch_id": batch_id, "partition": index, "vgpu_id": self.vgpu_id, "start_us": t, "end_us": t + 1,
+               "transfer_start_us": None, "transfer_end_us": None}
+        if index + 1 == len(route):
+            return rep, {"y": inputs["x"] * 2}
+        return rep, self.peers[route[index + 1]].run_stage.remote(batch_id, route, index + 1, inputs, batch, t, timing)
+
+
+def _runtime(tinynet, **sched):
+    cluster = load_cluster("local-cpu")
+    plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
+    peers: dict = {}
+    for p in plan.placement:
+        peers[p.vgpu_id] = FakeWorker(p.vgpu_id, peers)
+    rt = Runtime(plan, {"tinynet": tinynet}, cluster, peers, scheduler_factory=functools.partial(FifoScheduler, **sched),
+                 health_interval_s=0.05, keep_traces=100)
+    return rt, peers
+
+
+def test_driver_batches_answers_each_request_with_its_own_row(tinynet):
+    rt, _ = _runtime(tinynet, max_batch=3, window_us=5000.0)
+
+    async def main():
+        await rt.start()
+        outs = await asyncio.gather(*(rt.infer("tinynet", {"x": np.full(2, i, np.float32)}) for i in range(5)))
+        await rt.stop()
+        return outs
+
+    outs = asyncio.run(main())
+    assert [o["y"].tolist() for o in outs] == [[2 * i, 2 * i] for i in range(5)]
+    assert [len(t.request_ids) for t in rt.traces] == [3, 2]  # one full batch, one after the WakeAt window
+    assert rt.scheduler.wakes >= 1 and len(rt.scheduler.reports) == 4
+
+
+def test_driver_answers_drops_with_their_reason(tinynet):
+    rt, _ = _runtime(tinynet, drop_all=True)
+
+    async def main():
+        await rt.start()
+        try:
+            with pytest.raises(DroppedError, match="dropped: deadline-unreachable: test scheduler drops everything"):
+                await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+        finally:
+            await rt.stop()
+
+    asyncio.run(main())
+    assert rt._queued["tinynet"] == 0
+
+
+def test_driver_marks_a_dead_worker_failed_and_fails_its_batch(tinynet):
+    rt, peers = _runtime(tinynet, max_batch=1)
+    victim = rt.plan.placements_of("tinynet", 0, 1)[0].vgpu_id
+
+    async def main():
+        await rt.start()
+        peers[victim].dead = True
+        with pytest.raises(DroppedError, match="worker-failed"):
+            await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+        await rt.stop()
+
+    asyncio.run(main())
+    assert victim in rt.failed and victim in rt.scheduler.failed
+    assert not rt.model_ready("tinynet")
+
+
+def test_health_loop_finds_an_idle_dead_worker(tinynet):
+    rt, peers = _runtime(tinynet)
+    victim = rt.plan.placements_of("tinynet", 0, 0)[0].vgpu_id
+
+    async def main():
+        await rt.start()
+        peers[victim].dead = True
+        await asyncio.sleep(0.3)
+        await rt.stop()
+
+    asyncio.run(main())
+    assert victim in rt.scheduler.failed
+
+
+def test_early_timer_is_re_armed_not_delivered(tinynet):
+    rt, _ = _runtime(tinynet)
+
+    class Early:
+        """A clock whose timers fire 5 ms early (as asyncio may, by a tick)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, k):
+            return getattr(self.inner, k)
+
+        def call_at(self, t_us, fn):
+            return self.inner.call_at(t_us - 5000, fn)
+
+    async def main():
+        await rt.start()
+        rt.clock = Early(rt.clock)
+        seen = []
+        rt.scheduler.wake = lambda: seen.append(rt.clock.now_us()) or []
+        t = rt.clock.now_us() + 20_000
+        rt._apply([WakeAt(t)])
+        await asyncio.sleep(0.06)
+        await rt.stop()
+        return t, seen
+
+    t, seen = asyncio.run(main())
+    assert len(seen) == 1 and seen[0] >= t
