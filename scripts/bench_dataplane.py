@@ -77,7 +77,7 @@ def describe(plan):
 
 
 def run(plan, profiles, cluster, policy, args, options):
-    from ppipe.dataplane import Dispatch, Drop, Request, StageReport, WakeAt, build_scheduler
+    from ppipe.dataplane import Dispatch, Request, StageReport, WakeAt, build_scheduler
     from ppipe.dataplane.testing import ManualClock
 
     clock = ManualClock()

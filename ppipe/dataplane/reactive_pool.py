@@ -193,7 +193,6 @@ class ReactivePoolScheduler:
         return out
 
     def mark_failed(self, vgpu_id: str) -> list[Decision]:
-        now = self.clock.now_us()
         g = self.topology.vgpus.get(vgpu_id)
         if g is None or not g.alive:
             return []

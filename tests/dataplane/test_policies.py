@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from ppipe.dataplane import POLICIES, Dispatch, Drop, DropReason, Request, StageReport, WakeAt, build_scheduler
+from ppipe.dataplane import POLICIES, Dispatch, DropReason, Request, StageReport, build_scheduler
 from ppipe.dataplane.testing import FIG5_NODES, ManualClock, replay, ToyModel, ToyPartition, ToyPipeline, toy_cluster, toy_plan, toy_profile
 
 N1, N2, N3 = FIG5_NODES

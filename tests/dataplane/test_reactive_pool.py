@@ -2,7 +2,7 @@
 
 import pytest
 
-from ppipe.dataplane import Dispatch, Drop, DropReason, Request, StageReport, WakeAt, build_scheduler
+from ppipe.dataplane import Dispatch, Drop, DropReason, Request, StageReport, build_scheduler
 from ppipe.dataplane.testing import FIG5_NODES, ManualClock, ToyModel, ToyPartition, ToyPipeline, replay, toy_cluster, toy_plan, toy_profile
 
 N1, N2, N3 = FIG5_NODES
