@@ -36,6 +36,7 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
 @click.option("--batches", default="1-8", show_default=True, help="Batch sizes at vGPU level 1 (e.g. 1-8 or 1,2,4,8); level 2 keeps those <= 4, levels 3-4 those <= 2 (profile.csv 'batch').")
 @click.option("--measure", default="cpu", show_default=True, help="Device type to measure on here: 'cpu' (onnxruntime) or a GPU type name such as L4 (TensorRT on the local NVIDIA GPU); 'none' to only estimate (profile.csv 'gpu').")
 @click.option("--estimate", default="", help="Comma-separated GPU types to add roofline estimates for, e.g. L4,T4,P4,V100,A10,A100,H100 (profile.csv 'gpu').")
+@click.option("--estimate-from", metavar="GPU", help="Estimate the --estimate types from this GPU type's timings in the profile (cross-GPU model learned from real TensorRT profiles; e.g. --measure T4 --estimate-from T4 --estimate L4,V100) instead of the roofline model.")
 @click.option("--cpu-levels", default="1,2", show_default=True, help="vGPU levels measured on a CPU (level v = 1/v of the threads).")
 @click.option("--gpu-levels", default="1,2,3,4", show_default=True, help="vGPU levels measured (MPS) or estimated on GPU types.")
 @click.option("--input-shape", help="Per-sample input shape without the batch (e.g. 3,224,224); required when the ONNX input has dynamic dimensions (model.yaml 'input.shape').")
@@ -45,7 +46,7 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
 @click.option("--refresh-estimates", is_flag=True, help="Recompute the --estimate types even where profile.csv has rows for them.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed of built-in models (model.yaml 'source.weights_seed').")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def profile(model, builtin, out_dir, name, num_blocks, batches, measure, estimate, cpu_levels, gpu_levels, input_shape, threads, reps, statistic, refresh_estimates, seed, no_progress):
+def profile(model, builtin, out_dir, name, num_blocks, batches, measure, estimate, estimate_from, cpu_levels, gpu_levels, input_shape, threads, reps, statistic, refresh_estimates, seed, no_progress):
     """Cut MODEL (an ONNX file) into blocks and profile them per GPU type x vGPU level x batch.
 
     \b
@@ -77,6 +78,7 @@ def profile(model, builtin, out_dir, name, num_blocks, batches, measure, estimat
         batches=parse_batches(batches),
         measure=None if measure.strip().lower() in ("", "none") else measure.strip(),
         estimate=_split(estimate),
+        estimate_from=estimate_from,
         cpu_levels=_levels(cpu_levels, "--cpu-levels"),
         gpu_levels=_levels(gpu_levels, "--gpu-levels"),
         input_shape=parse_shape(input_shape) if input_shape else None,

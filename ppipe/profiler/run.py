@@ -112,6 +112,9 @@ class ProfileRequest:
         size_weight: weight of cut sizes against balance when cutting.
         statistic: ``median`` or ``min`` of the timed runs (``min`` damps a busy machine).
         refresh_estimates: recompute estimates even where rows exist.
+        estimate_from: a GPU type measured in this profile (e.g. by ``measure``) to carry
+            over to the ``estimate`` types with the cross-GPU model (learned from real
+            TensorRT timings) instead of the roofline model.
     """
 
     onnx_path: Path | None = None
@@ -131,6 +134,7 @@ class ProfileRequest:
     size_weight: float = DEFAULT_SIZE_WEIGHT
     statistic: str = "median"
     refresh_estimates: bool = False
+    estimate_from: str | None = None
 
 
 def _load(req: ProfileRequest):
@@ -262,6 +266,17 @@ def _estimate(block_paths: list[Path], gpus: list[str], levels: Sequence[int], b
     return {(g, int(v), int(b), int(blk)): float(lat) for (g, v, b, blk), lat in table.items()}
 
 
+def _estimate_cross(profile, source: str, gpu: str, levels: Sequence[int], batches: Sequence[int]) -> dict[Key, float]:
+    try:
+        from ppipe.profiler.estimate import cross_gpu_table
+    except ImportError as exc:
+        raise NotAvailableError(
+            f"the cross-GPU estimator is not available in this build ({exc})", fix="drop --estimate-from"
+        ) from None
+    table = cross_gpu_table(profile, source, gpu, levels=list(levels), batches_by_level=batch_grid(batches, levels))
+    return {(g, int(v), int(b), int(blk)): float(lat) for (g, v, b, blk), lat in table.items()}
+
+
 def _estimate_provenance(gpu: str) -> str:
     try:
         from ppipe.profiler import estimate
@@ -382,13 +397,23 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
         if req.refresh_estimates:
             table = {k: lat for k, lat in table.items() if k[0] not in gpus}
         missing_gpus = [g for g in gpus if not any(k[0] == g for k in table)]
-        if missing_gpus:
+        if missing_gpus and req.estimate_from:
+            say(f"estimating {', '.join(missing_gpus)} from the {req.estimate_from} timings (cross-GPU model)")
+            partial = ModelProfile(manifest=_manifest(name, src, info, blocks, onnx_rel, {}, {}), table=table, directory=out)
+            for g in missing_gpus:
+                for k, lat in _estimate_cross(partial, req.estimate_from, g, req.gpu_levels, req.batches).items():
+                    table.setdefault(k, lat)
+                provenance[g] = (
+                    f"estimated: cross-GPU model (ppipe.profiler.estimate.cross_gpu_table) from the {req.estimate_from} "
+                    "timings of this profile, not measured"
+                )
+        elif missing_gpus:
             say(f"estimating {', '.join(missing_gpus)}")
             est = _estimate(block_paths, missing_gpus, req.gpu_levels, req.batches)
             for k, lat in est.items():
                 table.setdefault(k, lat)
-        for g in gpus:
-            provenance[g] = _estimate_provenance(g)
+            for g in missing_gpus:
+                provenance[g] = _estimate_provenance(g)
     # keep the provenance of GPU types measured in earlier runs
     for g in {k[0] for k in table}:
         provenance.setdefault(g, old_provenance.get(g, "unknown (rows kept from an earlier run)"))

@@ -182,3 +182,28 @@ def test_builtin_blocks_regenerate_deterministically(tmp_path):
     ref = ref_sess.run(None, {spec.name: x})[0]
     got = run_blocks(a, {spec.name: x})[loaded.manifest.outputs[0].name]
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_estimate_from_a_measured_type_uses_the_cross_gpu_model(tiny_onnx, tmp_path, monkeypatch):
+    calls = []
+
+    def cross_gpu_table(profile, source_gpu, target_gpu, *, levels=None, batches_by_level=None, **_kw):
+        calls.append((source_gpu, target_gpu, list(levels), dict(batches_by_level)))
+        # e.g. "the target is 3x faster than the source", block by block
+        return {
+            (target_gpu, v, b, blk): profile.block_latency_us(source_gpu, 1, b, blk) / 3.0
+            for v in levels for b in batches_by_level[v] for blk in range(profile.num_blocks)
+        }
+
+    fake = types.ModuleType("ppipe.profiler.estimate")
+    fake.cross_gpu_table = cross_gpu_table
+    monkeypatch.setitem(sys.modules, "ppipe.profiler.estimate", fake)
+    out = tmp_path / "tiny"
+    req = ProfileRequest(
+        onnx_path=tiny_onnx, out_dir=out, num_blocks=2, batches=[1, 2], reps=1, threads=2, cpu_levels=(1,),
+        estimate=["L4"], estimate_from="cpu", gpu_levels=(1, 2),
+    )
+    prof = profile_model(req, progress=False)
+    assert calls == [("cpu", "L4", [1, 2], {1: [1, 2], 2: [1, 2]})]
+    assert prof.block_latency_us("L4", 2, 2, 1) == pytest.approx(prof.block_latency_us("cpu", 1, 2, 1) / 3.0, rel=1e-3)
+    assert "cross-GPU" in prof.manifest.provenance["L4"]
