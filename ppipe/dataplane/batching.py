@@ -438,6 +438,12 @@ class BatchingScheduler:
                 slack = head.deadline_us - now_r.finish
                 if slack > EPS_US:
                     t = now + slack
+                    if self.options.exact_last_moment and now_r.wait > EPS_US:
+                        # The path waits now; starting later absorbs some of that waiting.
+                        # The latest start with no waiting at all, if the tables allow it:
+                        t_late = head.deadline_us - (now_r.finish - now - now_r.wait)
+                        if self.probe(p, now_r.batch, t_late).finish <= head.deadline_us + EPS_US:
+                            t = t_late
                     self.wake_at[model] = t
                     self.counters.waits += 1
                     out.append(WakeAt(t))

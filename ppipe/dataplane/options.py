@@ -30,6 +30,13 @@ class SchedulerOptions:
         reuse_step1_probe: Algorithm 1 step 2 starts at the planned batch, which step 1 has
             just probed on the same pipeline and the same tables; reuse that result instead
             of probing again (same decision, one probe() call fewer).
+        exact_last_moment: when the batcher waits for more requests and the path it could
+            take now itself waits for resources, wake at the latest start at which the path
+            (probed from that start on the current tables) still meets the oldest deadline,
+            rather than at ``now + slack`` (which assumes the path's waiting stays and so
+            wakes early, then again). One probe() more per such wait. Off by default: on the
+            NP plan of G2 on HC2-L (simulator, 3 s, loads 0.8 and 0.95) it changed no
+            attainment and cost ~1 probe() per dispatch more, as arrivals end most waits.
         reevaluate_on_report: after feedback correction, re-run the batcher of models that
             are waiting (WakeAt pending), because a corrected table can move their last
             feasible moment earlier.
@@ -64,6 +71,7 @@ class SchedulerOptions:
     local_transfer_gbps: float | None = None
     reuse_step1_probe: bool = True
     reevaluate_on_report: bool = True
+    exact_last_moment: bool = False
     propagate_delays: bool = True
     inflight_grace_us: float = 0.0
     prune_threshold: int = 64

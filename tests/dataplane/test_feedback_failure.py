@@ -92,6 +92,17 @@ def test_a_late_report_re_decides_a_waiting_model(fig5):
     assert isinstance(d, Dispatch) and d.finish_us == 5000.0
 
 
+def test_exact_last_moment_wakes_once_at_the_latest_feasible_start(fig5):
+    s, clock = fig5(exact_last_moment=True)
+    b0, b1 = two_batches(s)
+    (w,) = s.submit(req(8, 0.0))
+    # the path waits now (n1 busy until 500, n2 until 790), but started at 4690 it would not
+    assert w == WakeAt(5000.0 - 310.0)
+    clock.t_us = w.t_us
+    (d,) = s.wake()
+    assert isinstance(d, Dispatch) and d.finish_us == 5000.0
+
+
 def test_failed_vgpu_leaves_its_pool_at_once(fig5):
     s, clock = fig5()
     assert s.mark_failed(N2) == []
