@@ -3,7 +3,6 @@ without the real data plane (its own tests cover it; ``test_end_to_end`` runs bo
 
 from __future__ import annotations
 
-
 from ppipe.dataplane.api import Dispatch, Drop, DropReason, Reservation, Stage, StageReport, WakeAt
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan, Plan, PlanSettings, SolverReport, VgpuPlacement
