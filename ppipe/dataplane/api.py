@@ -23,8 +23,13 @@ Driver contract (what the simulator and the runtime do with the decisions):
 * ``Drop``: answer the request with the reason. A Drop may name a request of a batch that
   is already in flight (``WORKER_FAILED`` after ``mark_failed``; ``DEADLINE_UNREACHABLE``
   from the reactive policy's late drops): the driver must not count that request as
-  served; for ``WORKER_FAILED`` the batch's remaining stages are cancelled (their
-  reservations are already released).
+  served; for ``WORKER_FAILED`` the batch cannot complete: the driver may cancel its
+  remaining stages (the scheduler has released the reservations from the dead worker's
+  stage on, and keeps those of earlier stages, which a driver may still run).
+* A policy whose ``partial_dispatches`` attribute is true (``reactive-pool``) sends
+  one-stage dispatches: a request then goes through several dispatches, one per
+  partition, and waits where its last stage ran. A driver that runs whole paths only
+  must refuse such a policy.
 * ``WakeAt(t)``: call ``wake()`` at ``t``. Stale timers are harmless (``wake()`` does
   nothing for models that are not due).
 * ``build_scheduler(...)`` returns an object that also has ``stats()`` (counters: probe()

@@ -204,6 +204,7 @@ class BatchingScheduler:
     """
 
     policy_name = "base"
+    partial_dispatches = False  # every Dispatch covers a whole path
     tracks_nics = True  # whether NIC tables are reserved and corrected (the reactive baseline: no)
 
     def __init__(self, topology: Topology, clock: Clock, options: SchedulerOptions | None = None):
@@ -339,10 +340,11 @@ class BatchingScheduler:
 
         The vGPU leaves its pool at once; a pool left empty disables its pipeline; a model
         with no live pipeline drops its queue (and later arrivals) with ``NO_PIPELINE``.
-        An in-flight batch is lost (its requests dropped with ``WORKER_FAILED`` and its
-        remaining reservations released) when the failed vGPU holds a stage that has not
-        been reported done, or holds the stage just before the first unreported one (its
-        feature map may not have left the dead worker yet).
+        An in-flight batch is lost (its requests dropped with ``WORKER_FAILED``) when the
+        failed vGPU holds a stage that has not been reported done, or holds the stage just
+        before the first unreported one (its feature map may not have left the dead worker
+        yet). Its reservations from that stage on are released; those of earlier stages,
+        on live workers that may still run them, are kept until their end.
         """
         now = self.clock.now_us()
         g = self.topology.vgpus.get(vgpu_id)
@@ -364,13 +366,16 @@ class BatchingScheduler:
             first_open = next((i for i, done in enumerate(rec.reported) if not done), None)
             if first_open is None:
                 continue
-            hit = any(h.vgpu is g for h in rec.hops[first_open:])
             if first_open > 0 and rec.hops[first_open - 1].vgpu is g:
-                hit = True
-            if hit:
+                cut = first_open  # its output may not have left the dead worker
+            else:
+                cut = next((j for j in range(first_open, len(rec.hops)) if rec.hops[j].vgpu is g), None)
+            if cut is not None:
                 for r in rec.live:
                     out.append(self._drop(r, DropReason.WORKER_FAILED, f"vGPU {vgpu_id} failed"))
-                self._release(rec)
+                # Stages before the cut are on live workers that may run them anyway (a
+                # driver need not cancel them): keep their reservations, free the rest.
+                self._release(rec, from_partition=cut)
                 self._forget(bid)
         out.extend(self._run_model(g.model, now))
         return out
@@ -557,9 +562,11 @@ class BatchingScheduler:
         self.counters.drops[reason.value] = self.counters.drops.get(reason.value, 0) + 1
         return Drop(request, reason, detail)
 
-    def _release(self, rec: InFlight) -> None:
+    def _release(self, rec: InFlight, from_partition: int = 0) -> None:
+        """Free the batch's reservations of partitions >= ``from_partition``."""
         for tab, key in rec.keys:
-            tab.remove(key)
+            if key[1] >= from_partition:
+                tab.remove(key)
 
     def _forget(self, bid: int) -> None:
         self.inflight.pop(bid, None)

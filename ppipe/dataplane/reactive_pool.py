@@ -81,6 +81,7 @@ class ReactivePoolScheduler:
     """Per-pool reactive batching with partial (one-stage) dispatches."""
 
     policy_name = "reactive-pool"
+    partial_dispatches = True  # drivers that run whole paths only must refuse this policy
 
     def __init__(self, topology: Topology, clock: Clock, options: SchedulerOptions | None = None):
         self.topology = topology

@@ -159,3 +159,15 @@ def test_a_late_stage_moves_its_batch_downstream_reservations(fig5):
     clock2.t_us = 300.0
     s2.report(report(c0, 0, 0.0, 300.0))
     assert spans(s2.topology.vgpus[N2].table) == [(290.0, 790.0)]
+
+
+def test_failure_keeps_reservations_of_stages_before_the_dead_worker(fig5):
+    s, clock = fig5()
+    b0, b1 = two_batches(s)
+    out = s.mark_failed(N2)  # batch 0 (n1 -> n2) is lost before it started
+    assert sorted(d.request.id for d in out) == [0, 1, 2, 3]
+    # its stage 0 on n1 may still run (a driver need not cancel it): still reserved
+    assert spans(s.topology.vgpus[N1].table) == [(0.0, 250.0), (250.0, 500.0)]
+    assert spans(s.topology.table("up:n-0")) == [(500.0, 540.0)]  # its transfer is freed
+    assert not s.topology.vgpus[N2].alive
+    assert s.partial_dispatches is False
