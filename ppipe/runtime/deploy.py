@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ppipe.errors import UserError
-from ppipe.runtime.worker import VgpuWorker, WorkerSpec
+from ppipe.runtime.worker import WorkerSpec, actor_class
 from ppipe.spec.cluster import ClusterSpec, load_cluster
 from ppipe.spec.plan import Plan, load_plan
 from ppipe.spec.profile import ModelProfile, load_profile
@@ -186,7 +186,7 @@ def start_workers(
 
     specs = worker_specs(dep)
     offered = offered_resources()
-    actor_cls = ray.remote(VgpuWorker)
+    actor_cls = actor_class()
     handles: dict[str, Any] = {}
     for s in specs:
         opts: dict[str, Any] = {
@@ -201,7 +201,7 @@ def start_workers(
             opts["runtime_env"] = {"env_vars": env}
         handles[s.vgpu_id] = actor_cls.options(**opts).remote(s, backend, backend_options)
     try:
-        ray.get([h.set_peers.remote(handles) for h in handles.values()], timeout=start_timeout_s)
+        ray.get([h.ping.remote() for h in handles.values()], timeout=start_timeout_s)
     except ray.exceptions.RayActorError as exc:
         cause = getattr(exc, "cause", None) or exc
         for h in handles.values():

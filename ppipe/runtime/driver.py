@@ -253,31 +253,35 @@ class Runtime:
             del self.traces[: -self.keep_traces]
         names = list(d.requests[0].payload)
         inputs = {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
+        to_wall = self.clock.to_wall_us
+        timing = [
+            (None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us, to_wall(s.start_us))
+            for s in d.stages
+        ]
         k = 0
         try:
-            handle = self.workers.get(route[0])
-            if handle is None or route[0] in self.failed:
-                raise _StageFailed(0, "worker was marked failed before the batch was sent")
-            to_wall = self.clock.to_wall_us
-            timing = [
-                (None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us, to_wall(s.start_us))
-                for s in d.stages
-            ]
-            ref = handle.run_stage.remote(d.batch_id, route, 0, inputs, d.batch, wall_us(), timing)
-            while True:
+            # submit every stage now; stage k+1 takes stage k's output ObjectRef, so Ray moves
+            # the feature map worker to worker and the frontend only ever holds references
+            reports = []
+            payload: Any = {"tensors": inputs, "sent_wall_us": wall_us()}
+            for j, vgpu in enumerate(route):
+                handle = self.workers.get(vgpu)
+                if handle is None or vgpu in self.failed:
+                    raise _StageFailed(j, "worker was marked failed before the batch was sent")
+                rep_ref, payload = handle.run_stage.remote(d.batch_id, j, vgpu, payload, d.batch, timing)
+                reports.append(rep_ref)
+            for k, rep_ref in enumerate(reports):
                 try:
-                    report, nxt = await ref
-                except ray.exceptions.OwnerDiedError as exc:
-                    # the object was owned by the previous worker, which died after forwarding
-                    raise _StageFailed(max(0, k - 1), str(exc).splitlines()[0]) from None
+                    report = await rep_ref
                 except ray.exceptions.RayActorError as exc:
                     raise _StageFailed(k, str(exc).splitlines()[0]) from None
                 trace.reports.append(report)
                 self._report(d, k, report)
-                if k == len(route) - 1:
-                    outputs = nxt
-                    break
-                ref, k = nxt, k + 1
+            k = len(route) - 1
+            try:
+                outputs = (await payload)["tensors"]
+            except ray.exceptions.RayActorError as exc:
+                raise _StageFailed(k, str(exc).splitlines()[0]) from None
         except _StageFailed as exc:
             vgpu = route[exc.stage]
             trace.error = f"worker-failed: {vgpu}: {exc.detail}"

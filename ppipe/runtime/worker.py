@@ -1,13 +1,17 @@
-"""One Ray actor per vGPU: runs its partition and hands the batch to the next worker.
+"""One Ray actor per vGPU: runs its partition; feature maps go worker to worker.
 
-A batch travels along its reserved path without going back through the frontend: the
-frontend calls the first worker; worker i runs its partition, casts floating feature maps
-to fp16 and calls worker i+1 itself, passing the arrays as call arguments (Ray puts large
-ones in its object store, so worker i+1 reads them from there, on its own node or over the
-network). Each call returns ``(report, next)``: ``report`` says when the stage really ran
-(wall-clock stamps) and ``next`` is the ObjectRef of the following stage's call, or, for
-the last stage, the model's outputs. The frontend walks that chain, feeding each report
-to the scheduler as soon as its stage ends.
+A batch travels along its reserved path without its data going back through the
+frontend. At dispatch the frontend submits every stage at once, each to its vGPU's actor,
+passing stage i's *output ObjectRef* as stage i+1's argument: Ray starts stage i+1 when
+stage i's output exists and worker i+1 fetches it from worker i's object store (on its own
+node, or over the network from the other node). Feature maps are cast to fp16 before they
+leave a worker. Each stage returns two objects: a small report (when it really ran, in
+wall-clock stamps), which the frontend awaits and feeds to the scheduler as soon as the
+stage ends, and its output, which only the next worker (or, for the last stage, the
+frontend) reads. The frontend owns every object, so a worker's death loses only the
+batches it touches. (Worker-to-worker calls with nested ObjectRefs were tried first: every
+object was then owned by the worker that made the call, the frontend had to borrow each of
+them, and killing a worker also lost the results its successors had produced.)
 
 The actor is asynchronous so that ``ping`` answers while a batch runs; an asyncio lock
 makes batches on one vGPU run one at a time, in arrival order.
@@ -68,14 +72,8 @@ class VgpuWorker:
         )
         # the emulated backend rehearses a cluster: feature maps take the planned NIC time
         self.emulate_network = backend == "emulated" and bool((backend_options or {}).get("emulate_network", True))
-        self._peers: dict[str, Any] = {}
         self._lock: asyncio.Lock | None = None
         self.batches = 0
-
-    def set_peers(self, peers: dict[str, Any]) -> int:
-        """Handles of the other workers, by vGPU id (to forward batches to)."""
-        self._peers = dict(peers)
-        return len(self._peers)
 
     async def ping(self) -> dict[str, Any]:
         """Liveness probe; also tells where the worker runs."""
@@ -93,16 +91,18 @@ class VgpuWorker:
     async def run_stage(
         self,
         batch_id: int,
-        route: list[str],
         index: int,
-        inputs: dict[str, np.ndarray],
+        vgpu_id: str,
+        payload: dict[str, Any],
         batch: int,
-        sent_wall_us: float,
         timing: list[tuple[float | None, float, float]] | None = None,
-    ) -> tuple[dict[str, Any], Any]:
-        """Run stage ``index`` of ``route`` on ``inputs``; forward to the next stage.
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run stage ``index`` of a batch on ``payload``; called with ``num_returns=2``.
 
         Args:
+            payload: ``{"tensors": {name: array}, "sent_wall_us": t}``: the batch's inputs
+                (first stage) or the previous stage's output object, which Ray fetched from
+                the previous worker's node (the frontend passed only its ObjectRef).
             timing: per stage, the reservation in wall-clock us: ``(transfer_start,
                 transfer_us, start)``. A stage does not start before its reserved start
                 (as in the simulator): running a batch early could push an earlier-reserved
@@ -111,23 +111,25 @@ class VgpuWorker:
                 also "arrives" no sooner than ``max(sent, transfer_start) + transfer_us``.
 
         Returns:
-            ``(report, next)``: ``report`` with wall-clock ``start_us``/``end_us`` and the
-            transfer's ``transfer_start_us`` (sender's stamp) / ``transfer_end_us`` (arrival
-            here); ``next`` is the next stage's ObjectRef, or the outputs if this is the last.
+            ``(report, output)``, two Ray objects: ``report`` (small; the frontend awaits
+            it) with wall-clock ``start_us``/``end_us`` and, after the first stage, the
+            transfer's ``transfer_start_us``/``transfer_end_us``; ``output`` (the next
+            stage's payload: fp16 feature maps; for the last stage the model's outputs).
         """
         import ray
 
         received = wall_us()
-        if route[index] != self.spec.vgpu_id:
-            raise RuntimeError(f"batch {batch_id} stage {index} is for {route[index]}, not {self.spec.vgpu_id}")
-        t_xfer_start = t_end_xfer = None
+        if vgpu_id != self.spec.vgpu_id:
+            raise RuntimeError(f"batch {batch_id} stage {index} is for {vgpu_id}, not {self.spec.vgpu_id}")
+        sent = payload["sent_wall_us"]
+        t_xfer_start, t_xfer_end = (sent, received) if index > 0 else (None, None)
         not_before = received
         if timing is not None:
             xfer_start, xfer_us, planned_start = timing[index]
             if index > 0 and self.emulate_network and xfer_us > 0:
-                t_xfer_start = max(sent_wall_us, xfer_start if xfer_start is not None else sent_wall_us)
-                t_end_xfer = t_xfer_start + xfer_us
-                not_before = max(not_before, t_end_xfer)
+                t_xfer_start = max(sent, xfer_start if xfer_start is not None else sent)
+                t_xfer_end = t_xfer_start + xfer_us
+                not_before = max(not_before, t_xfer_end)
             not_before = max(not_before, planned_start)
         wait_s = (not_before - wall_us()) / 1e6
         if wait_s > 0:
@@ -136,7 +138,7 @@ class VgpuWorker:
             self._lock = asyncio.Lock()
         async with self._lock:
             start = wall_us()
-            outputs = await self.backend.run(inputs, batch)
+            outputs = await self.backend.run(payload["tensors"], batch)
             end = wall_us()
         self.batches += 1
         report = {
@@ -145,14 +147,21 @@ class VgpuWorker:
             "vgpu_id": self.spec.vgpu_id,
             "start_us": start,
             "end_us": end,
-            "transfer_start_us": (t_xfer_start if t_end_xfer is not None else sent_wall_us) if index > 0 else None,
-            "transfer_end_us": (t_end_xfer if t_end_xfer is not None else received) if index > 0 else None,
+            "transfer_start_us": t_xfer_start,
+            "transfer_end_us": t_xfer_end,
             "node_id": ray.get_runtime_context().get_node_id(),
         }
-        if index + 1 == len(route):
-            return report, outputs
-        nxt = self._peers.get(route[index + 1])
-        if nxt is None:
-            raise RuntimeError(f"worker {self.spec.vgpu_id} has no handle for the next stage {route[index + 1]}")
-        ref = nxt.run_stage.remote(batch_id, route, index + 1, to_wire(outputs), batch, wall_us(), timing)
-        return report, ref
+        last = timing is not None and index + 1 == len(timing)
+        return report, {"tensors": outputs if last else to_wire(outputs), "sent_wall_us": end}
+
+
+def actor_class():
+    """The Ray actor class of a vGPU worker (``run_stage`` returns two objects)."""
+    import ray
+
+    class VgpuActor(VgpuWorker):
+        @ray.method(num_returns=2)
+        async def run_stage(self, *args, **kwargs):
+            return await VgpuWorker.run_stage(self, *args, **kwargs)
+
+    return ray.remote(VgpuActor)

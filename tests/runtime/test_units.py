@@ -161,30 +161,37 @@ def test_worker_specs_follow_the_placement_and_reject_a_plan_without_one(tinynet
 
 # ---- the driver with fake workers (no Ray) ---------------------------------------------------------------------
 class _Ref:
-    """Stands in for an ObjectRef: awaitable once."""
+    """Stands in for an ObjectRef: awaitable (several times)."""
 
-    def __init__(self, coro):
-        self.task = asyncio.ensure_future(coro)
+    def __init__(self, fut):
+        self.fut = fut
 
     def __await__(self):
-        return self.task.__await__()
-
-
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return _Ref(self.fn(*args))
+        return asyncio.shield(self.fut).__await__()
 
 
 class FakeWorker:
-    """Runs the emulated chain in-process; ``dead`` makes calls fail like a killed actor."""
+    """The worker protocol in-process (two returns per stage, ObjectRef-like arguments);
+    ``dead`` makes calls fail like a killed actor."""
 
-    def __init__(self, vgpu_id, peers):
-        self.vgpu_id, self.peers, self.dead = vgpu_id, peers, False
-        self.run_stage = _Method(self._run)
-        self.ping = _Method(self._ping)
+    def __init__(self, vgpu_id):
+        self.vgpu_id, self.dead = vgpu_id, False
+        outer = self
+
+        class _RunStage:
+            @staticmethod
+            def remote(*args):
+                task = asyncio.ensure_future(outer._run(*args))
+                rep = asyncio.ensure_future(_part(task, 0))
+                out = asyncio.ensure_future(_part(task, 1))
+                return _Ref(rep), _Ref(out)
+
+        class _Ping:
+            @staticmethod
+            def remote():
+                return _Ref(asyncio.ensure_future(outer._ping()))
+
+        self.run_stage, self.ping = _RunStage, _Ping
 
     async def _ping(self):
         if self.dead:
@@ -193,22 +200,26 @@ class FakeWorker:
             raise ray.exceptions.RayActorError()
         return {}
 
-    async def _run(self, batch_id, route, index, inputs, batch, sent, timing):
+    async def _run(self, batch_id, index, vgpu_id, payload, batch, timing):
+        if isinstance(payload, _Ref):  # Ray resolves an ObjectRef argument before the call
+            payload = await payload
         await self._ping()
         t = wall_us()
         rep = {"batch_id": batch_id, "partition": index, "vgpu_id": self.vgpu_id, "start_us": t, "end_us": t + 1,
                "transfer_start_us": None, "transfer_end_us": None}
-        if index + 1 == len(route):
-            return rep, {"y": inputs["x"] * 2}
-        return rep, self.peers[route[index + 1]].run_stage.remote(batch_id, route, index + 1, inputs, batch, t, timing)
+        x = payload["tensors"]
+        out = {"x": x["x"] + 1} if index + 1 < len(timing) else {"y": x["x"] * 2}
+        return rep, {"tensors": out, "sent_wall_us": t + 1}
+
+
+async def _part(task, i):
+    return (await task)[i]
 
 
 def _runtime(tinynet, **sched):
     cluster = load_cluster("local-cpu")
     plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
-    peers: dict = {}
-    for p in plan.placement:
-        peers[p.vgpu_id] = FakeWorker(p.vgpu_id, peers)
+    peers = {p.vgpu_id: FakeWorker(p.vgpu_id) for p in plan.placement}
     rt = Runtime(plan, {"tinynet": tinynet}, cluster, peers, scheduler_factory=functools.partial(FifoScheduler, **sched),
                  health_interval_s=0.05, keep_traces=100)
     return rt, peers
@@ -224,7 +235,7 @@ def test_driver_batches_answers_each_request_with_its_own_row(tinynet):
         return outs
 
     outs = asyncio.run(main())
-    assert [o["y"].tolist() for o in outs] == [[2 * i, 2 * i] for i in range(5)]
+    assert [o["y"].tolist() for o in outs] == [[2 * i + 2, 2 * i + 2] for i in range(5)]  # (x + 1) * 2
     assert [len(t.request_ids) for t in rt.traces] == [3, 2]  # one full batch, one after the WakeAt window
     assert rt.scheduler.wakes >= 1 and len(rt.scheduler.reports) == 4
 
