@@ -407,19 +407,23 @@ class BatchingScheduler:
                 break
             # Step 1: the pipeline with the least waiting at its planned batch.
             best: ProbeResult | None = None
+            step1: list[ProbeResult] = []
             for p in pipes:
                 r = self.probe(p, p.batches[0], now)
+                step1.append(r)
                 if best is None or r.wait < best.wait - EPS_US:
                     best = r
             p = best.pipeline
             head = q[0]
             # Step 2: the largest batch whose path finishes by the oldest deadline.
-            chosen: ProbeResult | None = None
-            for bs in p.batches:
-                r = best if (reuse and bs == best.batch) else self.probe(p, bs, now)
-                if r.finish <= head.deadline_us + EPS_US:
-                    chosen = r
-                    break
+            chosen = self._largest_fitting(best, head.deadline_us, now, reuse)
+            if chosen is None and self.options.try_other_pipelines and len(step1) > 1:
+                # Not in the paper: before dropping, try the other pipelines, least waiting first.
+                for r1 in sorted((r for r in step1 if r is not best), key=lambda r: (r.wait, r.pipeline.index)):
+                    chosen = self._largest_fitting(r1, head.deadline_us, now, reuse)
+                    if chosen is not None:
+                        p = r1.pipeline
+                        break
             if k_min and self._shed_for_min_batch(p, chosen, k_min, now, out):
                 continue
             # Step 3: drop, wait or dispatch.
@@ -464,6 +468,15 @@ class BatchingScheduler:
                 break
             self._dispatch(chosen, [q.popleft() for _ in range(chosen.batch)], out)
         return out
+
+    def _largest_fitting(self, first: ProbeResult, deadline_us: float, now: float, reuse: bool) -> ProbeResult | None:
+        """Step 2 on ``first.pipeline``: the first usable batch, largest first, finishing by the deadline."""
+        p = first.pipeline
+        for bs in p.batches:
+            r = first if (reuse and bs == first.batch) else self.probe(p, bs, now)
+            if r.finish <= deadline_us + EPS_US:
+                return r
+        return None
 
     def _shed_for_min_batch(self, p: Pipeline, chosen: ProbeResult | None, k_min: int, now: float, out: list[Decision]) -> bool:
         """Optional overload fix (``min_batch_on_overload``); True if it shed requests.

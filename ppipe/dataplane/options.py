@@ -37,6 +37,9 @@ class SchedulerOptions:
             wakes early, then again). One probe() more per such wait. Off by default: on the
             NP plan of G2 on HC2-L (simulator, 3 s, loads 0.8 and 0.95) it changed no
             attainment and cost ~1 probe() per dispatch more, as arrivals end most waits.
+        try_other_pipelines: not in the paper (default off). When no batch size fits the
+            oldest deadline on the pipeline step 1 chose, try the model's other pipelines
+            (least waiting first) before dropping the request.
         reevaluate_on_report: after feedback correction, re-run the batcher of models that
             are waiting (WakeAt pending), because a corrected table can move their last
             feasible moment earlier.
@@ -72,6 +75,7 @@ class SchedulerOptions:
     reuse_step1_probe: bool = True
     reevaluate_on_report: bool = True
     exact_last_moment: bool = False
+    try_other_pipelines: bool = False
     propagate_delays: bool = True
     inflight_grace_us: float = 0.0
     prune_threshold: int = 64

@@ -191,3 +191,17 @@ def test_defer_small_batches_waits_for_the_first_vgpu_instead_of_committing(fig5
     clock.t_us = 4400.0
     (d,) = deferred.wake()
     assert isinstance(d, Dispatch) and d.batch == 2 and d.stages[0].start_us == 4400.0
+
+
+def test_try_other_pipelines_before_dropping():
+    cluster = toy_cluster([("s", "S", 1, 1, 8.0), ("f", "F", 1, 1, 8.0)])
+    prof = toy_profile("m", {"S": [900.0], "F": [100.0]}, out_bytes=[10], batches=(1,))
+    plan = toy_plan(cluster, [ToyModel("m", 5.0, [ToyPipeline(1, [ToyPartition(0, 0, "S", 1, [("s-0", 0, 0)])]), ToyPipeline(1, [ToyPartition(0, 0, "F", 1, [("f-0", 0, 0)])])])])
+    outs = []
+    for opt in (False, True):
+        s = build_scheduler(plan, {"m": prof}, cluster, ManualClock(), try_other_pipelines=opt)
+        s.topology.vgpus["f-0/gpu0/s0"].table.add(0.0, 300.0, "busy")  # the fast pipeline waits 300 us
+        outs.append(s.submit(Request(0, "m", -4500.0, 500.0)))  # 500 us left: only the fast one makes it
+    assert kinds(outs[0]) == ["Drop"]  # the paper: step 1 picks the idle slow pipeline, then drops
+    (d,) = outs[1]
+    assert isinstance(d, Dispatch) and d.pipeline == 1 and d.finish_us == 400.0
