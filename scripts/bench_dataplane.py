@@ -111,7 +111,8 @@ def run(plan, profiles, cluster, policy, args, options):
         nonlocal seq, served, late_in_plan
         for d in decisions:
             if isinstance(d, Dispatch):
-                served += d.batch
+                if d.stages[0].partition == 0:  # one-stage policies dispatch a request once per partition
+                    served += d.batch
                 batch_sizes.append(d.batch)
                 if d.finish_us > min(r.deadline_us for r in d.requests) + 1e-6:
                     late_in_plan += d.batch
@@ -161,7 +162,8 @@ def run(plan, profiles, cluster, policy, args, options):
     print(f"    CPU (thread_time):   median {statistics.median(dispatch_cpu_us):.1f} us, p99 {q(dispatch_cpu_us, 99):.1f} us")
     print(f"  all scheduler calls (submit, wake, report; n={len(call_us)}): wall median {statistics.median(call_us):.1f} us, "
           f"p99 {q(call_us, 99):.1f} us; CPU of all calls per dispatch {t_total / max(st['dispatches'], 1):.1f} us")
-    print(f"  probe() calls per dispatch: {st['probes_per_dispatch']:.2f}  ({st['probes']} probes, {st['dispatches']} dispatches)")
+    print(f"  probe() calls per dispatch: {st['probes_per_dispatch']:.2f}  ({st['probes']} probes, {st['dispatches']} dispatches, "
+          f"{st['waits']} waits)")
     print(f"  mean batch {np.mean(batch_sizes):.2f}; dispatched {served}/{n_req} ({100 * served / max(n_req, 1):.1f} %), "
           f"late in plan {late_in_plan}; drops {st['drops']}")
     return st
@@ -181,7 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds of arrivals (virtual time)")
     ap.add_argument("--jitter", type=float, default=0.0, help="uniform +-share of inference time in the reports")
     ap.add_argument("--policies", default="reservation,reactive")
-    ap.add_argument("--overload-fix", type=int, default=0, help="also run reservation with min_batch_on_overload=K")
+    ap.add_argument("--overload-fix", type=int, default=0,
+                    help="also run reservation with min_batch_on_overload=K and defer_small_batches")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
     for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
         run(plan, profiles, cluster, policy, args, {})
     if args.overload_fix:
-        run(plan, profiles, cluster, "reservation", args, {"min_batch_on_overload": args.overload_fix})
+        run(plan, profiles, cluster, "reservation", args, {"min_batch_on_overload": args.overload_fix, "defer_small_batches": True})
     return 0
 
 
