@@ -24,8 +24,10 @@ dispatch carries one batch along a whole path), and what is kept of the baseline
   back by the stage's delay), the pool drops those requests (DEADLINE_UNREACHABLE) — the
   baseline's "excessive request drops at the second partition".
 
-Not modelled (a deviation, by the contract): batches are not re-formed at each pool;
-a batch keeps the requests it left the first pool with (minus late drops).
+Not modelled here: batches are not re-formed at each pool; a batch keeps the requests it
+left the first pool with (minus late drops). The ``reactive-pool`` policy
+(:mod:`ppipe.dataplane.reactive_pool`) re-batches at every pool, stage by stage, for
+drivers that accept one-stage dispatches (the simulator); this one runs under any driver.
 """
 
 from __future__ import annotations
