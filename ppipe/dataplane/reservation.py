@@ -91,42 +91,75 @@ class ReservationScheduler(BatchingScheduler):
                 if f <= bound + EPS_US:
                     best, best_t = hop, f
             if best is None:
-                for g in pool.vgpus:
-                    # --- inlined _candidate (the hot loop of the data plane) ---
-                    if last is None:
-                        ts, l_n, nic = None, 0.0, False
+                # Full scan in id order (the hot loop of the data plane: locals, no calls).
+                eps = EPS_US
+                b_g = None
+                b_ts = b_s = 0.0
+                b_ln = 0.0
+                b_nic = False
+                if last is None:
+                    for g in pool.vgpus:
                         s = t_g
-                    elif g.server == last.server:
-                        ts, l_n, nic = t_g, local_us, False
-                        s = t_g + l_n
-                    else:
-                        cached = slots.get(g.server)
-                        if cached is None:
-                            l_n = bits * 1e-3 / (last.bw_gbps if last.bw_gbps < g.bw_gbps else g.bw_gbps)
-                            if t_g + l_n + l_i >= best_t:
-                                continue  # cannot beat the best even without waiting
-                            ts = earliest_slot((last.up, g.down), t_g, l_n)
-                            slots[g.server] = (ts, l_n)
+                        tab = g.table
+                        ends = tab.ends
+                        if ends and ends[-1] > s + eps:
+                            i = bisect_right(ends, s + eps)
+                            starts = tab.starts
+                            n = len(ends)
+                            lim = l_i - eps
+                            while i < n and starts[i] < s + lim:
+                                if ends[i] > s:
+                                    s = ends[i]
+                                i += 1
+                        f = s + l_i
+                        if f < best_t:
+                            best_t, b_g, b_s = f, g, s
+                            if f <= bound + eps:
+                                break
+                    if b_g is not None:
+                        best = Hop(b_g, None, 0.0, False, None, b_s, l_i)
+                else:
+                    last_server = last.server
+                    last_bw = last.bw_gbps
+                    up = last.up
+                    kbits = bits * 1e-3
+                    for g in pool.vgpus:
+                        server = g.server
+                        if server == last_server:
+                            ts, l_n, nic = t_g, local_us, False
                         else:
-                            ts, l_n = cached
-                        nic = True
+                            cached = slots.get(server)
+                            if cached is None:
+                                bw = g.bw_gbps
+                                l_n = kbits / (last_bw if last_bw < bw else bw)
+                                if t_g + l_n + l_i >= best_t:
+                                    continue  # cannot beat the best even without waiting
+                                ts = earliest_slot((up, g.down), t_g, l_n)
+                                slots[server] = (ts, l_n)
+                            else:
+                                ts, l_n = cached
+                            nic = True
                         s = ts + l_n
-                    tab = g.table
-                    ends = tab.ends
-                    if ends and ends[-1] > s + EPS_US:
-                        i = bisect_right(ends, s + EPS_US)
-                        starts = tab.starts
-                        n = len(ends)
-                        while i < n and starts[i] < s + l_i - EPS_US:
-                            if ends[i] > s:
-                                s = ends[i]
-                            i += 1
-                    f = s + l_i
-                    if f < best_t:
-                        best_t = f
-                        best = Hop(g, ts, l_n, nic, last, s, l_i)
-                        if f <= bound + EPS_US:
-                            break
+                        if s + l_i >= best_t:
+                            continue  # its input arrives too late to beat the best
+                        tab = g.table
+                        ends = tab.ends
+                        if ends and ends[-1] > s + eps:
+                            i = bisect_right(ends, s + eps)
+                            starts = tab.starts
+                            n = len(ends)
+                            lim = l_i - eps
+                            while i < n and starts[i] < s + lim:
+                                if ends[i] > s:
+                                    s = ends[i]
+                                i += 1
+                        f = s + l_i
+                        if f < best_t:
+                            best_t, b_g, b_ts, b_ln, b_nic, b_s = f, g, ts, l_n, nic, s
+                            if f <= bound + eps:
+                                break
+                    if b_g is not None:
+                        best = Hop(b_g, b_ts, b_ln, b_nic, last, b_s, l_i)
             if best is None:
                 raise RuntimeError(f"pipeline {pipeline.model}/{pipeline.index}: pool {pool.index} has no live vGPU")
             busy += best.transfer_us + l_i
