@@ -1,0 +1,57 @@
+"""The built-in profiles shipped in models/: they load, cover the default cluster's GPU
+types, record provenance, and their block sub-models regenerate from model.yaml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ppipe.spec import load_cluster, load_profile
+from ppipe.spec.cluster import builtin_dirs
+
+SHIPPED = ["resnet50", "inception_v2", "densenet121"]
+
+
+def _shipped() -> list[str]:
+    found = {m.parent.name for d in builtin_dirs("models") for m in d.glob("*/model.yaml")}
+    return [n for n in SHIPPED if n in found]
+
+
+def test_the_promised_models_are_shipped():
+    assert _shipped() == SHIPPED
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_profile_loads_by_name_and_covers_hc2s(name):
+    prof = load_profile(name)  # a built-in name, as `ppipe plan` resolves it
+    cluster = load_cluster("HC2-S")
+    assert prof.num_blocks == 10
+    for gpu in cluster.gpu_types:
+        for v in gpu.vgpu_levels:
+            bs = prof.batches(gpu.name, v)
+            assert bs and bs[0] == 1, (gpu.name, v)
+            assert all(prof.model_latency_us(gpu.name, v, b) > 0 for b in bs)
+        assert prof.manifest.provenance[gpu.name].startswith("estimated")
+        assert prof.manifest.latency_bs1_us[gpu.name] == pytest.approx(prof.model_latency_us(gpu.name), rel=1e-3)
+    # measured here, on the CPU, at both levels of the local-cpu cluster
+    assert prof.batches("cpu", 1) == tuple(range(1, 9)) and prof.batches("cpu", 2) == (1, 2, 3, 4)
+    assert prof.manifest.provenance["cpu"].startswith("measured: onnxruntime")
+    assert prof.manifest.source.kind == "builtin" and prof.manifest.source.builtin == name
+    # the model output is the last cut: 1000 class scores at 2 bytes
+    assert prof.cut_bytes(prof.num_blocks - 1) == 2000
+    assert all(prof.cut_bytes(i) > 0 for i in range(prof.num_blocks))
+
+
+def test_shipped_block_models_regenerate(tmp_path):
+    from ppipe.profiler import ensure_block_models
+
+    prof = load_profile("inception_v2")
+    paths = ensure_block_models(prof, tmp_path)
+    assert [Path(p).name for p in paths] == [f"block_{i:02d}.onnx" for i in range(10)]
+    # ensure_block_models checked every block's outputs and sizes against model.yaml
+    import onnx
+
+    first = onnx.load(str(paths[0]))
+    assert [i.name for i in first.graph.input] == [prof.manifest.input.name]
+    assert [o.name for o in first.graph.output] == prof.manifest.blocks[0].out_tensors
