@@ -207,3 +207,20 @@ def test_estimate_from_a_measured_type_uses_the_cross_gpu_model(tiny_onnx, tmp_p
     assert calls == [("cpu", "L4", [1, 2], {1: [1, 2], 2: [1, 2]})]
     assert prof.block_latency_us("L4", 2, 2, 1) == pytest.approx(prof.block_latency_us("cpu", 1, 2, 1) / 3.0, rel=1e-3)
     assert "cross-GPU" in prof.manifest.provenance["L4"]
+
+
+def test_roofline_estimates_with_the_real_estimator(tiny_onnx, tmp_path):
+    estimate = pytest.importorskip("ppipe.profiler.estimate")
+    if not hasattr(estimate, "roofline_table"):
+        pytest.skip("ppipe.profiler.estimate has no roofline_table in this build")
+    res = CliRunner().invoke(
+        main,
+        ["profile", str(tiny_onnx), "-o", str(tmp_path / "t"), "--blocks", "2", "--measure", "none", "--estimate", "L4,T4", "--no-progress"],
+    )
+    assert res.exit_code == 0, res.output
+    prof = load_profile(tmp_path / "t")
+    assert prof.gpus() == ["L4", "T4"] and prof.levels("T4") == [1, 2, 3, 4]
+    assert prof.batches("L4", 1) == tuple(range(1, 9)) and prof.batches("L4", 3) == (1, 2)
+    assert prof.manifest.provenance["T4"].startswith("estimated")
+    res = CliRunner().invoke(main, ["profile", str(tiny_onnx), "-o", str(tmp_path / "u"), "--measure", "none", "--estimate", "Q9000"])
+    assert res.exit_code == 2  # an unknown GPU type is the user's mistake
