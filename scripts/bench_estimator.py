@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""Accuracy of ppipe's latency estimators on the PPipe artifact (real TensorRT timings).
+
+Part 1, cross-GPU model (``ppipe.profiler.estimate.crossgpu``), leave-one-model-out: for
+every model of the artifact, fit the cross-GPU model on the OTHER models, then predict the
+model's block latencies on each GPU type from its profile on another one (every ordered
+pair of L4, P4, T4, V100; all levels and batches the artifact has). The predictor only
+sees a copy of the profile that holds the source GPU type. Figures:
+
+* block latency: relative error |pred / true - 1| over every (target, level, batch, block);
+* latency ratio between the two GPU types of a paper cluster (L4/P4, L4/T4, V100/P4,
+  V100/T4), per block and (level, batch) both have, for every source GPU type: when the
+  source is one of the two, the ratio's error equals that block's latency error; when it
+  is neither (e.g. V100/P4 from an L4 profile), both sides are predicted.
+
+Next to it, the naive predictor: one global ratio per GPU pair (the median whole-model
+batch-1 ratio of the training models) times the source latency at the same level and
+batch (at level 1 times the training models' median level factor where the source has no
+level v, as a P4).
+
+Part 2, roofline (``ppipe.profiler.estimate.roofline``): see ``--roofline``.
+
+Usage::
+
+    python scripts/bench_estimator.py                   # everything, ~1-3 min
+    python scripts/bench_estimator.py --models 4        # the first 4 models only
+    python scripts/bench_estimator.py --blocks-only     # without the per-layer features
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+# Many small solves: one BLAS thread is several times faster than a pool that fights
+# over the cores (set before numpy loads).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_ARTIFACT = REPO.parent / "shared" / "data" / "ppipe-artifact"
+CLUSTER_PAIRS = [("L4", "P4"), ("L4", "T4"), ("V100", "P4"), ("V100", "T4")]
+
+
+def source_only(profile, gpu):
+    from ppipe.spec.profile import ModelProfile
+
+    return ModelProfile(manifest=profile.manifest, table={k: v for k, v in profile.table.items() if k[0] == gpu})
+
+
+def naive_table(train, profile, s, t):
+    """One global ratio per pair (median whole-model bs1 ratio) x source latency."""
+    ratios = [
+        am.profile.model_latency_us(t) / am.profile.model_latency_us(s) for am in train if {s, t} <= set(am.profile.gpus())
+    ]
+    r = float(np.median(ratios))
+    out = {}
+    for v in profile.levels(t):
+        for b in profile.batches(t, v):
+            v_src = v if v in profile.levels(s) else 1
+            factor = 1.0
+            if v_src != v:
+                factor = float(np.median([am.profile.model_latency_us(t, v, b) / am.profile.model_latency_us(t, 1, b) for am in train]))
+            for i in range(profile.num_blocks):
+                out[(t, v, b, i)] = r * factor * profile.block_latency_us(s, v_src, b, i)
+    return out
+
+
+def pct(errs):
+    e = np.abs(np.asarray(errs))
+    return f"median {100 * np.median(e):5.1f} %   p90 {100 * np.percentile(e, 90):6.1f} %   (n={len(e)})"
+
+
+def cross_gpu_part(artifact: Path, n_models: int | None, blocks_only: bool) -> None:
+    from ppipe.profiler.estimate.artifact_data import load_all
+    from ppipe.profiler.estimate.crossgpu import artifact_layer_inputs, cross_gpu_table, fit_cross_gpu_from_models
+
+    data = load_all(artifact)
+    names = sorted(data)[: n_models or None]
+    gpus = sorted({g for am in data.values() for g in am.profile.gpus()})
+    err = {"model": {}, "naive": {}}  # (s, t) -> list of block errors
+    rerr = {"model": {}, "naive": {}}  # (s, hi, lo) -> list of ratio errors
+    t0 = time.perf_counter()
+    for name in names:
+        am = data[name]
+        prof = am.profile
+        fitted = fit_cross_gpu_from_models(a for n, a in data.items() if n != name)
+        train = [a for n, a in data.items() if n != name]
+        for s in gpus:
+            src = source_only(prof, s)
+            kw = {}
+            if not blocks_only:
+                layer, nodes = artifact_layer_inputs(am, s)
+                kw = dict(layer_latency_us=layer, node_blocks=nodes)
+            pred = {"model": dict(src.table), "naive": dict(src.table)}
+            for t in gpus:
+                if t == s:
+                    continue
+                grid = {v: list(prof.batches(t, v)) for v in prof.levels(t)}
+                pred["model"].update(cross_gpu_table(src, s, t, levels=list(grid), batches_by_level=grid, model=fitted, **kw))
+                pred["naive"].update(naive_table(train, prof, s, t))
+            for kind, table in pred.items():
+                for t in gpus:
+                    if t == s:
+                        continue
+                    err[kind].setdefault((s, t), []).extend(
+                        table[k] / prof.table[k] - 1 for k in prof.table if k[0] == t
+                    )
+                for hi, lo in CLUSTER_PAIRS:
+                    for v in prof.levels(lo):
+                        for b in prof.batches(lo, v):
+                            if b not in prof.batches(hi, v):
+                                continue
+                            for i in range(prof.num_blocks):
+                                r_pred = table[(lo, v, b, i)] / table[(hi, v, b, i)]
+                                r_true = prof.table[(lo, v, b, i)] / prof.table[(hi, v, b, i)]
+                                rerr[kind].setdefault((s, hi, lo), []).append(r_pred / r_true - 1)
+        print(f"  {name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+
+    feats = "blocks-only features" if blocks_only else "with per-layer op-class features"
+    print(f"\n== Cross-GPU model, leave-one-model-out over {len(names)} models ({feats}) ==")
+    print("block latency, relative error |pred/true - 1|, per (source -> target):")
+    for (s, t) in sorted(err["model"]):
+        print(f"  {s:>4} -> {t:<4}  model: {pct(err['model'][(s, t)])}   naive: {pct(err['naive'][(s, t)])}")
+    for kind in ("model", "naive"):
+        allv = [x for v in err[kind].values() for x in v]
+        l4 = [x for (s, _t), v in err[kind].items() if s == "L4" for x in v]
+        print(f"  ALL pairs  {kind:5s}: {pct(allv)}")
+        print(f"  from L4    {kind:5s}: {pct(l4)}")
+    print("\nper-block latency ratio low/high GPU of the paper's clusters, relative error:")
+    for key in sorted(rerr["model"]):
+        s, hi, lo = key
+        print(f"  {lo}/{hi} from {s:<4}  model: {pct(rerr['model'][key])}   naive: {pct(rerr['naive'][key])}")
+    for kind in ("model", "naive"):
+        allv = [x for v in rerr[kind].values() for x in v]
+        both = [x for (s, hi, lo), v in rerr[kind].items() if s not in (hi, lo) for x in v]
+        print(f"  ALL ratios {kind:5s}: {pct(allv)}")
+        print(f"  both sides predicted {kind:5s}: {pct(both)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT, help="PPipe artifact folder")
+    ap.add_argument("--models", type=int, default=None, help="only the first N models (alphabetical)")
+    ap.add_argument("--blocks-only", action="store_true", help="cross-GPU model without per-layer features")
+    ap.add_argument("--skip-cross-gpu", action="store_true")
+    args = ap.parse_args()
+    if not (args.artifact / "block-timing").is_dir():
+        sys.exit(f"PPipe artifact not found at {args.artifact} (use --artifact)")
+    if not args.skip_cross_gpu:
+        cross_gpu_part(args.artifact, args.models, args.blocks_only)
+
+
+if __name__ == "__main__":
+    main()
