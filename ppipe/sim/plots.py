@@ -99,7 +99,7 @@ def plot_timeline(result: SimResult, path: str | Path, start_us: float | None = 
 def plot_utilization(result: SimResult, path: str | Path) -> Path:
     plt = _plt()
     types = sorted(result.utilization)
-    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(types), 3.6))
+    fig, ax = plt.subplots(figsize=(2.5 + 1.2 * len(types), 4.2))
     x = range(len(types))
     ax.bar([i - 0.2 for i in x], [100 * result.utilization[t] for t in types], width=0.4, label="over all GPUs of the type")
     ax.bar([i + 0.2 for i in x], [100 * result.utilization_used.get(t, 0.0) for t in types], width=0.4, label="over GPUs the plan uses")
@@ -107,7 +107,8 @@ def plot_utilization(result: SimResult, path: str | Path) -> Path:
     ax.set_xticklabels(types)
     ax.set_ylabel("temporal utilization (%)")
     ax.set_ylim(0, 100)
-    ax.legend(fontsize=7)
+    # below the axes: bars near 100 % would hide a legend inside them
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1, frameon=False)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=120)
