@@ -86,10 +86,25 @@ def stop(srv, workers) -> None:
 
 
 # ---- part 1: rehearsal vs simulator -------------------------------------------------------------------
-def rehearsal(model: str, duration_s: float, seed: int, tmp: Path) -> dict:
+def dilate(profile, cluster, k: float, out_dir: Path):
+    """The same plan problem k times slower: latencies x k, NIC bandwidths / k (so SLOs,
+    derived from batch-1 latency, scale by k too). A plan for it has the same pipelines,
+    partitions and batches, and k times lower rates."""
+    from ppipe.spec.profile import ModelProfile, load_profile
+
+    man = profile.manifest.model_copy(
+        update={"latency_bs1_us": {g: v * k for g, v in profile.manifest.latency_bs1_us.items()},
+                "slo_ms": None if profile.manifest.slo_ms is None else profile.manifest.slo_ms * k}
+    )
+    ModelProfile(manifest=man, table={key: v * k for key, v in profile.table.items()}).save(out_dir)
+    servers = [s.model_copy(update={"nic_bandwidth_gbps": s.nic_bandwidth_gbps / k}) for s in cluster.servers]
+    return load_profile(out_dir), cluster.model_copy(update={"name": f"{cluster.name}-x{k:g}", "servers": servers})
+
+
+def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: float) -> dict:
     from ppipe.planner.api import plan as make_plan
     from ppipe.sim.simulator import SimConfig
-    from ppipe.sim.sweep import sweep
+    from ppipe.sim.sweep import run_point
     from ppipe.spec.artifact import import_artifact
     from ppipe.spec.cluster import load_cluster
     from ppipe.spec.profile import load_profile
@@ -98,45 +113,75 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path) -> dict:
         print(f"rehearsal: skipped, PPipe artifact not found at {ARTIFACT} (set PPIPE_ARTIFACT)")
         return {}
     (d,) = import_artifact(ARTIFACT, tmp / "profiles", [model])
-    cluster = load_cluster("HC1-S")
-    plan = make_plan(cluster, [str(d)], time_limit_s=60)
-    profiles = {model: load_profile(d)}
-    mp = plan.models[0]
-    print(f"\n== rehearsal: {model} on HC1-S, {len(plan.placement)} vGPUs, planned {mp.throughput_rps:.1f} req/s, SLO {mp.slo_ms:.1f} ms")
-    for i, pl in enumerate(mp.pipelines):
+    base_cluster = load_cluster("HC1-S")
+    base_plan = make_plan(base_cluster, [str(d)], time_limit_s=60)
+    prof, cluster = load_profile(d), base_cluster
+    if dilation != 1:
+        prof, cluster = dilate(prof, base_cluster, dilation, tmp / "dilated" / model)
+    plan = make_plan(cluster, [str(prof.directory)], time_limit_s=60)
+    profiles = {model: prof}
+    mp, bp = plan.models[0], base_plan.models[0]
+    shape = lambda m: [(pl.batch, [(p.first_block, p.last_block, p.gpu, p.vgpu, p.count) for p in pl.partitions]) for pl in m.pipelines]
+    print(f"\n== rehearsal: {model} on HC1-S, {len(base_plan.placement)} vGPUs, planned {bp.throughput_rps:.1f} req/s, SLO {bp.slo_ms:.1f} ms")
+    for i, pl in enumerate(bp.pipelines):
         parts = ", ".join(f"blocks {p.first_block}-{p.last_block} on {p.count}x {p.gpu}/{p.vgpu}" for p in pl.partitions)
         print(f"   pipeline {i}: batch {pl.batch}: {parts}")
+    if dilation != 1:
+        same = shape(mp) == shape(bp)
+        print(f"   time dilation x{dilation:g} (this host cannot carry the real rate, see --dilation): latencies x{dilation:g}, "
+              f"NICs /{dilation:g}: planned {mp.throughput_rps:.1f} req/s, SLO {mp.slo_ms:.1f} ms, same pipelines: {same}")
+
+    def scan(attainment, label: str) -> tuple[float | None, dict[str, float]]:
+        """The paper's scan (1.0, 0.95, ... down to the first load at >= 99 %), continued
+        upwards past 1.0 (1.05, 1.10, ... up to 1.5) while it still passes, so that a
+        system that carries more than the plan is told apart from one that just makes it."""
+        seen: dict[str, float] = {}
+        load, best = 1.0, None
+        while 0.04 < load <= 1.5:
+            a = attainment(load)
+            seen[f"{load:.2f}"] = a
+            print(f"   {label} load {load:.2f}: attainment {100 * a:.2f} %")
+            if a >= 0.99:
+                best = load
+                if load < 1.0:
+                    break
+                load = round(load + 0.05, 2)
+            elif best is not None:
+                break
+            else:
+                load = round(load - 0.05, 2)
+        return best, seen
+
+    def sim_attainment(load: float) -> float:
+        return run_point(plan, profiles, cluster, load, config=SimConfig(duration_s=duration_s, seed=seed)).models[model].attainment
 
     t0 = time.perf_counter()
-    sim = sweep(plan, profiles, cluster, config=SimConfig(duration_s=duration_s, seed=seed))
-    sim_points = {f"{k:.2f}": round(v.models[model].attainment, 4) for k, v in sorted(sim.points.items(), reverse=True)}
-    print(f"   simulator: max load factor at 99 % = {sim.max_load[model]}  ({time.perf_counter() - t0:.1f} s; attainment {sim_points})")
+    sim_best, sim_points = scan(sim_attainment, "simulator")
+    print(f"   simulator: max load factor at 99 % = {sim_best}  ({time.perf_counter() - t0:.1f} s)")
 
     # feature maps capped at 4 KiB per sample (the plan cuts 2-13 MB ones; this host cannot
-    # move 400 x that per second); each transfer still waits its planned NIC time
+    # move that many bytes per second); each transfer still waits its planned NIC time
     srv, workers, rt = serve_in_process(plan, profiles, cluster, {"max_bytes_per_sample": 4096})
     points: dict[str, dict] = {}
-    best = None
+
+    def rt_attainment(load: float) -> float:
+        # artifact profiles carry no input spec; emulated workers ignore input values and
+        # the first stage has no transfer, so a 16-float input stands in for the image
+        r = bench(srv.url, model, load * mp.throughput_rps, duration_s, seed, input_shape="16")
+        points[f"{load:.2f}"] = r
+        print(f"   runtime   load {load:.2f}: goodput {r['goodput_rps']:.1f} req/s  p50 {r['p50_ms'] or 0:.1f} ms  "
+              f"p99 {r['p99_ms'] or 0:.1f} ms  drops {r['drops']}  client lag p99 {r['client_lag_p99_ms']:.1f} ms")
+        return r["slo_attainment"]
+
     try:
-        load = 1.0
-        while load > 0.04:
-            # artifact profiles carry no input spec; emulated workers ignore input values and
-            # the first stage has no transfer, so a 16-float input stands in for the image
-            r = bench(srv.url, model, load * mp.throughput_rps, duration_s, seed, input_shape="16")
-            points[f"{load:.2f}"] = r
-            print(f"   runtime  load {load:.2f}: attainment {100 * r['slo_attainment']:.2f} %  goodput {r['goodput_rps']:.1f} req/s  "
-                  f"p50 {r['p50_ms'] or 0:.1f} ms  p99 {r['p99_ms'] or 0:.1f} ms  drops {r['drops']}  client lag p99 {r['client_lag_p99_ms']:.1f} ms")
-            if r["slo_attainment"] >= 0.99:
-                best = load
-                break
-            load = round(load - 0.05, 2)
+        best, _ = scan(rt_attainment, "runtime  ")
     finally:
         stop(srv, workers)
     print(f"   runtime:   max load factor at 99 % = {best}")
-    if best is not None and sim.max_load[model] is not None:
-        print(f"   difference: {100 * (best - sim.max_load[model]):+.0f} points (target: within 5)")
-    return {"model": model, "vgpus": len(plan.placement), "planned_rps": mp.throughput_rps, "slo_ms": mp.slo_ms,
-            "duration_s": duration_s, "sim_max_load": sim.max_load[model], "sim_attainment": sim_points,
+    if best is not None and sim_best is not None:
+        print(f"   difference: {100 * (best - sim_best):+.0f} points (target: within 5)")
+    return {"model": model, "vgpus": len(plan.placement), "planned_rps": mp.throughput_rps, "slo_ms": mp.slo_ms, "dilation": dilation,
+            "duration_s": duration_s, "sim_max_load": sim_best, "sim_attainment": sim_points,
             "runtime_max_load": best, "runtime_points": points}
 
 
@@ -192,6 +237,9 @@ def main() -> None:
     ap.add_argument("--model", default="atss_r101_fpn_1x_coco", help="PPipe-artifact model for the rehearsal")
     ap.add_argument("--duration-s", type=float, default=10.0, help="arrival window per load point (the paper: 30)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dilation", type=float, default=8.0,
+                    help="rehearse the plan k times slower (latencies x k, NICs / k, rates / k): Ray costs ~1-3 ms of "
+                         "CPU per stage call here, so the real 400 req/s x 3 stages needs more cores than this host has")
     ap.add_argument("--rates", default="500,1000,1500,2000,3000", help="offered rates of the ceiling part")
     ap.add_argument("--json-out", default=None, help="write all figures to this JSON file")
     args = ap.parse_args()
@@ -205,12 +253,12 @@ def main() -> None:
         if args.part in ("all", "ceiling"):
             results["ceiling"] = ceiling(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.rates.split(",")])
         if args.part in ("all", "rehearsal"):
-            results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp))
+            results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), args.dilation)
     ray.shutdown()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     print("\n" + json.dumps({k: ({kk: vv.get("ceiling_rps") for kk, vv in v.items()} if k == "ceiling" else
-                                 {kk: v.get(kk) for kk in ("model", "vgpus", "planned_rps", "sim_max_load", "runtime_max_load")})
+                                 {kk: v.get(kk) for kk in ("model", "vgpus", "dilation", "planned_rps", "sim_max_load", "runtime_max_load")})
                              for k, v in results.items()}, indent=2))
 
 

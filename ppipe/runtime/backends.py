@@ -106,14 +106,12 @@ class EmulatedBackend:
         return interpolated_latency_us(self.profile, self.gpu, self.vgpu, batch, self.first, self.last) * self.time_scale
 
     async def run(self, inputs: Tensors, batch: int) -> Tensors:
+        # one plain sleep: a spin for the last millisecond would be more punctual, but with
+        # dozens of emulated vGPUs on a few cores the spinning itself delays everyone
         t_end = time.perf_counter() + self.latency_us(batch) / 1e6
-        # asyncio.sleep wakes up to a scheduler tick late; sleep most of the way, then
-        # yield in short steps so the emulated latency stays close to the profile's.
-        while True:
-            left = t_end - time.perf_counter()
-            if left <= 0:
-                break
-            await asyncio.sleep(left - 0.001 if left > 0.002 else 0)
+        left = t_end - time.perf_counter()
+        if left > 0:
+            await asyncio.sleep(left)
         return self.outputs(batch)
 
     def outputs(self, batch: int) -> Tensors:
