@@ -1,0 +1,69 @@
+"""End to end with a built-in model of the profiler: ResNet-50 in two partitions on local-cpu.
+
+The answer of the partitioned model (fp16 feature map between the two workers) must equal
+the unpartitioned model's within fp16 tolerance.
+"""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from ppipe.spec.cluster import load_cluster
+from tests.runtime.conftest import make_plan
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def resnet50():
+    from ppipe.spec.profile import load_profile
+
+    try:
+        prof = load_profile("resnet50")
+    except Exception as exc:  # the built-in profile ships with the profiler
+        pytest.skip(f"built-in resnet50 profile not available: {exc}")
+    if "cpu" not in prof.gpus():
+        pytest.skip("the built-in resnet50 profile has no 'cpu' timings")
+    return prof
+
+
+def test_resnet50_two_partitions_equal_the_whole_model(ray_cluster, resnet50, tmp_path):
+    import onnxruntime as ort
+    import ray
+
+    from ppipe.profiler.blocks import ensure_reference_model
+    from ppipe.runtime.deploy import load_deployment, start_workers
+    from ppipe.runtime.driver import Runtime
+    from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
+    from ppipe.runtime.server import BackgroundServer, create_app
+
+    half = resnet50.num_blocks // 2
+    plan = make_plan(
+        resnet50, load_cluster("local-cpu"), [(0, half - 1, "cpu", 2, 1), (half, resnet50.num_blocks - 1, "cpu", 2, 1)],
+        batch=2, slo_ms=20_000.0, profile_ref="resnet50",
+    )
+    plan.save(tmp_path / "plan.yaml")
+    dep = load_deployment(tmp_path / "plan.yaml")
+    workers = start_workers(dep, backend="ort")
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, keep_traces=10)
+    spec = resnet50.manifest.input
+    x = np.random.default_rng(0).normal(size=(2, *spec.shape)).astype(np.float32)
+    try:
+        with BackgroundServer(create_app(rt)) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+            body, headers = encode_infer_request({spec.name: x}, binary=True, binary_output=True)
+            r = c.post("/v2/models/resnet50/infer", content=body, headers=headers)
+    finally:
+        for h in workers.values():
+            ray.kill(h)
+    assert r.status_code == 200, r.text
+    out_name = resnet50.manifest.outputs[0].name
+    got = decode_infer_response(r.content, r.headers.get("inference-header-content-length"))[out_name]
+    ref_sess = ort.InferenceSession(str(ensure_reference_model(resnet50)), providers=["CPUExecutionProvider"])
+    want = ref_sess.run([out_name], {spec.name: x})[0]
+    assert got.shape == want.shape == (2, 1000)
+    # softmax over 1000 classes of a random-weight net: values ~1e-3, so compare relatively
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-5)
+    assert (got.argmax(1) == want.argmax(1)).all()
+    assert all(len(t.reports) == 2 and t.error is None for t in rt.traces)
