@@ -18,7 +18,12 @@ batch-1 ratio of the training models) times the source latency at the same level
 batch (at level 1 times the training models' median level factor where the source has no
 level v, as a P4).
 
-Part 2, roofline (``ppipe.profiler.estimate.roofline``): see ``--roofline``.
+Part 2, roofline (``ppipe.profiler.estimate.roofline``): the artifact has no ONNX files,
+but two of its models are public architectures that ``reference_graphs`` rebuilds node for
+node (their cut bytes match the artifact's exactly). The roofline is calibrated on one and
+evaluated on the other, per block, level and batch; then the per-GPU batch-1 ratios it
+gives for onnx's ``light_*.onnx`` networks are printed next to the artifact's measured
+ratios for models of the same family.
 
 Usage::
 
@@ -143,17 +148,92 @@ def cross_gpu_part(artifact: Path, n_models: int | None, blocks_only: bool) -> N
         print(f"  both sides predicted {kind:5s}: {pct(both)}")
 
 
+RELATED = [  # light_*.onnx model (224x224) -> artifact models of the same family
+    ("resnet50", ["wide_resnet101_2", "resnext152-32x4d_8xb32_in1k"]),
+    ("inception_v2", ["googlenet-v3-pytorch"]),
+    ("vgg19", ["repvgg-b3"]),
+    ("densenet121", []),
+]
+
+
+def roofline_part(artifact: Path) -> None:
+    import onnx
+
+    from ppipe.profiler.estimate.artifact_data import load_model
+    from ppipe.profiler.estimate.gpus import gpu_spec
+    from ppipe.profiler.estimate.reference_graphs import REFERENCE_GRAPHS, block_costs
+    from ppipe.profiler.estimate.roofline import BlockWork, block_latency_us, fit_roofline, roofline_params, roofline_table
+
+    gpus = ["L4", "P4", "T4", "V100"]
+    names = list(REFERENCE_GRAPHS)
+    print("\n== Roofline (ONNX graph + spec sheet) ==")
+    print("calibrated on one rebuilt artifact model, evaluated on the other (all levels and batches):")
+    works = {n: [BlockWork.from_costs(c) for c in block_costs(n, artifact)] for n in names}
+    profs = {n: load_model(artifact, n).profile for n in names}
+    for train in names:
+        doc = fit_roofline(artifact, models=[train])
+        for test in names:
+            if test == train:
+                continue
+            for g in gpus:
+                e = [
+                    block_latency_us(works[test][blk], gpu_spec(g), doc["gpus"][g], v, b) / lat - 1
+                    for (gg, v, b, blk), lat in profs[test].table.items()
+                    if gg == g
+                ]
+                whole = sum(block_latency_us(w, gpu_spec(g), doc["gpus"][g], 1, 1) for w in works[test])
+                bs1 = profs[test].manifest.latency_bs1_us.get(g)
+                print(
+                    f"  fit {train:<16} -> {test:<16} {g:<4} block {pct(e)}   whole model bs1: "
+                    f"{whole / 1e3:6.2f} ms vs measured {bs1 / 1e3 if bs1 else float('nan'):6.2f} ms"
+                )
+    print("\nshipped constants (fitted on both), whole model batch 1 vs model-latency-bs1.csv (in-sample):")
+    for n in names:
+        row = []
+        for g in gpus:
+            whole = sum(block_latency_us(w, gpu_spec(g), roofline_params(g), 1, 1) for w in works[n])
+            row.append(f"{g} {whole / 1e3:6.2f}/{profs[n].manifest.latency_bs1_us[g] / 1e3:6.2f} ms")
+        print(f"  {n:<18} " + "   ".join(row))
+
+    light = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
+    bs1 = {}
+    import csv
+
+    with (artifact / "model-latency-bs1.csv").open() as fh:
+        for r in csv.DictReader(fh):
+            bs1[(r["model"], r["gpu"])] = float(r["latency_us"])
+    print("\nper-GPU latency ratio X/L4 at batch 1: roofline on onnx's light_*.onnx (224x224) vs the")
+    print("artifact's measured ratio for models of the same family (different depth and resolution):")
+    all_gpus = ["P4", "T4", "V100", "A10", "A100", "H100"]
+    print("  " + f"{'model':<34}" + "".join(f"{g + '/L4':>9}" for g in all_gpus))
+    for lname, related in RELATED:
+        path = light / f"light_{lname}.onnx"
+        if not path.exists():
+            print(f"  light_{lname}: not in this onnx release")
+            continue
+        t = roofline_table([path], ["L4", *all_gpus], {g: [1] for g in ["L4", *all_gpus]}, {1: [1]})
+        print("  " + f"{'roofline light_' + lname:<34}" + "".join(f"{t[(g, 1, 1, 0)] / t[('L4', 1, 1, 0)]:9.2f}" for g in all_gpus))
+        for rel in related:
+            print(
+                "  " + f"{'  measured ' + rel[:22]:<34}"
+                + "".join(f"{bs1[(rel, g)] / bs1[(rel, 'L4')]:9.2f}" if (rel, g) in bs1 else f"{'-':>9}" for g in all_gpus)
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT, help="PPipe artifact folder")
     ap.add_argument("--models", type=int, default=None, help="only the first N models (alphabetical)")
     ap.add_argument("--blocks-only", action="store_true", help="cross-GPU model without per-layer features")
     ap.add_argument("--skip-cross-gpu", action="store_true")
+    ap.add_argument("--skip-roofline", action="store_true")
     args = ap.parse_args()
     if not (args.artifact / "block-timing").is_dir():
         sys.exit(f"PPipe artifact not found at {args.artifact} (use --artifact)")
     if not args.skip_cross_gpu:
         cross_gpu_part(args.artifact, args.models, args.blocks_only)
+    if not args.skip_roofline:
+        roofline_part(args.artifact)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ For every kernel k of a block (see :mod:`.onnx_cost` for what is a kernel), on G
 at vGPU level v (a 1/v MPS share) and batch b::
 
     W_k      = b * flops_k                                      (work)
-    u_k      = W_k / (W_k + h_g * SM_g / v)                     (how full the share gets;
+    u_k      = W_k / (W_k + h * SM_g / v)                     (how full the share gets;
                                                                  conv/matmul only, else 1)
     P_k      = peak_k * eff_g / v**gamma_g                      (compute rate of the share)
     M_k      = (b * act_bytes_k + weight_bytes_k) / (BW_g * eff_mem_g / v**gamma_g)
@@ -14,7 +14,7 @@ at vGPU level v (a 1/v MPS share) and batch b::
 ``peak_k`` is the conv/matmul peak of the precision TensorRT uses on g (``gpus.yaml``:
 TF32 tensor cores on Ampere and newer, fp32 CUDA cores before) for conv/matmul kernels and
 the fp32 peak for the rest; ``BW_g`` the DRAM bandwidth. The five per-GPU constants
-(``eff_g``, ``eff_mem_g``, ``launch_g`` in us, ``h_g`` in FLOP per SM, ``gamma_g``) are
+(``eff_g``, ``eff_mem_g``, ``launch_g`` in us, ``h`` in FLOP per SM -- shared by all types --, ``gamma_g``) are
 fitted by :func:`fit_roofline` on the artifact's block timings of the models whose graphs
 :mod:`.reference_graphs` rebuilds (all levels and batches), and stored in
 ``roofline_params.json``. GPU types without timings use the constants of the measured
@@ -196,26 +196,45 @@ def fit_roofline(
         for (g, v, b, blk), lat in prof.table.items():
             samples.setdefault(g, []).append((works[blk], v, b, lat))
     doc = {"version": 1, "fitted_on": names, "gpus": {}}
-    lo = np.log([_BOUNDS[k][0] for k in PARAM_NAMES])
-    hi = np.log([_BOUNDS[k][1] for k in PARAM_NAMES])
-    for g, rows in sorted(samples.items()):
-        spec = gpu_spec(g)
-        has_levels = len({v for _w, v, _b, _l in rows}) > 1
-        y = np.log([lat for *_r, lat in rows])
+    # One joint fit: the occupancy constant h (FLOP per SM for half occupancy) is shared by
+    # all GPU types, because large calibration blocks barely constrain it and a per-GPU value
+    # then drifts to whatever the bounds allow, which ruins small blocks. Each GPU type has
+    # its own eff, eff_mem, launch_us and gamma (gamma fixed at 1 without MPS data).
+    per_gpu = [k for k in PARAM_NAMES if k != "half_sat_flops_per_sm"]
+    gpus = sorted(samples)
+    has_levels = {g: len({v for _w, v, _b, _l in samples[g]}) > 1 for g in gpus}
+    y = np.concatenate([np.log([lat for *_r, lat in samples[g]]) for g in gpus])
+    specs = {g: gpu_spec(g) for g in gpus}
 
-        def resid(theta: np.ndarray) -> np.ndarray:
-            p = dict(zip(PARAM_NAMES, np.exp(theta)))
-            if not has_levels:
-                p["gamma"] = 1.0
-            return np.log([block_latency_us(w, spec, p, v, b) for w, v, b, _l in rows]) - y
+    def unpack(theta: np.ndarray) -> dict[str, dict[str, float]]:
+        vals = np.exp(theta)
+        out_p = {}
+        for i, g in enumerate(gpus):
+            p = dict(zip(per_gpu, vals[i * len(per_gpu) : (i + 1) * len(per_gpu)]))
+            p["half_sat_flops_per_sm"] = vals[-1]
+            if not has_levels[g]:
+                p["gamma"] = 1.0  # no MPS data: a 1/v share assumed to scale linearly
+            out_p[g] = p
+        return out_p
 
-        res = least_squares(resid, np.log([_X0[k] for k in PARAM_NAMES]), bounds=(lo, hi))
-        fitted = dict(zip(PARAM_NAMES, (float(x) for x in np.exp(res.x))))
-        if not has_levels:
-            fitted["gamma"] = 1.0  # no MPS data: a 1/v share assumed to scale linearly
-        fitted["rms_log_error"] = float(np.sqrt(np.mean(res.fun**2)))
-        fitted["n_samples"] = len(rows)
-        doc["gpus"][g] = fitted
+    def resid(theta: np.ndarray) -> np.ndarray:
+        ps = unpack(theta)
+        pred = [block_latency_us(w, specs[g], ps[g], v, b) for g in gpus for w, v, b, _l in samples[g]]
+        return np.log(pred) - y
+
+    x0 = np.log([_X0[k] for _g in gpus for k in per_gpu] + [_X0["half_sat_flops_per_sm"]])
+    lo = np.log([_BOUNDS[k][0] for _g in gpus for k in per_gpu] + [_BOUNDS["half_sat_flops_per_sm"][0]])
+    hi = np.log([_BOUNDS[k][1] for _g in gpus for k in per_gpu] + [_BOUNDS["half_sat_flops_per_sm"][1]])
+    res = least_squares(resid, x0, bounds=(lo, hi))
+    fitted = unpack(res.x)
+    start = 0
+    for g in gpus:
+        n = len(samples[g])
+        r = res.fun[start : start + n]
+        start += n
+        doc["gpus"][g] = {k: float(v) for k, v in fitted[g].items()}
+        doc["gpus"][g]["rms_log_error"] = float(np.sqrt(np.mean(r**2)))
+        doc["gpus"][g]["n_samples"] = n
     if out is not None:
         Path(out).write_text(json.dumps(doc, indent=2) + "\n")
         _load_params.cache_clear()
