@@ -69,19 +69,63 @@ class BlockWork:
         )
 
 
-def block_latency_us(work: BlockWork, spec: GpuSpec, params: Mapping[str, float], vgpu: int, batch: int) -> float:
-    """Roofline latency of one block (see the module docstring for the formula)."""
-    share = float(vgpu) ** params["gamma"]
-    peak = np.where(work.is_matmul, spec.peak_matmul_tflops, spec.peak_fp32_tflops) * 1e12 * params["eff"] / share
-    w = batch * work.flops
+def _kernel_times_us(
+    flops, act_bytes, weight_bytes, is_matmul, is_kernel, spec: GpuSpec, params: Mapping[str, float], vgpu, batch
+) -> np.ndarray:
+    """Per-kernel times (the module docstring's t_k); vgpu and batch may be arrays."""
+    vgpu = np.asarray(vgpu, dtype=float)
+    share = vgpu ** params["gamma"]
+    peak = np.where(is_matmul, spec.peak_matmul_tflops, spec.peak_fp32_tflops) * 1e12 * params["eff"] / share
+    w = batch * flops
     # only conv/matmul kernels have enough parallel work for occupancy to matter; the
     # rest are memory-bound and their compute term is a lower bound anyway
-    util = np.where(work.is_matmul, w / (w + params["half_sat_flops_per_sm"] * spec.sm_count / vgpu + 1e-30), 1.0)
+    util = np.where(is_matmul, w / (w + params["half_sat_flops_per_sm"] * spec.sm_count / vgpu + 1e-30), 1.0)
     compute_s = np.where(w > 0, w / (peak * np.maximum(util, 1e-12)), 0.0)
     bw = spec.memory_bandwidth_gbps * 1e9 * params["eff_mem"] / share
-    mem_s = (batch * work.act_bytes + work.weight_bytes) / bw
-    t_us = np.maximum(compute_s, mem_s) * 1e6 + np.where(work.is_kernel, params["launch_us"], 0.0)
+    mem_s = (batch * act_bytes + weight_bytes) / bw
+    return np.maximum(compute_s, mem_s) * 1e6 + np.where(is_kernel, params["launch_us"], 0.0)
+
+
+def block_latency_us(work: BlockWork, spec: GpuSpec, params: Mapping[str, float], vgpu: int, batch: int) -> float:
+    """Roofline latency of one block (see the module docstring for the formula)."""
+    t_us = _kernel_times_us(
+        work.flops, work.act_bytes, work.weight_bytes, work.is_matmul, work.is_kernel, spec, params, vgpu, batch
+    )
     return float(max(t_us.sum(), MIN_LATENCY_US))
+
+
+@dataclass(frozen=True)
+class _Samples:
+    """Many (block, level, batch) samples of one GPU type flattened to kernel rows, so a
+    fit evaluates them all in a few array operations."""
+
+    flops: np.ndarray
+    act_bytes: np.ndarray
+    weight_bytes: np.ndarray
+    is_matmul: np.ndarray
+    is_kernel: np.ndarray
+    vgpu: np.ndarray
+    batch: np.ndarray
+    sample: np.ndarray
+    n: int
+
+    @staticmethod
+    def build(rows: Sequence[tuple[BlockWork, int, int, float]]) -> "_Samples":
+        cat = lambda f: np.concatenate([getattr(w, f) for w, _v, _b, _l in rows])  # noqa: E731
+        sizes = [len(w.flops) for w, _v, _b, _l in rows]
+        rep = lambda vals: np.repeat(np.asarray(vals, dtype=float), sizes)  # noqa: E731
+        return _Samples(
+            flops=cat("flops"), act_bytes=cat("act_bytes"), weight_bytes=cat("weight_bytes"),
+            is_matmul=cat("is_matmul"), is_kernel=cat("is_kernel"),
+            vgpu=rep([v for _w, v, _b, _l in rows]), batch=rep([b for _w, _v, b, _l in rows]),
+            sample=np.repeat(np.arange(len(rows)), sizes), n=len(rows),
+        )
+
+    def latency_us(self, spec: GpuSpec, params: Mapping[str, float]) -> np.ndarray:
+        t = _kernel_times_us(
+            self.flops, self.act_bytes, self.weight_bytes, self.is_matmul, self.is_kernel, spec, params, self.vgpu, self.batch
+        )
+        return np.maximum(np.bincount(self.sample, weights=t, minlength=self.n), MIN_LATENCY_US)
 
 
 @lru_cache(maxsize=4)
@@ -205,6 +249,7 @@ def fit_roofline(
     has_levels = {g: len({v for _w, v, _b, _l in samples[g]}) > 1 for g in gpus}
     y = np.concatenate([np.log([lat for *_r, lat in samples[g]]) for g in gpus])
     specs = {g: gpu_spec(g) for g in gpus}
+    flat = {g: _Samples.build(samples[g]) for g in gpus}
 
     def unpack(theta: np.ndarray) -> dict[str, dict[str, float]]:
         vals = np.exp(theta)
@@ -219,8 +264,7 @@ def fit_roofline(
 
     def resid(theta: np.ndarray) -> np.ndarray:
         ps = unpack(theta)
-        pred = [block_latency_us(w, specs[g], ps[g], v, b) for g in gpus for w, v, b, _l in samples[g]]
-        return np.log(pred) - y
+        return np.log(np.concatenate([flat[g].latency_us(specs[g], ps[g]) for g in gpus])) - y
 
     x0 = np.log([_X0[k] for _g in gpus for k in per_gpu] + [_X0["half_sat_flops_per_sm"]])
     lo = np.log([_BOUNDS[k][0] for _g in gpus for k in per_gpu] + [_BOUNDS["half_sat_flops_per_sm"][0]])
