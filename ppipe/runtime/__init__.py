@@ -10,13 +10,17 @@ Pieces (each a module):
   ``tensorrt`` (GPU) or ``emulated`` (sleeps for the profiled latency, emits tensors of
   the profiled size; for rehearsals and tests, never a stand-in for a GPU result).
 - :mod:`~ppipe.runtime.worker`: :class:`VgpuWorker`, one Ray actor per vGPU of the plan.
-  A batch goes worker to worker along its reserved path (fp16 feature maps, Ray object
-  store); the last worker's output goes back to the frontend.
+  A batch goes worker to worker along its reserved path (fp16 feature maps through the Ray
+  object store: each stage takes the previous stage's output ObjectRef); only the last
+  stage's output goes back to the frontend. NCCL between GPU workers (CuPy) is not
+  implemented yet: GPU workers also exchange feature maps through the object store.
 - :mod:`~ppipe.runtime.deploy`: placing the workers on the Ray nodes the plan names.
 - :mod:`~ppipe.runtime.driver`: :class:`Runtime`, which runs the data plane's scheduler
   under the wall clock and turns its decisions into actor calls.
 - :mod:`~ppipe.runtime.server`: the starlette app (health, metadata, infer, /metrics).
-- :mod:`~ppipe.runtime.bench`: the open-loop load generator behind ``ppipe bench``.
+- :mod:`~ppipe.runtime.bench`: the open-loop load generator behind ``ppipe bench``
+  (arrivals from :mod:`ppipe.sim.arrivals`; requests through
+  :mod:`~ppipe.runtime.httpclient`).
 
 Ray, onnxruntime and TensorRT are imported lazily: importing this package is cheap.
 """

@@ -52,14 +52,14 @@ def serve(plan_file, cluster, ray_address, backend, policy, max_queue, host, por
     import uvicorn
 
     from ppipe.runtime.deploy import load_deployment, start_workers
-    from ppipe.runtime.driver import Runtime, default_scheduler_factory
+    from ppipe.runtime.driver import Runtime, check_whole_paths, default_scheduler_factory
     from ppipe.runtime.server import create_app
 
     dep = load_deployment(plan_file, cluster)
     options = {} if max_queue is None else {"max_queue": max_queue}
     # build the scheduler once before starting anything: a bad policy, option or a plan
     # that does not fit its profiles is a UserError now, not after the workers are up
-    default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options)
+    check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
     if not _is_loopback(host) and not token:
         click.echo(f"warning: serving on {host} without --token: anyone who reaches this port can use it", err=True)
     import ray

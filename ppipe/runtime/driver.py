@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ppipe.errors import UserError
 from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, StageReport, WakeAt
 from ppipe.runtime.clock import WallClock, wall_us
 from ppipe.runtime.metrics import RuntimeMetrics
@@ -69,6 +70,16 @@ class BatchTrace:
     dispatched_us: float = 0.0
     reports: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+
+
+def check_whole_paths(scheduler: Any, policy: str) -> None:
+    """The runtime runs a batch along its whole path; refuse policies that dispatch parts."""
+    if getattr(scheduler, "partial_dispatches", False):
+        raise UserError(
+            f"data-plane policy '{policy}' dispatches partial paths (a batch continues from a middle stage), "
+            "which the runtime does not run",
+            fix="serve with --policy reservation (the paper's) or reactive",
+        )
 
 
 def default_scheduler_factory(plan, profiles, cluster, clock, policy: str = "reservation", **options):
@@ -128,6 +139,7 @@ class Runtime:
         """Make the clock and the scheduler on the running loop; start the health loop."""
         self.clock = WallClock(asyncio.get_running_loop())
         self.scheduler = self._factory(self.plan, self.profiles, self.cluster, self.clock, policy=self._policy, **self._options)
+        check_whole_paths(self.scheduler, self._policy)
         self._health = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def stop(self) -> None:

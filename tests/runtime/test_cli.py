@@ -75,3 +75,18 @@ def test_bench_against_a_running_server(ray_cluster, tinynet, tmp_path):
     assert res["sent"] > 20 and res["ok"] + sum(res["drops"].values()) + sum(res["errors"].values()) == res["sent"]
     assert res["slo_attainment"] > 0.5 and res["p50_ms"] > 0
     assert denied.exit_code == 2 and "HTTP 401" in denied.output
+
+
+def test_serve_refuses_a_policy_that_dispatches_partial_paths(tmp_path, tinynet):
+    from ppipe.dataplane import POLICIES
+    from ppipe.spec.cluster import load_cluster
+    from tests.runtime.conftest import make_plan
+
+    partial = [name for name, f in POLICIES.items() if getattr(f, "partial_dispatches", False)]
+    if not partial:
+        pytest.skip("the data plane has no partial-path policy")
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
+    plan.save(tmp_path / "plan.yaml")
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--policy", partial[0]])
+    assert r.exit_code == 2
+    assert "dispatches partial paths" in r.output
