@@ -40,7 +40,7 @@ from ppipe.errors import UserError
 from ppipe.profiler.graph import BATCH_DIM, GraphInfo, analyze, load_onnx, prepare_model
 
 DEFAULT_BLOCKS = 10
-DEFAULT_SIZE_WEIGHT = 0.25
+DEFAULT_SIZE_WEIGHT = 0.1  # measured on resnet50/inception_v2/densenet121: 0.25 unbalanced blocks for ~10 % smaller cuts
 BLOCK_FORMAT = 1  # bump when extraction changes, to invalidate caches
 
 

@@ -33,6 +33,7 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Output folder (model.yaml + profile.csv). Default: models/<name>.")
 @click.option("--name", help="Model name (model.yaml 'name'). Default: the built-in name or the file's stem.")
 @click.option("--blocks", "num_blocks", type=int, default=10, show_default=True, help="Number of blocks to pre-partition into (model.yaml 'blocks').")
+@click.option("--size-weight", type=float, default=0.1, show_default=True, help="When cutting: weight of the cut's feature-map size (relative to the input's) against block balance; 0 = balance only (model.yaml 'blocks').")
 @click.option("--batches", default="1-8", show_default=True, help="Batch sizes at vGPU level 1 (e.g. 1-8 or 1,2,4,8); level 2 keeps those <= 4, levels 3-4 those <= 2 (profile.csv 'batch').")
 @click.option("--measure", default="cpu", show_default=True, help="Device type to measure on here: 'cpu' (onnxruntime) or a GPU type name such as L4 (TensorRT on the local NVIDIA GPU); 'none' to only estimate (profile.csv 'gpu').")
 @click.option("--estimate", default="", help="Comma-separated GPU types to add roofline estimates for, e.g. L4,T4,P4,V100,A10,A100,H100 (profile.csv 'gpu').")
@@ -46,7 +47,7 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
 @click.option("--refresh-estimates", is_flag=True, help="Recompute the --estimate types even where profile.csv has rows for them.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed of built-in models (model.yaml 'source.weights_seed').")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def profile(model, builtin, out_dir, name, num_blocks, batches, measure, estimate, estimate_from, cpu_levels, gpu_levels, input_shape, threads, reps, statistic, refresh_estimates, seed, no_progress):
+def profile(model, builtin, out_dir, name, num_blocks, size_weight, batches, measure, estimate, estimate_from, cpu_levels, gpu_levels, input_shape, threads, reps, statistic, refresh_estimates, seed, no_progress):
     """Cut MODEL (an ONNX file) into blocks and profile them per GPU type x vGPU level x batch.
 
     \b
@@ -65,6 +66,8 @@ def profile(model, builtin, out_dir, name, num_blocks, batches, measure, estimat
         raise UserError("give either an ONNX file or --builtin, not both", fix="drop one of them")
     if num_blocks < 1:
         raise UserError(f"--blocks {num_blocks}: need at least 1", fix="e.g. --blocks 10")
+    if size_weight < 0:
+        raise UserError(f"--size-weight {size_weight}: must be >= 0", fix="e.g. --size-weight 0.1")
     if reps < 1:
         raise UserError(f"--reps {reps}: need at least 1", fix="e.g. --reps 10")
     if threads is not None and threads < 1:
@@ -75,6 +78,7 @@ def profile(model, builtin, out_dir, name, num_blocks, batches, measure, estimat
         out_dir=Path(out_dir) if out_dir else None,
         name=name,
         num_blocks=num_blocks,
+        size_weight=size_weight,
         batches=parse_batches(batches),
         measure=None if measure.strip().lower() in ("", "none") else measure.strip(),
         estimate=_split(estimate),

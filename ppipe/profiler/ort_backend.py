@@ -8,7 +8,7 @@ instead runs v copies at once under MPS, as the PPipe paper measured; on a CPU, 
 concurrent copies on a shared machine would mostly measure the neighbours.)
 
 **Per-layer timing** uses ORT's profiler (``SessionOptions.enable_profiling``) on the
-whole model with all optimizations on (per-node medians over a few runs). These per-node
+whole model with all optimizations on (per-node minimum over 10 runs). These per-node
 times only weight the pre-partitioning; the latencies written to the profile are measured
 on the block sub-models.
 
@@ -97,8 +97,12 @@ def _feeds(sess, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     return feeds
 
 
-def layer_times_us(model, node_names: list[str], threads: int, runs: int = 5) -> list[float]:
-    """Median time of each named node over ``runs`` runs at batch 1 (0 for nodes fused away).
+def layer_times_us(model, node_names: list[str], threads: int, runs: int = 10) -> list[float]:
+    """Minimum time of each named node over ``runs`` runs at batch 1 (0 for nodes fused away).
+
+    The minimum, not the median: on a machine shared with other work, single layers are
+    hit by preemption at random, and cuts chosen from noisy layer times give blocks of
+    very unequal measured latency (seen on the 2-core development machine).
 
     The session runs with all graph optimizations, as the blocks will: a node that ORT
     fused into another gets 0 and its time counts for the node it was fused into. ORT
@@ -109,7 +113,7 @@ def layer_times_us(model, node_names: list[str], threads: int, runs: int = 5) ->
         model: the prepared whole model (``onnx.ModelProto``).
         node_names: names of the compute nodes, in compute order.
         threads: intra-op threads.
-        runs: timed runs after one warm-up (the median per node damps a busy machine).
+        runs: timed runs after one warm-up.
     """
     g = model.graph
     by_output = {o: n.name for n in g.node for o in n.output}
@@ -134,7 +138,7 @@ def layer_times_us(model, node_names: list[str], threads: int, runs: int = 5) ->
     out = []
     for n in node_names:
         samples = per_run.get(n, [])[1:]  # the first run is the warm-up
-        out.append(float(np.median(samples)) if samples else 0.0)
+        out.append(float(np.min(samples)) if samples else 0.0)
     return out
 
 
