@@ -113,7 +113,7 @@ class Runtime:
         policy: str = "reservation",
         scheduler_options: dict[str, Any] | None = None,
         metrics: RuntimeMetrics | None = None,
-        health_interval_s: float = 0.25,
+        health_interval_s: float = 0.5,
         answer_grace_s: float = 30.0,
         keep_traces: int = 0,
     ):
