@@ -20,8 +20,9 @@ gives (no target timing is ever used):
 * the block's position in the model (0..1);
 * optional, when the source's per-layer latencies and the node-to-block mapping are given:
   the share of the block's per-layer time in each op class (convolution, matmul, pooling,
-  reductions/normalization, element-wise, data movement, shape arithmetic, other) and
-  ``log (sum of per-layer latencies) / S(1,1)`` (how much the block gains from fusion).
+  reductions/normalization, element-wise, data movement, shape arithmetic, other) and in a
+  few single op types (:data:`SHARE_OPS`), and ``log (sum of per-layer latencies) / S(1,1)``
+  (how much the block gains from fusion).
 
 ``f`` is a ridge regression on the raw features plus, for the residual, an RBF kernel
 ridge regression on the standardized features in its parametric form (random Fourier
@@ -50,7 +51,7 @@ from ppipe.spec.profile import ModelProfile
 from ppipe.profiler.estimate.artifact_data import ArtifactModel, load_all, op_type_of
 
 DATA_FILE = Path(__file__).with_name("cross_gpu.npz")
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 # Regularization: linear ridge strength (on raw features, intercept free), kernel ridge
 # strength and RBF width factor (squared distance scaled by 2 * GAMMA * n_features).
@@ -95,6 +96,11 @@ _OP_CLASS = {
 }
 
 
+# Op types whose own share separates families the classes lump together (SiLU = Sigmoid +
+# Mul in EfficientNets, LayerNorm's ReduceMean in ConvNeXt, plain ReLU ResNets).
+SHARE_OPS = ("Sigmoid", "Mul", "Relu", "Add", "ReduceMean", "Transpose")
+
+
 def op_class(op_type: str) -> str:
     """The op class (one of :data:`OP_CLASSES`) of an ONNX op type."""
     return _OP_CLASS.get(op_type, "other")
@@ -103,7 +109,7 @@ def op_class(op_type: str) -> str:
 def _stat_feature_names(with_layers: bool) -> list[str]:
     names = ["log_s11", "log_s18", "log_s12", "log_s14", "log_in_bytes_per_us", "log_out_bytes_per_us", "position"]
     if with_layers:
-        names += [f"share_{c}" for c in OP_CLASSES] + ["log_layer_sum_over_block"]
+        names += [f"share_{c}" for c in OP_CLASSES] + ["log_layer_sum_over_block"] + [f"share_op_{o}" for o in SHARE_OPS]
     return names
 
 
@@ -160,11 +166,15 @@ def static_features(
     cols += [np.log(in_b / s11), np.log(out_b / s11), np.arange(nb) / max(nb - 1, 1)]
     if layer_latency_us is not None and node_blocks is not None:
         share = np.zeros((nb, len(OP_CLASSES)))
+        op_share = np.zeros((nb, len(SHARE_OPS)))
         for node, blk in node_blocks.items():
             lat = layer_latency_us.get(node)
             if lat is None or not np.isfinite(lat) or not (0 <= blk < nb):
                 continue
-            share[blk, OP_CLASSES.index(op_class(op_type_of(node)))] += lat
+            op = op_type_of(node)
+            share[blk, OP_CLASSES.index(op_class(op))] += lat
+            if op in SHARE_OPS:
+                op_share[blk, SHARE_OPS.index(op)] += lat
         tot = share.sum(axis=1)
         if np.any(tot <= 0):
             empty = [int(i) for i in np.flatnonzero(tot <= 0)]
@@ -175,6 +185,7 @@ def static_features(
             )
         cols += [share[:, k] / tot for k in range(len(OP_CLASSES))]
         cols.append(np.log(tot / s11))
+        cols += [op_share[:, k] / tot for k in range(len(SHARE_OPS))]
     return np.stack(cols, axis=1)
 
 
@@ -316,9 +327,10 @@ class CrossGpuModel:
             )
         with np.load(p) as z:
             meta = json.loads(bytes(z["meta"]).decode())
-            same = (meta.get("format_version"), meta.get("rff_features"), meta.get("rff_seed"), meta.get("kernel_gamma")) == (
-                FORMAT_VERSION, RFF_FEATURES, RFF_SEED, KERNEL_GAMMA,
-            )
+            same = (
+                meta.get("format_version"), meta.get("rff_features"), meta.get("rff_seed"), meta.get("kernel_gamma"),
+                meta.get("static_features"),
+            ) == (FORMAT_VERSION, RFF_FEATURES, RFF_SEED, KERNEL_GAMMA, _stat_feature_names(True))
             if not same:
                 raise UserError(
                     "cross-GPU parameters were fitted by another version of this model "
