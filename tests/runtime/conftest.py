@@ -16,7 +16,7 @@ import pytest
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan, Plan, PlanSettings, SolverReport
 
-from tests.runtime.tinynet import write_tinynet
+from .tinynet import write_tinynet
 
 
 def make_plan(profile, cluster: ClusterSpec, partitions, batch: int = 4, slo_ms: float | None = None, profile_ref: str | None = None) -> Plan:

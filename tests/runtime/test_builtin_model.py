@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ppipe.spec.cluster import load_cluster
-from tests.runtime.conftest import make_plan
+from .conftest import make_plan
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -19,7 +19,7 @@ def test_serve_names_a_missing_plan_file(tmp_path):
 
 def test_serve_rejects_a_plan_for_another_cluster(tmp_path, tinynet):
     from ppipe.spec.cluster import load_cluster
-    from tests.runtime.conftest import make_plan
+    from .conftest import make_plan
 
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)])
     plan.save(tmp_path / "plan.yaml")
@@ -30,7 +30,7 @@ def test_serve_rejects_a_plan_for_another_cluster(tmp_path, tinynet):
 
 def test_serve_rejects_an_unknown_policy_before_starting_ray(tmp_path, tinynet):
     from ppipe.spec.cluster import load_cluster
-    from tests.runtime.conftest import make_plan
+    from .conftest import make_plan
 
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)])
     plan.save(tmp_path / "plan.yaml")
@@ -53,7 +53,7 @@ def test_bench_against_a_running_server(ray_cluster, tinynet, tmp_path):
     from ppipe.runtime.driver import Runtime
     from ppipe.runtime.server import BackgroundServer, create_app
     from ppipe.spec.cluster import load_cluster
-    from tests.runtime.conftest import make_plan
+    from .conftest import make_plan
 
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
     plan.save(tmp_path / "plan.yaml")
@@ -80,7 +80,7 @@ def test_bench_against_a_running_server(ray_cluster, tinynet, tmp_path):
 def test_serve_refuses_a_policy_that_dispatches_partial_paths(tmp_path, tinynet):
     from ppipe.dataplane import POLICIES
     from ppipe.spec.cluster import load_cluster
-    from tests.runtime.conftest import make_plan
+    from .conftest import make_plan
 
     partial = [name for name, f in POLICIES.items() if getattr(f, "partial_dispatches", False)]
     if not partial:

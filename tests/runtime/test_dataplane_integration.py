@@ -15,8 +15,8 @@ from ppipe.runtime.driver import Runtime
 from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
 from ppipe.runtime.server import BackgroundServer, create_app
 from ppipe.spec.cluster import load_cluster
-from tests.runtime.conftest import make_plan
-from tests.runtime.tinynet import reference, write_tinynet
+from .conftest import make_plan
+from .tinynet import reference, write_tinynet
 
 pytestmark = pytest.mark.ray
 

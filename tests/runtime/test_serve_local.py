@@ -18,9 +18,9 @@ from ppipe.runtime.driver import Runtime
 from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
 from ppipe.runtime.server import BackgroundServer, create_app
 from ppipe.spec.cluster import load_cluster
-from tests.runtime.conftest import make_plan
-from tests.runtime.fakes import FifoScheduler
-from tests.runtime.tinynet import reference
+from .conftest import make_plan
+from .fakes import FifoScheduler
+from .tinynet import reference
 
 pytestmark = pytest.mark.ray
 

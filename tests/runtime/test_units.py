@@ -16,9 +16,9 @@ from ppipe.runtime.deploy import Deployment, node_resources_for, worker_env, wor
 from ppipe.runtime.driver import DroppedError, Runtime
 from ppipe.runtime.worker import WorkerSpec, to_wire
 from ppipe.spec.cluster import ClusterSpec, load_cluster
-from tests.runtime.conftest import make_plan
-from tests.runtime.fakes import FifoScheduler
-from tests.runtime.tinynet import reference
+from .conftest import make_plan
+from .fakes import FifoScheduler
+from .tinynet import reference
 
 
 # ---- clock -------------------------------------------------------------------------------------
