@@ -137,6 +137,27 @@ def artifact_data(artifact_dir):
 @pytest.mark.parametrize("source,target", [("L4", "P4"), ("T4", "V100")])
 def test_cross_gpu_leave_one_out_beats_the_naive_ratio(artifact_data, held_out, source, target):
     """Fit without the model; predict its target-GPU blocks from a source-only copy."""
+    err_model, err_naive = _leave_one_out_errors(artifact_data, held_out, source, target, with_layers=True)
+    assert np.median(err_model) < np.median(err_naive)
+    assert np.percentile(err_model, 90) < np.percentile(err_naive, 90)
+    assert np.median(err_model) < 0.25
+
+
+def test_cross_gpu_blocks_only_leave_one_out_beats_the_naive_ratio(artifact_data):
+    """Without per-layer timings the model is weaker: V100 -> L4 it is WORSE than the naive
+    ratio on wide_resnet101_2, repvgg-b3 and googlenet-v3 (median 34-46 %: the 13 mmseg
+    ResNet-101 segmenters dominate the training set and their V100/L4 ratio is higher).
+    Pooled over every held-out model of the artifact it must still win."""
+    model, naive = [], []
+    for held_out in sorted(artifact_data):
+        m, n = _leave_one_out_errors(artifact_data, held_out, "V100", "L4", with_layers=False)
+        model += m
+        naive += n
+    assert np.median(model) < np.median(naive)
+    assert np.percentile(model, 90) < np.percentile(naive, 90)
+
+
+def _leave_one_out_errors(artifact_data, held_out, source, target, *, with_layers):
     from ppipe.profiler.estimate.crossgpu import artifact_layer_inputs, cross_gpu_table, fit_cross_gpu_from_models
 
     train = [am for n, am in artifact_data.items() if n != held_out]
@@ -144,7 +165,7 @@ def test_cross_gpu_leave_one_out_beats_the_naive_ratio(artifact_data, held_out, 
     am = artifact_data[held_out]
     prof = am.profile
     src = _source_only(prof, source)
-    layer, nodes = artifact_layer_inputs(am, source)
+    layer, nodes = artifact_layer_inputs(am, source) if with_layers else (None, None)
     pred = cross_gpu_table(src, source, target, model=fitted, layer_latency_us=layer, node_blocks=nodes)
     truth = {k: v for k, v in prof.table.items() if k[0] == target}
     assert set(truth) <= set(pred)
@@ -154,9 +175,7 @@ def test_cross_gpu_leave_one_out_beats_the_naive_ratio(artifact_data, held_out, 
         v_src = v if v in prof.levels(source) else 1
         err_model.append(abs(pred[(g, v, b, blk)] / lat - 1))
         err_naive.append(abs(ratio * prof.table[(source, v_src, b, blk)] / lat - 1))
-    assert np.median(err_model) < np.median(err_naive)
-    assert np.percentile(err_model, 90) < np.percentile(err_naive, 90)
-    assert np.median(err_model) < 0.25
+    return err_model, err_naive
 
 
 def test_shipped_cross_gpu_model_loads_and_predicts(artifact_profiles):
