@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -232,5 +231,3 @@ def test_fit_cli_writes_loadable_parameters(artifact_dir, tmp_path):
     assert 0 < p["eff"] <= 2.5 and p["launch_us"] > 0
     assert main(["fit-roofline", str(tmp_path)]) == 2  # not an artifact folder
 
-
-del os

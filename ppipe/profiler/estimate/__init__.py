@@ -32,4 +32,6 @@ __all__ = [
 from ppipe.profiler.estimate.gpus import gpu_spec, known_gpus  # noqa: E402
 from ppipe.profiler.estimate.roofline import fit_roofline, provenance, roofline_table  # noqa: E402
 
-__all__ += ["gpu_spec", "known_gpus", "fit_roofline", "provenance", "roofline_table"]
+from ppipe.profiler.estimate.profile import estimate_profile  # noqa: E402
+
+__all__ += ["gpu_spec", "known_gpus", "fit_roofline", "provenance", "roofline_table", "estimate_profile"]

@@ -38,7 +38,7 @@ leave-one-model-out on the artifact (``scripts/bench_estimator.py``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Mapping

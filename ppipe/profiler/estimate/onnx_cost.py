@@ -202,7 +202,6 @@ def _attr(node, name: str, default=None):
 
 def _flops(n, shapes, numel, acts_in, outs) -> float:
     op = n.op_type
-    out = shapes.get(outs[0]) or []
     if op in ("Conv", "ConvTranspose"):
         w = shapes.get(n.input[1]) or []
         if len(w) < 3:
@@ -226,5 +225,4 @@ def _flops(n, shapes, numel, acts_in, outs) -> float:
         return sum(numel(i) for i in acts_in) * (5.0 if "Normalization" in op or op.endswith("Softmax") else 1.0)
     if op in ("Sigmoid", "Tanh", "Erf", "Exp", "Log", "Pow", "Sqrt", "Div", "Gelu", "Softplus", "Mish", "HardSwish"):
         return 4.0 * numel(outs[0])  # transcendental / division: several instructions
-    del out
     return float(numel(outs[0]))

@@ -163,8 +163,6 @@ def check_against_artifact(name: str, artifact_dir: str | Path) -> list[tuple[in
     """(cut, rebuilt bytes, artifact bytes) for every cut: the rebuilt graph's activation
     tensors that cross each cut of the artifact's mapping, counted at 2 bytes (fp16, as the
     artifact counts them)."""
-    import onnx
-
     from ppipe.profiler.estimate.artifact_data import load_model
     from ppipe.profiler.estimate.onnx_cost import _prepare
 
@@ -191,5 +189,4 @@ def check_against_artifact(name: str, artifact_dir: str | Path) -> list[tuple[in
                 e *= max(d, 1)
             size += 2 * e
         rows.append((cut, size, am.profile.cut_bytes(cut)))
-    del onnx
     return rows
