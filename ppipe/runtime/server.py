@@ -69,14 +69,22 @@ class Frontend:
 
     async def _body(self, request: Request) -> bytes:
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise ProtocolError(413, f"body of {length} bytes exceeds the limit of {self.max_body_bytes} bytes")
+        declared = int(length) if length is not None and length.isdigit() else None
         chunks, size = [], 0
+        too_big = declared is not None and declared > self.max_body_bytes
         async for chunk in request.stream():
             size += len(chunk)
             if size > self.max_body_bytes:
-                raise ProtocolError(413, f"body exceeds the limit of {self.max_body_bytes} bytes")
+                too_big = True
+            if too_big:
+                # read the rest and drop it (up to 8x the limit) so that the client, still
+                # sending, reads our 413 instead of a reset connection
+                if size > 8 * self.max_body_bytes:
+                    break
+                continue
             chunks.append(chunk)
+        if too_big:
+            raise ProtocolError(413, f"body of {declared or size} bytes exceeds the limit of {self.max_body_bytes} bytes")
         return b"".join(chunks)
 
     def _metadata(self, name: str) -> dict[str, Any]:
