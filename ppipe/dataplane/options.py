@@ -51,6 +51,14 @@ class SchedulerOptions:
         inflight_grace_us: an in-flight batch is forgotten when its last stage is reported,
             or when its expected end (planned end, pushed back by reported delays) is more
             than this many us in the past.
+        probe_lookahead: not in the paper (default on). In a pool that is not the
+            pipeline's last, choose the vGPU whose *output can leave* earliest (the earliest
+            free slot on its server's uplink at/after its finish) rather than the one that
+            finishes earliest; ties go to the earlier finish, then to the server whose
+            uplink frees first. The paper's greedy (off) ignores the next transfer, so with
+            many equally fast candidates it keeps choosing the lowest ids and piles a pool's
+            output on one or two servers' uplinks while the others idle (colorization-v2 on
+            HC2-L: 291 of 515 first-stage batches on one server). Off = Algorithm 2 exactly.
         prune_threshold: a reservation table is pruned of past intervals when it holds more
             than this many (amortises the list deletion).
         late_drop: (reactive policy) when a stage report shows a batch can no longer meet
@@ -78,6 +86,7 @@ class SchedulerOptions:
     try_other_pipelines: bool = False
     propagate_delays: bool = True
     inflight_grace_us: float = 0.0
+    probe_lookahead: bool = True
     prune_threshold: int = 64
     late_drop: bool = True
     min_batch_on_overload: int = 0

@@ -68,7 +68,10 @@ class ReservationScheduler(BatchingScheduler):
         hops: list[Hop] = []
         busy = 0.0  # sum of transfer and inference durations on the path
         bits = 0.0
-        for pool in pipeline.pools:
+        pools = pipeline.pools
+        npools = len(pools)
+        look = self.options.probe_lookahead
+        for k, pool in enumerate(pools):
             l_i = pool.infer_us[bs]
             slots: dict[str, tuple[float, float]] = {}
             # Lower bound on any candidate's finish: no waiting, fastest transfer.
@@ -84,8 +87,10 @@ class ReservationScheduler(BatchingScheduler):
                 bound = t_g + min_ln + l_i
             best: Hop | None = None
             best_t = _INF
+            if look and k + 1 < npools:
+                best, best_t = self._scan_lookahead(pool, pools[k + 1], bs, t0, t_g, last, bits, l_i, local_us, bound)
             # Fast path: the vGPU idle longest; if it meets the lower bound nobody beats it.
-            g = pool.longest_idle()
+            g = pool.longest_idle() if best is None else None
             if g is not None:
                 f, hop = self._candidate(g, t_g, last, bits, l_i, local_us, slots)
                 if f <= bound + EPS_US:
@@ -168,6 +173,69 @@ class ReservationScheduler(BatchingScheduler):
             last = best.vgpu
             bits = pool.out_bits * bs
         return ProbeResult(pipeline, bs, t0, t_g, t_g - t0 - busy, hops)
+
+    def _scan_lookahead(self, pool, nxt, bs: int, t0: float, t_g: float, last: VGpu | None, bits: float, l_i: float,
+                        local_us: float, bound: float) -> tuple[Hop, float]:
+        """The candidate of a non-last pool whose output can *leave* earliest (``probe_lookahead``).
+
+        Score of a candidate finishing at ``f``: the earliest start ``L >= f`` of a free slot
+        on its server's uplink for the next transfer (``L = f`` when the next pool has a
+        vGPU on the same server: the copy may stay local). Candidates are compared by
+        ``(L, f, uplink busy-until)``: leaving first, then finishing first, then the
+        server whose NIC frees first (this spreads equal candidates over servers instead of
+        piling them on the lowest ids). Every candidate of the pool is scored, except those
+        that cannot beat the best so far (their input arrives, or they finish, after its
+        ``L``); the scan stops at a candidate that meets the lower bound with an idle uplink.
+        """
+        eps = EPS_US
+        out_kbits = pool.out_bits * bs * 1e-3
+        nxt_servers = nxt.servers
+        nxt_bw = nxt.max_bw_gbps
+        slots: dict[str, tuple[float, float]] = {}
+        best: Hop | None = None
+        best_L = best_f = best_u = _INF
+        for g in pool.vgpus:
+            if last is None:
+                ts, l_n, nic = None, 0.0, False
+                ready = t_g
+            elif g.server == last.server:
+                ts, l_n, nic = t_g, local_us, False
+                ready = t_g + l_n
+            else:
+                cached = slots.get(g.server)
+                if cached is None:
+                    bw = g.bw_gbps
+                    l_n = bits * 1e-3 / (last.bw_gbps if last.bw_gbps < bw else bw)
+                    if t_g + l_n + l_i > best_L + eps:
+                        continue  # cannot leave before the best even without waiting
+                    ts = earliest_slot((last.up, g.down), t_g, l_n)
+                    slots[g.server] = (ts, l_n)
+                else:
+                    ts, l_n = cached
+                nic = True
+                ready = ts + l_n
+            if ready + l_i > best_L + eps:
+                continue
+            s = g.table.earliest(ready, l_i)
+            f = s + l_i
+            if f > best_L + eps:
+                continue
+            up = g.up
+            ends = up.ends
+            u = ends[-1] if ends else -_INF
+            if g.server in nxt_servers or u <= f:
+                L = f
+            else:
+                bw = g.bw_gbps
+                L = up.earliest(f, out_kbits / (nxt_bw if nxt_bw < bw else bw))
+            if L < best_L - eps or (L <= best_L + eps and (f < best_f - eps or (f <= best_f + eps and u < best_u))):
+                best = Hop(g, ts, l_n, nic, last, s, l_i)
+                best_L, best_f, best_u = L, f, u
+                if L <= bound + eps and u <= t0:
+                    break  # finishes at the lower bound and its uplink is idle now: nobody beats it
+        if best is None:
+            raise RuntimeError(f"pool {pool.index} has no live vGPU")
+        return best, best_f
 
     @staticmethod
     def _candidate(g: VGpu, t_g: float, last: VGpu | None, bits: float, l_i: float, local_us: float, slots: dict) -> tuple[float, Hop]:

@@ -96,3 +96,42 @@ def test_ties_go_to_the_lower_vgpu_id(fig5):
     sched, clock = fig5()
     r = sched.probe(_pipe(sched), 1)
     assert r.path == [FIG5_NODES[0], FIG5_NODES[1]]  # nodes 2 and 3 finish at the same time
+
+
+def _two_sender_world(out_bytes: int = 10_000, **options):
+    """Pool 0 on servers a-0 and b-0 (one vGPU each, equally fast), pool 1 on c-0."""
+    cluster = toy_cluster([("a", "A", 1, 1, 8.0), ("b", "A", 1, 1, 8.0), ("c", "A", 1, 1, 8.0)])
+    prof = toy_profile("m", {"A": [100.0, 100.0]}, out_bytes=[out_bytes, 10])
+    parts = [ToyPartition(0, 0, "A", 1, [("a-0", 0, 0), ("b-0", 0, 0)]), ToyPartition(1, 1, "A", 1, [("c-0", 0, 0)])]
+    plan = toy_plan(cluster, [ToyModel("m", 10.0, [ToyPipeline(1, parts)])])
+    return build_scheduler(plan, {"m": prof}, cluster, ManualClock(), **options)
+
+
+def test_lookahead_sends_work_to_the_server_whose_uplink_is_free():
+    # a-0's GPU is free but its uplink is busy for a long time (other models' transfers):
+    # the paper's greedy still picks a-0 (same finish, lower id) and the batch then waits
+    # at the NIC; the look-ahead picks b-0, whose output can leave at once.
+    for lookahead, first in ((False, "a-0/gpu0/s0"), (True, "b-0/gpu0/s0")):
+        s = _two_sender_world(probe_lookahead=lookahead)
+        s.topology.table("up:a-0").add(50.0, 5000.0, "other")
+        r = s.probe(_pipe(s), 1)
+        assert r.path[0] == first
+    assert r.finish == 100.0 + 10.0 + 100.0  # no waiting at all on b-0's path
+
+
+def test_lookahead_spreads_back_to_back_batches_over_servers():
+    # Feature maps take longer to send (1000 us) than to compute (100 us). Batch 0 runs on
+    # a-0; at t=200 both GPUs are idle and a-0's past interval is pruned (as a feedback
+    # report does), so the greedy sees two equal candidates and takes a-0 again (lower id),
+    # although a-0's uplink carries batch 0 until 1100. The look-ahead takes b-0.
+    for lookahead, servers in ((False, ["a-0", "a-0"]), (True, ["a-0", "b-0"])):
+        s = _two_sender_world(probe_lookahead=lookahead, out_bytes=125_000)
+        got = []
+        for bid, t in enumerate((0.0, 200.0)):
+            s.clock.advance_to(t)
+            for g in s.topology.vgpus.values():
+                g.table.prune(t)
+            r = s.probe(_pipe(s), 1)
+            s.reserve(r, bid)
+            got.append(r.hops[0].vgpu.server)
+        assert got == servers
