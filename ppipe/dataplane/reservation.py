@@ -192,38 +192,67 @@ class ReservationScheduler(BatchingScheduler):
         nxt_servers = nxt.servers
         nxt_bw = nxt.max_bw_gbps
         slots: dict[str, tuple[float, float]] = {}
+        # Fast path (as in the greedy): the longest-idle vGPU, if it finishes at the lower
+        # bound and its output can leave at once, cannot be beaten on (L, f).
+        g = pool.longest_idle()
+        if g is not None:
+            f, hop = self._candidate(g, t_g, last, bits, l_i, local_us, slots)
+            if f <= bound + eps:
+                ends = g.up.ends
+                if g.server in nxt_servers or not ends or ends[-1] <= f:
+                    return hop, f
+                bw = g.bw_gbps
+                if g.up.earliest(f, out_kbits / (nxt_bw if nxt_bw < bw else bw)) <= f + eps:
+                    return hop, f
         best: Hop | None = None
         best_L = best_f = best_u = _INF
+        # The scan (hot: locals, the table search inlined).
+        if last is not None:
+            last_server = last.server
+            last_bw = last.bw_gbps
+            last_up = last.up
+            kbits = bits * 1e-3
         for g in pool.vgpus:
+            server = g.server
             if last is None:
                 ts, l_n, nic = None, 0.0, False
                 ready = t_g
-            elif g.server == last.server:
+            elif server == last_server:
                 ts, l_n, nic = t_g, local_us, False
                 ready = t_g + l_n
             else:
-                cached = slots.get(g.server)
+                cached = slots.get(server)
                 if cached is None:
                     bw = g.bw_gbps
-                    l_n = bits * 1e-3 / (last.bw_gbps if last.bw_gbps < bw else bw)
+                    l_n = kbits / (last_bw if last_bw < bw else bw)
                     if t_g + l_n + l_i > best_L + eps:
                         continue  # cannot leave before the best even without waiting
-                    ts = earliest_slot((last.up, g.down), t_g, l_n)
-                    slots[g.server] = (ts, l_n)
+                    ts = earliest_slot((last_up, g.down), t_g, l_n)
+                    slots[server] = (ts, l_n)
                 else:
                     ts, l_n = cached
                 nic = True
                 ready = ts + l_n
             if ready + l_i > best_L + eps:
                 continue
-            s = g.table.earliest(ready, l_i)
+            s = ready
+            ends = g.table.ends
+            if ends and ends[-1] > s + eps:
+                i = bisect_right(ends, s + eps)
+                starts = g.table.starts
+                n = len(ends)
+                lim = l_i - eps
+                while i < n and starts[i] < s + lim:
+                    if ends[i] > s:
+                        s = ends[i]
+                    i += 1
             f = s + l_i
             if f > best_L + eps:
                 continue
             up = g.up
             ends = up.ends
             u = ends[-1] if ends else -_INF
-            if g.server in nxt_servers or u <= f:
+            if u <= f or server in nxt_servers:
                 L = f
             else:
                 bw = g.bw_gbps

@@ -125,7 +125,7 @@ def test_lookahead_spreads_back_to_back_batches_over_servers():
     # report does), so the greedy sees two equal candidates and takes a-0 again (lower id),
     # although a-0's uplink carries batch 0 until 1100. The look-ahead takes b-0.
     for lookahead, servers in ((False, ["a-0", "a-0"]), (True, ["a-0", "b-0"])):
-        s = _two_sender_world(probe_lookahead=lookahead, out_bytes=125_000)
+        s = _two_sender_world(probe_lookahead=lookahead, out_bytes=1_000_000)
         got = []
         for bid, t in enumerate((0.0, 200.0)):
             s.clock.advance_to(t)
