@@ -137,8 +137,23 @@ class ReservationScheduler(BatchingScheduler):
                             if cached is None:
                                 bw = g.bw_gbps
                                 l_n = kbits / (last_bw if last_bw < bw else bw)
-                                if t_g + l_n + l_i >= best_t:
+                                s = t_g + l_n
+                                if s + l_i >= best_t:
                                     continue  # cannot beat the best even without waiting
+                                # Before searching both NICs: the GPU alone, from the
+                                # earliest arrival, may already rule the candidate out.
+                                ends = g.table.ends
+                                if ends and ends[-1] > s + eps:
+                                    i = bisect_right(ends, s + eps)
+                                    starts = g.table.starts
+                                    n = len(ends)
+                                    lim = l_i - eps
+                                    while i < n and starts[i] < s + lim:
+                                        if ends[i] > s:
+                                            s = ends[i]
+                                        i += 1
+                                    if s + l_i >= best_t:
+                                        continue
                                 ts = earliest_slot((up, g.down), t_g, l_n)
                                 slots[server] = (ts, l_n)
                             else:
@@ -225,8 +240,21 @@ class ReservationScheduler(BatchingScheduler):
                 if cached is None:
                     bw = g.bw_gbps
                     l_n = kbits / (last_bw if last_bw < bw else bw)
-                    if t_g + l_n + l_i > best_L + eps:
+                    s = t_g + l_n
+                    if s + l_i > best_L + eps:
                         continue  # cannot leave before the best even without waiting
+                    ends = g.table.ends
+                    if ends and ends[-1] > s + eps:  # the GPU alone may rule it out (see probe)
+                        i = bisect_right(ends, s + eps)
+                        starts = g.table.starts
+                        n = len(ends)
+                        lim = l_i - eps
+                        while i < n and starts[i] < s + lim:
+                            if ends[i] > s:
+                                s = ends[i]
+                            i += 1
+                        if s + l_i > best_L + eps:
+                            continue
                     ts = earliest_slot((last_up, g.down), t_g, l_n)
                     slots[server] = (ts, l_n)
                 else:
