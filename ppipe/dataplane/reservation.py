@@ -33,9 +33,15 @@ Speed (the hot path; target <= 50 us per dispatch decision on a 100-GPU plan):
 * a candidate whose transfer alone, without any waiting, cannot beat the best so far is
   skipped before its NIC slot is searched.
 
-Tie-break (deterministic): if the longest-idle vGPU (ties: lower id) reaches the lower
-bound it wins; otherwise the scan in id order keeps the first vGPU with the earliest
-finish. Preferring the longest-idle vGPU among equals also spreads work over the pool.
+Tie-break (deterministic): the longest-idle vGPU (ties: lower id) is tried first and is
+the best so far when the scan starts; the scan in id order replaces it only by a vGPU that
+finishes strictly earlier (then keeps the first of equals). Preferring the longest-idle
+vGPU among equals also spreads work over the pool, and the scan prunes from the start.
+
+Look-ahead (``probe_lookahead``, default on; off = Algorithm 2's greedy as above): in a
+pool that is not the last, candidates are compared by when their output can *leave*
+(:meth:`ReservationScheduler._scan_lookahead`), so a pool's work spreads over the
+servers' uplinks instead of piling on the ones with the lowest ids.
 """
 
 from __future__ import annotations
@@ -91,10 +97,15 @@ class ReservationScheduler(BatchingScheduler):
                 best, best_t = self._scan_lookahead(pool, pools[k + 1], bs, t0, t_g, last, bits, l_i, local_us, bound)
             # Fast path: the vGPU idle longest; if it meets the lower bound nobody beats it.
             g = pool.longest_idle() if best is None else None
+            seed: Hop | None = None
             if g is not None:
                 f, hop = self._candidate(g, t_g, last, bits, l_i, local_us, slots)
                 if f <= bound + EPS_US:
                     best, best_t = hop, f
+                else:
+                    # It is the best so far: the scan starts from it (prunes from the start;
+                    # a vGPU of the scan replaces it only if strictly earlier).
+                    seed, best_t = hop, f
             if best is None:
                 # Full scan in id order (the hot loop of the data plane: locals, no calls).
                 eps = EPS_US
@@ -180,6 +191,8 @@ class ReservationScheduler(BatchingScheduler):
                                 break
                     if b_g is not None:
                         best = Hop(b_g, b_ts, b_ln, b_nic, last, b_s, l_i)
+                if best is None:
+                    best = seed
             if best is None:
                 raise RuntimeError(f"pipeline {pipeline.model}/{pipeline.index}: pool {pool.index} has no live vGPU")
             busy += best.transfer_us + l_i
@@ -209,18 +222,21 @@ class ReservationScheduler(BatchingScheduler):
         slots: dict[str, tuple[float, float]] = {}
         # Fast path (as in the greedy): the longest-idle vGPU, if it finishes at the lower
         # bound and its output can leave at once, cannot be beaten on (L, f).
+        best: Hop | None = None
+        best_L = best_f = best_u = _INF
         g = pool.longest_idle()
         if g is not None:
             f, hop = self._candidate(g, t_g, last, bits, l_i, local_us, slots)
-            if f <= bound + eps:
-                ends = g.up.ends
-                if g.server in nxt_servers or not ends or ends[-1] <= f:
-                    return hop, f
+            ends = g.up.ends
+            u = ends[-1] if ends else -_INF
+            if g.server in nxt_servers or u <= f:
+                L = f
+            else:
                 bw = g.bw_gbps
-                if g.up.earliest(f, out_kbits / (nxt_bw if nxt_bw < bw else bw)) <= f + eps:
-                    return hop, f
-        best: Hop | None = None
-        best_L = best_f = best_u = _INF
+                L = g.up.earliest(f, out_kbits / (nxt_bw if nxt_bw < bw else bw))
+            if f <= bound + eps and L <= f + eps:
+                return hop, f
+            best, best_L, best_f, best_u = hop, L, f, u  # the scan starts from it
         # The scan (hot: locals, the table search inlined).
         if last is not None:
             last_server = last.server
