@@ -135,3 +135,19 @@ def test_lookahead_spreads_back_to_back_batches_over_servers():
             s.reserve(r, bid)
             got.append(r.hops[0].vgpu.server)
         assert got == servers
+
+
+def test_equal_finish_goes_to_the_longest_idle_vgpu_not_the_lowest_id():
+    # Both vGPUs can next run at 500..600 (in a gap), but a-0 has work reserved until 800
+    # and b-0 only until 700: b-0 (idle sooner) seeds the scan and a-0 does not beat it.
+    cluster = toy_cluster([("a", "A", 1, 1, 8.0), ("b", "A", 1, 1, 8.0)])
+    prof = toy_profile("m", {"A": [100.0]}, out_bytes=[10])
+    plan = toy_plan(cluster, [ToyModel("m", 10.0, [ToyPipeline(1, [ToyPartition(0, 0, "A", 1, [("a-0", 0, 0), ("b-0", 0, 0)])])])])
+    s = build_scheduler(plan, {"m": prof}, cluster, ManualClock())
+    a, b = s.topology.vgpus["a-0/gpu0/s0"], s.topology.vgpus["b-0/gpu0/s0"]
+    for g, late in ((a, 700.0), (b, 650.0)):
+        g.table.add(0.0, 500.0, "x")
+        g.table.add(late, 100.0 if g is a else 50.0, "y")
+        g.pool.touch(g)
+    r = s.probe(_pipe(s), 1)
+    assert r.finish == 600.0 and r.path == ["b-0/gpu0/s0"]
