@@ -1,0 +1,66 @@
+"""The HiGHS options the planner sets (presolve off, no RINS/RENS) change speed, not optima."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner_synth import brute_force_paper, cluster, plain_configs, profile
+from ppipe.planner.api import usable_levels
+from ppipe.planner.configs import ModelSpec
+from ppipe.planner.core import milp_plan
+from ppipe.planner.objectives import get_objective
+from ppipe.planner.solvers import HIGHS_MIP_OPTIONS, HighsSolver, get_solver
+
+LEVELS = {"A": [1, 2], "B": [1]}
+LAT_1 = {"A": [2000.0, 3000.0, 1000.0], "B": [3000.0, 9000.0, 1500.0]}
+LAT_2 = {"A": [1500.0, 1000.0, 2500.0], "B": [2500.0, 2000.0, 8000.0]}
+LAT_3 = {"A": [900.0, 4000.0, 700.0], "B": [1200.0, 2500.0, 3000.0]}
+
+
+def _solve(solver, specs, cl, *, gpu_rule="paper", one=True, D=2):
+    return milp_plan(
+        specs,
+        cl,
+        [usable_levels(s.profile, cl) for s in specs],
+        objective=get_objective("max-min"),
+        solver=solver,
+        max_partitions=D,
+        margin=0.2,
+        gpu_rule=gpu_rule,
+        one_config_per_template=one,
+        time_limit_s=60,
+        gap=1e-9,
+    )
+
+
+def test_default_highs_solver_uses_the_tuned_options():
+    assert get_solver("highs").options == HIGHS_MIP_OPTIONS
+    assert HIGHS_MIP_OPTIONS["presolve"] == "off"
+
+
+@pytest.mark.parametrize("counts", [{"A": 1, "B": 2}, {"A": 2, "B": 1}, {"A": 2, "B": 2}])
+@pytest.mark.parametrize("slo_ms", [15.0, 30.0])
+def test_paper_formulation_with_tuned_options_matches_brute_force(counts, slo_ms):
+    cl = cluster(counts, LEVELS)
+    m = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
+    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts)
+    out = _solve(HighsSolver(), [ModelSpec(profile=m, slo_ms=slo_ms)], cl)
+    assert out.result.status == "optimal"
+    assert out.result.objective == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("gpu_rule,one", [("paper", True), ("physical", False), ("physical", True)])
+def test_tuned_and_default_highs_options_reach_the_same_optimum(gpu_rule, one):
+    # Three models with different weights on 3 + 4 GPUs: a max-min instance with branching.
+    cl = cluster({"A": 3, "B": 4}, LEVELS)
+    specs = [
+        ModelSpec(profile=profile(f"m{i}", lat, cut, LEVELS), slo_ms=slo, weight=w)
+        for i, (lat, cut, slo, w) in enumerate(
+            [(LAT_1, [200_000, 100_000], 25.0, 1.0), (LAT_2, [50_000, 300_000], 25.0, 2.0), (LAT_3, [80_000, 40_000], 20.0, 1.5)]
+        )
+    ]
+    tuned = _solve(HighsSolver(), specs, cl, gpu_rule=gpu_rule, one=one)
+    plain = _solve(HighsSolver(options={}), specs, cl, gpu_rule=gpu_rule, one=one)
+    assert tuned.result.status == plain.result.status == "optimal"
+    assert tuned.result.objective > 0
+    assert tuned.result.objective == pytest.approx(plain.result.objective, rel=1e-7)
