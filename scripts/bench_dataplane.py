@@ -15,6 +15,7 @@ Usage::
     python scripts/bench_dataplane.py                      # G2 on HC2-L, load 0.9, 5 s
     python scripts/bench_dataplane.py --group G1 --load 1.2 --seconds 10 --jitter 0.1
     python scripts/bench_dataplane.py --plan plan.yaml --profiles-from-artifact
+    python scripts/bench_dataplane.py --policies reservation --greedy   # look-ahead vs the paper's greedy probe
 
 Figures are noisy on a shared machine; report the median and p99 of several runs.
 """
@@ -185,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="reservation,reactive")
     ap.add_argument("--overload-fix", type=int, default=0,
                     help="also run reservation with min_batch_on_overload=K and defer_small_batches")
+    ap.add_argument("--greedy", action="store_true",
+                    help="also run reservation with probe_lookahead=False (the paper's exact greedy probe)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each policy N times; on a busy machine the smallest median is the least disturbed")
@@ -212,6 +215,8 @@ def main(argv=None) -> int:
         if len(medians) > 1:
             print(f"  [{policy}] CPU median per dispatch decision over {len(medians)} runs: "
                   f"best {min(medians):.1f} us, worst {max(medians):.1f} us")
+    if args.greedy:
+        run(plan, profiles, cluster, "reservation", args, {"probe_lookahead": False})
     if args.overload_fix:
         run(plan, profiles, cluster, "reservation", args, {"min_batch_on_overload": args.overload_fix, "defer_small_batches": True})
     return 0
