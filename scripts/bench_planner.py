@@ -31,7 +31,27 @@ sys.path.insert(0, str(REPO))
 
 import ppipe  # noqa: E402
 from ppipe.spec.artifact import load_artifact_model  # noqa: E402
+from ppipe.planner import solvers as _solvers  # noqa: E402
 from ppipe.spec.cluster import ClusterSpec, GpuType, ServerGroup  # noqa: E402
+
+# Solver work (B&B nodes, simplex iterations) summed over the solves of one plan (the NP
+# plan for the batch-build estimate and the plan itself): figures that, unlike seconds,
+# do not depend on how loaded the machine is. Counted by wrapping the backend's solve.
+WORK = {"nodes": 0, "lp_iterations": 0}
+
+
+def _counting(solve):
+    def wrapped(self, milp, **kw):
+        res = solve(self, milp, **kw)
+        WORK["nodes"] += max(res.nodes, 0)
+        WORK["lp_iterations"] += max(res.lp_iterations, 0)
+        return res
+
+    return wrapped
+
+
+for _cls in (_solvers.HighsSolver, _solvers.CbcSolver, _solvers.GurobiSolver):
+    _cls.solve = _counting(_cls.solve)
 
 GROUPS = {
     "G1": ["efficientnet-b8_3rdparty_8xb32-aa-advprop_in1k", "encnet_r101-d8_4xb2-40k_cityscapes-512x1024", "rtmdet_x_8xb32-300e_coco"],
@@ -61,21 +81,23 @@ def four_type_cluster() -> ClusterSpec:
 
 
 def run_case(label: str, cluster, profiles, rows: list, **kw) -> dict:
+    WORK.update(nodes=0, lp_iterations=0)
     t0 = time.perf_counter()
     c0 = time.process_time()
     plan = ppipe.plan(cluster, profiles, **kw)
     secs = time.perf_counter() - t0
     cpu = time.process_time() - c0
     s = plan.solver
-    row = dict(case=label, objective=s.objective, status=s.status, gap=s.gap, seconds=secs, cpu=cpu, columns=s.columns)
+    row = dict(case=label, objective=s.objective, status=s.status, gap=s.gap, seconds=secs, cpu=cpu, columns=s.columns, **WORK)
     rows.append(row)
-    print(f"{label:<44} {s.objective:>10.2f} {s.status:>10} {s.gap * 100:>7.3f}% {secs:>7.2f}s {cpu:>7.2f}s {s.columns:>6}", flush=True)
+    print(f"{label:<44} {s.objective:>10.2f} {s.status:>10} {s.gap * 100:>7.3f}% {secs:>7.2f}s {cpu:>7.2f}s {s.columns:>6} "
+          f"{WORK['nodes']:>6} {WORK['lp_iterations']:>7}", flush=True)
     return row
 
 
 def header(title: str) -> None:
     print(f"\n== {title}")
-    print(f"{'case':<44} {'objective':>10} {'status':>10} {'gap':>8} {'wall':>8} {'cpu':>8} {'cols':>6}")
+    print(f"{'case':<44} {'objective':>10} {'status':>10} {'gap':>8} {'wall':>8} {'cpu':>8} {'cols':>6} {'nodes':>6} {'lp_its':>7}")
 
 
 def summary(rows: list, target: str = "") -> None:
@@ -86,7 +108,8 @@ def summary(rows: list, target: str = "") -> None:
     n_opt = sum(r["status"] == "optimal" and r["gap"] <= 1e-3 for r in rows)
     print(f"-- {len(rows)} cases: proven optimal (gap <= 0.1 %) {n_opt}/{len(rows)}; "
           f"wall median {statistics.median(t):.3f} s, max {max(t):.3f} s; "
-          f"CPU median {statistics.median(c):.3f} s, max {max(c):.3f} s {target}")
+          f"CPU median {statistics.median(c):.3f} s, max {max(c):.3f} s; "
+          f"nodes {sum(r['nodes'] for r in rows)}, LP iterations {sum(r['lp_iterations'] for r in rows)} in all {target}")
 
 
 def main(argv=None) -> int:

@@ -47,6 +47,9 @@ class SolveResult:
         objective: objective value of ``x``.
         gap: relative MIP gap at the end (``inf`` when the backend does not report it).
         seconds: solve time (not counting model building).
+        nodes: branch-and-bound nodes (-1 when the backend does not report them).
+        lp_iterations: simplex iterations in all (-1 when not reported); with ``nodes``,
+            a measure of the work that does not depend on the machine's load.
     """
 
     solver: str
@@ -55,6 +58,8 @@ class SolveResult:
     objective: float
     gap: float
     seconds: float
+    nodes: int = -1
+    lp_iterations: int = -1
 
 
 def get_solver(name: str | SolverName) -> "Solver":
@@ -148,8 +153,9 @@ class HighsSolver(Solver):
         secs = time.perf_counter() - t0
         MS = highspy.HighsModelStatus
         has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        work = dict(nodes=int(max(info.mip_node_count, 0)), lp_iterations=int(max(info.simplex_iteration_count, 0)))
         if st == MS.kInfeasible:
-            return SolveResult(self.name, "infeasible", None, math.nan, math.inf, secs)
+            return SolveResult(self.name, "infeasible", None, math.nan, math.inf, secs, **work)
         if st in (MS.kUnbounded, MS.kUnboundedOrInfeasible):
             raise SolverError(f"HiGHS: the model is {h.modelStatusToString(st)} (a planner bug: every variable is bounded)")
         if st == MS.kModelEmpty:
@@ -157,12 +163,14 @@ class HighsSolver(Solver):
         x = np.array(h.getSolution().col_value) if has_sol else None
         if st == MS.kOptimal and x is not None:
             g = info.mip_gap if integ.any() else 0.0
-            return SolveResult(self.name, "optimal", x, float(info.objective_function_value), max(0.0, float(g)), secs)
+            return SolveResult(self.name, "optimal", x, float(info.objective_function_value), max(0.0, float(g)), secs, **work)
         if st in (MS.kTimeLimit, MS.kInterrupt, MS.kIterationLimit, MS.kSolutionLimit, MS.kObjectiveBound):
             if x is None:
                 raise _timeout("HiGHS", time_limit_s)
             g = float(info.mip_gap)
-            return SolveResult(self.name, "time_limit", x, float(info.objective_function_value), g if math.isfinite(g) else math.inf, secs)
+            return SolveResult(
+                self.name, "time_limit", x, float(info.objective_function_value), g if math.isfinite(g) else math.inf, secs, **work
+            )
         raise SolverError(f"HiGHS ended with status '{h.modelStatusToString(st)}'")
 
 

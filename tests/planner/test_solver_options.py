@@ -64,3 +64,10 @@ def test_tuned_and_default_highs_options_reach_the_same_optimum(gpu_rule, one):
     assert tuned.result.status == plain.result.status == "optimal"
     assert tuned.result.objective > 0
     assert tuned.result.objective == pytest.approx(plain.result.objective, rel=1e-7)
+
+
+def test_highs_reports_its_work():
+    cl = cluster({"A": 2, "B": 2}, LEVELS)
+    out = _solve(HighsSolver(), [ModelSpec(profile=profile("m1", LAT_1, [200_000, 100_000], LEVELS), slo_ms=30.0)], cl)
+    assert out.result.nodes >= 0
+    assert out.result.lp_iterations > 0
