@@ -87,12 +87,14 @@ def _timeout(name: str, limit: float | None) -> SolverTimeLimitError:
     )
 
 
-# HiGHS options for the planner's MILPs (measured on the 24 main cases of
-# scripts/bench_planner.py, one thread: CPU time summed 11.5 s -> 6.6 s, median 0.20 s ->
-# 0.08 s, the same proven optima). The models are small (hundreds of columns), so
-# presolve removes almost nothing (8 rows of ~550) while its reductions change the
-# search for the worse; the RINS/RENS sub-MIPs spent about half the time without
-# finding better plans than the other heuristics. Neither setting affects the optimum.
+# HiGHS options for the planner's MILPs, measured with scripts/bench_planner.py (one
+# thread, CPU time, same proven optima everywhere): main suite summed 11.5 s -> 5.7-6.6 s,
+# median 0.20 s -> 0.07 s, slowest case 2.9 s -> 1.3-1.6 s; ablation summed 20.1 s ->
+# 15.8 s. The models are small (hundreds to a few thousand columns), so presolve removes
+# almost nothing (8 rows of ~550) while its reductions steer the search worse; the
+# RINS/RENS sub-MIPs took about half the time without finding better plans than the
+# other heuristics. Neither setting affects the optimum (tests/planner/test_solver_options.py).
+# Tried and not kept: lower mip_pscost_minreliable, other heuristic efforts.
 HIGHS_MIP_OPTIONS: dict[str, object] = {
     "presolve": "off",
     "mip_heuristic_run_rins": False,
