@@ -26,10 +26,11 @@ Examples::
 Timing figures depend on the machine; attainment figures are seeded and repeatable.
 
 Measured on the project's 2-core machine while other jobs shared it (load average 10-50),
-10 s points, guided search, seed 0: mean max load factor PPipe 0.948, NP 0.662, DART-r
-0.719 (PPipe +43.2 % over NP, +31.9 % over DART-r); low-class GPU utilization at the max
-load 68.2 / 5.2 / 23.4 %; 31 min wall but 11.5 min CPU. Ablation on six models (one per
-group; 10 s points): reservation 0.833, reactive 0.658 (4.4 min CPU). The full default run
+10 s points, guided search, seed 0, with the data plane's one-transfer look-ahead probe
+(the default): mean max load factor PPipe 0.947, NP 0.658, DART-r 0.719 (paper 0.965 /
+0.668 / 0.749); an earlier run gave low-class GPU utilization at the max load of
+68.2 / 5.2 / 23.4 % and took 31 min wall but 11.5 min CPU. Ablation on six models (one per
+group; 10 s points): reservation 0.950, reactive 0.708 (paper 0.92 / 0.71). The full default run
 (30 s main points, 18 ablation models) needs about 35 + 13 min of CPU, i.e. ~25 min on two
 idle cores -- not verified on an idle machine here.
 """
