@@ -45,7 +45,8 @@ class RawHttpClient:
             + "\r\n"
         ).encode()
         for attempt in (0, 1):  # an idle keep-alive connection may have been closed by the server
-            fresh = not self._idle
+            # the retry always opens a new connection: the other idle ones may be stale too
+            fresh = attempt > 0 or not self._idle
             if fresh:
                 reader, writer = await asyncio.open_connection(self.host, self.port)
                 self.opened += 1
