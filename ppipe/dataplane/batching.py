@@ -444,7 +444,7 @@ class BatchingScheduler:
                     # now and the head cannot wait for a batch that fits -> drop it.
                     out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"pipeline {p.index}: no batch <= {len(q) + 1} fits"))
                     continue
-                slack = head.deadline_us - now_r.finish
+                slack = head.deadline_us - now_r.finish - self.options.wake_lead_us
                 if slack > EPS_US:
                     t = now + slack
                     if self.options.exact_last_moment and now_r.wait > EPS_US:

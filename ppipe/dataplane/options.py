@@ -80,6 +80,11 @@ class SchedulerOptions:
             once). A batch smaller than the planned one whose path would start later than
             now (its first vGPU is busy) is not committed yet: the batcher wakes when that
             vGPU frees and decides again with the requests that arrived meanwhile.
+        wake_lead_us: wake this much before the last moment a waiting batch can still
+            go (default 0: the paper's "until requests are about to miss the deadline").
+            Under a wall clock a timer fires a little late, and a wake at the very last
+            moment then turns the waiting head into a deadline drop; `ppipe serve` sets a
+            few ms. Under the simulator's exact clock 0 is right.
     """
 
     max_queue: int | Mapping[str, int] | None = None
@@ -95,6 +100,7 @@ class SchedulerOptions:
     late_drop: bool = True
     min_batch_on_overload: int = 0
     defer_small_batches: bool = False
+    wake_lead_us: float = 0.0
 
     def queue_bound(self, model: str) -> int | None:
         if self.max_queue is None:

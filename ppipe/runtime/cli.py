@@ -40,6 +40,8 @@ class _NullClock:
 )
 @click.option("--policy", default="reservation", show_default=True, help="Data-plane policy (reservation | reactive).")
 @click.option("--max-queue", type=int, default=None, help="Admission control: bound on queued requests per model (data-plane option max_queue).")
+@click.option("--wake-lead-ms", default=2.0, show_default=True, type=float,
+              help="Wake a waiting batch this long before its last feasible moment, so a late wall-clock timer does not turn it into a deadline drop (data-plane option wake_lead_us).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; use 0.0.0.0 to expose (with --token).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")
 @click.option("--token", default=None, envvar="PPIPE_TOKEN", help="Bearer token required on every endpoint but health (env PPIPE_TOKEN).")
@@ -47,7 +49,7 @@ class _NullClock:
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
-def serve(plan_file, cluster, ray_address, backend, policy, max_queue, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
+def serve(plan_file, cluster, ray_address, backend, policy, max_queue, wake_lead_ms, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API."""
     import uvicorn
 
@@ -56,7 +58,9 @@ def serve(plan_file, cluster, ray_address, backend, policy, max_queue, host, por
     from ppipe.runtime.server import create_app
 
     dep = load_deployment(plan_file, cluster)
-    options = {} if max_queue is None else {"max_queue": max_queue}
+    options: dict = {} if max_queue is None else {"max_queue": max_queue}
+    if wake_lead_ms:
+        options["wake_lead_us"] = wake_lead_ms * 1000.0
     # build the scheduler once before starting anything: a bad policy, option or a plan
     # that does not fit its profiles is a UserError now, not after the workers are up
     check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)

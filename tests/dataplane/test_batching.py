@@ -205,3 +205,13 @@ def test_try_other_pipelines_before_dropping():
     assert kinds(outs[0]) == ["Drop"]  # the paper: step 1 picks the idle slow pipeline, then drops
     (d,) = outs[1]
     assert isinstance(d, Dispatch) and d.pipeline == 1 and d.finish_us == 400.0
+
+
+def test_wake_lead_wakes_early_enough_for_a_late_timer(fig5):
+    s, clock = fig5(wake_lead_us=200.0)
+    s.submit(req(0, 0.0))
+    (w,) = s.submit(req(1, 0.0))
+    assert w == WakeAt(4330.0)  # the last moment (4530) less the lead
+    clock.t_us = 4430.0  # the wall-clock timer fired 100 us late: still in time
+    (d,) = s.wake()
+    assert isinstance(d, Dispatch) and d.batch == 2 and d.finish_us <= 5000.0
