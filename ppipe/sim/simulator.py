@@ -135,8 +135,8 @@ class ArrivalEvent(Event):
         return self.sim.on_arrival(self.index)
 
 
-class StageReadyEvent(Event):
-    """A stage is eligible to run on its vGPU (input there, planned start reached)."""
+class _StageEvent(Event):
+    """Base of the events about stage k of a running batch (worker-side hardware events)."""
 
     __slots__ = ("sim", "run", "k")
     priority = Priority.WORKER
@@ -144,34 +144,30 @@ class StageReadyEvent(Event):
     def __init__(self, time_us: float, sim: "Simulator", run: _BatchRun, k: int):
         super().__init__(time_us)
         self.sim, self.run, self.k = sim, run, k
+
+
+class StageReadyEvent(_StageEvent):
+    """A stage is eligible to run on its vGPU (input there, planned start reached)."""
+
+    __slots__ = ()
 
     def handle(self):
         return self.sim.on_stage_ready(self.run, self.k)
 
 
-class StageEndEvent(Event):
+class StageEndEvent(_StageEvent):
     """A stage's inference ended on its vGPU."""
 
-    __slots__ = ("sim", "run", "k")
-    priority = Priority.WORKER
-
-    def __init__(self, time_us: float, sim: "Simulator", run: _BatchRun, k: int):
-        super().__init__(time_us)
-        self.sim, self.run, self.k = sim, run, k
+    __slots__ = ()
 
     def handle(self):
         return self.sim.on_stage_end(self.run, self.k)
 
 
-class TransferReadyEvent(Event):
+class TransferReadyEvent(_StageEvent):
     """A stage's input transfer is eligible (previous stage done, planned start reached)."""
 
-    __slots__ = ("sim", "run", "k")
-    priority = Priority.WORKER
-
-    def __init__(self, time_us: float, sim: "Simulator", run: _BatchRun, k: int):
-        super().__init__(time_us)
-        self.sim, self.run, self.k = sim, run, k
+    __slots__ = ()
 
     def handle(self):
         return self.sim.on_transfer_ready(self.run, self.k)
