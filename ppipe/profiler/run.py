@@ -260,7 +260,10 @@ def _estimate(block_paths: list[Path], gpus: list[str], levels: Sequence[int], b
             f"GPU estimates are not available in this build ({exc})",
             fix="drop --estimate, or install a ppipe build with ppipe.profiler.estimate",
         ) from None
-    levels_by_gpu = {g: list(levels) for g in gpus}
+    from ppipe.profiler.estimate.gpus import gpu_spec
+
+    # only the MPS levels the GPU type offers (a P4 has no thread-percentage limits)
+    levels_by_gpu = {g: [v for v in levels if v in gpu_spec(g).mps_levels] for g in gpus}
     grid = batch_grid(batches, levels)
     table = roofline_table([str(p) for p in block_paths], gpus, levels_by_gpu, grid)
     return {(g, int(v), int(b), int(blk)): float(lat) for (g, v, b, blk), lat in table.items()}

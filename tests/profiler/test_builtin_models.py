@@ -55,3 +55,15 @@ def test_shipped_block_models_regenerate(tmp_path):
     first = onnx.load(str(paths[0]))
     assert [i.name for i in first.graph.input] == [prof.manifest.input.name]
     assert [o.name for o in first.graph.output] == prof.manifest.blocks[0].out_tensors
+
+
+def test_shipped_estimates_use_only_the_levels_each_gpu_offers():
+    from ppipe.profiler.estimate.gpus import gpu_spec
+    from ppipe.spec import load_profile
+
+    for name in ("resnet50", "inception_v2", "densenet121"):
+        prof = load_profile(name)
+        for gpu in prof.gpus():
+            if gpu != "cpu":
+                assert set(prof.levels(gpu)) <= set(gpu_spec(gpu).mps_levels), (name, gpu, prof.levels(gpu))
+        assert prof.levels("P4") == [1]
