@@ -232,3 +232,22 @@ def test_fit_cli_writes_loadable_parameters(artifact_dir, tmp_path):
     assert 0 < p["eff"] <= 2.5 and p["launch_us"] > 0
     assert main(["fit-roofline", str(tmp_path)]) == 2  # not an artifact folder
 
+
+
+def test_cross_gpu_regressor_clips_to_training_range_and_round_trips():
+    """A block far outside the training features cannot get a log ratio beyond the training
+    targets' range (the clip), and the packed weights predict the same after unpacking."""
+    from ppipe.profiler.estimate.crossgpu import CLIP_MARGIN, _Regressor
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.ones((60, 1)), rng.normal(size=(60, 4))], axis=1)
+    y = 0.3 * x[:, 1] - 0.2 * x[:, 2] + 0.05 * rng.normal(size=60)
+    reg = _Regressor.fit(x, y)
+    far = np.concatenate([np.ones((3, 1)), np.array([[50.0, -50, 0, 0], [-80, 80, 5, 5], [0.1, 0.2, 0, 0]])], axis=1)
+    pred = reg.predict(far)
+    span = y.max() - y.min()
+    assert np.all(pred >= y.min() - CLIP_MARGIN * span - 1e-6) and np.all(pred <= y.max() + CLIP_MARGIN * span + 1e-6)
+    unclipped = far @ reg.w
+    assert abs(unclipped[0]) > y.max() - y.min()  # the linear part alone would have extrapolated
+    back = _Regressor.unpack(reg.pack(), x.shape[1])
+    np.testing.assert_allclose(back.predict(far), pred, rtol=1e-4, atol=1e-4)
