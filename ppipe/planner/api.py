@@ -31,7 +31,7 @@ from ppipe.planner.objectives import ObjectiveLike, get_objective
 from ppipe.planner.solvers import get_solver
 from ppipe.spec.cluster import ClusterSpec, load_cluster, resolve_cluster_path
 from ppipe.spec.plan import Plan, PlanSettings, SolverReport
-from ppipe.spec.profile import ModelProfile, load_profile, resolve_model_dir
+from ppipe.spec.profile import ModelProfile, load_profile, load_profile_ref, profile_ref, resolve_model_dir  # noqa: F401 (re-exported)
 
 PLANNERS = ("ppipe", "np", "dart-r")
 FORMULATIONS = ("ppipe", "ppipe-atc25")
@@ -54,34 +54,6 @@ def resolve_cluster(cluster: ClusterSpec | str | Path) -> tuple[ClusterSpec, str
     if isinstance(cluster, ClusterSpec):
         return cluster, None
     return load_cluster(cluster), str(resolve_cluster_path(cluster))
-
-
-def profile_ref(profile: ModelProfile) -> str:
-    """What plan.yaml records to reload a profile: its folder, or the artifact it came from.
-
-    In-memory imports of the PPipe artifact are recorded as ``ppipe-artifact:<dir>#<model>``.
-    """
-    if profile.directory is not None:
-        return str(Path(profile.directory).resolve())
-    src = profile.manifest.source
-    if src.kind == "ppipe-artifact" and src.path:
-        return f"ppipe-artifact:{Path(src.path).resolve()}#{profile.name}"
-    return f"memory:{profile.name}"
-
-
-def load_profile_ref(ref: str, base: str | Path | None = None) -> ModelProfile:
-    """Reload a profile recorded by :func:`profile_ref` (relative paths against ``base``)."""
-    if ref.startswith("ppipe-artifact:"):
-        from ppipe.spec.artifact import load_artifact_model
-
-        root, _, name = ref[len("ppipe-artifact:") :].rpartition("#")
-        return load_artifact_model(root, name)
-    if ref.startswith("memory:"):
-        raise UserError(f"profile '{ref}' was built in memory and cannot be reloaded", fix="save it with ModelProfile.save(dir) and plan again")
-    p = Path(ref)
-    if base is not None and not p.is_absolute():
-        p = Path(base) / p
-    return load_profile(p)
 
 
 def resolve_models(models: Iterable[ModelRef] | None) -> list[ModelProfile]:

@@ -24,7 +24,7 @@ from ppipe.errors import UserError
 from ppipe.runtime.worker import WorkerSpec, actor_class
 from ppipe.spec.cluster import ClusterSpec, load_cluster
 from ppipe.spec.plan import Plan, load_plan
-from ppipe.spec.profile import ModelProfile, load_profile
+from ppipe.spec.profile import ModelProfile, load_profile_ref, profile_ref
 
 # A worker asks for this much of its server's custom resource: enough to pin it to the
 # node, small enough that any number of vGPUs fit on a node offering 1 unit.
@@ -62,10 +62,7 @@ def load_deployment(plan_path: str | Path, cluster_ref: str | Path | None = None
         )
     profiles = {}
     for m in plan.models:
-        ref = Path(m.profile)
-        if not ref.is_absolute() and (base / ref).exists():
-            ref = base / ref
-        profiles[m.name] = load_profile(ref)
+        profiles[m.name] = load_profile_ref(m.profile, base)
     return Deployment(plan=plan, cluster=cluster, profiles=profiles, plan_file=str(plan_path), cluster_file=str(cluster_ref))
 
 
@@ -114,7 +111,7 @@ def worker_specs(dep: Deployment) -> list[WorkerSpec]:
                 last_block=pp.last_block,
                 gpu=pp.gpu,
                 vgpu=pp.vgpu,
-                profile_dir=str(prof.directory),
+                profile=profile_ref(prof),
             )
         )
     for mp in plan.models:

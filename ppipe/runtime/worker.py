@@ -43,7 +43,7 @@ class WorkerSpec:
     last_block: int
     gpu: str
     vgpu: int
-    profile_dir: str
+    profile: str  # plan.yaml-style reference (ppipe.spec.profile.profile_ref)
 
 
 def to_wire(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -62,10 +62,10 @@ class VgpuWorker:
 
     def __init__(self, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None = None):
         from ppipe.runtime.backends import make_backend
-        from ppipe.spec.profile import load_profile
+        from ppipe.spec.profile import load_profile_ref
 
         self.spec = spec
-        profile = load_profile(spec.profile_dir)
+        profile = load_profile_ref(spec.profile)
         self.backend = make_backend(
             backend, profile, spec.gpu, spec.vgpu, spec.first_block, spec.last_block,
             **{k: v for k, v in (backend_options or {}).items() if k != "emulate_network"},

@@ -42,7 +42,7 @@ from ppipe.sim.metrics import SimResult
 from ppipe.sim.simulator import SchedulerFactory, SimConfig, simulate
 from ppipe.spec.cluster import ClusterSpec, load_cluster
 from ppipe.spec.plan import Plan, load_plan
-from ppipe.spec.profile import ModelProfile, load_profile
+from ppipe.spec.profile import ModelProfile, load_profile_ref
 
 GRID_STEP = 0.05
 DEFAULT_TARGET = 0.99
@@ -72,9 +72,7 @@ def load_inputs(plan_path: str | Path, cluster: str | Path | None = None) -> tup
     base = plan_path.parent
     profiles: dict[str, ModelProfile] = {}
     for m in plan.models:
-        ref = Path(m.profile)
-        cand = ref if ref.is_absolute() else base / ref
-        prof = load_profile(cand if cand.exists() else m.profile)
+        prof = load_profile_ref(m.profile, base)
         if prof.name != m.name:
             raise UserError(
                 f"models[{m.name}].profile '{m.profile}' holds model '{prof.name}', not '{m.name}'",

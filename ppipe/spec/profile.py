@@ -265,6 +265,42 @@ def load_profile(ref: str | Path) -> ModelProfile:
     return ModelProfile(manifest=manifest, table=table, directory=d)
 
 
+def profile_ref(profile: ModelProfile) -> str:
+    """What plan.yaml records to reload a profile: its folder, or the artifact it came from.
+
+    In-memory imports of the PPipe artifact are recorded as ``ppipe-artifact:<dir>#<model>``;
+    a profile built in memory and never saved as ``memory:<name>`` (not reloadable).
+    """
+    if profile.directory is not None:
+        return str(Path(profile.directory).resolve())
+    src = profile.manifest.source
+    if src.kind == "ppipe-artifact" and src.path:
+        return f"ppipe-artifact:{Path(src.path).resolve()}#{profile.name}"
+    return f"memory:{profile.name}"
+
+
+def load_profile_ref(ref: str, base: str | Path | None = None) -> ModelProfile:
+    """Reload a profile named by plan.yaml's ``profile`` field (see :func:`profile_ref`).
+
+    A relative folder is looked up against ``base`` (the plan's folder) first, then as
+    given (the current folder, or a built-in model name).
+    """
+    if ref.startswith("ppipe-artifact:"):
+        from ppipe.spec.artifact import load_artifact_model  # artifact.py imports this module
+
+        root, _, name = ref[len("ppipe-artifact:") :].rpartition("#")
+        return load_artifact_model(root, name)
+    if ref.startswith("memory:"):
+        raise SpecError(
+            f"profile '{ref}' was built in memory and cannot be reloaded",
+            fix="save it with ModelProfile.save(dir) and plan again",
+        )
+    p = Path(ref)
+    if base is not None and not p.is_absolute() and (Path(base) / p).exists():
+        p = Path(base) / p
+    return load_profile(p)
+
+
 def load_profiles(refs: Iterable[str | Path]) -> list[ModelProfile]:
     profiles = [load_profile(r) for r in refs]
     names = [p.name for p in profiles]

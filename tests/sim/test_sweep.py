@@ -84,3 +84,19 @@ def test_missing_rate_is_a_user_error(tiny):
     plan, profiles, cluster = tiny
     with pytest.raises(UserError, match="no rate"):
         run_point(plan, profiles, cluster, 1.0, rates_rps={"other": 1.0})
+
+
+@pytest.mark.artifact
+def test_plans_made_from_in_memory_artifact_profiles_reload(artifact_dir, tmp_path):
+    """plan.yaml records such profiles as 'ppipe-artifact:<dir>#<model>'; simulate and serve
+    must reload them through the same resolver as the planner."""
+    import ppipe
+    from ppipe.runtime.deploy import load_deployment
+    from ppipe.spec.artifact import load_artifact_model
+
+    prof = load_artifact_model(artifact_dir, "repvgg-b3")
+    path = ppipe.plan("HC2-S", [prof], planner="np").save(tmp_path / "plan.yaml")
+    plan, profiles, cluster = sweep_mod.load_inputs(path)
+    assert plan.models[0].profile.startswith("ppipe-artifact:")
+    assert profiles["repvgg-b3"].table == prof.table and cluster.name == "HC2-S"
+    assert load_deployment(str(path), None).profiles["repvgg-b3"].table == prof.table
