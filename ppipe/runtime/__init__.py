@@ -10,10 +10,12 @@ Pieces (each a module):
   ``tensorrt`` (GPU) or ``emulated`` (sleeps for the profiled latency, emits tensors of
   the profiled size; for rehearsals and tests, never a stand-in for a GPU result).
 - :mod:`~ppipe.runtime.worker`: :class:`VgpuWorker`, one Ray actor per vGPU of the plan.
-  A batch goes worker to worker along its reserved path (fp16 feature maps through the Ray
-  object store: each stage takes the previous stage's output ObjectRef); only the last
-  stage's output goes back to the frontend. NCCL between GPU workers (CuPy) is not
-  implemented yet: GPU workers also exchange feature maps through the object store.
+  A batch goes worker to worker along its reserved path (fp16 feature maps); only the last
+  stage's output goes back to the frontend.
+- :mod:`~ppipe.runtime.transport`: how feature maps cross: NCCL (CuPy) between GPU workers
+  on distinct GPUs, with both ends posted at dispatch; otherwise the Ray object store (each
+  stage takes the previous stage's output ObjectRef). Chosen per worker pair
+  (``ppipe serve --transport auto|object-store|nccl``).
 - :mod:`~ppipe.runtime.deploy`: placing the workers on the Ray nodes the plan names.
 - :mod:`~ppipe.runtime.driver`: :class:`Runtime`, which runs the data plane's scheduler
   under the wall clock and turns its decisions into actor calls.

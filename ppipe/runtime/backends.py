@@ -35,7 +35,13 @@ Tensors = dict[str, np.ndarray]
 
 
 class Backend(Protocol):
-    """Runs one partition. ``run`` may block (it is called in a thread) or be a coroutine."""
+    """Runs one partition. ``run`` may block (it is called in a thread) or be a coroutine.
+
+    Attributes read by the worker's transport (absent means False):
+        gpu_resident: runs on CUDA, so it can take part in NCCL edges.
+        accepts_device: ``run`` takes CuPy device arrays as inputs.
+        device_outputs: ``run(..., device_out=True)`` returns CuPy device arrays.
+    """
 
     name: str
 
@@ -194,6 +200,8 @@ class OrtBackend:
             providers.insert(0, "CUDAExecutionProvider")
         self.sessions = [ort.InferenceSession(p, sess_options=opts, providers=providers) for p in self.paths]
         self.keep = keep_after(profile, last)
+        # NCCL needs the partition on CUDA; host arrays cross the session boundary either way
+        self.gpu_resident = all(s.get_providers()[0] == "CUDAExecutionProvider" for s in self.sessions)
 
     def run_sync(self, inputs: Tensors) -> Tensors:
         env = dict(inputs)
@@ -225,6 +233,9 @@ class TensorRTBackend:
     """
 
     name = "tensorrt"
+    gpu_resident = True
+    accepts_device = True  # CuPy inputs are used in place (cp.asarray does not copy them)
+    device_outputs = True
 
     def __init__(self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, max_batch: int = 32):
         try:
@@ -268,7 +279,9 @@ class TensorRTBackend:
             raise RuntimeError(f"TensorRT failed to build an engine for {path}")
         return self.runtime.deserialize_cuda_engine(blob)
 
-    def run_sync(self, inputs: Tensors) -> Tensors:
+    def run_sync(self, inputs: Tensors, device_out: bool = False) -> Tensors:
+        """Run the engines; outputs as NumPy, or as CuPy device arrays with ``device_out``
+        (for an NCCL send: the feature map never visits the host)."""
         cp, trt = self.cp, self.trt
         env = {k: cp.asarray(v) for k, v in inputs.items()}
         last_outs: list[str] = []
@@ -293,10 +306,13 @@ class TensorRTBackend:
                     raise RuntimeError("TensorRT execute_async_v3 failed")
                 last_outs = [n for n, _ in outs]
             self.stream.synchronize()
-        return {k: cp.asnumpy(env[k]) for k in (self.keep or last_outs)}
+        keep = self.keep or last_outs
+        if device_out:
+            return {k: env[k] for k in keep}
+        return {k: cp.asnumpy(env[k]) for k in keep}
 
-    async def run(self, inputs: Tensors, batch: int) -> Tensors:
-        return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs)
+    async def run(self, inputs: Tensors, batch: int, device_out: bool = False) -> Tensors:
+        return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs, device_out)
 
 
 def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, **options) -> Backend:

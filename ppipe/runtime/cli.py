@@ -38,6 +38,14 @@ class _NullClock:
     show_default=True,
     help="How workers run partitions: onnxruntime, TensorRT, or emulated (sleep for the profiled latency).",
 )
+@click.option(
+    "--transport",
+    type=click.Choice(["auto", "object-store", "nccl"]),
+    default="auto",
+    show_default=True,
+    help="How feature maps go between workers: NCCL between GPU workers when both can (auto), always Ray's object store, "
+    "or NCCL required (an error if some worker cannot).",
+)
 @click.option("--policy", default="reservation", show_default=True, help="Data-plane policy (reservation | reactive).")
 @click.option("--max-queue", type=int, default=None, help="Admission control: bound on queued requests per model (data-plane option max_queue).")
 @click.option("--wake-lead-ms", default=2.0, show_default=True, type=float,
@@ -49,14 +57,17 @@ class _NullClock:
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
-def serve(plan_file, cluster, ray_address, backend, policy, max_queue, wake_lead_ms, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
+def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API."""
     import uvicorn
 
-    from ppipe.runtime.deploy import load_deployment, start_workers
+    from ppipe.runtime.deploy import load_deployment, setup_transport, start_workers
     from ppipe.runtime.driver import Runtime, check_whole_paths, default_scheduler_factory
     from ppipe.runtime.server import create_app
 
+    if transport == "nccl" and backend == "emulated":
+        raise UserError("--transport nccl needs GPU workers; emulated workers have no GPU tensors",
+                        fix="use --backend tensorrt (or ort with the CUDA execution provider), or --transport auto")
     dep = load_deployment(plan_file, cluster)
     options: dict = {} if max_queue is None else {"max_queue": max_queue}
     if wake_lead_ms:
@@ -76,7 +87,13 @@ def serve(plan_file, cluster, ray_address, backend, policy, max_queue, wake_lead
         raise UserError("--emulated-max-bytes applies to --backend emulated only")
     opts = {} if emulated_max_bytes is None else {"max_bytes_per_sample": emulated_max_bytes}
     workers = start_workers(dep, backend=backend, backend_options=opts)
-    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, policy=policy, scheduler_options=options)
+    try:
+        edges = setup_transport(dep, workers, transport)
+    except BaseException:
+        for h in workers.values():
+            ray.kill(h)
+        raise
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, policy=policy, scheduler_options=options, edges=edges)
     def shutdown():
         for h in workers.values():
             ray.kill(h)
@@ -84,7 +101,8 @@ def serve(plan_file, cluster, ray_address, backend, policy, max_queue, wake_lead
     app = create_app(rt, token=token, max_body_bytes=int(max_body_mb * 1024 * 1024), on_shutdown=shutdown)
     click.echo(
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
-        f"({len(workers)} vGPU workers, backend {backend}, policy {policy})"
+        f"({len(workers)} vGPU workers, backend {backend}, policy {policy}, "
+        f"{sum(t == 'nccl' for t, _ in edges.values())} of {len(edges)} worker pairs over NCCL)"
     )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 

@@ -216,3 +216,52 @@ def _reraise_user_error(cause: BaseException) -> None:
     for line in text.splitlines():
         if "NotAvailableError" in line or "UserError" in line:
             raise UserError(f"a worker failed to start: {text.strip().splitlines()[-1]}")
+
+
+def connect_edges(
+    workers: dict[str, Any], edges: list[tuple[str, str]], link_factory: Any = None, unique_ids: list[Any] | None = None,
+    timeout_s: float = 300.0,
+) -> None:
+    """Open the two-rank communicator of every edge: both ends join at once.
+
+    Args:
+        workers: {vGPU id: actor handle}.
+        edges: (sender, receiver) pairs to connect.
+        link_factory: ``f(unique_id, rank) -> Link`` run in the workers; None means NCCL
+            (:func:`ppipe.runtime.transport.nccl_link`). Tests inject a fake here.
+        unique_ids: one per edge; by default each sender makes its edge's NCCL unique id.
+    """
+    import ray
+
+    if not edges:
+        return
+    if unique_ids is None:
+        unique_ids = ray.get([workers[a].nccl_unique_id.remote() for a, _ in edges], timeout=timeout_s)
+    calls = []
+    for (a, b), uid in zip(edges, unique_ids):
+        calls.append(workers[a].connect.remote(b, uid, 0, link_factory))
+        calls.append(workers[b].connect.remote(a, uid, 1, link_factory))
+    ray.get(calls, timeout=timeout_s)
+
+
+def setup_transport(
+    dep: Deployment, workers: dict[str, Any], requested: str = "auto", timeout_s: float = 300.0
+) -> dict[tuple[str, str], tuple[str, str]]:
+    """Choose each edge's transport from what the workers report, and open the NCCL edges.
+
+    Returns ``{(sender, receiver): (transport, reason)}`` for :class:`~ppipe.runtime.driver.Runtime`.
+
+    Raises:
+        UserError: ``requested == "nccl"`` and some worker of a multi-stage pipeline cannot use it.
+    """
+    import ray
+
+    from ppipe.runtime.transport import Capability, NCCL, pipeline_edges, select_transports
+
+    specs = worker_specs(dep)
+    involved = sorted({v for e in pipeline_edges(specs) for v in e})
+    caps_raw = ray.get([workers[v].transport_caps.remote() for v in involved], timeout=timeout_s) if involved else []
+    caps = {v: Capability(**c) for v, c in zip(involved, caps_raw)}
+    choice = select_transports(requested, specs, caps)
+    connect_edges(workers, [e for e, (t, _) in choice.items() if t == NCCL], timeout_s=timeout_s)
+    return choice

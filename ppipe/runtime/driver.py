@@ -100,6 +100,9 @@ class Runtime:
         health_interval_s: how often every live worker is pinged.
         answer_grace_s: a request still unanswered at deadline + this gets a timeout error.
         keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
+        edges: the transport of each (sender, receiver) vGPU pair, from
+            :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "object-store"}``
+            or ``{edge: (transport, reason)}``); edges not named use the object store.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class Runtime:
         health_interval_s: float = 0.5,
         answer_grace_s: float = 30.0,
         keep_traces: int = 0,
+        edges: dict[tuple[str, str], Any] | None = None,
     ):
         self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
         self._factory = scheduler_factory or default_scheduler_factory
@@ -133,6 +137,9 @@ class Runtime:
         self._tasks: set[asyncio.Task] = set()
         self._health: asyncio.Task | None = None
         self._queued: dict[str, int] = {m.name: 0 for m in plan.models}
+        # NCCL edges and the number of the next message on each (see ppipe.runtime.transport)
+        self.nccl_edges = {e for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) == "nccl"}
+        self._edge_seq: dict[tuple[str, str], int] = {e: 0 for e in self.nccl_edges}
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -272,15 +279,27 @@ class Runtime:
         ]
         k = 0
         try:
-            # submit every stage now; stage k+1 takes stage k's output ObjectRef, so Ray moves
-            # the feature map worker to worker and the frontend only ever holds references
+            for j, vgpu in enumerate(route):
+                if vgpu not in self.workers or vgpu in self.failed:
+                    raise _StageFailed(j, "worker was marked failed before the batch was sent")
+            # NCCL edges of this path: both ends learn the edge's next message number now
+            links: list[dict[str, Any]] = [{} for _ in route]
+            for j in range(1, len(route)):
+                e = (route[j - 1], route[j])
+                if e in self.nccl_edges:
+                    seq = self._edge_seq[e]
+                    self._edge_seq[e] = seq + 1
+                    links[j - 1]["send"] = {"peer": route[j], "seq": seq}
+                    links[j]["recv"] = {"peer": route[j - 1], "seq": seq}
+            # submit every stage now; over the object store stage k+1 takes stage k's output
+            # ObjectRef, so Ray moves the feature map worker to worker and the frontend only
+            # holds references; over NCCL it takes nothing and receives from its peer
             reports = []
             payload: Any = {"tensors": inputs, "sent_wall_us": wall_us()}
             for j, vgpu in enumerate(route):
-                handle = self.workers.get(vgpu)
-                if handle is None or vgpu in self.failed:
-                    raise _StageFailed(j, "worker was marked failed before the batch was sent")
-                rep_ref, payload = handle.run_stage.remote(d.batch_id, j, vgpu, payload, d.batch, timing)
+                arg = {"tensors": None, "sent_wall_us": None} if "recv" in links[j] else payload
+                extra = {"link": links[j]} if links[j] else {}
+                rep_ref, payload = self.workers[vgpu].run_stage.remote(d.batch_id, j, vgpu, arg, d.batch, timing, **extra)
                 reports.append(rep_ref)
             for k, rep_ref in enumerate(reports):
                 try:
@@ -334,6 +353,14 @@ class Runtime:
         self.metrics.failed.labels(vgpu_id).set(1)
         log.warning("vGPU %s failed; the scheduler stops routing to it", vgpu_id)
         self._apply(self.scheduler.mark_failed(vgpu_id))
+        # its NCCL peers abort their edges with it: a receive from it would never complete
+        for a, b in self.nccl_edges:
+            other = b if a == vgpu_id else a if b == vgpu_id else None
+            if other is not None and other not in self.failed and other in self.workers:
+                try:
+                    self.workers[other].drop_peer.remote(vgpu_id)
+                except Exception:  # pragma: no cover - best effort; the health loop finds a dead peer
+                    log.exception("could not tell %s to drop its edge with %s", other, vgpu_id)
 
     async def _health_loop(self) -> None:
         import ray

@@ -1,7 +1,9 @@
 """One Ray actor per vGPU: runs its partition; feature maps go worker to worker.
 
 A batch travels along its reserved path without its data going back through the
-frontend. At dispatch the frontend submits every stage at once, each to its vGPU's actor,
+frontend. Between GPU workers the feature maps go over NCCL (:mod:`ppipe.runtime.transport`:
+both stages' calls are posted at dispatch, the sender's says "send to P as message n", the
+receiver's "receive message n from P"); otherwise through Ray's object store, as follows. At dispatch the frontend submits every stage at once, each to its vGPU's actor,
 passing stage i's *output ObjectRef* as stage i+1's argument: Ray starts stage i+1 when
 stage i's output exists and worker i+1 fetches it from worker i's object store (on its own
 node, or over the network from the other node). Feature maps are cast to fp16 before they
@@ -74,20 +76,71 @@ class VgpuWorker:
         self.emulate_network = backend == "emulated" and bool((backend_options or {}).get("emulate_network", True))
         self._lock: asyncio.Lock | None = None
         self.batches = 0
+        self.channels: dict[tuple[str, str], Any] = {}  # (send|recv, peer vGPU) -> EdgeChannel
+        self._node: str | None = None
 
     async def ping(self) -> dict[str, Any]:
         """Liveness probe; also tells where the worker runs."""
-        import ray
-
         return {
             "vgpu_id": self.spec.vgpu_id,
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": self._node_id(),
             "pid": os.getpid(),
             "batches": self.batches,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "mps_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+            # NCCL edges and how many messages each has carried
+            "edges": {f"{role}:{peer}": ch.next_seq for (role, peer), ch in self.channels.items()},
         }
 
+    # ---- transport (NCCL edges; see ppipe.runtime.transport) -------------------------------------
+    async def transport_caps(self) -> dict[str, Any]:
+        """Whether this worker can use NCCL (checked here: its node, its GPU, its backend)."""
+        from dataclasses import asdict
+
+        from ppipe.runtime.transport import nccl_capability
+
+        cap = nccl_capability(self.backend.name, self.spec.gpu, bool(getattr(self.backend, "gpu_resident", False)))
+        return asdict(cap)
+
+    async def nccl_unique_id(self) -> Any:
+        """A fresh NCCL unique id, made here (the sender of an edge makes its edge's id)."""
+        from ppipe.runtime.transport import nccl_unique_id
+
+        return nccl_unique_id()
+
+    async def connect(self, peer: str, unique_id: Any, rank: int, link_factory: Any = None) -> str:
+        """Join the two-rank communicator of the edge with ``peer`` (rank 0: this worker sends).
+
+        Blocks (on a thread of its own) until the peer joins too, so the frontend posts
+        both ends at once. ``link_factory(unique_id, rank)`` replaces NCCL in tests only.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ppipe.runtime.transport import EdgeChannel, nccl_link
+
+        factory = link_factory or nccl_link
+        with ThreadPoolExecutor(max_workers=1) as pool:  # init blocks; never on a shared pool
+            link = await asyncio.get_running_loop().run_in_executor(pool, factory, unique_id, rank)
+        role = "send" if rank == 0 else "recv"
+        self.channels[(role, peer)] = EdgeChannel(link, peer, role)
+        return role
+
+    async def drop_peer(self, peer: str) -> int:
+        """``peer`` died: abort the edges with it (releases a receive that would never end)."""
+        n = 0
+        for (role, p), ch in self.channels.items():
+            if p == peer:
+                ch.abort(f"{peer} failed")
+                n += 1
+        return n
+
+    def _channel(self, role: str, peer: str):
+        ch = self.channels.get((role, peer))
+        if ch is None:
+            raise RuntimeError(f"{self.spec.vgpu_id} has no NCCL edge to {role} {'to' if role == 'send' else 'from'} {peer}")
+        return ch
+
+    # ---- stages ----------------------------------------------------------------------------------------------
     async def run_stage(
         self,
         batch_id: int,
@@ -96,63 +149,112 @@ class VgpuWorker:
         payload: dict[str, Any],
         batch: int,
         timing: list[tuple[float | None, float, float]] | None = None,
+        link: dict[str, dict[str, Any]] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Run stage ``index`` of a batch on ``payload``; called with ``num_returns=2``.
 
         Args:
             payload: ``{"tensors": {name: array}, "sent_wall_us": t}``: the batch's inputs
                 (first stage) or the previous stage's output object, which Ray fetched from
-                the previous worker's node (the frontend passed only its ObjectRef).
+                the previous worker's node (the frontend passed only its ObjectRef). With an
+                NCCL ``recv`` link the tensors come over NCCL instead and ``payload`` is empty.
             timing: per stage, the reservation in wall-clock us: ``(transfer_start,
                 transfer_us, start)``. A stage does not start before its reserved start
                 (as in the simulator): running a batch early could push an earlier-reserved
                 batch, whose data is still on its way, past its slot. With
                 ``emulate_network`` (emulated backend), a feature map from another stage
                 also "arrives" no sooner than ``max(sent, transfer_start) + transfer_us``.
+            link: NCCL edges of this stage: ``{"recv": {"peer": vgpu, "seq": n}}`` (take the
+                input from message n of the edge from ``peer``) and/or ``{"send": {...}}``
+                (send the output as message n of the edge to ``peer``, not as a Ray object).
 
         Returns:
             ``(report, output)``, two Ray objects: ``report`` (small; the frontend awaits
             it) with wall-clock ``start_us``/``end_us`` and, after the first stage, the
             transfer's ``transfer_start_us``/``transfer_end_us``; ``output`` (the next
-            stage's payload: fp16 feature maps; for the last stage the model's outputs).
+            stage's payload: fp16 feature maps; for the last stage the model's outputs;
+            ``tensors`` is None when they went over NCCL).
         """
-        import ray
-
         received = wall_us()
-        if vgpu_id != self.spec.vgpu_id:
-            raise RuntimeError(f"batch {batch_id} stage {index} is for {vgpu_id}, not {self.spec.vgpu_id}")
-        sent = payload["sent_wall_us"]
-        t_xfer_start, t_xfer_end = (sent, received) if index > 0 else (None, None)
-        not_before = received
-        if timing is not None:
-            xfer_start, xfer_us, planned_start = timing[index]
-            if index > 0 and self.emulate_network and xfer_us > 0:
-                t_xfer_start = max(sent, xfer_start if xfer_start is not None else sent)
-                t_xfer_end = t_xfer_start + xfer_us
-                not_before = max(not_before, t_xfer_end)
-            not_before = max(not_before, planned_start)
-        wait_s = (not_before - wall_us()) / 1e6
-        if wait_s > 0:
-            await asyncio.sleep(wait_s)
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            start = wall_us()
-            outputs = await self.backend.run(payload["tensors"], batch)
-            end = wall_us()
-        self.batches += 1
-        report = {
-            "batch_id": batch_id,
-            "partition": index,
-            "vgpu_id": self.spec.vgpu_id,
-            "start_us": start,
-            "end_us": end,
-            "transfer_start_us": t_xfer_start,
-            "transfer_end_us": t_xfer_end,
-            "node_id": ray.get_runtime_context().get_node_id(),
-        }
-        last = timing is not None and index + 1 == len(timing)
-        return report, {"tensors": outputs if last else to_wire(outputs), "sent_wall_us": end}
+        send = (link or {}).get("send")
+        recv = (link or {}).get("recv")
+        sent = False
+        try:
+            if vgpu_id != self.spec.vgpu_id:
+                raise RuntimeError(f"batch {batch_id} stage {index} is for {vgpu_id}, not {self.spec.vgpu_id}")
+            if recv is not None:
+                tensors, head = await self._channel("recv", recv["peer"]).recv(recv["seq"], batch_id)
+                t_xfer_start, t_xfer_end = head.sent_wall_us, wall_us()
+                if not getattr(self.backend, "accepts_device", False):
+                    tensors = {k: _to_host(v) for k, v in tensors.items()}
+                not_before = t_xfer_end
+            else:
+                tensors = payload["tensors"]
+                sent_us = payload["sent_wall_us"]
+                t_xfer_start, t_xfer_end = (sent_us, received) if index > 0 else (None, None)
+                not_before = received
+                if timing is not None:
+                    xfer_start, xfer_us, _ = timing[index]
+                    if index > 0 and self.emulate_network and xfer_us > 0:
+                        t_xfer_start = max(sent_us, xfer_start if xfer_start is not None else sent_us)
+                        t_xfer_end = t_xfer_start + xfer_us
+                        not_before = max(not_before, t_xfer_end)
+            if timing is not None:
+                not_before = max(not_before, timing[index][2])
+            wait_s = (not_before - wall_us()) / 1e6
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                start = wall_us()
+                if send is not None and getattr(self.backend, "device_outputs", False):
+                    outputs = await self.backend.run(tensors, batch, device_out=True)  # stays on the GPU for NCCL
+                else:
+                    outputs = await self.backend.run(tensors, batch)
+                end = wall_us()
+            self.batches += 1
+            report = {
+                "batch_id": batch_id,
+                "partition": index,
+                "vgpu_id": self.spec.vgpu_id,
+                "start_us": start,
+                "end_us": end,
+                "transfer_start_us": t_xfer_start,
+                "transfer_end_us": t_xfer_end,
+                "node_id": self._node_id(),
+            }
+            if send is not None:
+                # the report waits for the send too: the frontend hears of this stage once its
+                # output has left (the receiver's report has the transfer's stamps)
+                await self._channel("send", send["peer"]).send(send["seq"], batch_id, outputs, end)
+                sent = True
+                return report, {"tensors": None, "sent_wall_us": end, "transport": "nccl"}
+            last = timing is not None and index + 1 == len(timing)
+            return report, {"tensors": outputs if last else to_wire(outputs), "sent_wall_us": end}
+        except BaseException as exc:
+            if send is not None and not sent:
+                # keep the edge's numbering going and tell the receiver why nothing comes
+                try:
+                    await self._channel("send", send["peer"]).send(
+                        send["seq"], batch_id, None, wall_us(), error=f"{type(exc).__name__}: {exc}"
+                    )
+                except Exception:
+                    pass  # the edge is aborted, or the message went out half-way: the peer fails either way
+            raise
+
+    def _node_id(self) -> str:
+        if self._node is None:
+            import ray
+
+            self._node = ray.get_runtime_context().get_node_id()
+        return self._node
+
+
+def _to_host(arr: Any) -> np.ndarray:
+    """A device (CuPy) array as NumPy; NumPy arrays pass through."""
+    get = getattr(arr, "get", None)
+    return arr if isinstance(arr, np.ndarray) or get is None else get()
 
 
 def actor_class():

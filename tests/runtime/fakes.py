@@ -73,3 +73,84 @@ class FifoScheduler:
         if self.queue[model]:
             out.append(WakeAt(self.queue[model][0].arrival_us + self.window_us))
         return out
+
+
+# ---- fake links for the NCCL transport's protocol (NOT a GPU, NOT NCCL) ----------------------------------
+# They move the bytes of ppipe.runtime.transport's messages through a queue, so that the
+# channel's numbering, header and error handling run on the CPU. Tests inject them
+# explicitly (EdgeChannel(link, ...) or connect_edges(..., link_factory=...)); the real
+# NcclLink is only exercised by the CUDA tests.
+import queue as _queue
+import threading as _threading
+
+import numpy as _np
+
+
+class QueueLink:
+    """One end of an in-process fake link: ``send`` puts a copy of the bytes, ``recv`` takes one."""
+
+    xp = _np
+
+    def __init__(self, q_out, q_in):
+        self.q_out, self.q_in = q_out, q_in
+        self.aborted = _threading.Event()
+        self.sent = 0
+
+    def send(self, buf):
+        self.q_out.put(bytes(_np.asarray(buf)))
+        self.sent += 1
+
+    def recv(self, buf):
+        while True:
+            if self.aborted.is_set():
+                raise RuntimeError("fake link aborted")
+            try:
+                data = self.q_in.get(timeout=0.02)
+                break
+            except _queue.Empty:
+                continue
+        if len(data) != buf.nbytes:
+            raise RuntimeError(f"fake link: message of {len(data)} bytes into a buffer of {buf.nbytes}")
+        buf[:] = _np.frombuffer(data, dtype=_np.uint8)
+
+    def synchronize(self):
+        pass
+
+    def abort(self):
+        self.aborted.set()
+
+
+def queue_link_pair():
+    """(sender end, receiver end) of an in-process fake link."""
+    q = _queue.Queue()
+    return QueueLink(q, None), QueueLink(None, q)
+
+
+class RayQueueLink(QueueLink):
+    """A fake link between two Ray workers through a ``ray.util.queue.Queue`` actor (the
+    'unique id' of the edge). A test double of the transport's protocol across processes."""
+
+    def __init__(self, rq, rank):
+        super().__init__(None, None)
+        self.rq, self.rank = rq, rank
+
+    def send(self, buf):
+        self.rq.put(bytes(_np.asarray(buf)))
+        self.sent += 1
+
+    def recv(self, buf):
+        from ray.util.queue import Empty
+
+        while True:
+            if self.aborted.is_set():
+                raise RuntimeError("fake link aborted")
+            try:
+                data = self.rq.get(timeout=0.05)
+                break
+            except Empty:
+                continue
+        buf[:] = _np.frombuffer(data, dtype=_np.uint8)
+
+
+def ray_queue_link(unique_id, rank):
+    return RayQueueLink(unique_id, rank)

@@ -90,3 +90,9 @@ def test_serve_refuses_a_policy_that_dispatches_partial_paths(tmp_path, tinynet)
     r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--policy", partial[0]])
     assert r.exit_code == 2
     assert "dispatches partial paths" in r.output
+
+
+def test_serve_refuses_nccl_with_emulated_workers_before_starting_ray(tmp_path):
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--backend", "emulated", "--transport", "nccl"])
+    assert r.exit_code == 2
+    assert "--transport nccl needs GPU workers" in r.output
