@@ -53,6 +53,8 @@ from ppipe.dataplane.tables import EPS_US, earliest_slot
 from ppipe.dataplane.topology import Pipeline, VGpu
 
 _INF = float("inf")
+_LOOKAHEAD_CREEP_US = 1e-3
+"""How far (us) the best ``L`` of a look-ahead scan may rise by ties before the subset scan is redone in full."""
 
 
 class ReservationScheduler(BatchingScheduler):
@@ -66,8 +68,12 @@ class ReservationScheduler(BatchingScheduler):
         Stateless: reads the tables, reserves nothing. ``t0`` defaults to now.
         """
         self.counters.probes += 1
+        now = self.clock.now_us()
         if t0 is None:
-            t0 = self.clock.now_us()
+            t0 = now
+        # The time the pools' gap heaps may assume every later query starts at or after
+        # (a probe "from later", exact_last_moment's, must not tighten them past now).
+        tau = t0 if t0 < now else now
         local_gbps = self.options.local_transfer_gbps
         t_g = t0
         last: VGpu | None = None
@@ -94,7 +100,7 @@ class ReservationScheduler(BatchingScheduler):
             best: Hop | None = None
             best_t = _INF
             if look and k + 1 < npools:
-                best, best_t = self._scan_lookahead(pool, pools[k + 1], bs, t0, t_g, last, bits, l_i, local_us, bound)
+                best, best_t = self._scan_lookahead(pool, pools[k + 1], bs, t0, t_g, last, bits, l_i, local_us, bound, tau)
             # Fast path: the vGPU idle longest; if it meets the lower bound nobody beats it.
             g = pool.longest_idle() if best is None else None
             seed: Hop | None = None
@@ -107,14 +113,20 @@ class ReservationScheduler(BatchingScheduler):
                     # a vGPU of the scan replaces it only if strictly earlier).
                     seed, best_t = hop, f
             if best is None:
-                # Full scan in id order (the hot loop of the data plane: locals, no calls).
+                # Scan in id order (the hot loop of the data plane: locals, no calls). Only
+                # the vGPUs that could finish before the seed are visited: every other one
+                # would fail `f < best_t` (best_t only decreases from the seed's finish), so
+                # visiting the subset in the same order takes the same decision.
+                scan = pool.scan_set(tau, l_i, best_t) if seed is not None else None
+                if scan is None:
+                    scan = pool.vgpus
                 eps = EPS_US
                 b_g = None
                 b_ts = b_s = 0.0
                 b_ln = 0.0
                 b_nic = False
                 if last is None:
-                    for g in pool.vgpus:
+                    for g in scan:
                         s = t_g
                         tab = g.table
                         ends = tab.ends
@@ -139,7 +151,7 @@ class ReservationScheduler(BatchingScheduler):
                     last_bw = last.bw_gbps
                     up = last.up
                     kbits = bits * 1e-3
-                    for g in pool.vgpus:
+                    for g in scan:
                         server = g.server
                         if server == last_server:
                             ts, l_n, nic = t_g, local_us, False
@@ -203,7 +215,7 @@ class ReservationScheduler(BatchingScheduler):
         return ProbeResult(pipeline, bs, t0, t_g, t_g - t0 - busy, hops)
 
     def _scan_lookahead(self, pool, nxt, bs: int, t0: float, t_g: float, last: VGpu | None, bits: float, l_i: float,
-                        local_us: float, bound: float) -> tuple[Hop, float]:
+                        local_us: float, bound: float, tau: float | None = None) -> tuple[Hop, float]:
         """The candidate of a non-last pool whose output can *leave* earliest (``probe_lookahead``).
 
         Score of a candidate finishing at ``f``: the earliest start ``L >= f`` of a free slot
@@ -214,6 +226,12 @@ class ReservationScheduler(BatchingScheduler):
         piling them on the lowest ids). Every candidate of the pool is scored, except those
         that cannot beat the best so far (their input arrives, or they finish, after its
         ``L``); the scan stops at a candidate that meets the lower bound with an idle uplink.
+
+        Only the vGPUs the pool's gap heap says could finish by the seed's ``L`` (plus 1 ns)
+        are visited (:meth:`Pool.scan_set`), in id order: a vGPU left out finishes later
+        than that, so the full scan would skip it too -- provided the best ``L`` never rose
+        more than that 1 ns during the scan (a tie within EPS_US may replace the best by a
+        marginally later ``L``). That is checked, and the full scan is run if it failed.
         """
         eps = EPS_US
         out_kbits = pool.out_bits * bs * 1e-3
@@ -237,75 +255,93 @@ class ReservationScheduler(BatchingScheduler):
             if f <= bound + eps and L <= f + eps:
                 return hop, f
             best, best_L, best_f, best_u = hop, L, f, u  # the scan starts from it
+        seed = (best, best_L, best_f, best_u)
+        scan = None
+        limit = _INF
+        if best is not None and tau is not None:
+            limit = best_L + _LOOKAHEAD_CREEP_US
+            scan = pool.scan_set(tau, l_i, limit)
+        if scan is None:
+            scan, limit = pool.vgpus, _INF
         # The scan (hot: locals, the table search inlined).
         if last is not None:
             last_server = last.server
             last_bw = last.bw_gbps
             last_up = last.up
             kbits = bits * 1e-3
-        for g in pool.vgpus:
-            server = g.server
-            if last is None:
-                ts, l_n, nic = None, 0.0, False
-                ready = t_g
-            elif server == last_server:
-                ts, l_n, nic = t_g, local_us, False
-                ready = t_g + l_n
-            else:
-                cached = slots.get(server)
-                if cached is None:
-                    bw = g.bw_gbps
-                    l_n = kbits / (last_bw if last_bw < bw else bw)
-                    s = t_g + l_n
-                    if s + l_i > best_L + eps:
-                        continue  # cannot leave before the best even without waiting
-                    ends = g.table.ends
-                    if ends and ends[-1] > s + eps:  # the GPU alone may rule it out (see probe)
-                        i = bisect_right(ends, s + eps)
-                        starts = g.table.starts
-                        n = len(ends)
-                        lim = l_i - eps
-                        while i < n and starts[i] < s + lim:
-                            if ends[i] > s:
-                                s = ends[i]
-                            i += 1
-                        if s + l_i > best_L + eps:
-                            continue
-                    ts = earliest_slot((last_up, g.down), t_g, l_n)
-                    slots[server] = (ts, l_n)
+        top_L = best_L
+        while True:
+            for g in scan:
+                server = g.server
+                if last is None:
+                    ts, l_n, nic = None, 0.0, False
+                    ready = t_g
+                elif server == last_server:
+                    ts, l_n, nic = t_g, local_us, False
+                    ready = t_g + l_n
                 else:
-                    ts, l_n = cached
-                nic = True
-                ready = ts + l_n
-            if ready + l_i > best_L + eps:
-                continue
-            s = ready
-            ends = g.table.ends
-            if ends and ends[-1] > s + eps:
-                i = bisect_right(ends, s + eps)
-                starts = g.table.starts
-                n = len(ends)
-                lim = l_i - eps
-                while i < n and starts[i] < s + lim:
-                    if ends[i] > s:
-                        s = ends[i]
-                    i += 1
-            f = s + l_i
-            if f > best_L + eps:
-                continue
-            up = g.up
-            ends = up.ends
-            u = ends[-1] if ends else -_INF
-            if u <= f or server in nxt_servers:
-                L = f
-            else:
-                bw = g.bw_gbps
-                L = up.earliest(f, out_kbits / (nxt_bw if nxt_bw < bw else bw))
-            if L < best_L - eps or (L <= best_L + eps and (f < best_f - eps or (f <= best_f + eps and u < best_u))):
-                best = Hop(g, ts, l_n, nic, last, s, l_i)
-                best_L, best_f, best_u = L, f, u
-                if L <= bound + eps and u <= t0:
-                    break  # finishes at the lower bound and its uplink is idle now: nobody beats it
+                    cached = slots.get(server)
+                    if cached is None:
+                        bw = g.bw_gbps
+                        l_n = kbits / (last_bw if last_bw < bw else bw)
+                        s = t_g + l_n
+                        if s + l_i > best_L + eps:
+                            continue  # cannot leave before the best even without waiting
+                        ends = g.table.ends
+                        if ends and ends[-1] > s + eps:  # the GPU alone may rule it out (see probe)
+                            i = bisect_right(ends, s + eps)
+                            starts = g.table.starts
+                            n = len(ends)
+                            lim = l_i - eps
+                            while i < n and starts[i] < s + lim:
+                                if ends[i] > s:
+                                    s = ends[i]
+                                i += 1
+                            if s + l_i > best_L + eps:
+                                continue
+                        ts = earliest_slot((last_up, g.down), t_g, l_n)
+                        slots[server] = (ts, l_n)
+                    else:
+                        ts, l_n = cached
+                    nic = True
+                    ready = ts + l_n
+                if ready + l_i > best_L + eps:
+                    continue
+                s = ready
+                ends = g.table.ends
+                if ends and ends[-1] > s + eps:
+                    i = bisect_right(ends, s + eps)
+                    starts = g.table.starts
+                    n = len(ends)
+                    lim = l_i - eps
+                    while i < n and starts[i] < s + lim:
+                        if ends[i] > s:
+                            s = ends[i]
+                        i += 1
+                f = s + l_i
+                if f > best_L + eps:
+                    continue
+                up = g.up
+                ends = up.ends
+                u = ends[-1] if ends else -_INF
+                if u <= f or server in nxt_servers:
+                    L = f
+                else:
+                    bw = g.bw_gbps
+                    L = up.earliest(f, out_kbits / (nxt_bw if nxt_bw < bw else bw))
+                if L < best_L - eps or (L <= best_L + eps and (f < best_f - eps or (f <= best_f + eps and u < best_u))):
+                    best = Hop(g, ts, l_n, nic, last, s, l_i)
+                    best_L, best_f, best_u = L, f, u
+                    if L > top_L:
+                        top_L = L
+                    if L <= bound + eps and u <= t0:
+                        break  # finishes at the lower bound and its uplink is idle now: nobody beats it
+            if top_L + eps <= limit:
+                break
+            # The best L crept up by ties past the subset's limit: the subset may have left
+            # out a vGPU the full scan would have compared. Start again over the whole pool.
+            best, best_L, best_f, best_u = seed
+            scan, limit, top_L = pool.vgpus, _INF, best_L
         if best is None:
             raise RuntimeError(f"pool {pool.index} has no live vGPU")
         return best, best_f

@@ -27,7 +27,7 @@ resource.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 EPS_US = 1e-6
 """Tolerance for float comparisons of times (1 ps): sums of float latencies drift by ulps."""
@@ -42,13 +42,18 @@ class ReservationTable:
         keys: the key of each interval (``None`` for anonymous reservations).
     """
 
-    __slots__ = ("name", "starts", "ends", "keys")
+    __slots__ = ("name", "starts", "ends", "keys", "on_free")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.keys: list[Hashable] = []
+        # Called (no arguments) after an update that may leave the resource free *earlier*
+        # than before (remove, correct, delay): an index of lower bounds on its free time
+        # (Pool's gap heap) must hear of it. ``add`` and ``prune`` never make it freer for
+        # a query at or after now, so they do not call it.
+        self.on_free: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -124,6 +129,8 @@ class ReservationTable:
         if i < 0:
             return False
         del self.starts[i], self.ends[i], self.keys[i]
+        if self.on_free is not None:
+            self.on_free()
         return True
 
     def correct(self, key: Hashable, start: float, end: float, now: float | None = None, hint_start: float | None = None) -> int:
@@ -168,6 +175,8 @@ class ReservationTable:
             j += 1
         if now is not None:
             self.prune(now)  # a report usually comes after the fact: keep only what matters
+        if self.on_free is not None:
+            self.on_free()  # the reported interval may be shorter or earlier than the reserved one
         return moved
 
     def delay(self, key: Hashable, not_before: float, hint_start: float | None = None) -> tuple[float, float] | None:
@@ -203,6 +212,8 @@ class ReservationTable:
             self.ends[j] = prev_end + d
             prev_end = self.ends[j]
             j += 1
+        if self.on_free is not None:
+            self.on_free()  # its old place is free now
         return start, start + dur
 
     def check(self) -> None:

@@ -24,7 +24,7 @@ value per GPU type; per server is finer where groups differ).
 from __future__ import annotations
 
 import heapq
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ppipe.dataplane.api import downlink, uplink, vgpu_resource
 from ppipe.dataplane.tables import ReservationTable
@@ -35,6 +35,13 @@ from ppipe.spec.profile import ModelProfile
 
 
 _NEG_INF = float("-inf")
+_INF = float("inf")
+_GAP_SLACK_US = 1e-3
+"""Slack of the gap-heap bound (1 ns = 1000 x EPS_US): absorbs float tolerance in ``earliest``."""
+
+
+def _vgpu_id(g: "VGpu") -> str:
+    return g.id
 
 
 class VGpu:
@@ -69,11 +76,21 @@ class Pool:
     end first, the candidate probe tries before scanning the pool. Entries are repaired
     when they reach the top (a reservation made the vGPU busier), and :meth:`touch` adds a
     fresh entry when a table may have become *less* busy (feedback, release).
+
+    A second lazy min-heap, the *gap heap*, holds a lower bound on when each vGPU can next
+    start any batch: ``(h, vgpu_id)`` with ``h <= table.earliest(t, l)`` for every query
+    time ``t >= gap_tau`` and every latency ``l >= gap_min_us`` (the pool's shortest
+    inference). :meth:`scan_set` uses it to hand probe only the vGPUs that could finish by
+    a given time, so a probe of a large busy pool looks at a few vGPUs instead of all of
+    them. Why the bound stays valid: ``earliest`` grows with ``t`` and ``l``; a reservation
+    (``add``) only makes it later (the entry becomes a looser bound, repaired when it is
+    popped); an update that may make it *earlier* (remove, correct, delay) calls the
+    table's ``on_free``, which pushes a ``-inf`` entry for that vGPU.
     """
 
     __slots__ = (
         "index", "first_block", "last_block", "gpu", "level", "vgpus", "infer_us", "out_bits", "servers",
-        "max_bw_gbps", "heap", "by_id",
+        "max_bw_gbps", "heap", "by_id", "gap_heap", "gap_min_us", "gap_tau",
     )
 
     def __init__(self, index: int, first_block: int, last_block: int, gpu: str, level: int):
@@ -89,14 +106,81 @@ class Pool:
         self.max_bw_gbps = 0.0
         self.heap: list[tuple[float, str]] = []
         self.by_id: dict[str, VGpu] = {}
+        self.gap_heap: list[tuple[float, str]] = []
+        self.gap_min_us = 0.0  # shortest inference of the pool (0: no gap heap)
+        self.gap_tau = _NEG_INF  # the latest query time a gap-heap entry was computed for
 
     def refresh(self) -> None:
-        """Recompute derived sets after vGPUs were added or removed."""
+        """Recompute derived sets after vGPUs were added or removed (or tables changed)."""
         self.servers = frozenset(g.server for g in self.vgpus)
         self.max_bw_gbps = max((g.bw_gbps for g in self.vgpus), default=0.0)
         self.by_id = {g.id: g for g in self.vgpus}
         self.heap = [(g.table.busy_until(), g.id) for g in self.vgpus]
         heapq.heapify(self.heap)
+        self.gap_min_us = min(self.infer_us.values(), default=0.0)
+        # -inf: unknown; the first scan_set computes every entry
+        self.gap_heap = [(_NEG_INF, g.id) for g in self.vgpus]
+        for g in self.vgpus:
+            g.table.on_free = self._freed_callback(g.id)
+
+    def _freed_callback(self, vid: str) -> Callable[[], None]:
+        """The ``on_free`` of a vGPU's table: its gap-heap bound is unknown again."""
+
+        def freed() -> None:
+            heap = self.gap_heap
+            heapq.heappush(heap, (_NEG_INF, vid))
+            if len(heap) > 4 * len(self.vgpus) + 16:
+                # Many notifications between scans: keep the smallest entry of each vGPU.
+                low: dict[str, float] = {}
+                for h, v in heap:
+                    if v in self.by_id and h < low.get(v, _INF):
+                        low[v] = h
+                self.gap_heap = [(h, v) for v, h in low.items()]
+                heapq.heapify(self.gap_heap)
+
+        return freed
+
+    def scan_set(self, tau: float, l_i: float, limit: float) -> list[VGpu] | None:
+        """The live vGPUs that might finish an inference of ``l_i`` us by ``limit``, in id order.
+
+        Every vGPU left out cannot: for any query time ``t >= tau`` its earliest slot for
+        ``l_i`` ends after ``limit``. ``tau`` must be a time no later than the query's
+        start (probe passes ``min(t0, now)``). Entries popped on the way are brought up to
+        date at ``tau`` (lazy repair). Returns None when the bound cannot be used (a query
+        earlier than an entry's time, or a pool without positive latencies): the caller
+        then scans every vGPU.
+        """
+        if tau < self.gap_tau or not self.gap_min_us > 0.0:
+            return None
+        self.gap_tau = tau
+        heap = self.gap_heap
+        # A vGPU can finish by `limit` only if it can start by limit - l_i. The slack covers
+        # the float tolerance inside `earliest` (its result may dip by about EPS_US when the
+        # query time crosses an interval's end), so the bound never excludes a candidate.
+        lim = limit - l_i + _GAP_SLACK_US
+        dmin = self.gap_min_us
+        by_id = self.by_id
+        pop, push = heapq.heappop, heapq.heappush
+        seen: set[str] = set()
+        back: list[tuple[float, str]] = []
+        out: list[VGpu] = []
+        while heap and heap[0][0] <= lim:
+            _h, vid = pop(heap)
+            if vid in seen:
+                continue  # an older entry of a vGPU already repaired in this call
+            g = by_id.get(vid)
+            if g is None:
+                continue  # left the pool (failed)
+            seen.add(vid)
+            h = g.table.earliest(tau, dmin)
+            back.append((h, vid))
+            if h <= lim:
+                out.append(g)
+        for e in back:
+            push(heap, e)
+        if len(out) > 1:
+            out.sort(key=_vgpu_id)
+        return out
 
     def touch(self, g: VGpu) -> None:
         """Note that ``g``'s table changed in a way that may make it free earlier."""
