@@ -174,16 +174,24 @@ class FakeWorker:
     """The worker protocol in-process (two returns per stage, ObjectRef-like arguments);
     ``dead`` makes calls fail like a killed actor."""
 
-    def __init__(self, vgpu_id):
+    def __init__(self, vgpu_id, mailbox=None):
         self.vgpu_id, self.dead = vgpu_id, False
+        self.mailbox = {} if mailbox is None else mailbox  # (sender, receiver, seq) -> future: a fake NCCL edge
+        self.links, self.dropped = [], []
         outer = self
 
         class _RunStage:
             @staticmethod
-            def remote(*args):
-                task = asyncio.ensure_future(outer._run(*args))
+            def remote(*args, **kwargs):
+                task = asyncio.ensure_future(outer._run(*args, **kwargs))
                 rep = asyncio.ensure_future(_part(task, 0))
                 out = asyncio.ensure_future(_part(task, 1))
+                for f in (task, rep, out):
+                    # a failed stage's output is never awaited; retrieve its exception now, or
+                    # the task's __del__ logs it with a traceback whose caret-finding runs
+                    # ast.parse, which, when GC fires inside another ast.parse, breaks that one
+                    # (CPython 3.11: "AST constructor recursion depth mismatch")
+                    f.add_done_callback(lambda f: f.cancelled() or f.exception())
                 return _Ref(rep), _Ref(out)
 
         class _Ping:
@@ -191,7 +199,12 @@ class FakeWorker:
             def remote():
                 return _Ref(asyncio.ensure_future(outer._ping()))
 
-        self.run_stage, self.ping = _RunStage, _Ping
+        class _DropPeer:
+            @staticmethod
+            def remote(peer):
+                outer.dropped.append(peer)
+
+        self.run_stage, self.ping, self.drop_peer = _RunStage, _Ping, _DropPeer
 
     async def _ping(self):
         if self.dead:
@@ -200,15 +213,25 @@ class FakeWorker:
             raise ray.exceptions.RayActorError()
         return {}
 
-    async def _run(self, batch_id, index, vgpu_id, payload, batch, timing):
+    def _box(self, key):
+        return self.mailbox.setdefault(key, asyncio.get_running_loop().create_future())
+
+    async def _run(self, batch_id, index, vgpu_id, payload, batch, timing, link=None):
+        self.links.append((batch_id, link))
         if isinstance(payload, _Ref):  # Ray resolves an ObjectRef argument before the call
             payload = await payload
+        if link and "recv" in link:
+            assert payload["tensors"] is None  # nothing came through the frontend
+            payload = await self._box((link["recv"]["peer"], self.vgpu_id, link["recv"]["seq"]))
         await self._ping()
         t = wall_us()
         rep = {"batch_id": batch_id, "partition": index, "vgpu_id": self.vgpu_id, "start_us": t, "end_us": t + 1,
                "transfer_start_us": None, "transfer_end_us": None}
         x = payload["tensors"]
         out = {"x": x["x"] + 1} if index + 1 < len(timing) else {"y": x["x"] * 2}
+        if link and "send" in link:
+            self._box((self.vgpu_id, link["send"]["peer"], link["send"]["seq"])).set_result({"tensors": out, "sent_wall_us": t + 1})
+            return rep, {"tensors": None, "sent_wall_us": t + 1}
         return rep, {"tensors": out, "sent_wall_us": t + 1}
 
 
@@ -216,12 +239,15 @@ async def _part(task, i):
     return (await task)[i]
 
 
-def _runtime(tinynet, **sched):
+def _runtime(tinynet, edges=None, counts=(1, 1), **sched):
     cluster = load_cluster("local-cpu")
-    plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
-    peers = {p.vgpu_id: FakeWorker(p.vgpu_id) for p in plan.placement}
+    if sum(counts) > 2:  # room for more vGPUs: two CPU 'GPUs'
+        cluster = cluster.model_copy(update={"servers": [s.model_copy(update={"gpus_per_server": 2}) for s in cluster.servers]})
+    plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, counts[0]), (2, 2, "cpu", 2, counts[1])])
+    mailbox: dict = {}
+    peers = {p.vgpu_id: FakeWorker(p.vgpu_id, mailbox) for p in plan.placement}
     rt = Runtime(plan, {"tinynet": tinynet}, cluster, peers, scheduler_factory=functools.partial(FifoScheduler, **sched),
-                 health_interval_s=0.05, keep_traces=100)
+                 health_interval_s=0.05, keep_traces=100, edges=edges)
     return rt, peers
 
 
@@ -313,3 +339,39 @@ def test_early_timer_is_re_armed_not_delivered(tinynet):
 
     t, seen = asyncio.run(main())
     assert len(seen) == 1 and seen[0] >= t
+
+
+def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinynet):
+    rt, peers = _runtime(tinynet, counts=(2, 1), max_batch=1)
+    ups = [p.vgpu_id for p in rt.plan.placements_of("tinynet", 0, 0)]
+    down = rt.plan.placements_of("tinynet", 0, 1)[0].vgpu_id
+    # one edge over (fake) NCCL, the other over the object store
+    rt, peers = _runtime(tinynet, edges={(ups[0], down): ("nccl", ""), (ups[1], down): ("object-store", "")}, counts=(2, 1), max_batch=1)
+
+    async def main():
+        await rt.start()
+        outs = [await rt.infer("tinynet", {"x": np.full(1, float(i), np.float32)}) for i in range(6)]
+        peers[down].dead = True
+        try:
+            await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+        except DroppedError as exc:
+            failed.append(exc.reason)
+        await rt.stop()
+        return outs
+
+    failed = []
+    outs = asyncio.run(main())
+    assert failed == ["worker-failed"]
+    got = [float(o["y"][0]) for o in outs]
+    assert got == [2.0 * (i + 1) for i in range(6)]
+    sends = [link["send"] for _, link in peers[ups[0]].links if link]
+    recvs = [link["recv"] for _, link in peers[down].links if link]
+    n = len(sends)
+    assert n >= 3  # round robin: half the batches took the NCCL edge
+    assert sends == [{"peer": down, "seq": k} for k in range(n)]
+    assert recvs[:n] == [{"peer": ups[0], "seq": k} for k in range(n)]
+    other = [link for _, link in peers[ups[1]].links]
+    assert other == [None] * len(other)  # the object-store edge carries no link
+    # the dead receiver's NCCL peer is told to abort the edge; the object-store peer is not
+    assert peers[ups[0]].dropped == [down]
+    assert peers[ups[1]].dropped == []
