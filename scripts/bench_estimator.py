@@ -90,12 +90,15 @@ def cross_gpu_part(artifact: Path, n_models: int | None, blocks_only: bool) -> N
     gpus = sorted({g for am in data.values() for g in am.profile.gpus()})
     err = {"model": {}, "naive": {}}  # (s, t) -> list of block errors
     rerr = {"model": {}, "naive": {}}  # (s, hi, lo) -> list of ratio errors
+    chosen = {}  # (s, t) -> hyper-parameters chosen in each outer fold
     t0 = time.perf_counter()
     for name in names:
         am = data[name]
         prof = am.profile
-        fitted = fit_cross_gpu_from_models(a for n, a in data.items() if n != name)
+        fitted = fit_cross_gpu_from_models((a for n, a in data.items() if n != name), with_layers=(not blocks_only,))
         train = [a for n, a in data.items() if n != name]
+        for key, sel in fitted.selection.items():
+            chosen.setdefault(key[:2], []).append((sel.gamma, sel.rho, sel.lam))
         for s in gpus:
             src = source_only(prof, s)
             kw = {}
@@ -137,6 +140,11 @@ def cross_gpu_part(artifact: Path, n_models: int | None, blocks_only: bool) -> N
         l4 = [x for (s, _t), v in err[kind].items() if s == "L4" for x in v]
         print(f"  ALL pairs  {kind:5s}: {pct(allv)}")
         print(f"  from L4    {kind:5s}: {pct(l4)}")
+    print("\nhyper-parameters (gamma, rho, lambda) chosen by the inner leave-one-model-out, per pair: most")
+    print("frequent choice over the outer folds (count / folds)")
+    for (s, t), sels in sorted(chosen.items()):
+        best = max(set(sels), key=sels.count)
+        print(f"  {s:>4} -> {t:<4}  {best}  {sels.count(best)}/{len(sels)}   distinct: {len(set(sels))}")
     print("\nper-block latency ratio low/high GPU of the paper's clusters, relative error:")
     for key in sorted(rerr["model"]):
         s, hi, lo = key

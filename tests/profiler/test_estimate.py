@@ -161,7 +161,7 @@ def _leave_one_out_errors(artifact_data, held_out, source, target, *, with_layer
     from ppipe.profiler.estimate.crossgpu import artifact_layer_inputs, cross_gpu_table, fit_cross_gpu_from_models
 
     train = [am for n, am in artifact_data.items() if n != held_out]
-    fitted = fit_cross_gpu_from_models(train, pairs=[(source, target)])
+    fitted = fit_cross_gpu_from_models(train, pairs=[(source, target)], with_layers=(with_layers,))
     am = artifact_data[held_out]
     prof = am.profile
     src = _source_only(prof, source)
@@ -240,14 +240,14 @@ def test_cross_gpu_regressor_clips_to_training_range_and_round_trips():
     from ppipe.profiler.estimate.crossgpu import CLIP_MARGIN, _Regressor
 
     rng = np.random.default_rng(0)
-    x = np.concatenate([np.ones((60, 1)), rng.normal(size=(60, 4))], axis=1)
-    y = 0.3 * x[:, 1] - 0.2 * x[:, 2] + 0.05 * rng.normal(size=60)
+    x = rng.normal(size=(60, 4))
+    y = 0.3 * x[:, 0] - 0.2 * x[:, 1] + 0.05 * rng.normal(size=60)
     reg = _Regressor.fit(x, y)
-    far = np.concatenate([np.ones((3, 1)), np.array([[50.0, -50, 0, 0], [-80, 80, 5, 5], [0.1, 0.2, 0, 0]])], axis=1)
+    far = np.array([[50.0, -50, 0, 0], [-80, 80, 5, 5], [0.1, 0.2, 0, 0]])
     pred = reg.predict(far)
     span = y.max() - y.min()
     assert np.all(pred >= y.min() - CLIP_MARGIN * span - 1e-6) and np.all(pred <= y.max() + CLIP_MARGIN * span + 1e-6)
-    unclipped = far @ reg.w
-    assert abs(unclipped[0]) > y.max() - y.min()  # the linear part alone would have extrapolated
-    back = _Regressor.unpack(reg.pack(), x.shape[1])
+    unclipped = reg.predict_unclipped(far)
+    assert abs(unclipped[0]) > y.max() - y.min()  # the model alone would have extrapolated
+    back = _Regressor.unpack(reg.pack())
     np.testing.assert_allclose(back.predict(far), pred, rtol=1e-4, atol=1e-4)

@@ -1,62 +1,65 @@
 """Cross-GPU latency model: a model's block latencies on a GPU type it was not profiled on.
 
 Learned from real timings (the PPipe artifact: 28 CNNs, TensorRT, on L4, P4, T4, V100).
-For an ordered pair of GPU types (source s, target t) and a target vGPU level v and batch
+For an ordered pair of GPU types (source s, target t), a target vGPU level v and a batch
 b, the latency of block i on the target is the measured source latency times a learned
 ratio::
 
-    T(t, v, b, i) = S(s, v', b, i) * exp(f_{s,t,v,b}(x_i))
+    T(t, v, b, i) = S(s, v', b, i) * exp(f_{s,t,v,b,v'}(x_i))
 
 where v' = v if the source profile has level v (else 1: e.g. a P4, which has no MPS
 levels in the artifact) and x_i are features of block i that the source profile alone
-gives (no target timing is ever used):
+gives (no target timing is ever used).
 
-* ``log S(1,1)``: block size;
-* ``log S(1,b)/S(1,1)`` for b = 2, 4, 8 and ``log S(v',b)/S(1,1)``: how the block scales
-  with batch and MPS share on the source, which tells compute-bound from launch- or
-  memory-bound blocks;
-* ``log bytes_in / S(1,1)`` and ``log bytes_out / S(1,1)``: feature-map bytes per
-  microsecond at the block's cuts (memory pressure);
-* the block's position in the model (0..1);
-* optional, when the source's per-layer latencies and the node-to-block mapping are given:
-  the share of the block's per-layer time in each op class (convolution, matmul, pooling,
-  reductions/normalization, element-wise, data movement, shape arithmetic, other) and in a
-  few single op types (:data:`SHARE_OPS`), and ``log (sum of per-layer latencies) / S(1,1)``
-  (how much the block gains from fusion).
+Features of a block (:func:`static_features`, :func:`dynamic_feature`):
 
-``f`` is a ridge regression on the raw features plus, for the residual, an RBF kernel
-ridge regression on the standardized features in its parametric form (random Fourier
-features): blocks from the same network family sit close in this space, and the linear
-part carries what generalizes beyond them. One ``f`` per (s, t, v, b, level used on the
-source, feature set). The fitted parameters are regression weights only (no training
-data), stored in ``cross_gpu.npz`` next to this module and produced by
-:func:`fit_cross_gpu` from an artifact folder. Each regressor's prediction is clipped to
-the range of its training log ratios (blocks unlike any training block otherwise
-extrapolate far beyond any ratio ever measured).
+* from the block timings: ``log S(1,1)`` (size); ``log S(1,b)/S(1,1)`` for b = 2, 4, 8
+  and ``log S(v',b)/S(1,1)`` (how the block scales with batch and MPS share on the
+  source: compute-bound vs launch- or memory-bound); feature-map bytes per microsecond at
+  its cuts; its position in the model;
+* when the source's per-layer (per ONNX node, batch 1) latencies and the node-to-block
+  mapping are given: the share of the block's per-layer time in each op class and in a few
+  op types, ``log (sum of per-layer latencies) / S(1,1)`` (how much it gains from
+  fusion), and, per other GPU type g, the block's **per-layer predicted ratio**
+  ``log sum_j S_j exp(r_{s,g}(j)) / sum_j S_j`` where ``r_{s,g}`` is a layer-level model
+  (:class:`LayerRatioModel`) of the log latency ratio g/s of one node from its op type and
+  its source latency, fitted on every node of the training models. It carries what the op
+  mix means for this GPU pair (a large memory-bound ``Relu`` runs 5x slower on a P4 than
+  on an L4, a tiny one about as fast), which the op shares alone leave to the block
+  regressor to learn from ~270 blocks.
 
-Hyper-parameters (module constants, not tuned per model): the regularization strengths,
-the kernel width and the clip margin were chosen by a small grid search scored by the
-p90 block error of leave-one-model-out predictions from L4 (the criterion
-``scripts/bench_estimator.py`` reports): single (ridge, kernel) strengths with ridge in
-{0.1, 0.3, 0.5, 1, 3, 10}, kernel in {0.03, 0.1, 0.3, 0.5, 1}, KERNEL_GAMMA in
-{0.25, 0.35, 0.5, 0.7, 1, 2}, CLIP_MARGIN in {0, 0.1, none} (17 settings), then averages
-of the previous default (1, 0.1) with one of {(0.3, 0.3), (0.3, 0.5), (0.3, 1), (0.1, 0.5)}
-or (1, 0.03) with (0.3, 0.5), and (1, 0.1) weighted 2:1 against (0.3, 0.5) (about 24
-settings in all). The less-regularized fits lower the tail error but raise the median;
-their average with (1, 0.1) keeps most of that gain at the median of (1, 0.1)
-(from-L4 median unchanged, all-pairs and ratio medians +0.1 point). The selection was
-NOT nested: the same 28 models scored the settings and report the result, so the
-reported figures carry selection bias (the better settings differed by ~1-2 points of p90; expect the true
-out-of-sample p90 to be up to that much worse than reported).
+``f`` is a kernel ridge regression with the kernel ``c + z.z' + rho * k_gamma(z, z')`` on
+the standardized features z (linear part + RBF part, approximated by random Fourier
+features so that the fitted parameters are weights, not training samples), penalty
+``lambda``. One ``f`` per (s, t, v, b, v', feature set).
+
+Hyper-parameters (gamma, rho, lambda) are chosen by **leave-one-model-out on the
+training models** every time the model is fitted (:func:`fit_cross_gpu_from_models`),
+per GPU pair and feature set, from :data:`HYPER_GRID`, by the median + 90th percentile of
+the held-out block errors. The held-out predictions come from the exact closed form of
+kernel ridge regression with a group of rows deleted (no refit per fold), so the
+selection costs little. An evaluation that holds a model out and fits on the others
+therefore runs a nested cross-validation: the held-out model never takes part in
+choosing the hyper-parameters (``scripts/bench_estimator.py`` reports that figure). Two
+approximations inside the inner loop, both free of target timings of the inner held-out
+model's blocks except as noted: the feature standardization uses all training models
+(features only), and the layer-ratio features of the other inner-training models come
+from layer models that saw the inner held-out model's nodes (the held-out model's own
+layer features are cross-fitted without it).
+
+Each prediction is clipped to the range of its training log ratios (a block unlike any
+training block otherwise extrapolates far beyond any ratio ever measured). The fitted
+parameters are stored in ``cross_gpu.npz`` next to this module (weights only, no
+training data) and produced by :func:`fit_cross_gpu` from an artifact folder.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -66,19 +69,35 @@ from ppipe.spec.profile import ModelProfile
 from ppipe.profiler.estimate.artifact_data import ArtifactModel, load_all, op_type_of
 
 DATA_FILE = Path(__file__).with_name("cross_gpu.npz")
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
-# Regularization: pairs of (linear ridge strength on raw features, intercept free; kernel
-# ridge strength); the fitted weights are the average of one fit per pair. KERNEL_GAMMA:
-# RBF width factor (squared distance scaled by 2 * GAMMA * n_features).
-REGULARIZATION: tuple[tuple[float, float], ...] = ((1.0, 0.1), (0.3, 0.5))
-KERNEL_GAMMA = 0.5
-# Random Fourier features approximating that kernel (their count and seed).
+# Candidate hyper-parameters (gamma: RBF width factor, the squared distance is divided by
+# 2 * gamma * n_features; rho: weight of the RBF part against the linear part; lambda:
+# ridge penalty). Chosen per fit by inner leave-one-model-out, never by the test set.
+GAMMAS = (0.5, 1.0, 2.0)
+RHOS = (1.0, 3.0, 10.0, 30.0, 100.0)
+LAMBDAS = (1.0, 3.0, 10.0, 30.0)
+# The selection scores the variants of these batches only (half the work; the chosen
+# values apply to every batch of the pair).
+SELECT_BATCHES = (1, 2, 4, 8)
+HYPER_GRID: tuple[tuple[float, float, float], ...] = tuple((g, r, l) for g in GAMMAS for r in RHOS for l in LAMBDAS)
+# Prior variance of the intercept (large: it is practically not shrunk).
+INTERCEPT_PRIOR = 1e3
+# Random Fourier features approximating the RBF kernel (their count and seed).
 RFF_FEATURES = 256
 RFF_SEED = 20250701
 # Predicted log ratios are clipped to the training targets' range widened by this
 # fraction of it (see _Regressor).
 CLIP_MARGIN = 0.0
+
+# Layer-level ratio model: ridge penalty on everything but the intercept (each training
+# model's nodes carry a total weight of 1, so an op type seen in a tenth of a model's time
+# is shrunk about halfway to its op class), op types kept as their own term when the
+# training models have at least this many such nodes in at least two models, and the
+# centre of log latency (about 20 us).
+LAYER_RIDGE = 0.1
+LAYER_MIN_NODES = 20
+LAYER_LOG_CENTER = 3.0
 
 # The batches of level 1 that the features read on the source.
 FEATURE_BATCHES = (1, 2, 4, 8)
@@ -119,6 +138,13 @@ _OP_CLASS = {
 SHARE_OPS = ("Sigmoid", "Mul", "Relu", "Add", "ReduceMean", "Transpose")
 
 
+# Op types whose own share separates families the classes lump together (SiLU = Sigmoid +
+# Mul in EfficientNets, LayerNorm's ReduceMean in ConvNeXt, plain ReLU ResNets).
+SHARE_OPS = ("Sigmoid", "Mul", "Relu", "Add", "ReduceMean", "Transpose")
+# Per-layer predicted ratio features: one per other GPU type of the model, in sorted order.
+N_LAYER_RATIOS = 3
+
+
 def op_class(op_type: str) -> str:
     """The op class (one of :data:`OP_CLASSES`) of an ONNX op type."""
     return _OP_CLASS.get(op_type, "other")
@@ -128,11 +154,85 @@ def _stat_feature_names(with_layers: bool) -> list[str]:
     names = ["log_s11", "log_s18", "log_s12", "log_s14", "log_in_bytes_per_us", "log_out_bytes_per_us", "position"]
     if with_layers:
         names += [f"share_{c}" for c in OP_CLASSES] + ["log_layer_sum_over_block"] + [f"share_op_{o}" for o in SHARE_OPS]
+        names += [f"log_layer_ratio_{k}" for k in range(N_LAYER_RATIOS)]
     return names
 
 
 N_STATIC_BLOCKS_ONLY = len(_stat_feature_names(False))
 N_STATIC_FULL = len(_stat_feature_names(True))
+
+
+# ---------------------------------------------------------------------------------
+# layer-level ratio model
+# ---------------------------------------------------------------------------------
+def _layer_design(op_types: Sequence[str], lat_us: np.ndarray, ops: Sequence[str]) -> np.ndarray:
+    """Rows: [1, l, l^2, class one-hot, class one-hot * l, op one-hot, op one-hot * l] with
+    l the centred log source latency. Op terms sit on top of their class's terms, which sit
+    on top of the global ones, so the ridge shrinks a rare op towards its class."""
+    n = len(op_types)
+    ll = np.log(np.maximum(lat_us, 0.1)) - LAYER_LOG_CENTER
+    cls = np.zeros((n, len(OP_CLASSES)))
+    cls[np.arange(n), [OP_CLASSES.index(op_class(o)) for o in op_types]] = 1.0
+    index = {o: k for k, o in enumerate(ops)}
+    one = np.zeros((n, len(ops)))
+    for r, o in enumerate(op_types):
+        k = index.get(o)
+        if k is not None:
+            one[r, k] = 1.0
+    return np.concatenate([np.ones((n, 1)), ll[:, None], ll[:, None] ** 2, cls, cls * ll[:, None], one, one * ll[:, None]], axis=1)
+
+
+@dataclass
+class LayerRatioModel:
+    """Log latency ratio target/source of one ONNX node (batch 1, whole GPU) from its op
+    type and source latency: a weighted ridge regression on :func:`_layer_design` rows.
+
+    Attributes:
+        ops: op types with their own terms (the others use their op class's terms).
+        coef: regression weights.
+    """
+
+    ops: tuple[str, ...]
+    coef: np.ndarray
+
+    def predict(self, op_types: Sequence[str], lat_us: np.ndarray) -> np.ndarray:
+        return _layer_design(op_types, lat_us, self.ops) @ self.coef
+
+    def block_log_ratios(self, op_types: Sequence[str], lat_us: np.ndarray, blocks: np.ndarray, nb: int) -> np.ndarray:
+        """Per block, ``log sum_j S_j exp(r(j)) / sum_j S_j`` over the block's nodes."""
+        pred = lat_us * np.exp(self.predict(op_types, lat_us))
+        num = np.bincount(blocks, weights=pred, minlength=nb)
+        den = np.bincount(blocks, weights=lat_us, minlength=nb)
+        return np.log(np.maximum(num, 1e-9) / np.maximum(den, 1e-9))
+
+
+def _layer_stats(op_types: Sequence[str], src_us: np.ndarray, tgt_us: np.ndarray, ops: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(X'WX, X'Wy) of one model's nodes; weights = the node's share of the model's source
+    time, so every model counts once and, inside it, the nodes that make the time."""
+    ok = np.isfinite(src_us) & np.isfinite(tgt_us) & (src_us > 0) & (tgt_us > 0)
+    x = _layer_design([o for o, k in zip(op_types, ok) if k], src_us[ok], ops)
+    y = np.log(tgt_us[ok] / src_us[ok])
+    w = src_us[ok] / src_us[ok].sum()
+    xw = x * w[:, None]
+    return xw.T @ x, xw.T @ y
+
+
+def _layer_solve(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
+    reg = LAYER_RIDGE * np.eye(len(xtx))
+    reg[0, 0] = 0.0
+    return np.linalg.solve(xtx + reg, xty)
+
+
+def _layer_vocabulary(models: Sequence[ArtifactModel]) -> tuple[str, ...]:
+    count: dict[str, int] = {}
+    in_models: dict[str, int] = {}
+    for am in models:
+        types = am.op_types
+        for o in set(types):
+            in_models[o] = in_models.get(o, 0) + 1
+        for o in types:
+            count[o] = count.get(o, 0) + 1
+    return tuple(sorted(o for o, c in count.items() if c >= LAYER_MIN_NODES and in_models[o] >= 2))
 
 
 # ---------------------------------------------------------------------------------
@@ -160,12 +260,23 @@ def static_features(
     *,
     layer_latency_us: Mapping[str, float] | None = None,
     node_blocks: Mapping[str, int] | None = None,
+    layer_models: Sequence[LayerRatioModel] | None = None,
 ) -> np.ndarray:
     """Per-block features that depend on the source profile but not on (v, b).
 
+    Args:
+        profile: the model's profile (only ``source_gpu`` is read).
+        source_gpu: the measured GPU type.
+        layer_latency_us: per ONNX node, batch-1 latency on the source, us.
+        node_blocks: node name -> block index.
+        layer_models: the layer ratio models from ``source_gpu`` to each other GPU type
+            of the cross-GPU model, sorted by target (:data:`N_LAYER_RATIOS` for the
+            artifact's four GPU types).
+
     Returns:
-        Array (num_blocks, n_features): the blocks-only features, followed by the op-class
-        features when ``layer_latency_us`` and ``node_blocks`` are given.
+        Array (num_blocks, n_features): the blocks-only features, followed by the
+        per-layer features when ``layer_latency_us``, ``node_blocks`` and
+        ``layer_models`` are given.
     """
     _check_source(profile, source_gpu)
     nb = profile.num_blocks
@@ -182,17 +293,24 @@ def static_features(
         in_b = np.concatenate([[cuts[0]], cuts])
         out_b = np.concatenate([cuts, [cuts[-1]]])
     cols += [np.log(in_b / s11), np.log(out_b / s11), np.arange(nb) / max(nb - 1, 1)]
-    if layer_latency_us is not None and node_blocks is not None:
-        share = np.zeros((nb, len(OP_CLASSES)))
-        op_share = np.zeros((nb, len(SHARE_OPS)))
+    if layer_latency_us is not None and node_blocks is not None and layer_models is not None:
+        ops, lats, blks = [], [], []
         for node, blk in node_blocks.items():
             lat = layer_latency_us.get(node)
-            if lat is None or not np.isfinite(lat) or not (0 <= blk < nb):
+            if lat is None or not np.isfinite(lat) or lat < 0 or not (0 <= blk < nb):
                 continue
-            op = op_type_of(node)
-            share[blk, OP_CLASSES.index(op_class(op))] += lat
-            if op in SHARE_OPS:
-                op_share[blk, SHARE_OPS.index(op)] += lat
+            ops.append(op_type_of(node))
+            lats.append(float(lat))
+            blks.append(int(blk))
+        lat_a = np.asarray(lats, dtype=float)
+        blk_a = np.asarray(blks, dtype=int)
+        cls_a = np.array([OP_CLASSES.index(op_class(o)) for o in ops], dtype=int)
+        share = np.zeros((nb, len(OP_CLASSES)))
+        np.add.at(share, (blk_a, cls_a), lat_a)
+        op_share = np.zeros((nb, len(SHARE_OPS)))
+        for k, o in enumerate(SHARE_OPS):
+            sel = np.array([x == o for x in ops], dtype=bool)
+            op_share[:, k] = np.bincount(blk_a[sel], weights=lat_a[sel], minlength=nb)
         tot = share.sum(axis=1)
         if np.any(tot <= 0):
             empty = [int(i) for i in np.flatnonzero(tot <= 0)]
@@ -204,6 +322,7 @@ def static_features(
         cols += [share[:, k] / tot for k in range(len(OP_CLASSES))]
         cols.append(np.log(tot / s11))
         cols += [op_share[:, k] / tot for k in range(len(SHARE_OPS))]
+        cols += [lm.block_log_ratios(ops, lat_a, blk_a, nb) for lm in layer_models]
     return np.stack(cols, axis=1)
 
 
@@ -216,84 +335,153 @@ def dynamic_feature(profile: ModelProfile, source_gpu: str, v_src: int, batch: i
 # ---------------------------------------------------------------------------------
 # regression
 # ---------------------------------------------------------------------------------
-def _design(static: np.ndarray, dyn: np.ndarray) -> np.ndarray:
-    return np.concatenate([np.ones((len(static), 1)), static, dyn[:, None]], axis=1)
+@lru_cache(maxsize=8)
+def _rff_base(n_feat: int) -> tuple[np.ndarray, np.ndarray]:
+    # Fixed seed: the projection is part of the model, regenerated identically at load.
+    rng = np.random.default_rng(RFF_SEED)
+    return rng.normal(0.0, 1.0, size=(n_feat, RFF_FEATURES)), rng.uniform(0.0, 2 * np.pi, size=RFF_FEATURES)
+
+
+def _rff(z: np.ndarray, gamma: float) -> np.ndarray:
+    """Random Fourier features of exp(-|z - z'|^2 / (2 * gamma * n_features))."""
+    base, phase = _rff_base(z.shape[1])
+    omega = base / np.sqrt(gamma * z.shape[1])
+    return np.sqrt(2.0 / RFF_FEATURES) * np.cos(z @ omega + phase)
 
 
 @dataclass
 class _Regressor:
-    """Ridge on the raw features + ridge on random Fourier features of the standardized
-    features for the residual (an RBF kernel ridge regression in its parametric form,
-    Rahimi & Recht 2007: the parameters are weights, not training samples).
+    """Kernel ridge regression in its parametric (primal) form: the prediction for
+    standardized features z = (x - mu) / sd is ``b0 + z.w + phi_gamma(z).beta``, clipped to
+    the range of the training targets (``ylo``, ``yhi``, widened by :data:`CLIP_MARGIN`
+    times that range): a block unlike any training block can drive the linear part or the
+    kernel part far outside what any GPU pair ratio ever was, and the clip bounds that
+    extrapolation."""
 
-    The predicted log ratio is clipped to the range of the training targets (``ylo``,
-    ``yhi``, widened by :data:`CLIP_MARGIN` times that range): a block unlike any training
-    block can drive the linear part or the kernel correction far outside what any GPU pair
-    ratio ever was, and the clip bounds that extrapolation."""
-
+    b0: float
     w: np.ndarray
     mu: np.ndarray
     sd: np.ndarray
     beta: np.ndarray
+    gamma: float
     ylo: float
     yhi: float
 
     @staticmethod
-    def fit(x: np.ndarray, y: np.ndarray) -> "_Regressor":
-        n_feat = x.shape[1]
-        mu = x[:, 1:].mean(axis=0)
-        sd = x[:, 1:].std(axis=0) + 1e-9
-        phi = _rff((x[:, 1:] - mu) / sd)
-        # The average of the fits under each (ridge, kernel) strength of REGULARIZATION:
-        # the prediction is linear in (w, beta), so the ensemble is one set of weights.
-        w = np.zeros(n_feat)
-        beta = np.zeros(phi.shape[1])
-        for ridge_lambda, kernel_lambda in REGULARIZATION:
-            reg = ridge_lambda * np.eye(n_feat)
-            reg[0, 0] = 0.0  # intercept is not shrunk
-            w_k = np.linalg.solve(x.T @ x + reg, x.T @ y)
-            resid = y - x @ w_k
-            w += w_k / len(REGULARIZATION)
-            beta += np.linalg.solve(phi.T @ phi + kernel_lambda * np.eye(phi.shape[1]), phi.T @ resid) / len(REGULARIZATION)
-        span = float(y.max() - y.min())
-        return _Regressor(
-            w=w, mu=mu, sd=sd, beta=beta, ylo=float(y.min() - CLIP_MARGIN * span), yhi=float(y.max() + CLIP_MARGIN * span)
-        )
-
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        return np.clip(x @ self.w + _rff((x[:, 1:] - self.mu) / self.sd) @ self.beta, self.ylo, self.yhi)
-
-    def pack(self) -> np.ndarray:
-        return np.concatenate([self.w, self.mu, self.sd, self.beta, [self.ylo, self.yhi]]).astype(np.float32)
+    def fit(x: np.ndarray, y: np.ndarray, *, gamma: float = 0.5, rho: float = 10.0, lam: float = 0.1) -> "_Regressor":
+        """Fit on raw features ``x`` (rows = blocks, no intercept column) and targets ``y``."""
+        mu, sd = _standardizer(x)
+        z = (x - mu) / sd
+        phi = _rff(z, gamma)
+        m = INTERCEPT_PRIOR + z @ z.T + rho * (phi @ phi.T)
+        alpha = np.linalg.solve(m / lam + np.eye(len(y)), y)
+        return _Regressor.from_dual(alpha, z, phi, y, mu=mu, sd=sd, gamma=gamma, rho=rho, lam=lam)
 
     @staticmethod
-    def unpack(a: np.ndarray, n_design: int) -> "_Regressor":
-        a = a.astype(float)
-        f = n_design - 1
-        o = n_design + 2 * f
+    def from_dual(
+        alpha: np.ndarray, z: np.ndarray, phi: np.ndarray, y: np.ndarray, *, mu: np.ndarray, sd: np.ndarray,
+        gamma: float, rho: float, lam: float,
+    ) -> "_Regressor":
+        # K = (c 11' + z z' + rho phi phi') / lam and f = K alpha, so the primal weights are:
+        span = float(y.max() - y.min())
         return _Regressor(
-            w=a[:n_design], mu=a[n_design : n_design + f], sd=a[n_design + f : o], beta=a[o:-2],
-            ylo=float(a[-2]), yhi=float(a[-1]),
+            b0=float(INTERCEPT_PRIOR * alpha.sum() / lam), w=z.T @ alpha / lam, mu=mu, sd=sd,
+            beta=rho * (phi.T @ alpha) / lam, gamma=float(gamma),
+            ylo=float(y.min() - CLIP_MARGIN * span), yhi=float(y.max() + CLIP_MARGIN * span),
+        )
+
+    def predict_unclipped(self, x: np.ndarray) -> np.ndarray:
+        z = (x - self.mu) / self.sd
+        return self.b0 + z @ self.w + _rff(z, self.gamma) @ self.beta
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return np.clip(self.predict_unclipped(x), self.ylo, self.yhi)
+
+    def pack(self) -> np.ndarray:
+        head = [self.b0, self.gamma, self.ylo, self.yhi]
+        return np.concatenate([head, self.w, self.mu, self.sd, self.beta]).astype(np.float32)
+
+    @staticmethod
+    def unpack(a: np.ndarray) -> "_Regressor":
+        a = a.astype(float)
+        d = (len(a) - 4 - RFF_FEATURES) // 3
+        return _Regressor(
+            b0=float(a[0]), gamma=float(a[1]), ylo=float(a[2]), yhi=float(a[3]), w=a[4 : 4 + d],
+            mu=a[4 + d : 4 + 2 * d], sd=a[4 + 2 * d : 4 + 3 * d], beta=a[4 + 3 * d :],
         )
 
 
-@lru_cache(maxsize=8)
-def _rff_params(n_feat: int) -> tuple[np.ndarray, np.ndarray]:
-    # Fixed seed: the projection is part of the model, regenerated identically at load.
-    rng = np.random.default_rng(RFF_SEED)
-    sigma = np.sqrt(KERNEL_GAMMA * n_feat)
-    return rng.normal(0.0, 1.0 / sigma, size=(n_feat, RFF_FEATURES)), rng.uniform(0.0, 2 * np.pi, size=RFF_FEATURES)
+def _standardizer(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return x.mean(axis=0), x.std(axis=0) + 1e-9
 
 
-def _rff(z: np.ndarray) -> np.ndarray:
-    omega, phase = _rff_params(z.shape[1])
-    return np.sqrt(2.0 / RFF_FEATURES) * np.cos(z @ omega + phase)
+def _group_index(groups: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Groups stacked by size: a list of (n_groups_of_that_size, size) index arrays."""
+    by_size: dict[int, list[np.ndarray]] = {}
+    for g in groups:
+        by_size.setdefault(len(g), []).append(g)
+    return [np.stack(gs) for _size, gs in sorted(by_size.items())]
+
+
+def _rest_bounds(y: np.ndarray, stacked: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per stacked group, the min and max of the targets of all OTHER rows (the clip range
+    a fit without that group would have)."""
+    out = []
+    for idx in stacked:
+        lo = np.empty((len(idx), y.shape[1]))
+        hi = np.empty((len(idx), y.shape[1]))
+        for k, g in enumerate(idx):
+            rest = np.ones(len(y), dtype=bool)
+            rest[g] = False
+            lo[k], hi[k] = y[rest].min(axis=0), y[rest].max(axis=0)
+        out.append((lo, hi))
+    return out
+
+
+def _group_loo_errors(
+    u: np.ndarray, d: np.ndarray, lam: float, y: np.ndarray, stacked: Sequence[np.ndarray],
+    bounds: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> np.ndarray:
+    """Relative latency errors exp(f_{-g} - y) - 1 of kernel ridge predictions for every
+    row, each predicted by the fit WITHOUT its group (model), all targets (columns of y) at
+    once, from the eigendecomposition ``M = u diag(d) u'`` of the unscaled kernel.
+
+    With A = M / lam + I and alpha = A^-1 y, deleting group g gives the residuals
+    ``y_g - f_{-g}(x_g) = (A^-1)_gg^-1 alpha_g`` (exact for kernel ridge regression).
+    Predictions are clipped to the range of the other groups' targets (``bounds``, from
+    :func:`_rest_bounds`), as a fit would be. ``stacked`` comes from :func:`_group_index`.
+    """
+    h = 1.0 / (d / lam + 1.0)
+    alpha = u @ (h[:, None] * (u.T @ y))
+    uh = u * h
+    out = np.empty_like(y)
+    for idx, (lo, hi) in zip(stacked, bounds):
+        a_gg = np.einsum("gin,gjn->gij", uh[idx], u[idx])
+        resid = np.linalg.solve(a_gg, alpha[idx])
+        pred = np.clip(y[idx] - resid, lo[:, None, :], hi[:, None, :])
+        out[idx] = np.exp(pred - y[idx]) - 1.0
+    return out
 
 
 # ---------------------------------------------------------------------------------
 # the model
 # ---------------------------------------------------------------------------------
 VariantKey = tuple[str, str, int, int, int, bool]  # (source, target, v, b, v_src, with_layers)
+
+
+@dataclass
+class Selection:
+    """The hyper-parameters chosen for one (source, target, feature set), with the inner
+    leave-one-model-out errors that chose them (over the training models only)."""
+
+    gamma: float
+    rho: float
+    lam: float
+    inner_median: float
+    inner_p90: float
+
+    def as_list(self) -> list[float]:
+        return [self.gamma, self.rho, self.lam, self.inner_median, self.inner_p90]
 
 
 @dataclass
@@ -304,10 +492,15 @@ class CrossGpuModel:
         regressors: per (source, target, v, b, v_src, with_layers), the regressor of
             ``log T(target, v, b) - log S(source, v_src, b)`` per block.
         models: names of the artifact models it was fitted on.
+        layer_models: per (source, target), the layer-level ratio model behind the
+            per-layer predicted-ratio features.
+        selection: per (source, target, with_layers), the chosen hyper-parameters.
     """
 
     regressors: dict[VariantKey, _Regressor]
     models: list[str]
+    layer_models: dict[tuple[str, str], LayerRatioModel] = field(default_factory=dict)
+    selection: dict[tuple[str, str, bool], Selection] = field(default_factory=dict)
 
     # ---- what it covers -----------------------------------------------------------
     def gpus(self) -> list[str]:
@@ -321,34 +514,50 @@ class CrossGpuModel:
                 out.setdefault(v, set()).add(b)
         return {v: sorted(bs) for v, bs in sorted(out.items())}
 
-    def has(self, source: str, target: str, v: int, b: int, v_src: int) -> bool:
-        return (source, target, v, b, v_src, False) in self.regressors
+    def has(self, source: str, target: str, v: int, b: int, v_src: int, with_layers: bool = False) -> bool:
+        return (source, target, v, b, v_src, with_layers) in self.regressors
+
+    def source_layer_models(self, source: str) -> list[LayerRatioModel] | None:
+        """The layer ratio models from ``source`` to every other GPU type (sorted), or None
+        when the model was fitted without per-layer features."""
+        others = sorted(t for (s, t) in self.layer_models if s == source)
+        return [self.layer_models[(source, g)] for g in others] if others else None
 
     def predict_log_ratio(
-        self, source: str, target: str, v: int, b: int, v_src: int, static: np.ndarray, dyn: np.ndarray
+        self, source: str, target: str, v: int, b: int, v_src: int, static: np.ndarray, dyn: np.ndarray,
+        *, with_layers: bool,
     ) -> np.ndarray:
-        with_layers = static.shape[1] == N_STATIC_FULL
         reg = self.regressors.get((source, target, v, b, v_src, with_layers))
         if reg is None:
             raise UserError(
                 f"the cross-GPU model has no fit for {source} -> {target} at level {v}, batch {b}"
-                + (f" from source level {v_src}" if v_src != v else ""),
+                + (f" from source level {v_src}" if v_src != v else "")
+                + (" with per-layer features" if with_layers else " from block timings alone"),
                 fix=f"ask for levels/batches in {self.grid(source, target)}, or refit with fit_cross_gpu() on data that has them",
             )
-        return reg.predict(_design(static, dyn))
+        return reg.predict(np.concatenate([static, dyn[:, None]], axis=1))
 
     # ---- I/O ----------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the parameters (weights only, no training data) to an ``.npz`` file."""
         p = Path(path)
-        arrays = {"|".join(str(int(x)) if isinstance(x, (bool, int)) else x for x in k): r.pack() for k, r in self.regressors.items()}
+        arrays = {
+            "reg|" + "|".join(str(int(x)) if isinstance(x, (bool, int)) else x for x in k): r.pack()
+            for k, r in self.regressors.items()
+        }
+        ops = sorted({o for lm in self.layer_models.values() for o in lm.ops})
+        for (s, t), lm in self.layer_models.items():
+            if list(lm.ops) != ops:
+                raise ValueError("layer models with different op vocabularies cannot be saved together")
+            arrays[f"layer|{s}|{t}"] = lm.coef.astype(np.float32)
         meta = {
             "format_version": FORMAT_VERSION,
             "models": self.models,
             "static_features": _stat_feature_names(True),
             "rff_features": RFF_FEATURES,
             "rff_seed": RFF_SEED,
-            "kernel_gamma": KERNEL_GAMMA,
+            "layer_ops": ops,
+            "selection": {f"{s}|{t}|{int(wl)}": sel.as_list() for (s, t, wl), sel in self.selection.items()},
         }
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
         np.savez_compressed(p, **arrays)
@@ -366,9 +575,8 @@ class CrossGpuModel:
         with np.load(p) as z:
             meta = json.loads(bytes(z["meta"]).decode())
             same = (
-                meta.get("format_version"), meta.get("rff_features"), meta.get("rff_seed"), meta.get("kernel_gamma"),
-                meta.get("static_features"),
-            ) == (FORMAT_VERSION, RFF_FEATURES, RFF_SEED, KERNEL_GAMMA, _stat_feature_names(True))
+                meta.get("format_version"), meta.get("rff_features"), meta.get("rff_seed"), meta.get("static_features"),
+            ) == (FORMAT_VERSION, RFF_FEATURES, RFF_SEED, _stat_feature_names(True))
             if not same:
                 raise UserError(
                     "cross-GPU parameters were fitted by another version of this model "
@@ -376,14 +584,21 @@ class CrossGpuModel:
                     fix="refit with `python -m ppipe.profiler.estimate fit-cross-gpu <artifact folder>`",
                     file=str(p),
                 )
-            regs = {}
+            regs: dict[VariantKey, _Regressor] = {}
+            layers: dict[tuple[str, str], LayerRatioModel] = {}
+            ops = tuple(meta.get("layer_ops", []))
             for k in z.files:
-                if k == "meta":
-                    continue
-                s, t, v, b, vs, wl = k.split("|")
-                n_design = 2 + (N_STATIC_FULL if wl == "1" else N_STATIC_BLOCKS_ONLY)
-                regs[(s, t, int(v), int(b), int(vs), wl == "1")] = _Regressor.unpack(z[k], n_design)
-        return CrossGpuModel(regressors=regs, models=list(meta["models"]))
+                parts = k.split("|")
+                if parts[0] == "reg":
+                    s, t, v, b, vs, wl = parts[1:]
+                    regs[(s, t, int(v), int(b), int(vs), wl == "1")] = _Regressor.unpack(z[k])
+                elif parts[0] == "layer":
+                    layers[(parts[1], parts[2])] = LayerRatioModel(ops=ops, coef=z[k].astype(float))
+        selection = {}
+        for key, vals in meta.get("selection", {}).items():
+            s, t, wl = key.split("|")
+            selection[(s, t, wl == "1")] = Selection(*vals)
+        return CrossGpuModel(regressors=regs, models=list(meta["models"]), layer_models=layers, selection=selection)
 
 
 _DEFAULT: CrossGpuModel | None = None
@@ -409,59 +624,183 @@ def artifact_layer_inputs(am: ArtifactModel, gpu: str) -> tuple[dict[str, float]
     return layer, {n: int(b) for n, b in zip(am.nodes, am.node_block)}
 
 
+@dataclass
+class _Design:
+    """Rows (blocks of every training model) of the variants that share one source, one
+    source level and one batch: same features, one target column per (target, level)."""
+
+    source: str
+    v_src: int
+    batch: int
+    dyn: list[np.ndarray] = field(default_factory=list)
+    columns: list[tuple[str, int]] = field(default_factory=list)  # (target, v)
+    ys: list[list[np.ndarray]] = field(default_factory=list)  # per column, per model
+
+
 def fit_cross_gpu_from_models(
-    models: Iterable[ArtifactModel], *, pairs: Iterable[tuple[str, str]] | None = None
+    models: Iterable[ArtifactModel],
+    *,
+    pairs: Iterable[tuple[str, str]] | None = None,
+    with_layers: Iterable[bool] = (False, True),
+    hyper_grid: Sequence[tuple[float, float, float]] = HYPER_GRID,
 ) -> CrossGpuModel:
     """Fit the cross-GPU model on artifact models already read (see :func:`fit_cross_gpu`).
+
+    The hyper-parameters (gamma, rho, lambda) of each (source, target, feature set) are
+    chosen from ``hyper_grid`` by leave-one-model-out over ``models`` (exact closed form,
+    no refits): the median + 90th percentile of the held-out block latency errors, pooled
+    over that pair's levels and batches, is minimized.
 
     Args:
         models: the training models.
         pairs: only these (source, target) GPU pairs (default: every ordered pair).
+        with_layers: which feature sets to fit (False: block timings alone; True: with
+            the per-layer features).
+        hyper_grid: candidate (gamma, rho, lambda); one entry skips the selection.
     """
     only = set(pairs) if pairs is not None else None
+    feature_sets = sorted(set(with_layers))
     models = list(models)
-    if len(models) < 2:
-        raise UserError("fitting the cross-GPU model needs at least two models", fix="point at the full artifact folder")
     gpus = sorted({g for am in models for g in am.profile.gpus()})
-    training: dict[str, list[np.ndarray]] = {}
-    dyn: dict[tuple[str, int, int], list[np.ndarray]] = {}
-    targets: dict[tuple[str, str, int, int, int], list[np.ndarray]] = {}
-    names: list[str] = []
     # Only models with every GPU type are used, so that every variant has the same rows.
     usable = [am for am in models if set(am.profile.gpus()) == set(gpus) and all(g in am.layer_us for g in gpus)]
+    if len(usable) < 3:
+        raise UserError(
+            "fitting the cross-GPU model needs at least three models with every GPU type "
+            "(the hyper-parameters are chosen by leave-one-model-out among them)",
+            fix="point at the full artifact folder",
+        )
+    wanted = [(s, t) for s in gpus for t in gpus if s != t and (only is None or (s, t) in only)]
+    sources = sorted({s for s, _ in wanted})
+    names = [am.name for am in usable]
+    groups: list[np.ndarray] = []
+    start = 0
     for am in usable:
-        prof = am.profile
-        names.append(am.name)
-        for s in gpus:
-            layer, nodes = artifact_layer_inputs(am, s)
-            training.setdefault(s, []).append(static_features(prof, s, layer_latency_us=layer, node_blocks=nodes))
+        groups.append(np.arange(start, start + am.profile.num_blocks))
+        start += am.profile.num_blocks
+
+    # 1. layer ratio models, for every ordered pair out of a source: the full fit (used on
+    #    new models) and, per training model, one fitted without it (its own features).
+    layer_full: dict[tuple[str, str], LayerRatioModel] = {}
+    layer_wo: dict[tuple[str, str], list[LayerRatioModel]] = {}
+    if True in feature_sets:
+        ops = _layer_vocabulary(usable)
+        for s in sources:
             for t in gpus:
-                if t == s or (only is not None and (s, t) not in only):
+                if t == s:
                     continue
-                for v in prof.levels(t):
-                    for b in prof.batches(t, v):
-                        t_lat = _source_latency(prof, t, v, b)
-                        for vs in {1, v} if v in prof.levels(s) else {1}:
-                            if b not in prof.batches(s, vs):
+                st = [_layer_stats(am.op_types, am.layer_us[s], am.layer_us[t], ops) for am in usable]
+                xtx = sum(a for a, _ in st)
+                xty = sum(b for _, b in st)
+                layer_full[(s, t)] = LayerRatioModel(ops=ops, coef=_layer_solve(xtx, xty))
+                layer_wo[(s, t)] = [LayerRatioModel(ops=ops, coef=_layer_solve(xtx - a, xty - b)) for a, b in st]
+
+    # 2. per-source features of every training model's blocks
+    static: dict[str, np.ndarray] = {}
+    for s in sources:
+        rows = []
+        for m, am in enumerate(usable):
+            if True in feature_sets:
+                layer, nodes = artifact_layer_inputs(am, s)
+                lms = [layer_wo[(s, g)][m] for g in gpus if g != s]
+                rows.append(static_features(am.profile, s, layer_latency_us=layer, node_blocks=nodes, layer_models=lms))
+            else:
+                rows.append(static_features(am.profile, s))
+        static[s] = np.concatenate(rows)
+
+    # 3. designs: one per (source, source level, batch); targets every (target, level) that
+    #    every training model has
+    designs: dict[tuple[str, int, int], _Design] = {}
+    for s, t in wanted:
+        p0 = usable[0].profile
+        for v in p0.levels(t):
+            for b in p0.batches(t, v):
+                for vs in sorted({1, v} if v in p0.levels(s) else {1}):
+                    if not all(
+                        v in am.profile.levels(t) and b in am.profile.batches(t, v)
+                        and vs in am.profile.levels(s) and b in am.profile.batches(s, vs)
+                        for am in usable
+                    ):
+                        continue  # some training model lacks this (level, batch): no fit for it
+                    d = designs.get((s, vs, b))
+                    if d is None:
+                        d = designs[(s, vs, b)] = _Design(s, vs, b, dyn=[dynamic_feature(am.profile, s, vs, b) for am in usable])
+                    d.columns.append((t, v))
+                    d.ys.append([
+                        np.log(np.maximum(_source_latency(am.profile, t, v, b), 1.0))
+                        - np.log(np.maximum(_source_latency(am.profile, s, vs, b), 1.0))
+                        for am in usable
+                    ])
+
+    def design_matrix(d: _Design, wl: bool) -> tuple[np.ndarray, np.ndarray]:
+        feats = static[d.source] if wl else static[d.source][:, :N_STATIC_BLOCKS_ONLY]
+        x = np.concatenate([feats, np.concatenate(d.dyn)[:, None]], axis=1)
+        y = np.stack([np.concatenate(c) for c in d.ys], axis=1)
+        return x, y
+
+    # 4. hyper-parameters per (source, target, feature set) by leave-one-model-out
+    grid = list(hyper_grid)
+    chosen: dict[tuple[str, str, bool], Selection] = {}
+    if len(grid) == 1:
+        g0, r0, l0 = grid[0]
+        chosen = {(s, t, wl): Selection(g0, r0, l0, float("nan"), float("nan")) for s, t in wanted for wl in feature_sets}
+    else:
+        errs: dict[tuple[str, str, bool], list[list[np.ndarray]]] = {}
+        src_levels = {s: usable[0].profile.levels(s) for s in sources}
+        stacked = _group_index(groups)
+        for wl in feature_sets:
+            for d in designs.values():
+                if d.batch not in SELECT_BATCHES:
+                    continue
+                x, y = design_matrix(d, wl)
+                mu, sd = _standardizer(x)
+                z = (x - mu) / sd
+                zz = INTERCEPT_PRIOR + z @ z.T
+                bounds = _rest_bounds(y, stacked)
+                for gamma in sorted({g for g, _, _ in grid}):
+                    phi = _rff(z, gamma)
+                    pp = phi @ phi.T
+                    for rho in sorted({r for g, r, _ in grid if g == gamma}):
+                        evals, evecs = np.linalg.eigh(zz + rho * pp)
+                        evals = np.maximum(evals, 0.0)
+                        for k, (g, r, lam) in enumerate(grid):
+                            if (g, r) != (gamma, rho):
                                 continue
-                            s_lat = _source_latency(prof, s, vs, b)
-                            targets.setdefault((s, t, v, b, vs), []).append(
-                                np.log(np.maximum(t_lat, 1.0)) - np.log(np.maximum(s_lat, 1.0))
-                            )
-                            if (s, vs, b) not in dyn or len(dyn[(s, vs, b)]) < len(training[s]):
-                                dyn.setdefault((s, vs, b), []).append(dynamic_feature(prof, s, vs, b))
-    n_rows = {s: sum(len(a) for a in training[s]) for s in training}
-    static = {s: np.concatenate(a) for s, a in training.items()}
-    cat_dyn = {k: np.concatenate(v) for k, v in dyn.items() if sum(len(a) for a in v) == n_rows[k[0]]}
+                            e = np.abs(_group_loo_errors(evecs, evals, lam, y, stacked, bounds)).astype(np.float32)
+                            for c, (t, v) in enumerate(d.columns):
+                                if d.v_src != v and v in src_levels[d.source]:
+                                    continue  # a fallback variant: predictions use level v of the source
+                                errs.setdefault((d.source, t, wl), [[] for _ in grid])[k].append(e[:, c])
+        for key, per_setting in errs.items():
+            stats = []
+            for k, parts in enumerate(per_setting):
+                e = np.concatenate(parts)
+                stats.append((float(np.median(e)) + float(np.percentile(e, 90)), k, float(np.median(e)), float(np.percentile(e, 90))))
+            _score, k, med, p90 = min(stats)
+            g, r, lam = grid[k]
+            chosen[key] = Selection(g, r, lam, med, p90)
+
+    # 5. final fits with the chosen hyper-parameters
     regs: dict[VariantKey, _Regressor] = {}
-    for (s, t, v, b, vs), ys in sorted(targets.items()):
-        y = np.concatenate(ys)
-        if len(y) != n_rows[s] or (s, vs, b) not in cat_dyn:
-            continue  # some training model lacks this (level, batch): no fit for it
-        for with_layers in (False, True):
-            feats = static[s] if with_layers else static[s][:, :N_STATIC_BLOCKS_ONLY]
-            regs[(s, t, v, b, vs, with_layers)] = _Regressor.fit(_design(feats, cat_dyn[(s, vs, b)]), y)
-    return CrossGpuModel(regressors=regs, models=names)
+    for wl in feature_sets:
+        for d in designs.values():
+            x, y = design_matrix(d, wl)
+            mu, sd = _standardizer(x)
+            z = (x - mu) / sd
+            by_setting: dict[tuple[float, float, float], list[int]] = {}
+            for c, (t, _v) in enumerate(d.columns):
+                sel = chosen[(d.source, t, wl)]
+                by_setting.setdefault((sel.gamma, sel.rho, sel.lam), []).append(c)
+            for (gamma, rho, lam), cols in by_setting.items():
+                phi = _rff(z, gamma)
+                m = INTERCEPT_PRIOR + z @ z.T + rho * (phi @ phi.T)
+                alpha = np.linalg.solve(m / lam + np.eye(len(z)), y[:, cols])
+                for j, c in enumerate(cols):
+                    t, v = d.columns[c]
+                    regs[(d.source, t, v, d.batch, d.v_src, wl)] = _Regressor.from_dual(
+                        alpha[:, j], z, phi, y[:, c], mu=mu, sd=sd, gamma=gamma, rho=rho, lam=lam
+                    )
+    return CrossGpuModel(regressors=regs, models=names, layer_models=layer_full, selection=chosen)
 
 
 def fit_cross_gpu(artifact_dir: str | Path, *, exclude: Iterable[str] = (), out: str | Path | None = None) -> CrossGpuModel:
@@ -535,8 +874,14 @@ def cross_gpu_table(
     grid = m.grid(source_gpu, target_gpu)
     want_levels = sorted(set(levels)) if levels is not None else list(grid)
     with_layers = layer_latency_us is not None and node_blocks is not None
+    layer_models = m.source_layer_models(source_gpu) if with_layers else None
+    if with_layers and layer_models is None:
+        raise UserError(
+            "this cross-GPU model was fitted without per-layer features",
+            fix="leave out layer_latency_us and node_blocks, or refit with with_layers=(False, True)",
+        )
     static = static_features(
-        profile, source_gpu, layer_latency_us=layer_latency_us if with_layers else None, node_blocks=node_blocks if with_layers else None
+        profile, source_gpu, layer_latency_us=layer_latency_us, node_blocks=node_blocks, layer_models=layer_models
     )
     src_levels = profile.levels(source_gpu)
     out: dict[tuple[str, int, int, int], float] = {}
@@ -554,10 +899,10 @@ def cross_gpu_table(
                     f"model '{profile.name}': no source timing on {source_gpu} at level {v_src}, batch {b}",
                     fix=f"profile {source_gpu} at that batch, or ask for batches {list(profile.batches(source_gpu, v_src))}",
                 )
-            if not m.has(source_gpu, target_gpu, v, b, v_src) and v_src != 1:
+            if not m.has(source_gpu, target_gpu, v, b, v_src, with_layers) and v_src != 1:
                 v_src = 1  # the fit has no same-level variant: fall back on level 1 of the source
             dyn = dynamic_feature(profile, source_gpu, v_src, b)
-            log_r = m.predict_log_ratio(source_gpu, target_gpu, v, b, v_src, static, dyn)
+            log_r = m.predict_log_ratio(source_gpu, target_gpu, v, b, v_src, static, dyn, with_layers=with_layers)
             src = np.maximum(_source_latency(profile, source_gpu, v_src, b), 1.0)
             for i, lat in enumerate(src * np.exp(log_r)):
                 out[(target_gpu, v, b, i)] = float(lat)
