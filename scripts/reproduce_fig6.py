@@ -86,6 +86,20 @@ def _plan(cluster, profiles, planner: str, margin: float, max_partitions: int, w
     )
 
 
+def _dp_options(args) -> dict:
+    """``--dp-option name=value`` pairs as data-plane options (values are Python literals)."""
+    import ast
+
+    out = {}
+    for item in args.dp_option or []:
+        name, _, value = item.partition("=")
+        try:
+            out[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[name.strip()] = value.strip()
+    return out
+
+
 def _sweep(plan, profiles, cluster, rates, args, policy: str):
     from ppipe.sim import SimConfig, Workload, sweep
     from ppipe.sim.arrivals import read_trace
@@ -94,7 +108,7 @@ def _sweep(plan, profiles, cluster, rates, args, policy: str):
     # For the reservation policy a report equal to the plan is a no-op, so only changed
     # stages are reported (same results, faster); the reactive policy gets every report.
     cfg = SimConfig(duration_s=args.duration_s, seed=args.seed, policy=policy,
-                    feedback="changed" if policy == "reservation" else "all")
+                    feedback="changed" if policy == "reservation" else "all", scheduler_options=_dp_options(args))
     return sweep(plan, {p.name: p for p in profiles}, cluster, rates_rps=rates, workload=wl, config=cfg,
                  search=args.search, bisect_steps=args.bisect_steps)
 
@@ -118,6 +132,7 @@ def _summary(res, plan, cluster) -> dict:
 def main_task(task: tuple) -> dict:
     """One (group, cluster, system): plan PPipe (for the rates) and the system, then sweep."""
     group, cluster_name, system, args = task
+    from ppipe.sim.sweep import base_rates
     from ppipe.spec.artifact import load_artifact_model
     from ppipe.spec.cluster import load_cluster
 
@@ -128,7 +143,7 @@ def main_task(task: tuple) -> dict:
     weights = WEIGHTS[args.arrivals]
     ref = _plan(cluster, profiles, "ppipe", 0.4, 2, weights)
     plan = ref if system == "ppipe" else _plan(cluster, profiles, system, 0.4, 2, weights)
-    rates = {m.name: m.throughput_rps for m in ref.models}
+    rates = base_rates(ref, args.rate_basis)
     res = _sweep(plan, profiles, cluster, rates, args, "reservation")
     out = {"kind": "main", "group": group, "cluster": cluster_name, "system": system, **_summary(res, plan, cluster)}
     out["wall_s"] = time.perf_counter() - t0
@@ -138,6 +153,7 @@ def main_task(task: tuple) -> dict:
 def ablation_task(task: tuple) -> dict:
     """One ablation case (one model alone, or a group) on HC2-L under one policy."""
     label, shorts, policy, args = task
+    from ppipe.sim.sweep import base_rates
     from ppipe.spec.artifact import load_artifact_model
     from ppipe.spec.cluster import load_cluster
 
@@ -149,7 +165,7 @@ def ablation_task(task: tuple) -> dict:
         plan = _plan(cluster, profiles, "ppipe", 0.1, 3, None)
     else:
         plan = _plan(cluster, profiles, "ppipe", 0.4, 2, WEIGHTS[args.arrivals])
-    rates = {m.name: m.throughput_rps for m in plan.models}
+    rates = base_rates(plan, args.rate_basis)
     res = _sweep(plan, profiles, cluster, rates, args, policy)
     out = {"kind": "ablation", "case": label, "policy": policy, **_summary(res, plan, cluster)}
     out["wall_s"] = time.perf_counter() - t0
@@ -259,6 +275,12 @@ def main(argv=None) -> int:
                     help="scan: 1.0 down by 0.05 (the paper); bisect/guided: same grid, fewer runs (assume attainment "
                     "falls as load rises; guided starts from the capacity a failing run shows)")
     ap.add_argument("--bisect-steps", type=int, default=0, help="refine each answer below the 0.05 grid")
+    ap.add_argument("--rate-basis", default="share", choices=["share", "planned"],
+                    help="load factor 1.0 per model: share = PPipe's max-min throughput x the model's weight (the "
+                    "MILP's output, default); planned = each model's planned capacity (stricter where a model has slack)")
+    ap.add_argument("--dp-option", action="append", default=None, metavar="NAME=VALUE",
+                    help="a data-plane option for every simulated system (SchedulerOptions field; repeatable), "
+                    "e.g. --dp-option backlog_batching=False")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     ap.add_argument("--no-ablation", action="store_true")

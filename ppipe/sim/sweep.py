@@ -2,11 +2,22 @@
 
 Load factor
 -----------
-As in the paper, load factor 1.0 is the *planned* throughput of each model (its
-``ModelPlan.throughput_rps``, which the planner's max-min objective already shares by
-weight). A run at load ``f`` offers ``f x base rate`` per model. To drive several systems
-at the same absolute rates (the paper drives NP and DART-r at PPipe's rates), pass the
-base rates of the reference plan (:func:`base_rates` of it, or ``--rates-from``).
+Load factor 1.0 is the throughput in the output of the planner's MILP (the paper, §7.1),
+shared among the models by weight: for a plan made with the max-min objective (maximize
+z subject to ``w_m z <= x_m``), model m's base rate is ``w_m * z`` with
+``z = min_m x_m / w_m`` -- i.e. the plan's throughput times the model's weight share
+(:attr:`RateBasis.SHARE`, the default). ``x_m`` (``ModelPlan.throughput_rps``, the
+capacity of the model's pools) can exceed ``w_m z`` for a model that does not bind the
+objective: the solver leaves such slack where GPUs come in whole units, and it is not part
+of the objective (in the paper's MILP a pipeline's throughput is a variable bounded
+*above* by its pools' capacity, so only ``w_m z`` is what the plan promises). For the
+binding model, and for a plan of one model, the two are equal. ``RateBasis.PLANNED``
+uses each model's own ``x_m`` instead (the previous reading; stricter on models with
+slack); plans made with another objective always use ``x_m``.
+
+A run at load ``f`` offers ``f x base rate`` per model. To drive several systems at the
+same absolute rates (the paper drives NP and DART-r at PPipe's rates), pass the base
+rates of the reference plan (:func:`base_rates` of it, or ``--rates-from``).
 
 Sweeps
 ------
@@ -91,9 +102,31 @@ def load_inputs(plan_path: str | Path, cluster: str | Path | None = None) -> tup
     return plan, profiles, spec
 
 
-def base_rates(plan: Plan) -> dict[str, float]:
-    """Load factor 1.0: the planned throughput of each model, req/s."""
-    return {m.name: float(m.throughput_rps) for m in plan.models}
+class RateBasis(str, enum.Enum):
+    """What load factor 1.0 means per model (see the module docstring)."""
+
+    SHARE = "share"
+    PLANNED = "planned"
+
+
+def base_rates(plan: Plan, basis: RateBasis | str = RateBasis.SHARE) -> dict[str, float]:
+    """Load factor 1.0 per model, req/s.
+
+    Args:
+        plan: the (reference) plan.
+        basis: ``share`` (default): ``w_m * min_m'(x_m' / w_m')`` for a max-min plan, the
+            plan's max-min throughput times the model's weight; ``planned``: each model's
+            planned throughput ``x_m``. Plans with another objective always give ``x_m``.
+    """
+    try:
+        basis = RateBasis(basis)
+    except ValueError:
+        raise UserError(f"unknown rate basis {basis!r}", fix="use 'share' (default) or 'planned'") from None
+    planned = {m.name: float(m.throughput_rps) for m in plan.models}
+    if basis is RateBasis.PLANNED or plan.settings.objective != "max-min" or not plan.models:
+        return planned
+    z = min(m.throughput_rps / m.weight for m in plan.models)
+    return {m.name: float(m.weight * z) for m in plan.models}
 
 
 def check_rates(plan: Plan, rates_rps: Mapping[str, float], source: str = "rates") -> dict[str, float]:
