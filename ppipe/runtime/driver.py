@@ -186,16 +186,19 @@ class Runtime:
         fut = asyncio.get_running_loop().create_future()
         self._pending[req.id] = _Pending(req, fut)
         self._queued[model] += 1
-        self.metrics.queue.labels(model).inc()
+        self.metrics.bound(self.metrics.queue, model).inc()
         self._apply(self.scheduler.submit(req))
         timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
+        # one timer per request (cheaper than wait_for(shield(...)), which wraps the future twice)
+        timer = asyncio.get_running_loop().call_later(timeout_s, self._timed_out, req.id, timeout_s)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-        except asyncio.TimeoutError:
-            self._answer_error(req.id, DroppedError("timeout", f"no answer within {timeout_s:.1f} s"))
-            return fut.result()  # raises the DroppedError
+            return await fut
         finally:
+            timer.cancel()
             self._pending.pop(req.id, None)
+
+    def _timed_out(self, rid: int, timeout_s: float) -> None:
+        self._answer_error(rid, DroppedError("timeout", f"no answer within {timeout_s:.1f} s"))
 
     # ---- decisions ------------------------------------------------------------------------
     def _apply(self, decisions: list[Decision]) -> None:
@@ -235,7 +238,7 @@ class Runtime:
 
     def _dequeue(self, model: str) -> None:
         self._queued[model] -= 1
-        self.metrics.queue.labels(model).dec()
+        self.metrics.bound(self.metrics.queue, model).dec()
 
     def _answer_error(self, rid: int, err: DroppedError) -> None:
         p = self._pending.get(rid)
@@ -252,12 +255,12 @@ class Runtime:
             return
         p.future.set_result(outputs)
         if self.clock.now_us() > p.request.deadline_us:
-            self.metrics.late.labels(p.request.model).inc()
+            self.metrics.bound(self.metrics.late, p.request.model).inc()
 
     def _dispatch(self, d: Dispatch) -> None:
         for r in d.requests:
             self._mark_dispatched(r)
-        self.metrics.batch.labels(d.model).observe(d.batch)
+        self.metrics.bound(self.metrics.batch, d.model).observe(d.batch)
         task = asyncio.get_running_loop().create_task(self._run_batch(d))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -332,7 +335,7 @@ class Runtime:
 
     def _report(self, d: Dispatch, k: int, rep: dict[str, Any]) -> None:
         c = self.clock
-        self.metrics.busy.labels(rep["vgpu_id"]).inc(max(0.0, rep["end_us"] - rep["start_us"]) / 1e6)
+        self.metrics.bound(self.metrics.busy, rep["vgpu_id"]).inc(max(0.0, rep["end_us"] - rep["start_us"]) / 1e6)
         sr = StageReport(
             batch_id=d.batch_id,
             partition=d.stages[k].partition,

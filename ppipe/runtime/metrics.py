@@ -28,6 +28,16 @@ class RuntimeMetrics:
         self.busy = Counter("ppipe_vgpu_busy_seconds", "Time each vGPU spent running batches (worker reports).", ["vgpu"], registry=r)
         self.failed = Gauge("ppipe_vgpu_failed", "1 for each vGPU marked failed.", ["vgpu"], registry=r)
         self.late = Counter("ppipe_late", "Served requests that finished after their deadline.", ["model"], registry=r)
+        self._bound: dict[tuple, object] = {}
+
+    def bound(self, metric, *labels: str):
+        """``metric.labels(*labels)``, cached: the hot path (several per request) skips
+        prometheus_client's label validation and lock on every call after the first."""
+        key = (id(metric), labels)
+        child = self._bound.get(key)
+        if child is None:
+            child = self._bound[key] = metric.labels(*labels)
+        return child
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -190,8 +190,8 @@ class Frontend:
         if req.requested_outputs:
             outputs = {k: v for k, v in outputs.items() if k in req.requested_outputs}
         body_out, headers = encode_infer_response(name, outputs, req.id, req.binary_output)
-        m.requests.labels(name, "200").inc()
-        m.latency.labels(name).observe(asyncio.get_running_loop().time() - t0)
+        m.bound(m.requests, name, "200").inc()
+        m.bound(m.latency, name).observe(asyncio.get_running_loop().time() - t0)
         return Response(body_out, status_code=200, headers=headers)
 
     async def metrics(self, request: Request) -> Response:
@@ -219,12 +219,12 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
                 on_shutdown()
 
     routes = [
+        Route("/v2/models/{name}/infer", fe.infer, methods=["POST"]),  # first: the hot path matches at once
         Route("/v2", fe.server_metadata, methods=["GET"]),
         Route("/v2/health/live", fe.live, methods=["GET"]),
         Route("/v2/health/ready", fe.ready, methods=["GET"]),
         Route("/v2/models/{name}", fe.model_metadata, methods=["GET"]),
         Route("/v2/models/{name}/ready", fe.model_ready, methods=["GET"]),
-        Route("/v2/models/{name}/infer", fe.infer, methods=["POST"]),
         Route("/metrics", fe.metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -375,3 +375,23 @@ def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinyn
     # the dead receiver's NCCL peer is told to abort the edge; the object-store peer is not
     assert peers[ups[0]].dropped == [down]
     assert peers[ups[1]].dropped == []
+
+
+def test_a_request_nobody_decides_on_is_answered_with_a_timeout(tinynet):
+    # the scheduler waits 10 s for a batch of 4; the runtime answers at SLO + grace instead
+    rt, _ = _runtime(tinynet, max_batch=4, window_us=10e6)
+    rt.answer_grace_s = 0.05
+
+    async def main():
+        await rt.start()
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(DroppedError, match="timeout: no answer within"):
+            await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+        waited = asyncio.get_running_loop().time() - t0
+        await rt.stop()
+        return waited
+
+    waited = asyncio.run(main())
+    slo_s = rt.plan.model("tinynet").slo_ms / 1e3
+    assert slo_s + 0.05 <= waited + 1e-3
+    assert not rt._pending and rt._queued["tinynet"] == 0
