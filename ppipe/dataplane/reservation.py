@@ -120,6 +120,9 @@ class ReservationScheduler(BatchingScheduler):
                 scan = pool.scan_set(tau, l_i, best_t) if seed is not None else None
                 if scan is None:
                     scan = pool.vgpus
+                elif scan and seed.vgpu in scan:
+                    # The seed cannot beat itself (`f < best_t` is strict): not visited again.
+                    scan = [x for x in scan if x is not seed.vgpu]
                 eps = EPS_US
                 b_g = None
                 b_ts = b_s = 0.0
@@ -261,6 +264,9 @@ class ReservationScheduler(BatchingScheduler):
         if best is not None and tau is not None:
             limit = best_L + _LOOKAHEAD_CREEP_US
             scan = pool.scan_set(tau, l_i, limit)
+            if scan and best.vgpu in scan:
+                # The seed does not replace itself (no comparison of equals is strict).
+                scan = [x for x in scan if x is not best.vgpu]
         if scan is None:
             scan, limit = pool.vgpus, _INF
         # The scan (hot: locals, the table search inlined).

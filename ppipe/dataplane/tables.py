@@ -42,7 +42,7 @@ class ReservationTable:
         keys: the key of each interval (``None`` for anonymous reservations).
     """
 
-    __slots__ = ("name", "starts", "ends", "keys", "on_free")
+    __slots__ = ("name", "starts", "ends", "keys", "on_free", "version")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
@@ -54,6 +54,9 @@ class ReservationTable:
         # (Pool's gap heap) must hear of it. ``add`` and ``prune`` never make it freer for
         # a query at or after now, so they do not call it.
         self.on_free: Callable[[], None] | None = None
+        # Bumped by every update that can change a query's answer at or after now (all but
+        # prune): a cached answer computed at the same version is still the answer.
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -97,6 +100,7 @@ class ReservationTable:
         self.starts.insert(i, start)
         self.ends.insert(i, end)
         self.keys.insert(i, key)
+        self.version += 1
 
     def prune(self, now: float) -> int:
         """Drop intervals that ended at or before ``now``; returns how many."""
@@ -129,6 +133,7 @@ class ReservationTable:
         if i < 0:
             return False
         del self.starts[i], self.ends[i], self.keys[i]
+        self.version += 1
         if self.on_free is not None:
             self.on_free()
         return True
@@ -175,6 +180,7 @@ class ReservationTable:
             j += 1
         if now is not None:
             self.prune(now)  # a report usually comes after the fact: keep only what matters
+        self.version += 1
         if self.on_free is not None:
             self.on_free()  # the reported interval may be shorter or earlier than the reserved one
         return moved
@@ -212,6 +218,7 @@ class ReservationTable:
             self.ends[j] = prev_end + d
             prev_end = self.ends[j]
             j += 1
+        self.version += 1
         if self.on_free is not None:
             self.on_free()  # its old place is free now
         return start, start + dur

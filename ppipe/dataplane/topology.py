@@ -44,6 +44,10 @@ def _vgpu_id(g: "VGpu") -> str:
     return g.id
 
 
+_sift_down = heapq._siftup  # type: ignore[attr-defined]
+"""Restore the heap below index i after its entry grew (heapq's name: items move up, the entry down)."""
+
+
 class VGpu:
     """One placed vGPU. ``alive`` turns False on mark_failed."""
 
@@ -106,7 +110,7 @@ class Pool:
         self.max_bw_gbps = 0.0
         self.heap: list[tuple[float, str]] = []
         self.by_id: dict[str, VGpu] = {}
-        self.gap_heap: list[tuple[float, str]] = []
+        self.gap_heap: list[tuple[float, str, int]] = []
         self.gap_min_us = 0.0  # shortest inference of the pool (0: no gap heap)
         self.gap_tau = _NEG_INF  # the latest query time a gap-heap entry was computed for
 
@@ -119,7 +123,7 @@ class Pool:
         heapq.heapify(self.heap)
         self.gap_min_us = min(self.infer_us.values(), default=0.0)
         # -inf: unknown; the first scan_set computes every entry
-        self.gap_heap = [(_NEG_INF, g.id) for g in self.vgpus]
+        self.gap_heap = [(_NEG_INF, g.id, -1) for g in self.vgpus]
         for g in self.vgpus:
             g.table.on_free = self._freed_callback(g.id)
 
@@ -128,14 +132,14 @@ class Pool:
 
         def freed() -> None:
             heap = self.gap_heap
-            heapq.heappush(heap, (_NEG_INF, vid))
+            heapq.heappush(heap, (_NEG_INF, vid, -1))
             if len(heap) > 4 * len(self.vgpus) + 16:
                 # Many notifications between scans: keep the smallest entry of each vGPU.
-                low: dict[str, float] = {}
-                for h, v in heap:
-                    if v in self.by_id and h < low.get(v, _INF):
-                        low[v] = h
-                self.gap_heap = [(h, v) for v, h in low.items()]
+                low: dict[str, tuple[float, str, int]] = {}
+                for e in heap:
+                    if e[1] in self.by_id and e < low.get(e[1], (_INF,)):
+                        low[e[1]] = e
+                self.gap_heap = list(low.values())
                 heapq.heapify(self.gap_heap)
 
         return freed
@@ -145,10 +149,16 @@ class Pool:
 
         Every vGPU left out cannot: for any query time ``t >= tau`` its earliest slot for
         ``l_i`` ends after ``limit``. ``tau`` must be a time no later than the query's
-        start (probe passes ``min(t0, now)``). Entries popped on the way are brought up to
-        date at ``tau`` (lazy repair). Returns None when the bound cannot be used (a query
-        earlier than an entry's time, or a pool without positive latencies): the caller
-        then scans every vGPU.
+        start (probe passes ``min(t0, now)``). Returns None when the bound cannot be used
+        (a query earlier than an entry's time, or a pool without positive latencies): the
+        caller then scans every vGPU.
+
+        How: the heap entries ``(h, vgpu_id, table_version)`` at or below ``limit - l_i``
+        form a subtree at the heap's root; it is walked without popping. An entry is
+        brought up to date (``earliest(tau, gap_min_us)``) unless its table has not changed
+        since it was computed and ``h >= tau`` (then that is still the answer); a bound that
+        grew is written back in place and sifted down, deepest entry first, so the indices
+        still to visit do not move.
         """
         if tau < self.gap_tau or not self.gap_min_us > 0.0:
             return None
@@ -158,26 +168,75 @@ class Pool:
         # the float tolerance inside `earliest` (its result may dip by about EPS_US when the
         # query time crosses an interval's end), so the bound never excludes a candidate.
         lim = limit - l_i + _GAP_SLACK_US
-        dmin = self.gap_min_us
+        n = len(heap)
         by_id = self.by_id
-        pop, push = heapq.heappop, heapq.heappush
-        seen: set[str] = set()
-        back: list[tuple[float, str]] = []
-        out: list[VGpu] = []
-        while heap and heap[0][0] <= lim:
-            _h, vid = pop(heap)
-            if vid in seen:
-                continue  # an older entry of a vGPU already repaired in this call
+        dmin = self.gap_min_us
+        # 0. Repair the root while it is out of date (under load it is usually the vGPU
+        # the last dispatch reserved). Then, if neither child qualifies, it alone does.
+        while n and heap[0][0] <= lim:
+            h, vid, ver = heap[0]
             g = by_id.get(vid)
             if g is None:
-                continue  # left the pool (failed)
-            seen.add(vid)
-            h = g.table.earliest(tau, dmin)
-            back.append((h, vid))
-            if h <= lim:
-                out.append(g)
-        for e in back:
-            push(heap, e)
+                heapq.heappop(heap)
+                n -= 1
+                continue
+            tab = g.table
+            if ver == tab.version and h >= tau:
+                if (n < 2 or heap[1][0] > lim) and (n < 3 or heap[2][0] > lim):
+                    return [g]
+                break
+            h2 = tab.earliest(tau, dmin)
+            if h2 < h:  # float tolerance only: keep the lower bound, note the version
+                h2 = h
+            heap[0] = (h2, vid, tab.version)
+            _sift_down(heap, 0)
+        if not n or heap[0][0] > lim:
+            return []
+        # 1. the entries <= lim (a subtree at the root)
+        idx = []
+        stack = [0]
+        while stack:
+            i = stack.pop()
+            idx.append(i)
+            c = 2 * i + 1
+            if c < n and heap[c][0] <= lim:
+                stack.append(c)
+                c += 1
+                if c < n and heap[c][0] <= lim:
+                    stack.append(c)
+            elif c + 1 < n and heap[c + 1][0] <= lim:
+                stack.append(c + 1)
+        # 2. bring them up to date, deepest first
+        if len(idx) > 1:
+            idx.sort(reverse=True)
+        done: dict[str, float] = {}
+        out: list[VGpu] = []
+        lower: list[tuple[float, str, int]] = []
+        for i in idx:
+            h, vid, ver = heap[i]
+            g = by_id.get(vid)
+            if g is None:  # left the pool (its old table was released): sink the entry
+                heap[i] = (_INF, vid, -1)
+                _sift_down(heap, i)
+                continue
+            tab = g.table
+            if ver == tab.version and h >= tau:
+                h2 = h
+            else:
+                h2 = done.get(vid)
+                if h2 is None:
+                    h2 = tab.earliest(tau, dmin)
+                if h2 > h:
+                    heap[i] = (h2, vid, tab.version)
+                    _sift_down(heap, i)
+                elif h2 < h:  # float tolerance only: add the lower entry, keep this one
+                    lower.append((h2, vid, tab.version))
+            if vid not in done:
+                done[vid] = h2
+                if h2 <= lim:
+                    out.append(g)
+        for e in lower:
+            heapq.heappush(heap, e)
         if len(out) > 1:
             out.sort(key=_vgpu_id)
         return out
