@@ -10,6 +10,13 @@ import click
 from ppipe.errors import UserError
 
 
+# Defaults of `ppipe serve` (also used by scripts/bench_serve.py, so that a rehearsal runs
+# the runtime as users do). The dispatch lead: ~3 ms from a decision to the first stage's
+# start was measured here (Ray actor call at low load); see ppipe.runtime.clock.
+DEFAULT_WAKE_LEAD_MS = 2.0
+DEFAULT_DISPATCH_LEAD_MS = 3.0
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -48,8 +55,11 @@ class _NullClock:
 )
 @click.option("--policy", default="reservation", show_default=True, help="Data-plane policy (reservation | reactive).")
 @click.option("--max-queue", type=int, default=None, help="Admission control: bound on queued requests per model (data-plane option max_queue).")
-@click.option("--wake-lead-ms", default=2.0, show_default=True, type=float,
+@click.option("--wake-lead-ms", default=DEFAULT_WAKE_LEAD_MS, show_default=True, type=float,
               help="Wake a waiting batch this long before its last feasible moment, so a late wall-clock timer does not turn it into a deadline drop (data-plane option wake_lead_us).")
+@click.option("--dispatch-lead-ms", default=DEFAULT_DISPATCH_LEAD_MS, show_default=True, type=float,
+              help="Plan every decision this far ahead of the wall clock: the time an actor call takes to reach its worker, "
+              "so reserved stages do not all start late (runtime option; no YAML field).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; use 0.0.0.0 to expose (with --token).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")
 @click.option("--token", default=None, envvar="PPIPE_TOKEN", help="Bearer token required on every endpoint but health (env PPIPE_TOKEN).")
@@ -57,7 +67,7 @@ class _NullClock:
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
-def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
+def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API."""
     import uvicorn
 
@@ -68,6 +78,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     if transport == "nccl" and backend == "emulated":
         raise UserError("--transport nccl needs GPU workers; emulated workers have no GPU tensors",
                         fix="use --backend tensorrt (or ort with the CUDA execution provider), or --transport auto")
+    if dispatch_lead_ms < 0:
+        raise UserError(f"--dispatch-lead-ms must be >= 0, got {dispatch_lead_ms}", fix="use 0 (no lead) or a few ms")
     dep = load_deployment(plan_file, cluster)
     options: dict = {} if max_queue is None else {"max_queue": max_queue}
     if wake_lead_ms:
@@ -93,7 +105,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         for h in workers.values():
             ray.kill(h)
         raise
-    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, policy=policy, scheduler_options=options, edges=edges)
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, policy=policy, scheduler_options=options, edges=edges,
+                 dispatch_lead_us=dispatch_lead_ms * 1000.0)
     def shutdown():
         for h in workers.values():
             ray.kill(h)

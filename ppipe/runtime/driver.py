@@ -100,6 +100,8 @@ class Runtime:
         health_interval_s: how often every live worker is pinged.
         answer_grace_s: a request still unanswered at deadline + this gets a timeout error.
         keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
+        dispatch_lead_us: the scheduler plans each decision this far ahead of the wall clock,
+            the time an actor call takes to reach its worker (:class:`~ppipe.runtime.clock.WallClock`).
         edges: the transport of each (sender, receiver) vGPU pair, from
             :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "object-store"}``
             or ``{edge: (transport, reason)}``); edges not named use the object store.
@@ -120,6 +122,7 @@ class Runtime:
         answer_grace_s: float = 30.0,
         keep_traces: int = 0,
         edges: dict[tuple[str, str], Any] | None = None,
+        dispatch_lead_us: float = 0.0,
     ):
         self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
         self._factory = scheduler_factory or default_scheduler_factory
@@ -127,6 +130,7 @@ class Runtime:
         self.metrics = metrics or RuntimeMetrics()
         self.health_interval_s, self.answer_grace_s = health_interval_s, answer_grace_s
         self.keep_traces = keep_traces
+        self.dispatch_lead_us = dispatch_lead_us
         self.traces: list[BatchTrace] = []
         self.failed: dict[str, float] = {}  # vGPU id -> scheduler time it was marked failed
         self.clock: WallClock | None = None
@@ -144,7 +148,7 @@ class Runtime:
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
         """Make the clock and the scheduler on the running loop; start the health loop."""
-        self.clock = WallClock(asyncio.get_running_loop())
+        self.clock = WallClock(asyncio.get_running_loop(), lead_us=self.dispatch_lead_us)
         self.scheduler = self._factory(self.plan, self.profiles, self.cluster, self.clock, policy=self._policy, **self._options)
         check_whole_paths(self.scheduler, self._policy)
         self._health = asyncio.get_running_loop().create_task(self._health_loop())
@@ -181,7 +185,7 @@ class Runtime:
         if self.scheduler is None:
             raise RuntimeError("Runtime.start() has not run")
         mp = self.plan.model(model)
-        now = self.clock.now_us()
+        now = self.clock.true_now_us()  # arrival and deadline on the true timeline, never the lead's
         req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + mp.slo_ms * 1e3, payload=inputs)
         fut = asyncio.get_running_loop().create_future()
         self._pending[req.id] = _Pending(req, fut)
@@ -254,7 +258,7 @@ class Runtime:
         if p is None or p.future.done():
             return
         p.future.set_result(outputs)
-        if self.clock.now_us() > p.request.deadline_us:
+        if self.clock.true_now_us() > p.request.deadline_us:
             self.metrics.bound(self.metrics.late, p.request.model).inc()
 
     def _dispatch(self, d: Dispatch) -> None:
@@ -269,7 +273,7 @@ class Runtime:
         import ray
 
         route = [s.vgpu_id for s in d.stages]
-        trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.now_us())
+        trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us())
         if self.keep_traces:
             self.traces.append(trace)
             del self.traces[: -self.keep_traces]
@@ -352,7 +356,7 @@ class Runtime:
         """Tell the scheduler (once) that a vGPU is gone; it stops routing to it."""
         if vgpu_id in self.failed:
             return
-        self.failed[vgpu_id] = self.clock.now_us()
+        self.failed[vgpu_id] = self.clock.true_now_us()
         self.metrics.failed.labels(vgpu_id).set(1)
         log.warning("vGPU %s failed; the scheduler stops routing to it", vgpu_id)
         self._apply(self.scheduler.mark_failed(vgpu_id))

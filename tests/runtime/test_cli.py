@@ -96,3 +96,9 @@ def test_serve_refuses_nccl_with_emulated_workers_before_starting_ray(tmp_path):
     r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--backend", "emulated", "--transport", "nccl"])
     assert r.exit_code == 2
     assert "--transport nccl needs GPU workers" in r.output
+
+
+def test_serve_refuses_a_negative_dispatch_lead(tmp_path):
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--dispatch-lead-ms", "-1"])
+    assert r.exit_code == 2
+    assert "--dispatch-lead-ms must be >= 0" in r.output

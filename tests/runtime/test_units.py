@@ -395,3 +395,39 @@ def test_a_request_nobody_decides_on_is_answered_with_a_timeout(tinynet):
     slo_s = rt.plan.model("tinynet").slo_ms / 1e3
     assert slo_s + 0.05 <= waited + 1e-3
     assert not rt._pending and rt._queued["tinynet"] == 0
+
+
+def test_dispatch_lead_moves_the_schedulers_now_but_not_arrivals_or_deadlines(tinynet):
+    async def clock_part():
+        c = WallClock(lead_us=200_000.0)  # large: a loaded host's late timers and pauses cannot blur the checks
+        true_us = c.true_now_us()
+        assert 200_000 <= c.now_us() - true_us < 250_000
+        fired = []
+        target = c.now_us() + 20_000  # scheduler time
+        c.call_at(target, lambda: fired.append((c.now_us(), c.true_now_us())))
+        await asyncio.sleep(0.05)
+        return target, fired
+
+    target, fired = asyncio.run(clock_part())
+    now_s, true_s = fired[0]
+    assert now_s >= target and true_s < target  # fired at the scheduler's time: lead_us early on the wall clock
+    with pytest.raises(ValueError, match="lead_us must be >= 0"):
+        WallClock(asyncio.new_event_loop(), lead_us=-1)
+
+    rt, _ = _runtime(tinynet, max_batch=1)
+    rt.dispatch_lead_us = 1e6  # large, so that a loaded host's pauses cannot blur the check
+
+    async def main():
+        await rt.start()
+        t_true = rt.clock.true_now_us()
+        await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+        await rt.stop()
+        return t_true
+
+    t_true = asyncio.run(main())
+    (d,) = rt.scheduler.dispatched
+    slo_us = rt.plan.model("tinynet").slo_ms * 1e3
+    r = d.requests[0]
+    assert t_true <= r.arrival_us < t_true + 5e5  # the true arrival, not the lead's
+    assert r.deadline_us == pytest.approx(r.arrival_us + slo_us)
+    assert d.stages[0].start_us >= r.arrival_us + 1e6  # planned to start when the call can have arrived
