@@ -8,7 +8,18 @@ Two figures:
    sleeping for the profiled latency; feature maps wait out their planned NIC time), driven
    by `ppipe bench` with Poisson arrivals. Its maximum load factor at 99 % SLO attainment
    next to the simulator's (`ppipe.sim`) for the same plan, the same arrivals (same
-   generator and seed) and the same scan (1.0, 0.95, ...).
+   generator and seed) and the same scan (1.0, 0.95, ...). The runtime runs with the
+   defaults of `ppipe serve` (wake lead, dispatch lead).
+
+   Default model: rtmdet_x_8xb32-300e_coco, at full speed (dilation 1). Why this one: each
+   stage call costs Ray ~1 ms of CPU in the caller and ~1-1.5 ms in the actor (measured
+   here; the floor of a Ray actor call), and the HC1-S plans of the heavy artifact models
+   have batch 1, so the CPU the rehearsal needs grows with (rate x stages) calls/s. Of the
+   eight slowest models on the L4 (planned 159-422 req/s, 2-3 stages, all batch 1),
+   rtmdet_x's plan needs the fewest calls: 159 req/s x 2 stages (11 vGPUs: 3 P4 and 8 half
+   L4s). atss_r101_fpn_1x_coco
+   (399 req/s x 3 stages, 16 vGPUs) needs ~4x the calls and is rehearsed 8x slowed down
+   (`--model atss_r101_fpn_1x_coco --dilation 8`).
 2. **Frontend ceiling.** A one-block model with 1 us emulated latency and a 16-float
    input, so that the frontend (HTTP, JSON/binary decoding, scheduler, actor calls) is the
    bottleneck: the highest offered rate it serves at >= 99 % attainment, JSON and binary.
@@ -19,7 +30,8 @@ are a lower bound of what the runtime does on a dedicated host. Traffic goes to 
 
     python scripts/bench_serve.py                 # both parts
     python scripts/bench_serve.py --part ceiling  # one part
-    python scripts/bench_serve.py --duration-s 10 --model atss_r101_fpn_1x_coco
+    python scripts/bench_serve.py --part rehearsal                       # rtmdet_x at full speed
+    python scripts/bench_serve.py --part rehearsal --model atss_r101_fpn_1x_coco --dilation 8
 """
 
 from __future__ import annotations
@@ -64,15 +76,19 @@ def bench(url: str, model: str, rate: float, duration_s: float, seed: int, binar
     return res
 
 
-def serve_in_process(plan, profiles, cluster, backend_options=None):
-    """Start emulated workers and the frontend (uvicorn thread); returns (server, workers, runtime)."""
+def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lead_ms=None, keep_traces=0):
+    """Start emulated workers and the frontend (uvicorn thread) with `ppipe serve`'s
+    defaults; returns (server, workers, runtime)."""
+    from ppipe.runtime.cli import DEFAULT_DISPATCH_LEAD_MS, DEFAULT_WAKE_LEAD_MS
     from ppipe.runtime.deploy import Deployment, start_workers
     from ppipe.runtime.driver import Runtime
     from ppipe.runtime.server import BackgroundServer, create_app
 
     dep = Deployment(plan=plan, cluster=cluster, profiles=profiles)
     workers = start_workers(dep, backend="emulated", backend_options=backend_options)
-    rt = Runtime(plan, profiles, cluster, workers)
+    lead = DEFAULT_DISPATCH_LEAD_MS if dispatch_lead_ms is None else dispatch_lead_ms
+    rt = Runtime(plan, profiles, cluster, workers, scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1000.0},
+                 dispatch_lead_us=lead * 1000.0, keep_traces=keep_traces)
     srv = BackgroundServer(create_app(rt)).__enter__()
     return srv, workers, rt
 
@@ -101,7 +117,22 @@ def dilate(profile, cluster, k: float, out_dir: Path):
     return load_profile(out_dir), cluster.model_copy(update={"name": f"{cluster.name}-x{k:g}", "servers": servers})
 
 
-def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: float) -> dict:
+def lateness(rt, since: int) -> dict[str, float]:
+    """How much later than reserved the stages of the batches traced since ``since`` started (ms)."""
+    import numpy as np
+
+    late: dict[int, list[float]] = {}
+    for t in rt.traces[since:]:
+        for k, (rep, (start, _)) in enumerate(zip(t.reports, t.reserved_us)):
+            late.setdefault(k, []).append((rt.clock.from_wall_us(rep["start_us"]) - start) / 1e3)
+    out = {}
+    for k, xs in sorted(late.items()):
+        out[f"stage{k}_start_late_p50_ms"] = float(np.percentile(xs, 50))
+        out[f"stage{k}_start_late_p99_ms"] = float(np.percentile(xs, 99))
+    return out
+
+
+def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: float, dispatch_lead_ms: float | None = None) -> dict:
     from ppipe.planner.api import plan as make_plan
     from ppipe.sim.simulator import SimConfig
     from ppipe.sim.sweep import run_point
@@ -161,16 +192,21 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
 
     # feature maps capped at 4 KiB per sample (the plan cuts 2-13 MB ones; this host cannot
     # move that many bytes per second); each transfer still waits its planned NIC time
-    srv, workers, rt = serve_in_process(plan, profiles, cluster, {"max_bytes_per_sample": 4096})
+    srv, workers, rt = serve_in_process(plan, profiles, cluster, {"max_bytes_per_sample": 4096}, dispatch_lead_ms, keep_traces=10**6)
     points: dict[str, dict] = {}
 
     def rt_attainment(load: float) -> float:
         # artifact profiles carry no input spec; emulated workers ignore input values and
         # the first stage has no transfer, so a 16-float input stands in for the image
+        since = len(rt.traces)
         r = bench(srv.url, model, load * mp.throughput_rps, duration_s, seed, input_shape="16")
+        r.update(lateness(rt, since))
         points[f"{load:.2f}"] = r
+        late = "  ".join(f"stage {k[5]} starts late p50/p99 {r[k]:.1f}/{r[k.replace('p50', 'p99')]:.1f} ms"
+                         for k in r if k.startswith("stage") and k.endswith("p50_ms"))
         print(f"   runtime   load {load:.2f}: goodput {r['goodput_rps']:.1f} req/s  p50 {r['p50_ms'] or 0:.1f} ms  "
-              f"p99 {r['p99_ms'] or 0:.1f} ms  drops {r['drops']}  client lag p99 {r['client_lag_p99_ms']:.1f} ms")
+              f"p99 {r['p99_ms'] or 0:.1f} ms  drops {r['drops']}  client lag p99 {r['client_lag_p99_ms']:.1f} ms  "
+              f"CPU/request: frontend {r['frontend_cpu_ms_per_request']:.2f} ms  {late}")
         return r["slo_attainment"]
 
     try:
@@ -234,12 +270,13 @@ def ceiling(duration_s: float, seed: int, tmp: Path, rates: list[float]) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=["all", "rehearsal", "ceiling"], default="all")
-    ap.add_argument("--model", default="atss_r101_fpn_1x_coco", help="PPipe-artifact model for the rehearsal")
+    ap.add_argument("--model", default="rtmdet_x_8xb32-300e_coco", help="PPipe-artifact model for the rehearsal (see above)")
     ap.add_argument("--duration-s", type=float, default=10.0, help="arrival window per load point (the paper: 30)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dilation", type=float, default=8.0,
-                    help="rehearse the plan k times slower (latencies x k, NICs / k, rates / k): Ray costs ~1-3 ms of "
-                         "CPU per stage call here, so the real 400 req/s x 3 stages needs more cores than this host has")
+    ap.add_argument("--dilation", type=float, default=1.0,
+                    help="rehearse the plan k times slower (latencies x k, NICs / k, rates / k): Ray costs ~2-3 ms of "
+                         "CPU per stage call here, so e.g. atss's 400 req/s x 3 stages needs more cores than 2 (use 8)")
+    ap.add_argument("--dispatch-lead-ms", type=float, default=None, help="the runtime's dispatch lead (default: ppipe serve's)")
     ap.add_argument("--rates", default="500,1000,1500,2000,3000", help="offered rates of the ceiling part")
     ap.add_argument("--json-out", default=None, help="write all figures to this JSON file")
     args = ap.parse_args()
@@ -253,7 +290,7 @@ def main() -> None:
         if args.part in ("all", "ceiling"):
             results["ceiling"] = ceiling(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.rates.split(",")])
         if args.part in ("all", "rehearsal"):
-            results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), args.dilation)
+            results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), args.dilation, args.dispatch_lead_ms)
     ray.shutdown()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))

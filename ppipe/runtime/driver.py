@@ -69,6 +69,7 @@ class BatchTrace:
     request_ids: list[int]
     dispatched_us: float = 0.0
     reports: list[dict[str, Any]] = field(default_factory=list)
+    reserved_us: list[tuple[float, float]] = field(default_factory=list)  # per stage: reserved (start, end), scheduler time
     error: str | None = None
 
 
@@ -273,7 +274,8 @@ class Runtime:
         import ray
 
         route = [s.vgpu_id for s in d.stages]
-        trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us())
+        trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us(),
+                           reserved_us=[(s.start_us, s.start_us + s.infer_us) for s in d.stages])
         if self.keep_traces:
             self.traces.append(trace)
             del self.traces[: -self.keep_traces]
