@@ -307,8 +307,8 @@ class Runtime:
             payload: Any = {"tensors": inputs, "sent_wall_us": wall_us()}
             for j, vgpu in enumerate(route):
                 arg = {"tensors": None, "sent_wall_us": None} if "recv" in links[j] else payload
-                extra = {"link": links[j]} if links[j] else {}
-                rep_ref, payload = self.workers[vgpu].run_stage.remote(d.batch_id, j, vgpu, arg, d.batch, timing, **extra)
+                meta = (d.batch_id, j, vgpu, d.batch, timing, links[j] or None)
+                rep_ref, payload = self.workers[vgpu].run_stage.remote(arg, meta)
                 reports.append(rep_ref)
             for k, rep_ref in enumerate(reports):
                 try:

