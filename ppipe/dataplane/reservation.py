@@ -371,5 +371,7 @@ class ReservationScheduler(BatchingScheduler):
                 ts, l_n = cached
             nic = True
             ready = ts + l_n
-        s = g.table.earliest(ready, l_i)
+        tab = g.table
+        ends = tab.ends
+        s = tab.earliest(ready, l_i) if ends and ends[-1] > ready + EPS_US else ready
         return s + l_i, Hop(g, ts, l_n, nic, last, s, l_i)

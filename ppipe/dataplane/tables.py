@@ -242,6 +242,13 @@ def earliest_slot(tables: Sequence[ReservationTable], t: float, duration: float)
         return t
     if len(tables) == 1:
         return tables[0].earliest(t, duration)
+    lim = t + EPS_US
+    for tab in tables:
+        ends = tab.ends
+        if ends and ends[-1] > lim:
+            break
+    else:
+        return t  # every table is free from t on (what the loop below would find at once)
     while True:
         t0 = t
         for tab in tables:

@@ -287,6 +287,7 @@ class Simulator:
         self.clock = self.loop.clock
         self.vgpus = vgpus_of_plan(plan, cluster)
         self.window_us = config.duration_s * 1e6
+        self._feedback = config.feedback
         self._up_free: dict[str, float] = {}
         self._down_free: dict[str, float] = {}
         self._slo_us = {m.name: m.slo_ms * 1e3 for m in plan.models}
@@ -423,7 +424,7 @@ class Simulator:
         if not d.stages:
             self._anomaly(f"dispatch {d.batch_id} has no stages")
             return None
-        rids = tuple(r.id for r in d.requests)
+        rids = tuple([r.id for r in d.requests])
         rec = BatchRecord(d.batch_id, d.model, d.pipeline, rids, now)
         rec.stages = [
             StageRun(s.partition, s.vgpu_id, s.server, s.start_us, s.infer_us) for s in d.stages
@@ -545,7 +546,7 @@ class Simulator:
                     r.completion_us = now
         # the worker reports after it has passed the result on: a completed request is
         # answered, whatever the scheduler decides next
-        fb = self.config.feedback
+        fb = self._feedback
         if fb == "all" or (fb == "changed" and self._differs(run, k)):
             rep = StageReport(rec.batch_id, st.partition, st.vgpu_id, st.start_us, st.end_us, st.transfer_start_us, st.transfer_end_us)
             out.extend(self.apply(self._call(self.scheduler.report, rep)))
