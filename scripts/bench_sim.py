@@ -109,14 +109,16 @@ def main(argv=None) -> int:
     group = [load_artifact_model(artifact, resolve(artifact, s)) for s in GROUPS[args.group]]
 
     def best_of(plan, profs, cluster):
-        runs = []
+        best = None
         for _ in range(args.repeat):
-            # The previous run's records are garbage now; collect them here, not inside the
-            # next run's timed setup (the simulator pauses the collector only while it runs).
-            runs[:] = runs[-1:]
+            # Earlier runs' records are garbage now; collect them here, not inside the next
+            # run's timed setup (the simulator pauses the collector only while it runs).
             gc.collect()
-            runs.append(_run(plan, profs, cluster, args.duration_s, args.seed))
-        return min(runs, key=lambda rs: rs[0].wall_s)
+            rs = _run(plan, profs, cluster, args.duration_s, args.seed)
+            if best is None or rs[0].wall_s < best[0].wall_s:
+                best = rs
+            del rs
+        return best
 
     if not args.skip_dispatch:
         print(f"== dispatch time on a 100-GPU plan (HC2-L, {args.group}, load 1.0, {args.duration_s:g} s) ==")
