@@ -5,7 +5,11 @@ Part 1, cross-GPU model (``ppipe.profiler.estimate.crossgpu``), leave-one-model-
 every model of the artifact, fit the cross-GPU model on the OTHER models, then predict the
 model's block latencies on each GPU type from its profile on another one (every ordered
 pair of L4, P4, T4, V100; all levels and batches the artifact has). The predictor only
-sees a copy of the profile that holds the source GPU type. Figures:
+sees a copy of the profile that holds the source GPU type (and, unless --blocks-only, its
+per-layer latencies on the source GPU type). The fit chooses its own hyper-parameters by
+leave-one-model-out among the models it is given, so this is a NESTED cross-validation:
+the held-out model never takes part in choosing them, and the figures are out-of-sample.
+The script is deterministic (seeded random features, one BLAS thread). Figures:
 
 * block latency: relative error |pred / true - 1| over every (target, level, batch, block);
 * latency ratio between the two GPU types of a paper cluster (L4/P4, L4/T4, V100/P4,
@@ -27,7 +31,8 @@ ratios for models of the same family.
 
 Usage::
 
-    python scripts/bench_estimator.py                   # everything, ~1-3 min
+    python scripts/bench_estimator.py --skip-roofline   # the cross-GPU LOMO, ~3-4 min on 2 busy cores
+    python scripts/bench_estimator.py                   # everything
     python scripts/bench_estimator.py --models 4        # the first 4 models only
     python scripts/bench_estimator.py --blocks-only     # without the per-layer features
 """
@@ -90,6 +95,7 @@ def cross_gpu_part(artifact: Path, n_models: int | None, blocks_only: bool) -> N
     gpus = sorted({g for am in data.values() for g in am.profile.gpus()})
     err = {"model": {}, "naive": {}}  # (s, t) -> list of block errors
     rerr = {"model": {}, "naive": {}}  # (s, hi, lo) -> list of ratio errors
+    per_model = {"model": {}, "naive": {}}  # held-out model -> its block errors from L4
     chosen = {}  # (s, t) -> hyper-parameters chosen in each outer fold
     t0 = time.perf_counter()
     for name in names:
@@ -116,9 +122,10 @@ def cross_gpu_part(artifact: Path, n_models: int | None, blocks_only: bool) -> N
                 for t in gpus:
                     if t == s:
                         continue
-                    err[kind].setdefault((s, t), []).extend(
-                        table[k] / prof.table[k] - 1 for k in prof.table if k[0] == t
-                    )
+                    e = [table[k] / prof.table[k] - 1 for k in prof.table if k[0] == t]
+                    err[kind].setdefault((s, t), []).extend(e)
+                    if s == "L4":
+                        per_model[kind].setdefault(name, []).extend(e)
                 for hi, lo in CLUSTER_PAIRS:
                     for v in prof.levels(lo):
                         for b in prof.batches(lo, v):
@@ -140,6 +147,10 @@ def cross_gpu_part(artifact: Path, n_models: int | None, blocks_only: bool) -> N
         l4 = [x for (s, _t), v in err[kind].items() if s == "L4" for x in v]
         print(f"  ALL pairs  {kind:5s}: {pct(allv)}")
         print(f"  from L4    {kind:5s}: {pct(l4)}")
+    print("\nheld-out models with the largest errors from L4 (block latency, all targets):")
+    worst = sorted(per_model["model"], key=lambda n: -np.percentile(np.abs(per_model["model"][n]), 90))
+    for n in worst[:8]:
+        print(f"  {n[:44]:<44}  model: {pct(per_model['model'][n])}   naive: {pct(per_model['naive'][n])}")
     print("\nhyper-parameters (gamma, rho, lambda) chosen by the inner leave-one-model-out, per pair: most")
     print("frequent choice over the outer folds (count / folds)")
     for (s, t), sels in sorted(chosen.items()):

@@ -51,6 +51,18 @@ Each prediction is clipped to the range of its training log ratios (a block unli
 training block otherwise extrapolates far beyond any ratio ever measured). The fitted
 parameters are stored in ``cross_gpu.npz`` next to this module (weights only, no
 training data) and produced by :func:`fit_cross_gpu` from an artifact folder.
+
+Measured (``python scripts/bench_estimator.py --skip-roofline``, nested leave-one-model-out
+over the 28 artifact models, with per-layer features): block latency from L4 median 9.5 %,
+p90 34.4 %; all 12 pairs 6.5 % / 26.8 %; per-block ratios of the paper's cluster pairs
+6.5 % / 26.3 % (naive global ratio: 22.8 / 98.0 % from L4). The worst held-out models are
+the architectures alone of their kind in the artifact (TextSnake, ConvNeXt, EfficientDet,
+EfficientNet, CycleGAN: p90 45-76 %). What was decided by looking at outer figures: the
+design (these features, this regressor) was run once; the grid's lambda range was then
+widened once to 100 because inner selections sat on its edge (outer result before
+9.4 / 34.3 %, after 9.5 / 34.4 %; kept). The previous version (fixed hyper-parameters
+chosen on the same 28 models, ~29 settings scored) reported 9.4 / 35.6 % with selection
+bias.
 """
 
 from __future__ import annotations
@@ -76,7 +88,7 @@ FORMAT_VERSION = 5
 # ridge penalty). Chosen per fit by inner leave-one-model-out, never by the test set.
 GAMMAS = (0.5, 1.0, 2.0)
 RHOS = (1.0, 3.0, 10.0, 30.0, 100.0)
-LAMBDAS = (1.0, 3.0, 10.0, 30.0)
+LAMBDAS = (1.0, 3.0, 10.0, 30.0, 100.0)
 # The selection scores the variants of these batches only (half the work; the chosen
 # values apply to every batch of the pair).
 SELECT_BATCHES = (1, 2, 4, 8)
@@ -368,7 +380,7 @@ class _Regressor:
     yhi: float
 
     @staticmethod
-    def fit(x: np.ndarray, y: np.ndarray, *, gamma: float = 0.5, rho: float = 10.0, lam: float = 0.1) -> "_Regressor":
+    def fit(x: np.ndarray, y: np.ndarray, *, gamma: float = 1.0, rho: float = 10.0, lam: float = 10.0) -> "_Regressor":
         """Fit on raw features ``x`` (rows = blocks, no intercept column) and targets ``y``."""
         mu, sd = _standardizer(x)
         z = (x - mu) / sd
@@ -456,7 +468,7 @@ def _group_loo_errors(
     uh = u * h
     out = np.empty_like(y)
     for idx, (lo, hi) in zip(stacked, bounds):
-        a_gg = np.einsum("gin,gjn->gij", uh[idx], u[idx])
+        a_gg = np.matmul(uh[idx], u[idx].transpose(0, 2, 1))
         resid = np.linalg.solve(a_gg, alpha[idx])
         pred = np.clip(y[idx] - resid, lo[:, None, :], hi[:, None, :])
         out[idx] = np.exp(pred - y[idx]) - 1.0
