@@ -180,11 +180,12 @@ class VgpuWorker:
         received = wall_us()
         send = (link or {}).get("send")
         recv = (link or {}).get("recv")
-        sent = False
+        sent = recv_posted = False
         try:
             if vgpu_id != self.spec.vgpu_id:
                 raise RuntimeError(f"batch {batch_id} stage {index} is for {vgpu_id}, not {self.spec.vgpu_id}")
             if recv is not None:
+                recv_posted = True
                 tensors, head = await self._channel("recv", recv["peer"]).recv(recv["seq"], batch_id)
                 t_xfer_start, t_xfer_end = head.sent_wall_us, wall_us()
                 if not getattr(self.backend, "accepts_device", False):
@@ -235,6 +236,13 @@ class VgpuWorker:
             last = timing is not None and index + 1 == len(timing)
             return report, {"tensors": outputs if last else to_wire(outputs), "sent_wall_us": end}
         except BaseException as exc:
+            if recv is not None and not recv_posted and ("recv", recv["peer"]) in self.channels:
+                # take the message off the edge anyway: the sender posts it whatever happens
+                # here, and the edge's later messages queue behind it
+                try:
+                    await self.channels[("recv", recv["peer"])].recv(recv["seq"], batch_id)
+                except Exception:
+                    pass
             if send is not None and not sent:
                 # keep the edge's numbering going and tell the receiver why nothing comes
                 try:
@@ -245,10 +253,12 @@ class VgpuWorker:
                     pass  # the edge is aborted, or the message went out half-way: the peer fails either way
             raise
 
-    def _node_id(self) -> str:
+    def _node_id(self) -> str | None:
         if self._node is None:
             import ray
 
+            if not ray.is_initialized():  # the worker's body used in-process (tests)
+                return None
             self._node = ray.get_runtime_context().get_node_id()
         return self._node
 

@@ -272,3 +272,52 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
     finally:
         for h in workers.values():
             ray.kill(h)
+
+
+# ---- the worker's NCCL path in-process (two VgpuWorker bodies, a fake link, onnxruntime) ------------------------------
+def _pair_of_workers(tinynet):
+    from ppipe.runtime.worker import VgpuWorker
+    from ppipe.spec.profile import profile_ref
+
+    ref = profile_ref(tinynet)
+    up = VgpuWorker(WorkerSpec("a/gpu0/s0", "a", 0, "tinynet", 0, 0, 0, 1, "cpu", 1, ref), "ort")
+    down = VgpuWorker(WorkerSpec("b/gpu0/s0", "b", 0, "tinynet", 0, 1, 2, 2, "cpu", 1, ref), "ort")
+    s, r = queue_link_pair()
+    up.channels[("send", "b/gpu0/s0")] = EdgeChannel(s, "b/gpu0/s0", "send")
+    down.channels[("recv", "a/gpu0/s0")] = EdgeChannel(r, "a/gpu0/s0", "recv")
+    return up, down
+
+
+def _stage_pair(up, down, batch_id, seq, x, down_id="b/gpu0/s0"):
+    send = {"send": {"peer": "b/gpu0/s0", "seq": seq}}
+    recv = {"recv": {"peer": "a/gpu0/s0", "seq": seq}}
+    return (
+        up.run_stage(batch_id, 0, "a/gpu0/s0", {"tensors": {"input": x}, "sent_wall_us": 0.0}, len(x), None, send),
+        down.run_stage(batch_id, 1, down_id, {"tensors": None, "sent_wall_us": None}, len(x), [(None, 0, 0), (0, 0, 0)], recv),
+    )
+
+
+def test_worker_stages_over_an_edge_answer_like_the_whole_model_and_survive_failures(tinynet):
+    from .tinynet import reference
+
+    up, down = _pair_of_workers(tinynet)
+    xs = np.random.default_rng(5).normal(size=(3, 2, 3, 8, 8)).astype(np.float32)
+
+    async def main():
+        (rep0, out0), (rep1, out1) = await asyncio.gather(*_stage_pair(up, down, 1, 0, xs[0]))
+        # a receiver posted with the wrong vGPU fails, yet takes its message off the edge
+        bad = await asyncio.gather(*_stage_pair(up, down, 2, 1, xs[1], down_id="c/gpu0/s0"), return_exceptions=True)
+        # a sender whose backend fails tells the receiver, which fails that batch only
+        bad2 = await asyncio.gather(*_stage_pair(up, down, 3, 2, np.zeros((2, 5), np.float32)), return_exceptions=True)
+        (_, _), (rep3, out3) = await asyncio.gather(*_stage_pair(up, down, 4, 3, xs[2]))
+        return out0, rep1, out1, bad, bad2, out3
+
+    out0, rep1, out1, bad, bad2, out3 = asyncio.run(asyncio.wait_for(main(), 20))
+    assert out0["tensors"] is None  # the feature map went over the edge, not in the stage's output
+    np.testing.assert_allclose(out1["tensors"]["logits"], reference(tinynet.directory, xs[0]), rtol=2e-2, atol=2e-2)
+    assert rep1["transfer_start_us"] <= rep1["transfer_end_us"] <= rep1["start_us"]
+    assert isinstance(bad[1], RuntimeError) and "not b/gpu0/s0" in str(bad[1])
+    assert not isinstance(bad[0], Exception)  # the sender's message was delivered and drained
+    assert isinstance(bad2[0], Exception) and isinstance(bad2[1], UpstreamFailed)
+    np.testing.assert_allclose(out3["tensors"]["logits"], reference(tinynet.directory, xs[2]), rtol=2e-2, atol=2e-2)
+    assert up.channels[("send", "b/gpu0/s0")].next_seq == down.channels[("recv", "a/gpu0/s0")].next_seq == 4
