@@ -182,6 +182,23 @@ def _two_gpus() -> bool:
         return False
 
 
+def _cupy_nccl() -> bool:
+    try:
+        import cupy
+        from cupy.cuda import nccl  # noqa: F401
+
+        return cupy.cuda.runtime.getDeviceCount() >= 1
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cupy_nccl(), reason="needs CuPy with NCCL and a CUDA device")
+def test_a_gpu_worker_with_cupy_reports_nccl():
+    cap = nccl_capability("tensorrt", "L4", True)
+    assert cap.nccl and cap.device is not None and cap.reason == ""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _two_gpus(), reason="needs CuPy with NCCL and two CUDA devices (NCCL refuses two ranks on one GPU)")
 def test_nccl_link_moves_a_device_feature_map_between_two_gpus():
