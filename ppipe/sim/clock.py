@@ -141,9 +141,25 @@ class EventLoop:
         clock = self.clock
         pop = heapq.heappop
         push = heapq.heappush
+        pushpop = heapq.heappushpop
         n = 0
-        while heap and heap[0][0] <= until_us:
-            t, _prio, _seq, ev = pop(heap)
+        # The last follow-up of a handler is not pushed at once: the next iteration pushes it
+        # and pops the earliest event in one step (heappushpop). Same order as push-then-pop;
+        # a follow-up due before everything queued (often one at the same instant) then
+        # never enters the heap.
+        pending = None
+        while True:
+            if pending is None:
+                if not heap or heap[0][0] > until_us:
+                    break
+                t, _prio, _seq, ev = pop(heap)
+            else:
+                entry = pushpop(heap, pending) if heap else pending
+                pending = None
+                if entry[0] > until_us:
+                    push(heap, entry)
+                    break
+                t, _prio, _seq, ev = entry
             clock._now_us = t
             follow = ev.handle()
             n += 1
@@ -151,8 +167,12 @@ class EventLoop:
                 for f in follow:
                     ft = f.time_us
                     if ft < t:
+                        if pending is not None:
+                            push(heap, pending)
                         raise ValueError(f"{ev!r} returned {f!r}, which is in the past")
                     self._seq += 1
-                    push(heap, (ft, f.priority, self._seq, f))  # IntEnum: compared as int, only on time ties
+                    if pending is not None:
+                        push(heap, pending)
+                    pending = (ft, f.priority, self._seq, f)  # IntEnum: compared as int, only on time ties
         self.processed += n
         return n
