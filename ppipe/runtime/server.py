@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 from typing import Any
 
 import numpy as np
@@ -62,17 +63,18 @@ class Frontend:
 
     # ---- helpers ----------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
+        return self._token_ok(request.headers.get("authorization"))
+
+    def _token_ok(self, authorization: str | None) -> bool:
         if not self.token:
             return True
-        got = request.headers.get("authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode())
+        return hmac.compare_digest((authorization or "").encode(), f"Bearer {self.token}".encode())
 
-    async def _body(self, request: Request) -> bytes:
-        length = request.headers.get("content-length")
+    async def _body(self, length: str | None, stream) -> bytes:
         declared = int(length) if length is not None and length.isdigit() else None
         chunks, size = [], 0
         too_big = declared is not None and declared > self.max_body_bytes
-        async for chunk in request.stream():
+        async for chunk in stream:
             size += len(chunk)
             if size > self.max_body_bytes:
                 too_big = True
@@ -164,19 +166,30 @@ class Frontend:
         return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 503)
 
     async def infer(self, request: Request) -> Response:
-        name = request.path_params["name"]
-        if not self._authorized(request):
-            return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+        """The starlette route of infer (the app normally answers infer on its fast path,
+        :class:`_InferFastPath`, with the same handler)."""
+        h = request.headers
+        status, body, headers = await self.handle_infer(
+            request.path_params["name"], h.get("authorization"), h.get("content-length"), h.get(HEADER_LENGTH), request.stream()
+        )
+        return Response(body, status_code=status, headers=headers)
+
+    async def handle_infer(
+        self, name: str, authorization: str | None, content_length: str | None, header_length: str | None, stream
+    ) -> tuple[int, bytes, dict[str, str]]:
+        """Serve one infer request; returns (status, body, headers). ``stream`` yields the body's chunks."""
+        if not self._token_ok(authorization):
+            return _error_body(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
         m = self.runtime.metrics
         if name not in self.models:
-            return _error(404, f"unknown model '{name}'; this server has: {', '.join(self.models)}")
+            return _error_body(404, f"unknown model '{name}'; this server has: {', '.join(self.models)}")
         t0 = asyncio.get_running_loop().time()
         try:
-            body = await self._body(request)
-            req, in_name, arr = self._samples(name, body, request.headers.get(HEADER_LENGTH))
+            body = await self._body(content_length, stream)
+            req, in_name, arr = self._samples(name, body, header_length)
         except ProtocolError as exc:
             m.requests.labels(name, str(exc.status)).inc()
-            return _error(exc.status, exc.message)
+            return _error_body(exc.status, exc.message)
         try:
             if arr.shape[0] == 1:
                 results = [await self.runtime.infer(name, {in_name: arr[0]})]
@@ -185,14 +198,14 @@ class Frontend:
         except DroppedError as exc:
             status = DROP_STATUS.get(exc.reason, 503)
             m.requests.labels(name, str(status)).inc()
-            return _error(status, str(exc), **{"ppipe-drop-reason": exc.reason})
+            return _error_body(status, str(exc), **{"ppipe-drop-reason": exc.reason})
         outputs = {k: np.stack([r[k] for r in results]) for k in results[0]}
         if req.requested_outputs:
             outputs = {k: v for k, v in outputs.items() if k in req.requested_outputs}
         body_out, headers = encode_infer_response(name, outputs, req.id, req.binary_output)
         m.bound(m.requests, name, "200").inc()
         m.bound(m.latency, name).observe(asyncio.get_running_loop().time() - t0)
-        return Response(body_out, status_code=200, headers=headers)
+        return 200, body_out, headers
 
     async def metrics(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -200,12 +213,79 @@ class Frontend:
         return Response(self.runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
+def _error_body(status: int, message: str, **headers: str) -> tuple[int, bytes, dict[str, str]]:
+    return status, json.dumps({"error": message}).encode(), {"content-type": "application/json", **headers}
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body was read."""
+
+
+class _InferFastPath:
+    """ASGI: ``POST /v2/models/{name}/infer`` straight to :meth:`Frontend.handle_infer`;
+    every other request goes to the starlette app.
+
+    Why: infer is the only hot endpoint, and starlette's per-request machinery (request
+    object, routing, two middlewares, response object) was a sizeable share of the
+    frontend's CPU per request at ~1,000 req/s on 2 cores. Same handler, same answers.
+    """
+
+    PREFIX, SUFFIX = "/v2/models/", "/infer"
+
+    def __init__(self, app, frontend: "Frontend"):
+        self.app, self.fe = app, frontend
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and path.startswith(self.PREFIX)
+            and path.endswith(self.SUFFIX)
+            and "/" not in path[len(self.PREFIX) : -len(self.SUFFIX)]
+            and len(path) > len(self.PREFIX) + len(self.SUFFIX)
+        ):
+            await self._infer(path[len(self.PREFIX) : -len(self.SUFFIX)], scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _infer(self, name: str, scope, receive, send) -> None:
+        want = {b"authorization": None, b"content-length": None, HEADER_LENGTH.encode(): None}
+        for k, v in scope["headers"]:
+            if k in want:
+                want[k] = v.decode("latin-1")
+
+        async def chunks():
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise _ClientGone()
+                yield msg.get("body", b"")
+                if not msg.get("more_body", False):
+                    return
+
+        try:
+            status, body, headers = await self.fe.handle_infer(
+                name, want[b"authorization"], want[b"content-length"], want[HEADER_LENGTH.encode()], chunks()
+            )
+        except _ClientGone:
+            return
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        raw.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": body})
+
+
 def _dt(dtype: np.dtype) -> str:
     return {v: k for k, v in DATATYPES.items()}.get(np.dtype(dtype).name, str(dtype))
 
 
-def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_shutdown=None) -> Starlette:
-    """The ASGI app; starts the runtime (clock, scheduler, health loop) on the server's loop."""
+def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_shutdown=None):
+    """The ASGI app; starts the runtime (clock, scheduler, health loop) on the server's loop.
+
+    Infer requests take a fast path around starlette (:class:`_InferFastPath`); the rest
+    (health, metadata, metrics, lifespan) is a starlette app.
+    """
     fe = Frontend(runtime, token=token, max_body_bytes=max_body_bytes)
 
     @contextlib.asynccontextmanager
@@ -229,7 +309,7 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.frontend = fe
-    return app
+    return _InferFastPath(app, fe)
 
 
 class BackgroundServer:

@@ -229,7 +229,8 @@ class FakeWorker:
         rep = {"batch_id": batch_id, "partition": index, "vgpu_id": self.vgpu_id, "start_us": t, "end_us": t + 1,
                "transfer_start_us": None, "transfer_end_us": None}
         x = payload["tensors"]
-        out = {"x": x["x"] + 1} if index + 1 < len(timing) else {"y": x["x"] * 2}
+        v = next(iter(x.values()))  # the one input, whatever its name
+        out = {"x": v + 1} if index + 1 < len(timing) else {"y": v * 2}
         if link and "send" in link:
             self._box((self.vgpu_id, link["send"]["peer"], link["send"]["seq"])).set_result({"tensors": out, "sent_wall_us": t + 1})
             return rep, {"tensors": None, "sent_wall_us": t + 1}
@@ -432,3 +433,37 @@ def test_dispatch_lead_moves_the_schedulers_now_but_not_arrivals_or_deadlines(ti
     assert t_true <= r.arrival_us < t_true + 5e5  # the true arrival, not the lead's
     assert r.deadline_us == pytest.approx(r.arrival_us + slo_us)
     assert d.stages[0].start_us >= r.arrival_us + 1e6  # planned to start when the call can have arrived
+
+
+def test_infer_fast_path_answers_like_the_routes_and_leaves_the_rest_to_them(tinynet):
+    import httpx
+
+    from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
+    from ppipe.runtime.server import create_app
+
+    rt, _ = _runtime(tinynet, max_batch=1)
+    app = create_app(rt, token="t0k", max_body_bytes=4096)
+
+    async def main():
+        await rt.start()  # (ASGITransport runs no lifespan)
+        auth = {"authorization": "Bearer t0k"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as c:
+            body, headers = encode_infer_request({"input": np.full((1, 3, 8, 8), 3.0, np.float32)}, binary=True, binary_output=True)
+            ok = await c.post("/v2/models/tinynet/infer", content=body, headers={**headers, **auth})
+            no_token = await c.post("/v2/models/tinynet/infer", content=body, headers=headers)
+            unknown = await c.post("/v2/models/nope/infer", content=b"{}", headers=auth)
+            too_big = await c.post("/v2/models/tinynet/infer", content=b"x" * 5000, headers=auth)
+            nested = await c.post("/v2/models/a/b/infer", content=b"{}", headers=auth)  # not a model name: starlette's 404
+            meta = await c.get("/v2/models/tinynet", headers=auth)  # not infer: the starlette route
+        await rt.stop()
+        return ok, no_token, unknown, too_big, nested, meta
+
+    ok, no_token, unknown, too_big, nested, meta = asyncio.run(main())
+    assert ok.status_code == 200 and ok.headers["content-type"] == "application/octet-stream"
+    out = decode_infer_response(ok.content, ok.headers["inference-header-content-length"])
+    assert out["y"].shape == (1, 3, 8, 8) and np.all(out["y"] == 8.0)  # the fake stages: (3 + 1) * 2
+    assert no_token.status_code == 401 and "bearer token" in no_token.json()["error"]
+    assert unknown.status_code == 404 and "unknown model 'nope'" in unknown.json()["error"]
+    assert too_big.status_code == 413 and "exceeds the limit of 4096 bytes" in too_big.json()["error"]
+    assert nested.status_code == 404
+    assert meta.status_code == 200 and meta.json()["name"] == "tinynet"
