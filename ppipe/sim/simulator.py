@@ -547,22 +547,23 @@ class Simulator:
         # the worker reports after it has passed the result on: a completed request is
         # answered, whatever the scheduler decides next
         fb = self._feedback
-        if fb == "all" or (fb == "changed" and self._differs(run, k)):
+        if fb == "changed":
+            # does the stage (or its transfer) differ from the plan by more than 1 ns?
+            ds = run.dispatch.stages[k]
+            if abs(st.start_us - ds.start_us) > _SAME_US or abs(st.end_us - ds.start_us - ds.infer_us) > _SAME_US:
+                report = True
+            elif st.transfer_start_us is None or ds.transfer_start_us is None:
+                report = st.transfer_start_us is not ds.transfer_start_us and ds.transfer_us > 0
+            else:
+                report = abs(st.transfer_start_us - ds.transfer_start_us) > _SAME_US or abs(
+                    st.transfer_end_us - ds.transfer_start_us - ds.transfer_us
+                ) > _SAME_US
+        else:
+            report = fb == "all"
+        if report:
             rep = StageReport(rec.batch_id, st.partition, st.vgpu_id, st.start_us, st.end_us, st.transfer_start_us, st.transfer_end_us)
             out.extend(self.apply(self._call(self.scheduler.report, rep)))
         return out
-
-    @staticmethod
-    def _differs(run: _BatchRun, k: int) -> bool:
-        st = run.record.stages[k]
-        ds = run.dispatch.stages[k]
-        if abs(st.start_us - ds.start_us) > _SAME_US or abs(st.end_us - ds.start_us - ds.infer_us) > _SAME_US:
-            return True
-        if st.transfer_start_us is None or ds.transfer_start_us is None:
-            return st.transfer_start_us is not ds.transfer_start_us and ds.transfer_us > 0
-        return abs(st.transfer_start_us - ds.transfer_start_us) > _SAME_US or abs(
-            st.transfer_end_us - ds.transfer_start_us - ds.transfer_us
-        ) > _SAME_US
 
     def on_transfer_ready(self, run: _BatchRun, k: int) -> list[Event]:
         st = run.record.stages[k]
