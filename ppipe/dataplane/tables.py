@@ -16,6 +16,11 @@ scheduler prunes a table lazily when it has grown past a threshold, which keeps 
 short (their length is the number of *future* reservations) without paying a list
 deletion on every call.
 
+Indexes over tables (the pools' gap heaps in :mod:`ppipe.dataplane.topology`) keep lower
+bounds on a table's answers; a table bumps ``version`` on every change that can alter an
+answer, and calls ``on_free`` after a change that can make an answer *earlier* (remove,
+correct, delay), so such an index knows when its bound may no longer hold.
+
 Correction (feedback): :meth:`ReservationTable.correct` replaces a reserved interval by the
 one a worker reports. The truth wins over the plan: an interval before it that now overlaps
 is cut short at the reported start, and later intervals that now overlap are pushed back
@@ -90,16 +95,23 @@ class ReservationTable:
         if duration <= 0:
             return
         end = start + duration
-        i = bisect_right(self.starts, start)
+        starts, ends = self.starts, self.ends
+        i = bisect_right(starts, start)
+        n = len(starts)
         # Guard the invariant cheaply: a reservation must fit in the gap it was probed in.
-        if (i > 0 and self.ends[i - 1] > start + EPS_US) or (i < len(self.starts) and self.starts[i] < end - EPS_US):
+        if (i > 0 and ends[i - 1] > start + EPS_US) or (i < n and starts[i] < end - EPS_US):
             raise ValueError(
                 f"{self.name}: [{start:.3f}, {end:.3f}) overlaps an existing reservation; "
                 "reservations must come from a probe on the current tables"
             )
-        self.starts.insert(i, start)
-        self.ends.insert(i, end)
-        self.keys.insert(i, key)
+        if i == n:  # the usual case: after every reservation there is
+            starts.append(start)
+            ends.append(end)
+            self.keys.append(key)
+        else:
+            starts.insert(i, start)
+            ends.insert(i, end)
+            self.keys.insert(i, key)
         self.version += 1
 
     def prune(self, now: float) -> int:

@@ -7,6 +7,8 @@ plain ``__slots__`` objects:
 * a :class:`VGpu` per placed vGPU (``VgpuPlacement.vgpu_id``), holding its own reservation
   table and references to its server's uplink and downlink tables and bandwidth;
 * a :class:`Pool` per partition: its vGPUs sorted by id (the deterministic tie-break),
+  two lazy heaps that spare probe a scan of every vGPU (the longest-idle vGPU; lower
+  bounds on each vGPU's next start, :meth:`Pool.scan_set`),
   the inference latency per usable batch (``profile.partition_latency_us``), and the bits
   per sample that leave it (``profile.cut_bytes(last_block) * 8``; 0 for the last pool);
 * a :class:`Pipeline` per pooled pipeline: its pools and its usable batch sizes, largest
