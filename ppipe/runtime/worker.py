@@ -268,9 +268,10 @@ def _undo_ray_niceness() -> int:
 
     Ray starts worker processes at niceness 15 (its ``worker_niceness``), which suits batch
     jobs. A vGPU worker is on the latency path of every request it serves: at niceness 15
-    any busier process on its host delays its wake-ups by tens of ms (measured on a shared
-    2-core host: stage starts 50-100 ms later than reserved at p99). Lowering niceness needs
-    privileges (root or RLIMIT_NICE); without them the worker stays as Ray made it.
+    every busier process on its host (the frontend, Ray's daemons, anything else) takes the
+    CPU first, and its timed wake-ups (reserved starts, emulated latencies) slip. Lowering
+    niceness needs privileges (root or RLIMIT_NICE); without them the worker stays as Ray
+    made it.
     """
     if not hasattr(os, "getpriority"):
         return 0
