@@ -512,12 +512,13 @@ class Simulator:
             self._lose(run, k)
             return []
         start = now if now > vg.free_us else vg.free_us
-        end = start + st.planned_infer_us * (self._jitter() if self._jit_sigma else 1.0)
+        end = start + (st.planned_infer_us * self._jitter() if self._jit_sigma else st.planned_infer_us)
         vg.free_us = end
         # busy time inside the arrival window, for temporal utilization
-        lo, hi = start, min(end, self.window_us)
-        if hi > lo:
-            vg.busy_in_window_us += hi - lo
+        w = self.window_us
+        hi = w if w < end else end
+        if hi > start:
+            vg.busy_in_window_us += hi - start
         st.start_us, st.end_us = start, end
         return [StageEndEvent(end, self, run, k)]
 
@@ -581,11 +582,18 @@ class Simulator:
         if src == dst:
             start = now  # same server: local copy, no NIC
         else:
-            start = max(now, self._up_free.get(src, 0.0), self._down_free.get(dst, 0.0))
+            start = now  # max(now, uplink free, downlink free), spelled out (hot path)
+            u = self._up_free.get(src, 0.0)
+            if u > start:
+                start = u
+            u = self._down_free.get(dst, 0.0)
+            if u > start:
+                start = u
             self._up_free[src] = self._down_free[dst] = start + ds.transfer_us
         end = start + ds.transfer_us
         st.transfer_start_us, st.transfer_end_us = start, end
-        return [StageReadyEvent(max(end, st.planned_start_us), self, run, k)]
+        ps = st.planned_start_us
+        return [StageReadyEvent(ps if ps > end else end, self, run, k)]
 
 
 def simulate(
