@@ -61,6 +61,9 @@ from ppipe.dataplane.tables import EPS_US, earliest_slot
 from ppipe.dataplane.topology import Pipeline, VGpu
 
 _INF = float("inf")
+_INDEX_MIN_VGPUS = 8
+"""Pools smaller than this are scanned whole: most of their vGPUs would pass the gap heap's
+test anyway, and the scan is cheaper than the heap walk (either way, the same decision)."""
 _LOOKAHEAD_CREEP_US = 1e-3
 """How far (us) the best ``L`` of a look-ahead scan may rise by ties before the subset scan is redone in full."""
 
@@ -125,7 +128,7 @@ class ReservationScheduler(BatchingScheduler):
                 # the vGPUs that could finish before the seed are visited: every other one
                 # would fail `f < best_t` (best_t only decreases from the seed's finish), so
                 # visiting the subset in the same order takes the same decision.
-                scan = pool.scan_set(tau, l_i, best_t) if seed is not None else None
+                scan = pool.scan_set(tau, l_i, best_t) if seed is not None and len(pool.vgpus) >= _INDEX_MIN_VGPUS else None
                 if scan is None:
                     scan = pool.vgpus
                 elif scan and seed.vgpu in scan:
@@ -269,7 +272,7 @@ class ReservationScheduler(BatchingScheduler):
         seed = (best, best_L, best_f, best_u)
         scan = None
         limit = _INF
-        if best is not None and tau is not None:
+        if best is not None and tau is not None and len(pool.vgpus) >= _INDEX_MIN_VGPUS:
             limit = best_L + _LOOKAHEAD_CREEP_US
             scan = pool.scan_set(tau, l_i, limit)
             if scan and best.vgpu in scan:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppipe.dataplane import build_scheduler
+from ppipe.dataplane import build_scheduler, reservation
 from ppipe.dataplane.api import Request
 from ppipe.dataplane.tables import ReservationTable
 from ppipe.dataplane.testing import ManualClock, ToyModel, ToyPartition, ToyPipeline, replay, toy_cluster, toy_plan, toy_profile
@@ -134,6 +134,7 @@ def test_indexed_probe_decides_exactly_as_the_full_scan(monkeypatch, lookahead, 
 
     for indexed in (True, False):
         with monkeypatch.context() as m:
+            m.setattr(reservation, "_INDEX_MIN_VGPUS", 1)  # every pool uses the index (the 8-vGPU one too)
             m.setattr(Pool, "scan_set", counting if indexed else (lambda self, tau, l_i, limit: None))
             s, clock = _world(lookahead)
             log, outcome = replay(s, clock, reqs, jitter=jitter, seed=3, failures=failures)

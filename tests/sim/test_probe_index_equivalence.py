@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ppipe.dataplane.testing import ToyModel, ToyPartition, ToyPipeline, toy_cluster, toy_plan, toy_profile
+from ppipe.dataplane import reservation
 from ppipe.dataplane.topology import Pool
 from ppipe.sim import SimConfig, run_point
 
@@ -28,6 +29,7 @@ def _both(monkeypatch, run):
     out = []
     for indexed in (True, False):
         with monkeypatch.context() as m:
+            m.setattr(reservation, "_INDEX_MIN_VGPUS", 1)  # every pool uses the index, small ones too
             if not indexed:
                 m.setattr(Pool, "scan_set", lambda self, tau, l_i, limit: None)
             out.append(run())
