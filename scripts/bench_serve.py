@@ -136,10 +136,16 @@ def lateness(rt, since: int) -> dict[str, float]:
     import numpy as np
 
     late: dict[int, list[float]] = {}
+    call: list[float] = []  # dispatch -> the first stage's call reaching its worker
     for t in rt.traces[since:]:
         for k, (rep, (start, _)) in enumerate(zip(t.reports, t.reserved_us)):
             late.setdefault(k, []).append((rt.clock.from_wall_us(rep["start_us"]) - start) / 1e3)
+        if t.reports:
+            call.append((rt.clock.from_wall_us(t.reports[0]["received_us"]) - t.dispatched_us) / 1e3)
     out = {}
+    if call:
+        out["call_delay_p50_ms"] = float(np.percentile(call, 50))
+        out["call_delay_p99_ms"] = float(np.percentile(call, 99))
     for k, xs in sorted(late.items()):
         out[f"stage{k}_start_late_p50_ms"] = float(np.percentile(xs, 50))
         out[f"stage{k}_start_late_p99_ms"] = float(np.percentile(xs, 99))
@@ -220,7 +226,8 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
                          for k in r if k.startswith("stage") and k.endswith("p50_ms"))
         print(f"   runtime   load {load:.2f}: goodput {r['goodput_rps']:.1f} req/s  p50 {r['p50_ms'] or 0:.1f} ms  "
               f"p99 {r['p99_ms'] or 0:.1f} ms  drops {r['drops']}  client lag p99 {r['client_lag_p99_ms']:.1f} ms  "
-              f"CPU/request: frontend {r['frontend_cpu_ms_per_request']:.2f} ms  {late}")
+              f"CPU/request: frontend {r['frontend_cpu_ms_per_request']:.2f} ms  "
+              f"dispatch->worker p50/p99 {r.get('call_delay_p50_ms', 0):.1f}/{r.get('call_delay_p99_ms', 0):.1f} ms  {late}")
         return r["slo_attainment"]
 
     try:

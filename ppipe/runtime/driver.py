@@ -266,19 +266,27 @@ class Runtime:
         for r in d.requests:
             self._mark_dispatched(r)
         self.metrics.bound(self.metrics.batch, d.model).observe(d.batch)
-        task = asyncio.get_running_loop().create_task(self._run_batch(d))
+        # submit the stage calls now, not in the task: a task starts on a later turn of the
+        # loop, which on a busy frontend is ms later, and the reservation is already running
+        try:
+            sub: Any = self._submit(d)
+        except Exception as exc:  # answered by the task, like a failure while running
+            sub = exc
+        task = asyncio.get_running_loop().create_task(self._run_batch(d, sub))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_batch(self, d: Dispatch) -> None:
-        import ray
-
+    def _submit(self, d: Dispatch) -> tuple[BatchTrace, list[Any], Any]:
+        """Submit every stage of a batch; returns (trace, report refs, the last stage's output ref)."""
         route = [s.vgpu_id for s in d.stages]
         trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us(),
                            reserved_us=[(s.start_us, s.start_us + s.infer_us) for s in d.stages])
         if self.keep_traces:
             self.traces.append(trace)
             del self.traces[: -self.keep_traces]
+        for j, vgpu in enumerate(route):
+            if vgpu not in self.workers or vgpu in self.failed:
+                raise _StageFailed(j, "worker was marked failed before the batch was sent", trace)
         names = list(d.requests[0].payload)
         inputs = {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
         to_wall = self.clock.to_wall_us
@@ -286,30 +294,39 @@ class Runtime:
             (None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us, to_wall(s.start_us))
             for s in d.stages
         ]
+        # NCCL edges of this path: both ends learn the edge's next message number now
+        links: list[dict[str, Any]] = [{} for _ in route]
+        for j in range(1, len(route)):
+            e = (route[j - 1], route[j])
+            if e in self.nccl_edges:
+                seq = self._edge_seq[e]
+                self._edge_seq[e] = seq + 1
+                links[j - 1]["send"] = {"peer": route[j], "seq": seq}
+                links[j]["recv"] = {"peer": route[j - 1], "seq": seq}
+        # submit every stage now; over the object store stage k+1 takes stage k's output
+        # ObjectRef, so Ray moves the feature map worker to worker and the frontend only
+        # holds references; over NCCL it takes nothing and receives from its peer
+        reports = []
+        payload: Any = {"tensors": inputs, "sent_wall_us": wall_us()}
+        for j, vgpu in enumerate(route):
+            arg = {"tensors": None, "sent_wall_us": None} if "recv" in links[j] else payload
+            meta = (d.batch_id, j, vgpu, d.batch, timing, links[j] or None)
+            rep_ref, payload = self.workers[vgpu].run_stage.remote(arg, meta)
+            reports.append(rep_ref)
+        return trace, reports, payload
+
+    async def _run_batch(self, d: Dispatch, sub: Any) -> None:
+        import ray
+
+        route = [s.vgpu_id for s in d.stages]
+        trace = sub[0] if isinstance(sub, tuple) else getattr(sub, "trace", None) or BatchTrace(
+            d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us()
+        )
         k = 0
         try:
-            for j, vgpu in enumerate(route):
-                if vgpu not in self.workers or vgpu in self.failed:
-                    raise _StageFailed(j, "worker was marked failed before the batch was sent")
-            # NCCL edges of this path: both ends learn the edge's next message number now
-            links: list[dict[str, Any]] = [{} for _ in route]
-            for j in range(1, len(route)):
-                e = (route[j - 1], route[j])
-                if e in self.nccl_edges:
-                    seq = self._edge_seq[e]
-                    self._edge_seq[e] = seq + 1
-                    links[j - 1]["send"] = {"peer": route[j], "seq": seq}
-                    links[j]["recv"] = {"peer": route[j - 1], "seq": seq}
-            # submit every stage now; over the object store stage k+1 takes stage k's output
-            # ObjectRef, so Ray moves the feature map worker to worker and the frontend only
-            # holds references; over NCCL it takes nothing and receives from its peer
-            reports = []
-            payload: Any = {"tensors": inputs, "sent_wall_us": wall_us()}
-            for j, vgpu in enumerate(route):
-                arg = {"tensors": None, "sent_wall_us": None} if "recv" in links[j] else payload
-                meta = (d.batch_id, j, vgpu, d.batch, timing, links[j] or None)
-                rep_ref, payload = self.workers[vgpu].run_stage.remote(arg, meta)
-                reports.append(rep_ref)
+            if isinstance(sub, BaseException):
+                raise sub
+            _, reports, payload = sub
             for k, rep_ref in enumerate(reports):
                 try:
                     report = await rep_ref
@@ -389,5 +406,5 @@ class Runtime:
 
 
 class _StageFailed(Exception):
-    def __init__(self, stage: int, detail: str):
-        self.stage, self.detail = stage, detail
+    def __init__(self, stage: int, detail: str, trace: BatchTrace | None = None):
+        self.stage, self.detail, self.trace = stage, detail, trace

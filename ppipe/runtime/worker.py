@@ -225,6 +225,7 @@ class VgpuWorker:
                 "end_us": end,
                 "transfer_start_us": t_xfer_start,
                 "transfer_end_us": t_xfer_end,
+                "received_us": received,  # when the call reached this worker (control-path delay)
                 "node_id": self._node_id(),
             }
             if send is not None:

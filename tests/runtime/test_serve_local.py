@@ -67,6 +67,8 @@ def test_two_partitions_answer_like_the_whole_model(served, tinynet):
     assert max(len(t.request_ids) for t in done) > 1  # the 6-sample request was batched
     # the feature map crossed as a transfer: the second stage's report has transfer stamps
     assert all(t.reports[1]["transfer_start_us"] <= t.reports[1]["transfer_end_us"] for t in done)
+    # a stage starts after its call reached the worker
+    assert all(r["received_us"] <= r["start_us"] for t in done for r in t.reports)
 
 
 def test_reports_reach_the_scheduler_on_its_timeline(served):
