@@ -84,14 +84,16 @@ class Pool:
     fresh entry when a table may have become *less* busy (feedback, release).
 
     A second lazy min-heap, the *gap heap*, holds a lower bound on when each vGPU can next
-    start any batch: ``(h, vgpu_id)`` with ``h <= table.earliest(t, l)`` for every query
-    time ``t >= gap_tau`` and every latency ``l >= gap_min_us`` (the pool's shortest
-    inference). :meth:`scan_set` uses it to hand probe only the vGPUs that could finish by
-    a given time, so a probe of a large busy pool looks at a few vGPUs instead of all of
-    them. Why the bound stays valid: ``earliest`` grows with ``t`` and ``l``; a reservation
-    (``add``) only makes it later (the entry becomes a looser bound, repaired when it is
-    popped); an update that may make it *earlier* (remove, correct, delay) calls the
-    table's ``on_free``, which pushes a ``-inf`` entry for that vGPU.
+    start any batch: ``(h, vgpu_id, table_version)`` with ``h <= table.earliest(t, l)`` (to
+    within a 1 ns slack) for every query time ``t >= gap_tau`` and every latency
+    ``l >= gap_min_us`` (the pool's shortest inference). :meth:`scan_set` uses it to hand
+    probe only the vGPUs that could finish by a given time, so a probe of a large busy
+    pool looks at a few vGPUs instead of all of them. Why the bound stays valid:
+    ``earliest`` grows with ``t`` and ``l``; a reservation (``add``) only makes it later
+    (the entry becomes a looser bound, repaired when a scan reaches it); an update that
+    may make it *earlier* (remove, correct, delay) calls the table's ``on_free``, which
+    pushes a ``-inf`` entry for that vGPU. Several entries of one vGPU may coexist; the
+    smallest is the one that counts.
     """
 
     __slots__ = (
