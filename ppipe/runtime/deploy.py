@@ -263,5 +263,14 @@ def setup_transport(
     caps_raw = ray.get([workers[v].transport_caps.remote() for v in involved], timeout=timeout_s) if involved else []
     caps = {v: Capability(**c) for v, c in zip(involved, caps_raw)}
     choice = select_transports(requested, specs, caps)
-    connect_edges(workers, [e for e, (t, _) in choice.items() if t == NCCL], timeout_s=timeout_s)
+    nccl_edges = [e for e, (t, _) in choice.items() if t == NCCL]
+    try:
+        connect_edges(workers, nccl_edges, timeout_s=timeout_s)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"opening the NCCL communicators of {len(nccl_edges)} worker pair(s) failed: {first}",
+            fix="check that NCCL can reach between the GPU servers (run with NCCL_DEBUG=INFO), "
+            "or serve with --transport object-store",
+        ) from None
     return choice

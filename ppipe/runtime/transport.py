@@ -34,6 +34,12 @@ and the receiver answers its stage with the upstream error instead of waiting fo
 worker dies, the frontend aborts the communicators of its edges on the surviving side
 (:meth:`EdgeChannel.abort`), which releases a receive that would never complete.
 
+Cost: every NCCL edge is a communicator with its own buffers on both GPUs (NCCL's
+``NCCL_BUFFSIZE``, 4 MiB by default, per channel), and NCCL connects a pair on its first
+message, so the first batch over an edge is slower. A plan of HC1-S scale has a few dozen
+edges (e.g. 3 x 8 = 24 for rtmdet_x); a 100-GPU plan can have hundreds, which is when
+``NCCL_BUFFSIZE`` is worth lowering.
+
 Edges whose two vGPUs share one physical GPU (two MPS shares of one card in consecutive
 pools) use the object store: NCCL refuses two ranks on one device.
 

@@ -237,7 +237,7 @@ def test_nccl_link_moves_a_device_feature_map_between_two_gpus():
 
 # ---- end to end on Ray with a fake link (the protocol across processes; not NCCL) ----------------------------------
 @pytest.mark.ray
-def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster, tinynet, tmp_path):
+def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster, tinynet, tmp_path, monkeypatch):
     import ray
     from ray.util.queue import Queue
 
@@ -261,6 +261,11 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
         assert setup_transport(dep, workers, "auto") == {(up, down): ("object-store", f"{up}: the pool runs on CPUs")}
         with pytest.raises(UserError, match=f"--transport nccl: worker {up} \\(cpu\\) cannot use NCCL: the pool runs on CPUs"):
             setup_transport(dep, workers, "nccl")
+        # a pair that cannot open its communicator (no CuPy here) is a UserError, not a hang
+        with monkeypatch.context() as m:
+            m.setattr("ppipe.runtime.transport.select_transports", lambda *a, **k: {(up, down): ("nccl", "")})
+            with pytest.raises(UserError, match=r"opening the NCCL communicators of 1 worker pair\(s\) failed"):
+                setup_transport(dep, workers, "auto", timeout_s=60)
         # the test picks the edge's transport itself: CPU workers would never get NCCL
         connect_edges(workers, [(up, down)], link_factory=ray_queue_link, unique_ids=[Queue()])
         rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, edges={(up, down): "nccl"}, keep_traces=50,
