@@ -145,6 +145,7 @@ class Runtime:
         # NCCL edges and the number of the next message on each (see ppipe.runtime.transport)
         self.nccl_edges = {e for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) == "nccl"}
         self._edge_seq: dict[tuple[str, str], int] = {e: 0 for e in self.nccl_edges}
+        self._heard: dict[str, float] = {}  # vGPU id -> loop time of its last report
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -357,6 +358,7 @@ class Runtime:
             self._answer(r.id, {n: a[i] for n, a in outputs.items()})
 
     def _report(self, d: Dispatch, k: int, rep: dict[str, Any]) -> None:
+        self._heard[rep["vgpu_id"]] = asyncio.get_running_loop().time()
         c = self.clock
         self.metrics.bound(self.metrics.busy, rep["vgpu_id"]).inc(max(0.0, rep["end_us"] - rep["start_us"]) / 1e6)
         sr = StageReport(
@@ -399,8 +401,12 @@ class Runtime:
             except asyncio.TimeoutError:
                 pass  # slow is not dead (a loaded machine); a dead actor fails fast
 
+        loop = asyncio.get_running_loop()
         while True:
-            live = [(v, h) for v, h in self.workers.items() if v not in self.failed]
+            # a worker that reported within the interval is alive: ping only the quiet ones
+            # (a busy worker that dies fails its in-flight calls, which marks it at once)
+            fresh = loop.time() - self.health_interval_s
+            live = [(v, h) for v, h in self.workers.items() if v not in self.failed and self._heard.get(v, -1e18) < fresh]
             await asyncio.gather(*(probe(v, h) for v, h in live))
             await asyncio.sleep(self.health_interval_s)
 

@@ -178,6 +178,7 @@ class FakeWorker:
         self.vgpu_id, self.dead = vgpu_id, False
         self.mailbox = {} if mailbox is None else mailbox  # (sender, receiver, seq) -> future: a fake NCCL edge
         self.links, self.dropped = [], []
+        self.pings = 0
         outer = self
 
         class _RunStage:
@@ -208,6 +209,10 @@ class FakeWorker:
         self.run_stage, self.ping, self.drop_peer = _RunStage, _Ping, _DropPeer
 
     async def _ping(self):
+        self.pings += 1
+        await self._alive()
+
+    async def _alive(self):
         if self.dead:
             import ray
 
@@ -224,7 +229,7 @@ class FakeWorker:
         if link and "recv" in link:
             assert payload["tensors"] is None  # nothing came through the frontend
             payload = await self._box((link["recv"]["peer"], self.vgpu_id, link["recv"]["seq"]))
-        await self._ping()
+        await self._alive()
         t = wall_us()
         rep = {"batch_id": batch_id, "partition": index, "vgpu_id": self.vgpu_id, "start_us": t, "end_us": t + 1,
                "transfer_start_us": None, "transfer_end_us": None}
@@ -467,3 +472,23 @@ def test_infer_fast_path_answers_like_the_routes_and_leaves_the_rest_to_them(tin
     assert too_big.status_code == 413 and "exceeds the limit of 4096 bytes" in too_big.json()["error"]
     assert nested.status_code == 404
     assert meta.status_code == 200 and meta.json()["name"] == "tinynet"
+
+
+def test_health_loop_pings_only_workers_that_have_not_reported_lately(tinynet):
+    rt, peers = _runtime(tinynet, max_batch=1)
+    rt.health_interval_s = 0.3
+    busy = rt.plan.placements_of("tinynet", 0, 0)[0].vgpu_id
+
+    async def main():
+        await rt.start()
+        await asyncio.sleep(0.05)  # the first round pings everyone
+        before = {v: w.pings for v, w in peers.items()}
+        for _ in range(15):  # both workers report every ~20 ms, well within the 0.3 s interval
+            await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+            await asyncio.sleep(0.02)
+        await rt.stop()
+        return before
+
+    before = asyncio.run(main())
+    assert all(n >= 1 for n in before.values())
+    assert peers[busy].pings == before[busy]  # it kept reporting: no health ping needed
