@@ -45,9 +45,11 @@ Measured on the project's 2-core machine while other jobs shared it (load averag
 tried before a drop), share-basis rates: mean max load factor PPipe 0.957 (per cluster
 HC1-L 0.975, HC2-L 0.964, HC3-L 0.933, HC4-L 0.956), with ``--isolate-models`` 0.962
 (HC3-L 0.950, HC4-L 0.958: cross-model NIC sharing costs HC3-L most); with
-``--rate-basis planned`` the previous session measured 0.947. NP and DART-r: see the
-module's commit history and the helper report (they move little: the weak PPipe models
-are not the ones the rate basis touches). Every PPipe plan here runs batch 1; all
+``--rate-basis planned`` the previous session measured 0.947. NP 0.666, DART-r 0.722
+(paper 0.668 / 0.749; PPipe over them +43.7 % / +32.5 %, paper +48.0 / +32.2 %);
+low-class GPU utilization at the max load NP 5.0 %, DART-r 23.2 %, PPipe 68.6 %. Ablation
+on six models (first of each group, 10 s points): reservation 0.950, reactive 0.700
+(paper 0.92 / 0.71). Every PPipe plan here runs batch 1; all
 drops are ``deadline-unreachable`` in the queue (no late completion without jitter).
 The weak models (fcn-d6 0.80-0.90, googlenet-v3 0.85-0.90, rtmdet_x on HC3-L, gcnet,
 tf_efficientdet_d1) have a bottleneck pool of 4-10 vGPUs run at ~100 % of its capacity
@@ -55,9 +57,13 @@ at load 1.0 with a runtime slack of only 1-2 service times (SLOs of 23-35 ms): t
 loss is the queueing of a small pool (M/D/c), plus feature-map waits on V100 uplinks
 planned at 60-75 % utilization, not a scheduling choice.
 
-Cost: one 30 s run of G2 on HC1-L (the busiest group, 3 systems, 13 points) took 171 s of
-CPU; the whole default run (30 s main points, 18 ablation models at 10 s) is estimated at
-about 45 min of CPU, i.e. ~25 min on two idle cores -- not verified on an idle machine.
+Cost (CPU seconds, which the load of the shared machine does not inflate much): NP +
+DART-r at 10 s points 574 s; six ablation models 168 s; one 30 s run of G2 on HC1-L (the
+busiest group, 3 systems, 13 points) 171 s. The whole default run (30 s main points, 18
+ablation models at 10 s) is estimated at ~50 min of CPU, i.e. ~25-30 min on two idle
+cores: at the edge of the 30-minute budget, not verified on an idle machine. Safer (~46 min
+CPU): ``--duration-s 30 --ablation-models efficientnet-b8 colorization-v2 apcnet
+fcn-d6 centernet fsaf`` (six ablation models).
 """
 
 from __future__ import annotations
