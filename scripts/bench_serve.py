@@ -39,7 +39,8 @@ at 7-11 (so: noisy lower bounds; re-measure on a quiet host), 10 s points, seed 
   (p50 2-8 ms); frontend CPU 3.8-5.3 ms per request (2 stage calls + HTTP). Again at
   08:32 (stage calls submitted at dispatch; 5 s points): simulator 0.90, runtime 0.40, with
   attainment 94-95 % from 0.55 to 0.80: every point had a few stalls (dispatch->worker
-  delay p99 20-50 ms, p50 ~4 ms).
+  delay p99 20-50 ms, p50 ~4 ms). At 08:40 (10 s points): simulator 0.85, runtime 0.35
+  (86-96 % from 0.40 to 0.75; the 0.50 and 0.60 points had 0.2-0.5 s stalls).
 - atss_r101_fpn_1x_coco, dilation 8: simulator 1.10, runtime 1.00 (-10 points; 98.7 % at
   1.05).
 - ceiling (5 s points): binary 1500 req/s (2000 failed), JSON 500 req/s (1000 at 97.7 %:
