@@ -8,16 +8,17 @@ import pytest
 from ppipe.errors import UserError
 
 
-def _explicit_refit_errors(z, phi, y, groups, rho, lam):
+def _explicit_refit_errors(z, phi, y, groups, rho, lam, offset=None):
     """Kernel ridge refitted without each group, the slow way (the reference)."""
     from ppipe.profiler.estimate.crossgpu import INTERCEPT_PRIOR
 
     m = INTERCEPT_PRIOR + z @ z.T + rho * (phi @ phi.T)
+    off = np.zeros_like(y) if offset is None else offset
     out = np.empty_like(y)
     for g in groups:
         rest = np.setdiff1d(np.arange(len(y)), g)
-        alpha = np.linalg.solve(m[np.ix_(rest, rest)] / lam + np.eye(len(rest)), y[rest])
-        pred = m[np.ix_(g, rest)] @ alpha / lam
+        alpha = np.linalg.solve(m[np.ix_(rest, rest)] / lam + np.eye(len(rest)), y[rest] - off[rest])
+        pred = off[g] + m[np.ix_(g, rest)] @ alpha / lam
         pred = np.clip(pred, y[rest].min(axis=0), y[rest].max(axis=0))
         out[g] = np.exp(pred - y[g]) - 1
     return out
@@ -40,8 +41,12 @@ def test_closed_form_leave_one_group_out_equals_refitting():
     rho, lam = 3.0, 0.7
     evals, evecs = np.linalg.eigh(INTERCEPT_PRIOR + z @ z.T + rho * (phi @ phi.T))
     stacked = _group_index(groups)
-    fast = _group_loo_errors(evecs, np.maximum(evals, 0), lam, y, stacked, _rest_bounds(y, stacked))
+    bounds = _rest_bounds(y, stacked)
+    fast = _group_loo_errors(evecs, np.maximum(evals, 0), lam, y, stacked, bounds)
     np.testing.assert_allclose(fast, _explicit_refit_errors(z, phi, y, groups, rho, lam), rtol=1e-6, atol=1e-8)
+    offset = np.stack([0.8 * np.sin(z[:, 0]), 0.1 * z[:, 2]], axis=1)  # a prior mean per row and target
+    fast = _group_loo_errors(evecs, np.maximum(evals, 0), lam, y, stacked, bounds, offset)
+    np.testing.assert_allclose(fast, _explicit_refit_errors(z, phi, y, groups, rho, lam, offset), rtol=1e-6, atol=1e-8)
 
 
 def test_regressor_from_dual_matches_the_kernel_prediction_and_round_trips():
@@ -58,7 +63,14 @@ def test_regressor_from_dual_matches_the_kernel_prediction_and_round_trips():
     np.testing.assert_allclose(reg.predict_unclipped(x), m @ alpha / 0.5, rtol=1e-6, atol=1e-8)
     back = _Regressor.unpack(reg.pack())
     np.testing.assert_allclose(back.predict(x), reg.predict(x), rtol=1e-4, atol=1e-4)
-    assert back.gamma == 1.0
+    assert back.gamma == 1.0 and back.offset_col == -1
+    # with an offset column the model fits y - x[:, 3] and adds it back
+    with_off = _Regressor.fit(x, y, gamma=1.0, rho=5.0, lam=0.5, offset_col=3)
+    alpha = np.linalg.solve(m / 0.5 + np.eye(50), y - x[:, 3])
+    np.testing.assert_allclose(with_off.predict_unclipped(x), x[:, 3] + m @ alpha / 0.5, rtol=1e-6, atol=1e-8)
+    back = _Regressor.unpack(with_off.pack())
+    assert back.offset_col == 3
+    np.testing.assert_allclose(back.predict(x), with_off.predict(x), rtol=1e-4, atol=1e-4)
 
 
 def test_layer_ratio_model_learns_per_op_ratios_and_sums_them_into_blocks():
@@ -83,14 +95,16 @@ def test_layer_ratio_model_learns_per_op_ratios_and_sums_them_into_blocks():
 
 @pytest.fixture(scope="module")
 def small_fit(artifact_dir):
-    """A fit on 7 artifact models for one pair, with selection over a 2-point grid."""
+    """A fit on 7 artifact models for one pair, with selection over a 2-point grid, with and
+    without the per-layer offset (so the offset path is fitted, saved and loaded too)."""
     from ppipe.profiler.estimate.artifact_data import load_all
     from ppipe.profiler.estimate.crossgpu import fit_cross_gpu_from_models
 
     data = load_all(artifact_dir)
     names = sorted(data)[::4]
     grid = ((1.0, 10.0, 3.0), (0.5, 3.0, 30.0))
-    model = fit_cross_gpu_from_models([data[n] for n in names[1:]], pairs=[("L4", "T4")], hyper_grid=grid)
+    model = fit_cross_gpu_from_models([data[n] for n in names[1:]], pairs=[("L4", "T4")], hyper_grid=grid,
+                                      offsets=(False, True))
     return data[names[0]], model, grid
 
 
@@ -100,6 +114,7 @@ def test_selection_is_recorded_and_comes_from_the_grid(small_fit):
     for sel in model.selection.values():
         assert (sel.gamma, sel.rho, sel.lam) in grid
         assert 0 < sel.inner_median <= sel.inner_p90 < 5
+    assert model.selection[("L4", "T4", False)].offset is False  # no per-layer ratio to use
     assert model.gpus() == ["L4", "T4"]
 
 
