@@ -61,12 +61,16 @@ over the 28 artifact models, with per-layer features): block latency from L4 med
 p90 34.4 %; all 12 pairs 6.5 % / 26.8 %; per-block ratios of the paper's cluster pairs
 6.5 % / 26.3 % (naive global ratio: 22.8 / 98.0 % from L4). The worst held-out models are
 the architectures alone of their kind in the artifact (TextSnake, ConvNeXt, EfficientDet,
-EfficientNet, CycleGAN: p90 45-76 %). What was decided by looking at outer figures: the
-design (these features, this regressor) was run once; the grid's lambda range was then
-widened once to 100 because inner selections sat on its edge (outer result before
-9.4 / 34.3 %, after 9.5 / 34.4 %; kept). The previous version (fixed hyper-parameters
-chosen on the same 28 models, ~29 settings scored) reported 9.4 / 35.6 % with selection
-bias.
+EfficientNet, CycleGAN: p90 45-76 %). From block timings alone (``--blocks-only``, what
+``ppipe profile --estimate-from`` uses): from L4 10.8 / 41.8 %, all pairs 8.7 / 36.0 %,
+ratios 8.9 / 32.9 % (p90 target NOT met without per-layer timings). What was decided by
+looking at outer figures: the design (these features, this regressor) was run once; the
+grid's lambda range was then widened once to 100 because inner selections sat on its
+edge (outer result before 9.4 / 34.3 %, after 9.5 / 34.4 %; kept); the offset option was
+run once and left off (see :func:`fit_cross_gpu_from_models`). Picking among these few
+runs can bias the figure by a few tenths of a point at most. The previous version (fixed
+hyper-parameters chosen on the same 28 models, ~29 settings scored) reported
+9.4 / 35.6 % with selection bias.
 """
 
 from __future__ import annotations
