@@ -292,7 +292,8 @@ def plan(
         models_out, result, columns = out.models, out.result, out.columns
         report = SolverReport(
             name=result.solver, status=result.status, gap=result.gap, seconds=time.perf_counter() - t0,
-            objective=result.objective, columns=columns,
+            objective=result.objective, columns=columns, method=result.method, nodes=result.nodes,
+            lp_iterations=result.lp_iterations,
         )
     elif planner == "ppipe":
         out = milp_plan(
@@ -308,7 +309,8 @@ def plan(
         models_out, result = out.models, out.result
         report = SolverReport(
             name=result.solver, status=result.status, gap=result.gap, seconds=time.perf_counter() - t0,
-            objective=result.objective, columns=out.columns,
+            objective=result.objective, columns=out.columns, method=result.method, nodes=result.nodes,
+            lp_iterations=result.lp_iterations,
         )
     else:  # dart-r
         if np_out is None:

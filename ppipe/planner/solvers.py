@@ -50,6 +50,8 @@ class SolveResult:
         nodes: branch-and-bound nodes (-1 when the backend does not report them).
         lp_iterations: simplex iterations in all (-1 when not reported); with ``nodes``,
             a measure of the work that does not depend on the machine's load.
+        method: what proved the status ("" = the backend's own search, e.g. branch and
+            bound; else e.g. "highs incumbent + cover bound").
     """
 
     solver: str
@@ -60,6 +62,7 @@ class SolveResult:
     seconds: float
     nodes: int = -1
     lp_iterations: int = -1
+    method: str = ""
 
 
 def get_solver(name: str | SolverName) -> "Solver":
@@ -115,29 +118,22 @@ class HighsSolver(Solver):
     def __init__(self, options: dict[str, object] | None = None):
         self.options = dict(HIGHS_MIP_OPTIONS if options is None else options)
 
-    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None):
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2):
+        """Solve ``milp``.
+
+        Args:
+            prover: optional ``prover(T, bound) -> bool`` for a maximization: True means
+                it is proven that no solution reaches objective ``T`` (``bound`` is HiGHS's
+                current upper bound on the optimum). Asked about a better incumbent (once
+                ``prover_after_s`` seconds have passed, so that easy models pay nothing) with
+                ``T = incumbent * (1 + gap)``; a True answer stops the search with the
+                incumbent, proven optimal within ``gap``.
+            prover_after_s: solve time before the prover is first asked.
+        """
         import highspy
 
         t0 = time.perf_counter()
-        col_lb, col_ub, integ, row_lb, row_ub, cost = milp.arrays()
-        start, index, value = milp.csc()
-        inf = highspy.kHighsInf
-        lp = highspy.HighsLp()
-        lp.num_col_ = milp.num_cols
-        lp.num_row_ = milp.num_rows
-        lp.col_cost_ = cost
-        lp.col_lower_ = col_lb
-        lp.col_upper_ = np.where(np.isinf(col_ub), inf, col_ub)
-        lp.row_lower_ = np.where(np.isinf(row_lb), -inf, row_lb)
-        lp.row_upper_ = np.where(np.isinf(row_ub), inf, row_ub)
-        lp.sense_ = highspy.ObjSense.kMaximize if milp.sense == "max" else highspy.ObjSense.kMinimize
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_ = start
-        lp.a_matrix_.index_ = index
-        lp.a_matrix_.value_ = value
-        lp.a_matrix_.num_col_ = milp.num_cols
-        lp.a_matrix_.num_row_ = milp.num_rows
-        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integ]
+        lp, integ = _highs_lp(milp)
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("mip_rel_gap", float(gap))
@@ -149,6 +145,7 @@ class HighsSolver(Solver):
             for key, val in self.options.items():
                 h.setOptionValue(key, val)
         h.passModel(lp)
+        proof = _attach_prover(h, prover, prover_after_s, gap, milp.sense) if (prover is not None and integ.any()) else None
         h.run()
         st = h.getModelStatus()
         info = h.getInfo()
@@ -166,6 +163,11 @@ class HighsSolver(Solver):
         if st == MS.kOptimal and x is not None:
             g = info.mip_gap if integ.any() else 0.0
             return SolveResult(self.name, "optimal", x, float(info.objective_function_value), max(0.0, float(g)), secs, **work)
+        if st == MS.kInterrupt and proof is not None and proof["target"] is not None and x is not None:
+            # Stopped by the prover: nothing reaches proof["target"] = incumbent (1 + gap).
+            obj = float(info.objective_function_value)
+            g = max(0.0, proof["target"] / obj - 1.0) if obj > 0 else math.inf
+            return SolveResult(self.name, "optimal", x, obj, g, secs, method=proof["method"], **work)
         if st in (MS.kTimeLimit, MS.kInterrupt, MS.kIterationLimit, MS.kSolutionLimit, MS.kObjectiveBound):
             if x is None:
                 raise _timeout("HiGHS", time_limit_s)
@@ -174,6 +176,80 @@ class HighsSolver(Solver):
                 self.name, "time_limit", x, float(info.objective_function_value), g if math.isfinite(g) else math.inf, secs, **work
             )
         raise SolverError(f"HiGHS ended with status '{h.modelStatusToString(st)}'")
+
+
+def _highs_lp(milp: Milp):
+    """(HighsLp, integrality mask) for a Milp: the matrix is passed as is, column-wise."""
+    import highspy
+
+    col_lb, col_ub, integ, row_lb, row_ub, cost = milp.arrays()
+    start, index, value = milp.csc()
+    inf = highspy.kHighsInf
+    lp = highspy.HighsLp()
+    lp.num_col_ = milp.num_cols
+    lp.num_row_ = milp.num_rows
+    lp.col_cost_ = cost
+    lp.col_lower_ = col_lb
+    lp.col_upper_ = np.where(np.isinf(col_ub), inf, col_ub)
+    lp.row_lower_ = np.where(np.isinf(row_lb), -inf, row_lb)
+    lp.row_upper_ = np.where(np.isinf(row_ub), inf, row_ub)
+    lp.sense_ = highspy.ObjSense.kMaximize if milp.sense == "max" else highspy.ObjSense.kMinimize
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = start
+    lp.a_matrix_.index_ = index
+    lp.a_matrix_.value_ = value
+    lp.a_matrix_.num_col_ = milp.num_cols
+    lp.a_matrix_.num_row_ = milp.num_rows
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integ]
+    return lp, integ
+
+
+PROVER_MAX_GAP = 0.10  # ask the prover only about incumbents within 10 % of HiGHS's bound
+
+
+def _attach_prover(h, prover, after_s: float, gap: float, sense: str) -> dict:
+    """Register HiGHS callbacks that ask ``prover`` about each better incumbent (see HighsSolver.solve)."""
+    import highspy
+
+    if sense != "max":
+        raise ValueError("a prover needs a maximization")
+    cb = highspy.cb
+    state = {"target": None, "best": -math.inf, "tried": -math.inf, "spent": 0.0, "method": "highs incumbent + " + getattr(prover, "method", "prover")}
+    t0 = time.perf_counter()
+
+    def callback(kind, _msg, out, inp, _data):
+        if kind == cb.HighsCallbackType.kCallbackMipImprovingSolution:
+            state["best"] = max(state["best"], float(out.objective_function_value))
+        elif kind == cb.HighsCallbackType.kCallbackMipInterrupt:
+            # Asked here (HiGHS polls this often) rather than on the improvement itself, so
+            # that an incumbent found before after_s is still tried once after_s has passed.
+            elapsed = time.perf_counter() - t0
+            # A failed try costs up to about a second; later tries (better incumbents are
+            # easier to prove) may take at most a quarter of the solve time in all.
+            # Incumbents more than PROVER_MAX_GAP below HiGHS's bound are not worth a try.
+            bound = float(out.mip_dual_bound)
+            if (
+                state["target"] is None
+                and state["best"] > state["tried"]
+                and state["best"] > 0
+                and elapsed >= after_s
+                and state["spent"] <= 0.25 * elapsed
+                and math.isfinite(bound)
+                and bound <= state["best"] * (1.0 + PROVER_MAX_GAP)
+            ):
+                state["tried"] = state["best"]
+                T = state["best"] * (1.0 + gap)
+                t1 = time.perf_counter()
+                if prover(T, bound):
+                    state["target"] = T
+                state["spent"] += time.perf_counter() - t1
+            if state["target"] is not None:
+                inp.user_interrupt = True
+
+    h.setCallback(callback, None)
+    h.startCallback(cb.HighsCallbackType.kCallbackMipImprovingSolution)
+    h.startCallback(cb.HighsCallbackType.kCallbackMipInterrupt)
+    return state
 
 
 class CbcSolver(Solver):

@@ -41,5 +41,5 @@ def print_summary(plan: Plan, console=None) -> None:
     console.print(f"GPUs used: {used}")
     console.print(
         f"solver {s.name}: {s.status}, objective {s.objective:.3f} ({plan.settings.objective}), gap {s.gap:.2%}, "
-        f"{s.seconds:.2f} s, {s.columns} columns"
+        f"{s.seconds:.2f} s, {s.columns} columns" + (f"; proven by {s.method}" if s.method else "")
     )

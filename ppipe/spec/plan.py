@@ -71,6 +71,13 @@ class SolverReport(StrictModel):
     seconds: NonNegativeFloat = Field(description="Wall time of building and solving the model, in s.")
     objective: float = Field(description="Objective value.")
     columns: NonNegativeInt = Field(default=0, description="Number of MILP columns (configurations).")
+    method: str = Field(
+        default="",
+        description="What proved the status: '' = the solver's own search (branch and bound); "
+        "'highs incumbent + cover bound' = HiGHS's plan, proven within the gap by ppipe's cover bound.",
+    )
+    nodes: int = Field(default=-1, ge=-1, description="Branch-and-bound nodes of the final solve (-1: not reported).")
+    lp_iterations: int = Field(default=-1, ge=-1, description="Simplex iterations of the final solve (-1: not reported).")
 
 
 class PlanSettings(StrictModel):

@@ -1,0 +1,158 @@
+"""The cover bound (ppipe.planner.bounds) is a valid upper bound, and the prover path keeps optima exact."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import ppipe
+import ppipe.planner.core as core
+from planner_synth import brute_force_paper, brute_force_physical, cluster, plain_configs, profile
+from ppipe.planner.api import usable_levels
+from ppipe.planner.bounds import CoverBound, cover_table, pipeline_patterns
+from ppipe.planner.configs import ModelSpec
+from ppipe.planner.core import model_configs
+
+LEVELS = {"A": [1, 2], "B": [1]}
+LAT_1 = {"A": [2000.0, 3000.0, 1000.0], "B": [3000.0, 9000.0, 1500.0]}
+LAT_2 = {"A": [1500.0, 1000.0, 2500.0], "B": [2500.0, 2000.0, 8000.0]}
+
+
+def test_cover_table_is_the_least_cost_cover():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        n = int(rng.integers(1, 5))
+        bins = rng.integers(1, 7, size=n)
+        cost = rng.uniform(0.5, 5.0, size=n)
+        J = 14
+        C, choice, kept = cover_table(bins, cost, J)
+        for j in range(J + 1):
+            # Brute force over multisets: at most ceil(j / b) copies of a pattern matter.
+            best = math.inf
+            for counts in itertools.product(*[range(-(-j // int(b)) + 1) for b in bins]):
+                if sum(c * b for c, b in zip(counts, bins)) >= j:
+                    best = min(best, sum(c * k for c, k in zip(counts, cost)))
+            assert C[j] == pytest.approx(best, rel=1e-12), (bins, cost, j)
+        # The recorded choices rebuild a cover of that cost.
+        j, total, covered = J, 0.0, 0
+        while j > 0:
+            i = kept[choice[j]]
+            total += cost[i]
+            covered += bins[i]
+            j -= bins[i]
+        assert covered >= J and total == pytest.approx(C[J])
+
+
+def test_patterns_are_the_fewest_vgpus_for_their_throughput():
+    cl = cluster({"A": 2, "B": 2}, LEVELS)
+    m = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
+    spec = ModelSpec(profile=m, slo_ms=40.0)
+    (cs,) = model_configs([spec], cl, [usable_levels(m, cl)], max_partitions=2, margin=0.2, group_by_multiset=False)
+    counts = np.array([2.0, 2.0])
+    value, share = pipeline_patterns(cs, counts, 2)
+    mu = np.array([1.0, 0.37])
+    cost = share @ mu
+    for c in range(len(cs)):
+        n = int(cs.nparts[c])
+        X, k, v = cs.X[c, :n], cs.gpu[c, :n], cs.level[c, :n]
+        ranges = [range(1, int(counts[k[d]] * v[d]) + 1) for d in range(n)]
+        for g in itertools.product(*ranges):
+            x = min(X[d] * g[d] for d in range(n))
+            own = sum(mu[k[d]] * g[d] / v[d] for d in range(n))
+            # Some pattern gives at least this throughput for at most this price.
+            assert ((value >= x * (1 - 1e-12)) & (cost <= own + 1e-12)).any(), (c, g)
+
+
+def _bound(models, weights, cl, *, gpu_rule, one, D):
+    specs = [ModelSpec(profile=m, slo_ms=slo, weight=w) for (m, slo), w in zip(models, weights)]
+    configs = model_configs(
+        specs, cl, [usable_levels(s.profile, cl) for s in specs], max_partitions=D, margin=0.2,
+        group_by_multiset=(gpu_rule == "physical" and not one),
+    )
+    counts = np.array([cl.gpu_counts[g.name] for g in cl.gpu_types], dtype=float)
+    return lambda z_max: CoverBound(configs, weights, counts, z_max=z_max, num_bins=5000)
+
+
+@pytest.mark.parametrize("slo_ms", [12.0, 20.0, 40.0])
+def test_bound_never_refutes_the_physical_optimum(slo_ms):
+    counts = {"A": 2, "B": 2}
+    cl = cluster(counts, LEVELS)
+    m = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
+    want = brute_force_physical([plain_configs(m, cl, slo_ms, 0.2, 3, LEVELS)], [1.0], counts, LEVELS)
+    make = _bound([(m, slo_ms)], [1.0], cl, gpu_rule="physical", one=False, D=3)
+    b = make(want * 2)
+    assert not b.refutes(want)
+    assert b.refutes(want * 1.5)  # far above the optimum the bound does refute
+
+
+@pytest.mark.parametrize("slo_ms", [15.0, 30.0])
+@pytest.mark.parametrize("counts", [{"A": 1, "B": 2}, {"A": 2, "B": 1}])
+def test_bound_never_refutes_the_paper_optimum(slo_ms, counts):
+    cl = cluster(counts, LEVELS)
+    m = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
+    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts)
+    make = _bound([(m, slo_ms)], [1.0], cl, gpu_rule="paper", one=True, D=2)
+    assert not make(want * 2).refutes(want)
+
+
+def test_bound_never_refutes_a_two_model_optimum():
+    counts = {"A": 2, "B": 2}
+    cl = cluster(counts, LEVELS)
+    m1 = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
+    m2 = profile("m2", LAT_2, [50_000, 300_000], LEVELS)
+    w = [1.0, 2.0]
+    want = brute_force_physical([plain_configs(m, cl, 25.0, 0.2, 2, LEVELS) for m in (m1, m2)], w, counts, LEVELS)
+    make = _bound([(m1, 25.0), (m2, 25.0)], w, cl, gpu_rule="physical", one=False, D=2)
+    assert not make(want * 2).refutes(want)
+
+
+@pytest.fixture
+def prover_at_once(monkeypatch):
+    # Ask the cover bound from the first incumbent on, so that small models take that path too.
+    monkeypatch.setattr(core, "PROVER_AFTER_S", 0.0)
+
+
+@pytest.mark.parametrize("formulation", ["ppipe", "ppipe-atc25"])
+def test_prover_path_keeps_the_brute_force_optimum(prover_at_once, formulation):
+    counts = {"A": 2, "B": 2}
+    cl = cluster(counts, LEVELS)
+    m1 = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
+    m2 = profile("m2", LAT_2, [50_000, 300_000], LEVELS)
+    w = [1.0, 2.0]
+    plan = ppipe.plan(cl, [m1, m2], slo_ms=25.0, weights=w, max_partitions=2, formulation=formulation,
+                      batch_build=False, margin=0.2, gap=1e-4, time_limit_s=60)
+    if formulation == "ppipe":
+        want = brute_force_physical([plain_configs(m, cl, 25.0, 0.2, 2, LEVELS) for m in (m1, m2)], w, counts, LEVELS)
+        assert plan.solver.objective == pytest.approx(want, rel=1e-4)
+        assert plan.solver.objective <= want * (1 + 1e-6)
+    assert plan.solver.status == "optimal" and plan.solver.gap <= 1e-4
+
+
+def test_a_prover_that_refutes_stops_the_search_with_its_method(monkeypatch):
+    # The built-in default instance (HC2-S, three models) takes HiGHS seconds to prove alone;
+    # a prover that says yes must stop it at the first incumbent it is asked about.
+    asked = []
+
+    class Yes:
+        method = "test prover"
+
+        def __init__(self, *args):
+            pass
+
+        def __call__(self, T, bound):
+            asked.append((T, bound))
+            return True
+
+    monkeypatch.setattr(core, "CoverProver", Yes)
+    plan = ppipe.plan(place=False)
+    assert asked, "the prover was never asked"
+    T, bound = asked[-1]
+    s = plan.solver
+    assert s.status == "optimal" and s.method == "highs incumbent + test prover"
+    # The reported gap is what the prover's answer proves: nothing reaches T.
+    assert T <= s.objective * (1 + 1e-4) * (1 + 1e-12)
+    assert s.gap == pytest.approx(max(0.0, T / s.objective - 1.0))
+    assert bound >= s.objective * (1 - 1e-9)
