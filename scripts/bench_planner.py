@@ -91,13 +91,13 @@ def run_case(label: str, cluster, profiles, rows: list, **kw) -> dict:
     row = dict(case=label, objective=s.objective, status=s.status, gap=s.gap, seconds=secs, cpu=cpu, columns=s.columns, **WORK)
     rows.append(row)
     print(f"{label:<44} {s.objective:>10.2f} {s.status:>10} {s.gap * 100:>7.3f}% {secs:>7.2f}s {cpu:>7.2f}s {s.columns:>6} "
-          f"{WORK['nodes']:>6} {WORK['lp_iterations']:>7}", flush=True)
+          f"{WORK['nodes']:>6} {WORK['lp_iterations']:>7}  {s.method or 'b&b'}", flush=True)
     return row
 
 
 def header(title: str) -> None:
     print(f"\n== {title}")
-    print(f"{'case':<44} {'objective':>10} {'status':>10} {'gap':>8} {'wall':>8} {'cpu':>8} {'cols':>6} {'nodes':>6} {'lp_its':>7}")
+    print(f"{'case':<44} {'objective':>10} {'status':>10} {'gap':>8} {'wall':>8} {'cpu':>8} {'cols':>6} {'nodes':>6} {'lp_its':>7}  proven by")
 
 
 def summary(rows: list, target: str = "") -> None:
