@@ -15,6 +15,11 @@ Defaults, and where they come from:
   5 x the L4 batch-1 latency, model.yaml's slo_ms ignored). Explicit arguments still win.
 * A profile must time every GPU type of the cluster (at some level); GPU types the
   cluster lacks are ignored (the PPipe artifact times four types for every model).
+* Headroom (:mod:`ppipe.planner.headroom`): GPUs the plan leaves idle become extra vGPUs
+  for pools busier than 80 % at the planned load. On by default for the ``ppipe``
+  planner with ``formulation="ppipe"`` and the max-min or total objective; off for
+  ``ppipe-atc25`` (the paper leaves idle GPUs idle), the baselines, and objectives that
+  price GPUs (min-cost, custom). ``headroom=`` decides explicitly.
 """
 
 from __future__ import annotations
@@ -192,6 +197,7 @@ def plan(
     time_limit_s: float | None = 60.0,
     gap: float = 1e-4,
     place: bool = True,
+    headroom: bool | float | None = None,
 ) -> Plan:
     """Plan pooled pipelines for models on a cluster.
 
@@ -215,6 +221,10 @@ def plan(
         time_limit_s: solver time limit in s (None = none).
         gap: relative MIP gap at which the solver stops (1e-4 = 0.01 %).
         place: assign vGPUs to servers (``Plan.placement``).
+        headroom: give the pools that are busier than a target utilization at the planned
+            load extra vGPUs from the GPUs the plan leaves idle (:mod:`ppipe.planner.headroom`):
+            True = target 0.8, a number in [0, 1) = that target, False = off; None = the
+            default (see the module docstring). The objective value does not change.
 
     Returns:
         The immutable plan.
@@ -322,6 +332,12 @@ def plan(
             columns=np_out.columns,
         )
 
+    target_util = _headroom_target(headroom, planner, formulation, obj.name)
+    if target_util is not None:
+        from ppipe.planner.headroom import add_headroom
+
+        models_out = add_headroom(models_out, spec, gpu_rule, target_util)
+
     placement = []
     used = None
     if place:
@@ -343,6 +359,7 @@ def plan(
         margin=margin,
         max_partitions=1 if planner == "np" else (2 if planner == "dart-r" else max_partitions),
         batch_build=applied_bb and planner != "np",
+        headroom_util=target_util,
     )
     return Plan(
         cluster=spec.name,
@@ -353,3 +370,23 @@ def plan(
         gpus_used=used,
         placement=placement,
     )
+
+
+def _headroom_target(headroom: bool | float | None, planner: str, formulation: str, objective: str) -> float | None:
+    """The headroom pass's utilization target, or None for no pass (see the module docstring)."""
+    from ppipe.planner.headroom import DEFAULT_TARGET_UTIL
+
+    if headroom is None:
+        on = planner == "ppipe" and formulation == "ppipe" and objective in ("max-min", "total")
+        return DEFAULT_TARGET_UTIL if on else None
+    if headroom is True:
+        return DEFAULT_TARGET_UTIL
+    if headroom is False:
+        return None
+    try:
+        target = float(headroom)
+    except (TypeError, ValueError):
+        raise UserError(f"headroom must be True, False or a utilization in [0, 1), got {headroom!r}", fix="e.g. --headroom-util 0.8") from None
+    if not 0 <= target < 1:
+        raise UserError(f"headroom utilization target must be in [0, 1), got {target}", fix="e.g. --headroom-util 0.8, or --no-headroom")
+    return target

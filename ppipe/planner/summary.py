@@ -7,7 +7,8 @@ from ppipe.spec.plan import Plan
 
 def partition_text(p) -> str:
     blocks = f"b{p.first_block}" if p.first_block == p.last_block else f"b{p.first_block}-{p.last_block}"
-    return f"{blocks} {p.gpu}/{p.vgpu}x{p.count}"
+    extra = f" (+{p.headroom} headroom)" if p.headroom else ""
+    return f"{blocks} {p.gpu}/{p.vgpu}x{p.count}{extra}"
 
 
 def print_summary(plan: Plan, console=None) -> None:

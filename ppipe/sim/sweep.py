@@ -4,15 +4,16 @@ Load factor
 -----------
 Load factor 1.0 is the throughput in the output of the planner's MILP (the paper, §7.1),
 shared among the models by weight: for a plan made with the max-min objective (maximize
-z subject to ``w_m z <= x_m``), model m's base rate is ``w_m * z`` with
-``z = min_m x_m / w_m`` -- i.e. the plan's throughput times the model's weight share
-(:attr:`RateBasis.SHARE`, the default). ``x_m`` (``ModelPlan.throughput_rps``, the
-capacity of the model's pools) can exceed ``w_m z`` for a model that does not bind the
-objective: the solver leaves such slack where GPUs come in whole units, and it is not part
-of the objective (in the paper's MILP a pipeline's throughput is a variable bounded
-*above* by its pools' capacity, so only ``w_m z`` is what the plan promises). For the
-binding model, and for a plan of one model, the two are equal. ``RateBasis.PLANNED``
-uses each model's own ``x_m`` instead (the previous reading; stricter on models with
+z subject to ``w_m z <= x_m``), model m's base rate is ``w_m * z`` with z the solver's
+objective value (``plan.solver.objective``) -- i.e. the plan's throughput times the
+model's weight share (:attr:`RateBasis.SHARE`, the default). ``x_m``
+(``ModelPlan.throughput_rps``, the capacity of the model's pools) can exceed ``w_m z``:
+for a model that does not bind the objective the solver leaves such slack where GPUs
+come in whole units, and the headroom pass (:mod:`ppipe.planner.headroom`) adds vGPUs
+from idle GPUs; neither is part of the objective (in the paper's MILP a pipeline's
+throughput is a variable bounded *above* by its pools' capacity, so only ``w_m z`` is
+what the plan promises). Without headroom, for the binding model the two are equal.
+``RateBasis.PLANNED`` uses each model's own ``x_m`` instead (stricter on models with
 slack); plans made with another objective always use ``x_m``.
 
 A run at load ``f`` offers ``f x base rate`` per model. To drive several systems at the
@@ -125,7 +126,9 @@ def base_rates(plan: Plan, basis: RateBasis | str = RateBasis.SHARE) -> dict[str
     planned = {m.name: float(m.throughput_rps) for m in plan.models}
     if basis is RateBasis.PLANNED or plan.settings.objective != "max-min" or not plan.models:
         return planned
-    z = min(m.throughput_rps / m.weight for m in plan.models)
+    # The solver's max-min value: the pools' capacities may exceed it (headroom, integer
+    # pool sizes), the objective is what the plan promises every model.
+    z = float(plan.solver.objective)
     return {m.name: float(m.weight * z) for m in plan.models}
 
 

@@ -30,6 +30,10 @@ class PartitionPlan(StrictModel):
         default=0.0, description="Time to send the batch's feature map to the next partition, in us (0 for the last)."
     )
     throughput_rps: NonNegativeFloat = Field(description="Throughput of the whole pool at the pipeline's batch, req/s.")
+    headroom: NonNegativeInt = Field(
+        default=0,
+        description="vGPUs of 'count' added by the headroom pass from GPUs the MILP left idle (0: all are the MILP's).",
+    )
 
     @model_validator(mode="after")
     def _range(self) -> "PartitionPlan":
@@ -89,6 +93,13 @@ class PlanSettings(StrictModel):
     margin: float = Field(ge=0, lt=1, description="Share of the SLO the planner keeps free.")
     max_partitions: PositiveInt = Field(description="At most this many partitions per pipeline.")
     batch_build: bool = Field(default=False, description="Whether the batch-gathering estimate was applied.")
+    headroom_util: float | None = Field(
+        default=None,
+        ge=0,
+        lt=1,
+        description="Utilization target of the headroom pass (idle GPUs -> extra vGPUs for pools busier than this); "
+        "None: no headroom pass.",
+    )
 
 
 class VgpuPlacement(StrictModel):

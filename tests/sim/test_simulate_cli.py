@@ -55,7 +55,11 @@ def test_sweep_writes_the_attainment_curve(plan_dir, tmp_path):
 
 
 def test_rates_from_another_plan(plan_dir, tmp_path):
-    other = tiny_plan(profile_path="models/tiny").model_copy(update={"models": [tiny_plan().models[0].model_copy(update={"throughput_rps": 100.0})]})
+    base = tiny_plan(profile_path="models/tiny")
+    other = base.model_copy(update={
+        "models": [base.models[0].model_copy(update={"throughput_rps": 100.0})],
+        "solver": base.solver.model_copy(update={"objective": 100.0}),  # max-min value (weight 1)
+    })
     other.save(plan_dir / "other.yaml")
     out = tmp_path / "r.json"
     r = invoke(plan_dir / "plan.yaml", "--load", 1.0, "--duration-s", 2, "--rates-from", plan_dir / "other.yaml", "--json", out)
