@@ -8,6 +8,31 @@ the latency of every block on every GPU type, vGPU level and batch size::
 
 ``vgpu`` = v means a 1/v share of one GPU (MPS). Blocks are numbered from 0.
 
+**Per-layer timings (optional).** A profile may also carry ``layers.csv``: the batch-1
+latency of every ONNX compute node on the device types ``ppipe profile`` measured, one
+row per (device type, node), nodes in compute order::
+
+    gpu,node,op_type,latency_us
+    L4,/conv1/Conv,Conv,36.263
+
+``op_type`` is the node's ONNX op type (from the graph, not guessed from the name). The
+header line is the format's version marker (as for ``profile.csv``). ``model.yaml`` lists
+the file and, per device type, how the timings were taken (``layers.gpus.<gpu>.method``):
+
+* ``per-node`` – every node timed as its own kernel, fusion prevented (TensorRT with every
+  activation marked as an engine output; the PPipe artifact's per-layer tables are of this
+  kind: their sums are 1.8-8.4x the whole-model latency, element-wise nodes carry their
+  memory traffic). The cross-GPU estimator uses only these as per-layer features.
+* ``fused-split`` – TensorRT's per-layer profile of the engine as deployed; a fused layer's
+  time is split over its ONNX nodes (:mod:`ppipe.profiler.layers` states the rule).
+* ``ort-optimized`` – onnxruntime's per-node profile with all graph optimizations: a node
+  fused into another has 0 and its time counts for the node it was fused into.
+
+Node -> block follows from ``model.yaml``'s blocks: block i is the rows from its
+``first_node`` to its ``last_node`` (``num_nodes`` of them). Every listed device type has
+the same node list. Profiles without ``layers.csv`` (older ones, or imported ones) load as
+before; :attr:`ModelProfile.layers` is then ``None``.
+
 :class:`ModelProfile` is the one latency interface that the planner, the simulator and
 the runtime read (none of them imports ONNX): ``block_latency_us`` and
 ``partition_latency_us`` answer "how long does blocks i..j take on (gpu, v) at batch b".
@@ -18,6 +43,7 @@ from __future__ import annotations
 import csv
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Iterable, Literal
 
@@ -27,6 +53,7 @@ from ppipe.errors import SpecError
 from ppipe.spec.base import SCHEMA_VERSION, StrictModel, dump_yaml, load_yaml_model
 
 PROFILE_COLUMNS = ("gpu", "vgpu", "batch", "block", "latency_us")
+LAYER_COLUMNS = ("gpu", "node", "op_type", "latency_us")
 MIN_BLOCK_LATENCY_US = 1.0  # PLANNING_MODEL.md: C = sum of max(L, 1 us)
 
 
@@ -64,6 +91,26 @@ class BlockSpec(StrictModel):
     onnx: str | None = Field(default=None, description="Runnable ONNX sub-model of this block, relative to model.yaml.")
 
 
+class LayerMethod(str, Enum):
+    """How a device type's per-layer timings were taken (see the module docstring)."""
+
+    PER_NODE = "per-node"
+    FUSED_SPLIT = "fused-split"
+    ORT_OPTIMIZED = "ort-optimized"
+
+
+class LayerTimingSpec(StrictModel):
+    method: LayerMethod = Field(description="How the per-node times were taken: per-node, fused-split or ort-optimized.")
+    provenance: str = Field(default="", description="Free text: backend, version, device, statistic.")
+
+
+class LayersSpec(StrictModel):
+    csv: str = Field(default="layers.csv", description="Per-layer timing table (gpu,node,op_type,latency_us), relative to model.yaml.")
+    gpus: dict[str, LayerTimingSpec] = Field(
+        min_length=1, description="Device types with per-layer timings in the table, and how each was taken."
+    )
+
+
 class ModelManifest(StrictModel):
     version: int = Field(default=SCHEMA_VERSION, description="File format version.")
     name: str = Field(description="Model name (unique within a plan).")
@@ -81,6 +128,9 @@ class ModelManifest(StrictModel):
     )
     slo_ms: float | None = Field(default=None, gt=0, description="Default SLO of the model in ms (optional).")
     profile_csv: str = Field(default="profile.csv", description="Latency table, relative to model.yaml.")
+    layers: LayersSpec | None = Field(
+        default=None, description="Optional per-layer (per ONNX node) batch-1 timings of the measured device types."
+    )
 
     @model_validator(mode="after")
     def _blocks_in_order(self) -> "ModelManifest":
@@ -98,11 +148,13 @@ class ModelProfile:
         manifest: the parsed model.yaml.
         table: latency in us keyed by (gpu, vgpu, batch, block).
         directory: folder the profile was loaded from (to resolve block ONNX paths).
+        layers: the optional per-layer timings (``layers.csv``), or None.
     """
 
     manifest: ModelManifest
     table: dict[tuple[str, int, int, int], float]
     directory: Path | None = None
+    layers: "LayerTimings | None" = None
     _batches: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -164,11 +216,19 @@ class ModelProfile:
 
     # ---- I/O ----------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        """Write model.yaml and profile.csv into ``directory``."""
+        """Write model.yaml and profile.csv (and layers.csv, if the profile has per-layer
+        timings) into ``directory``."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
+        spec = self.manifest.layers
+        if (spec is None) != (self.layers is None) or (
+            spec is not None and self.layers is not None and set(spec.gpus) != set(self.layers.gpus())
+        ):
+            raise ValueError("manifest.layers and the layer timings disagree on the device types")
         dump_yaml(self.manifest.model_dump(mode="json", exclude_none=True), d / "model.yaml")
         write_profile_csv(d / self.manifest.profile_csv, self.table)
+        if spec is not None and self.layers is not None:
+            write_layers_csv(d / spec.csv, self.layers)
         return d
 
 
@@ -236,6 +296,208 @@ def _check_complete(table: dict[tuple[str, int, int, int], float], num_blocks: i
             )
 
 
+@dataclass(frozen=True)
+class LayerRow:
+    """One ONNX compute node: name, op type, batch-1 latency on one device type (us)."""
+
+    node: str
+    op_type: str
+    latency_us: float
+
+
+@dataclass(frozen=True)
+class LayerTimings:
+    """Per-layer timings of a profile (``layers.csv``), checked against its blocks.
+
+    Attributes:
+        rows: per device type, one row per compute node, in compute order (the same
+            nodes for every device type).
+        node_blocks: node name -> block index (from model.yaml's blocks).
+        methods: per device type, how the timings were taken.
+    """
+
+    rows: dict[str, tuple[LayerRow, ...]]
+    node_blocks: dict[str, int]
+    methods: dict[str, LayerMethod]
+
+    def gpus(self) -> list[str]:
+        return sorted(self.rows)
+
+    def latency_us(self, gpu: str) -> dict[str, float]:
+        """node -> batch-1 latency on ``gpu`` (us)."""
+        return {r.node: r.latency_us for r in self.rows[gpu]}
+
+    def op_types(self) -> dict[str, str]:
+        """node -> ONNX op type."""
+        first = self.rows[self.gpus()[0]]
+        return {r.node: r.op_type for r in first}
+
+    def nodes(self) -> list[str]:
+        return [r.node for r in self.rows[self.gpus()[0]]]
+
+    def with_gpu(self, gpu: str, rows: Iterable[LayerRow], method: LayerMethod) -> "LayerTimings":
+        """A copy with ``gpu``'s rows set (same nodes, same order as the others)."""
+        new = tuple(rows)
+        if self.rows and [r.node for r in new] != self.nodes():
+            raise ValueError(f"per-layer rows of {gpu} list other nodes than the table's")
+        return LayerTimings(rows={**self.rows, gpu: new}, node_blocks=self.node_blocks, methods={**self.methods, gpu: method})
+
+    def without(self, gpus: Iterable[str]) -> "LayerTimings | None":
+        drop = set(gpus)
+        keep = {g: r for g, r in self.rows.items() if g not in drop}
+        if not keep:
+            return None
+        return LayerTimings(rows=keep, node_blocks=self.node_blocks, methods={g: m for g, m in self.methods.items() if g in keep})
+
+
+def layer_node_blocks(manifest: ModelManifest, nodes: list[str], file: str) -> dict[str, int]:
+    """Map nodes (in compute order) to blocks by model.yaml's first/last node and count.
+
+    Raises:
+        SpecError: the blocks do not name their nodes, or the node list does not match them.
+    """
+    fix = "re-run `ppipe profile` for this model (it re-times the layers), or delete the per-layer file and the 'layers' entry of model.yaml"
+    if any(b.first_node is None or b.last_node is None for b in manifest.blocks):
+        raise SpecError(
+            "model.yaml's blocks do not name their first_node/last_node, so the per-layer nodes cannot be mapped to blocks",
+            fix=fix,
+            file=file,
+        )
+    index = {n: i for i, n in enumerate(nodes)}
+    out: dict[str, int] = {}
+    start = 0
+    for b in manifest.blocks:
+        if start >= len(nodes) or nodes[start] != b.first_node:
+            got = nodes[start] if start < len(nodes) else "(end of the table)"
+            raise SpecError(
+                f"node list does not match model.yaml's blocks: block {b.index} starts at node {b.first_node!r} "
+                f"(first_node), the table has {got!r} there",
+                fix=fix,
+                file=file,
+            )
+        end = index.get(b.last_node)  # type: ignore[arg-type]
+        if end is None or end < start:
+            raise SpecError(
+                f"node list does not match model.yaml's blocks: block {b.index}'s last_node {b.last_node!r} is not "
+                "in the table after its first node",
+                fix=fix,
+                file=file,
+            )
+        if b.num_nodes is not None and end - start + 1 != b.num_nodes:
+            raise SpecError(
+                f"node list does not match model.yaml's blocks: block {b.index} has {end - start + 1} nodes in the "
+                f"table, model.yaml says num_nodes {b.num_nodes}",
+                fix=fix,
+                file=file,
+            )
+        for n in nodes[start : end + 1]:
+            out[n] = b.index
+        start = end + 1
+    if start != len(nodes):
+        raise SpecError(
+            f"node list does not match model.yaml's blocks: {len(nodes) - start} node(s) after the last block's "
+            f"last_node ({nodes[start]!r} ...)",
+            fix=fix,
+            file=file,
+        )
+    return out
+
+
+def make_layer_timings(
+    manifest: ModelManifest, rows: dict[str, Iterable[LayerRow]], methods: dict[str, LayerMethod], file: str = "layers.csv"
+) -> LayerTimings:
+    """Layer timings for a manifest, checked like :func:`read_layers_csv` checks the file."""
+    got = {g: tuple(rs) for g, rs in rows.items()}
+    if not got or set(got) != set(methods):
+        raise ValueError("rows and methods must name the same, non-empty set of device types")
+    nodes = [r.node for r in got[sorted(got)[0]]]
+    for g, rs in got.items():
+        if [r.node for r in rs] != nodes:
+            raise ValueError(f"per-layer rows of {g} list other nodes than those of {sorted(got)[0]}")
+    return LayerTimings(rows=got, node_blocks=layer_node_blocks(manifest, nodes, file), methods=dict(methods))
+
+
+def write_layers_csv(path: str | Path, layers: LayerTimings) -> None:
+    with Path(path).open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(LAYER_COLUMNS)
+        for gpu in layers.gpus():
+            for r in layers.rows[gpu]:
+                w.writerow([gpu, r.node, r.op_type, f"{r.latency_us:.3f}"])
+
+
+def read_layers_csv(path: str | Path, manifest: ModelManifest) -> LayerTimings:
+    """Read and check ``layers.csv`` against model.yaml (its ``layers`` entry and blocks)."""
+    p = Path(path)
+    spec = manifest.layers
+    if spec is None:
+        raise ValueError("manifest has no 'layers' entry")
+    if not p.exists():
+        raise SpecError(
+            "per-layer timing table not found (model.yaml's 'layers.csv' names it)",
+            fix="copy layers.csv with the profile, or delete the 'layers' entry of model.yaml",
+            file=str(p),
+        )
+    rows: dict[str, list[LayerRow]] = {}
+    with p.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        if reader.fieldnames is None or tuple(reader.fieldnames) != LAYER_COLUMNS:
+            raise SpecError(
+                f"header is {reader.fieldnames}, expected {list(LAYER_COLUMNS)}",
+                fix="write the header line 'gpu,node,op_type,latency_us' (format version 1)",
+                file=str(p),
+            )
+        for lineno, row in enumerate(reader, start=2):
+            gpu, node, op = (row.get("gpu") or "").strip(), (row.get("node") or ""), (row.get("op_type") or "").strip()
+            try:
+                lat = float(row["latency_us"])
+            except (TypeError, ValueError):
+                raise SpecError(
+                    f"line {lineno}: latency_us {row.get('latency_us')!r} is not a number",
+                    fix="latency_us must be a number of microseconds",
+                    file=str(p),
+                ) from None
+            if not gpu or not node or not op:
+                raise SpecError(f"line {lineno}: gpu, node and op_type must not be empty", fix="correct the row", file=str(p))
+            if not math.isfinite(lat) or lat < 0:
+                raise SpecError(f"line {lineno}: latency_us {lat} is not a finite non-negative number", fix="re-profile", file=str(p))
+            if gpu not in spec.gpus:
+                raise SpecError(
+                    f"line {lineno}: device type {gpu!r} is not listed in model.yaml's layers.gpus ({', '.join(sorted(spec.gpus))})",
+                    fix="add it to layers.gpus with its method, or remove its rows",
+                    file=str(p),
+                )
+            rows.setdefault(gpu, []).append(LayerRow(node, op, lat))
+    missing = sorted(set(spec.gpus) - set(rows))
+    if missing:
+        raise SpecError(
+            f"model.yaml's layers.gpus lists {missing}, which have no rows",
+            fix="re-run `ppipe profile`, or drop them from layers.gpus",
+            file=str(p),
+        )
+    ref_gpu = sorted(rows)[0]
+    nodes = [r.node for r in rows[ref_gpu]]
+    if len(set(nodes)) != len(nodes):
+        dup = sorted({n for n in nodes if nodes.count(n) > 1})[:3]
+        raise SpecError(f"node(s) {dup} listed more than once for {ref_gpu}", fix="keep one row per (gpu, node)", file=str(p))
+    ops = [r.op_type for r in rows[ref_gpu]]
+    for g, rs in rows.items():
+        if [r.node for r in rs] != nodes:
+            raise SpecError(
+                f"device types {ref_gpu} and {g} list different nodes (or in another order)",
+                fix="every device type needs one row per compute node, in compute order: re-run `ppipe profile`",
+                file=str(p),
+            )
+        if [r.op_type for r in rs] != ops:
+            raise SpecError(f"device types {ref_gpu} and {g} disagree on op types", fix="re-run `ppipe profile`", file=str(p))
+    node_blocks = layer_node_blocks(manifest, nodes, str(p))
+    return LayerTimings(
+        rows={g: tuple(rs) for g, rs in rows.items()},
+        node_blocks=node_blocks,
+        methods={g: s.method for g, s in spec.gpus.items()},
+    )
+
+
 def resolve_model_dir(ref: str | Path) -> Path:
     """A model folder, a model.yaml path, or the name of a built-in model."""
     from ppipe.spec.cluster import builtin_dirs
@@ -262,7 +524,8 @@ def load_profile(ref: str | Path) -> ModelProfile:
     d = resolve_model_dir(ref)
     manifest = load_yaml_model(ModelManifest, d / "model.yaml")
     table = read_profile_csv(d / manifest.profile_csv, len(manifest.blocks))
-    return ModelProfile(manifest=manifest, table=table, directory=d)
+    layers = read_layers_csv(d / manifest.layers.csv, manifest) if manifest.layers is not None else None
+    return ModelProfile(manifest=manifest, table=table, directory=d, layers=layers)
 
 
 def profile_ref(profile: ModelProfile) -> str:
