@@ -6,7 +6,10 @@ Modules:
 * :mod:`ppipe.profiler.builtin` – the built-in CNNs (onnx's backend test models, seeded weights);
 * :mod:`ppipe.profiler.blocks` – pre-partitioning, block sub-models, :func:`ensure_block_models`;
 * :mod:`ppipe.profiler.ort_backend` – onnxruntime timing on the CPU (level v = 1/v of the threads);
-* :mod:`ppipe.profiler.trt_backend` – TensorRT timing on NVIDIA GPUs (levels under MPS);
+* :mod:`ppipe.profiler.trt_backend` – TensorRT timing on NVIDIA GPUs (levels under MPS; per-layer
+  timing with TensorRT's profiler);
+* :mod:`ppipe.profiler.layers` – engine layers -> ONNX nodes, the split rule of fused layers,
+  the per-layer inputs of the cross-GPU estimator (pure logic, tested without a GPU);
 * :mod:`ppipe.profiler.estimate` – estimates for GPU types that are not here;
 * :mod:`ppipe.profiler.run` – the whole ``ppipe profile`` pipeline (grid, resume, output);
 * :mod:`ppipe.profiler.cli` – the ``ppipe profile`` command.

@@ -1,4 +1,4 @@
-"""``ppipe profile``: ONNX model -> ``models/<name>/`` (model.yaml + profile.csv).
+"""``ppipe profile``: ONNX model -> ``models/<name>/`` (model.yaml, profile.csv, layers.csv).
 
 A thin layer over :func:`ppipe.profiler.run.profile_model`; see that module for the grid,
 the resume rule and what each step does.
@@ -30,14 +30,16 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
 @click.command("profile")
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
 @click.option("--builtin", "builtin", metavar="NAME", help="Profile a built-in model (onnx's backend test CNNs: resnet50, inception_v2, densenet121, vgg19, ...) instead of a file.")
-@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Output folder (model.yaml + profile.csv). Default: models/<name>.")
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), help="Output folder (model.yaml, profile.csv, layers.csv). Default: models/<name>.")
 @click.option("--name", help="Model name (model.yaml 'name'). Default: the built-in name or the file's stem.")
 @click.option("--blocks", "num_blocks", type=int, default=10, show_default=True, help="Number of blocks to pre-partition into (model.yaml 'blocks').")
 @click.option("--size-weight", type=float, default=0.1, show_default=True, help="When cutting: weight of the cut's feature-map size (relative to the input's) against block balance; 0 = balance only (model.yaml 'blocks').")
 @click.option("--batches", default="1-8", show_default=True, help="Batch sizes at vGPU level 1 (e.g. 1-8 or 1,2,4,8); level 2 keeps those <= 4, levels 3-4 those <= 2 (profile.csv 'batch').")
 @click.option("--measure", default="cpu", show_default=True, help="Device type to measure on here: 'cpu' (onnxruntime) or a GPU type name such as L4 (TensorRT on the local NVIDIA GPU); 'none' to only estimate (profile.csv 'gpu').")
 @click.option("--estimate", default="", help="Comma-separated GPU types to add roofline estimates for, e.g. L4,T4,P4,V100,A10,A100,H100 (profile.csv 'gpu').")
-@click.option("--estimate-from", metavar="GPU", help="Estimate the --estimate types from this GPU type's timings in the profile (cross-GPU model learned from real TensorRT profiles; e.g. --measure T4 --estimate-from T4 --estimate L4,V100) instead of the roofline model.")
+@click.option("--estimate-from", metavar="GPU", help="Estimate the --estimate types from this GPU type's timings in the profile (cross-GPU model learned from real TensorRT profiles; e.g. --measure T4 --estimate-from T4 --estimate L4,V100) instead of the roofline model. Uses the per-layer features where layers.csv has per-node timings of that type, else block timings alone; model.yaml 'provenance' says which.")
+@click.option("--trt-layers", "trt_layers", type=click.Choice(["per-node", "fused"]), default="per-node", show_default=True, help="How TensorRT times the layers of a measured GPU: 'per-node' (every activation an engine output, no fusion across nodes: comparable with the artifact the cross-GPU model learned from) or 'fused' (the deployed engine; fused layers split over their nodes) (model.yaml 'layers.gpus.<GPU>.method', layers.csv).")
+@click.option("--precision", type=click.Choice(["tf32", "fp16"]), default="tf32", show_default=True, help="TensorRT precision of a measured GPU; tf32 is what the PPipe artifact and the cross-GPU model describe (model.yaml 'provenance').")
 @click.option("--cpu-levels", default="1,2", show_default=True, help="vGPU levels measured on a CPU (level v = 1/v of the threads).")
 @click.option("--gpu-levels", default="1,2,3,4", show_default=True, help="vGPU levels measured (MPS) or estimated on GPU types.")
 @click.option("--input-shape", help="Per-sample input shape without the batch (e.g. 3,224,224); required when the ONNX input has dynamic dimensions (model.yaml 'input.shape').")
@@ -47,7 +49,7 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
 @click.option("--refresh-estimates", is_flag=True, help="Recompute the --estimate types even where profile.csv has rows for them.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed of built-in models (model.yaml 'source.weights_seed').")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def profile(model, builtin, out_dir, name, num_blocks, size_weight, batches, measure, estimate, estimate_from, cpu_levels, gpu_levels, input_shape, threads, reps, statistic, refresh_estimates, seed, no_progress):
+def profile(model, builtin, out_dir, name, num_blocks, size_weight, batches, measure, estimate, estimate_from, trt_layers, precision, cpu_levels, gpu_levels, input_shape, threads, reps, statistic, refresh_estimates, seed, no_progress):
     """Cut MODEL (an ONNX file) into blocks and profile them per GPU type x vGPU level x batch.
 
     \b
@@ -91,8 +93,11 @@ def profile(model, builtin, out_dir, name, num_blocks, size_weight, batches, mea
         seed=seed,
         statistic=statistic,
         refresh_estimates=refresh_estimates,
+        trt_layers=trt_layers,
+        precision=precision,
     )
     prof = profile_model(req, progress=not no_progress, echo=lambda m: click.echo(m, err=True))
     out = prof.directory
     gpus = ", ".join(f"{g} ({prof.manifest.latency_bs1_us.get(g, float('nan')) / 1000:.2f} ms at batch 1)" for g in prof.gpus())
-    click.echo(f"wrote {out}/model.yaml and profile.csv: {prof.num_blocks} blocks, {len(prof.table)} rows; {gpus}")
+    layers = f", layers.csv ({', '.join(prof.layers.gpus())})" if prof.layers is not None else ""
+    click.echo(f"wrote {out}/model.yaml, profile.csv{layers}: {prof.num_blocks} blocks, {len(prof.table)} rows; {gpus}")

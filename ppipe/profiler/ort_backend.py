@@ -9,8 +9,9 @@ concurrent copies on a shared machine would mostly measure the neighbours.)
 
 **Per-layer timing** uses ORT's profiler (``SessionOptions.enable_profiling``) on the
 whole model with all optimizations on (per-node minimum over 10 runs). These per-node
-times only weight the pre-partitioning; the latencies written to the profile are measured
-on the block sub-models.
+times weight the pre-partitioning and are written to ``layers.csv`` (method
+``ort-optimized``: a node fused into another has 0); the block latencies written to
+``profile.csv`` are measured on the block sub-models.
 
 **Block latency** = the median (or, with ``--stat min``, the minimum) wall time of
 ``session.run`` over ``reps`` runs after ``warmup`` runs, on a seeded random input batch.

@@ -4,15 +4,21 @@ Steps (each is a function of this package):
 
 1. load the ONNX file (or a built-in model with materialized weights) and prepare it
    (:mod:`ppipe.profiler.graph`);
-2. time every layer at batch 1 on this machine's CPU (onnxruntime profiler) and cut the
-   model into blocks of about equal time, preferring small feature maps at the cuts
+2. time every layer (ONNX compute node) at batch 1 on the measured device: the CPU with
+   onnxruntime's profiler, a GPU with TensorRT's (``per-node`` by default, see
+   :mod:`ppipe.profiler.trt_backend`; the CPU when nothing is measured), and cut the model
+   into blocks of about equal time, preferring small feature maps at the cuts
    (:mod:`ppipe.profiler.blocks`); write the block sub-models;
 3. measure every (level, batch, block) of the grid on the local device: ``cpu``
    (onnxruntime, :mod:`ppipe.profiler.ort_backend`) or an NVIDIA GPU (TensorRT,
    :mod:`ppipe.profiler.trt_backend`);
-4. add estimates for GPU types that are not here (:mod:`ppipe.profiler.estimate`);
-5. write ``model.yaml`` (blocks, cut sizes, input, provenance per GPU type) and
-   ``profile.csv``.
+4. add estimates for GPU types that are not here (:mod:`ppipe.profiler.estimate`): with
+   ``--estimate-from GPU``, the cross-GPU model, with per-layer features where
+   ``layers.csv`` has ``per-node`` timings of that GPU type, else from block timings alone
+   (:func:`ppipe.profiler.layers.cross_gpu_layer_inputs`; the provenance says which);
+5. write ``model.yaml`` (blocks, cut sizes, input, provenance per GPU type),
+   ``profile.csv`` and ``layers.csv`` (per-node batch-1 timings of the device types timed,
+   format in :mod:`ppipe.spec.profile`).
 
 **Grid** (the PPipe paper's, :func:`batch_grid`): batches 1..B at level 1, up to 4 at
 level 2 and up to 2 at levels 3 and 4 (B = 8 by default). CPU levels are 1 and 2 (the
@@ -22,7 +28,9 @@ level 2 and up to 2 at levels 3 and 4 (B = 8 by default). CPU levels are 1 and 2
 every measurement is appended to ``profile.partial.csv`` as soon as it is taken. Running
 the same command again reuses the cuts of the existing ``model.yaml`` (if it describes the
 same source, input and number of blocks) and skips every (gpu, vgpu, batch, block) row it
-already has, in ``profile.csv`` or in ``profile.partial.csv``.
+already has, in ``profile.csv`` or in ``profile.partial.csv``. ``layers.csv`` is written
+with the first ``model.yaml``; a resumed run keeps its rows and times the layers only on a
+measured device type it lacks.
 """
 
 from __future__ import annotations
@@ -115,6 +123,9 @@ class ProfileRequest:
         estimate_from: a GPU type measured in this profile (e.g. by ``measure``) to carry
             over to the ``estimate`` types with the cross-GPU model (learned from real
             TensorRT timings) instead of the roofline model.
+        trt_layers: TensorRT per-layer timing mode, ``per-node`` or ``fused``
+            (:mod:`ppipe.profiler.trt_backend`).
+        precision: TensorRT precision, ``tf32`` (as the PPipe artifact) or ``fp16``.
     """
 
     onnx_path: Path | None = None
@@ -135,6 +146,8 @@ class ProfileRequest:
     statistic: str = "median"
     refresh_estimates: bool = False
     estimate_from: str | None = None
+    trt_layers: str = "per-node"
+    precision: str = "tf32"
 
 
 def _load(req: ProfileRequest):
@@ -215,7 +228,7 @@ class _PartialWriter:
         self._fh.close()
 
 
-def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: list[str] | None, latency_bs1, provenance):
+def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: list[str] | None, latency_bs1, provenance, layers=None):
     from ppipe.spec.profile import BlockSpec, ModelManifest, SourceSpec, TensorSpec
 
     def node_name(pos):
@@ -243,6 +256,7 @@ def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: lis
         ],
         latency_bs1_us=latency_bs1,
         provenance=provenance,
+        layers=layers,
     )
 
 
@@ -250,6 +264,17 @@ def _dtype(info: GraphInfo, name: str) -> str:
     from ppipe.profiler.graph import np_dtype_name
 
     return np_dtype_name(info.elem_types.get(name, 1))
+
+
+def _offered_levels(gpu: str, levels: Sequence[int]) -> list[int]:
+    """The levels of ``levels`` that the spec sheet offers for ``gpu`` (all, in a build
+    whose estimate package has no spec sheet)."""
+    from ppipe.profiler import estimate
+
+    gpu_spec = getattr(estimate, "gpu_spec", None)
+    if gpu_spec is None:
+        return list(levels)
+    return [v for v in levels if v in gpu_spec(gpu).mps_levels]
 
 
 def _estimate(block_paths: list[Path], gpus: list[str], levels: Sequence[int], batches: Sequence[int]) -> dict[Key, float]:
@@ -260,24 +285,83 @@ def _estimate(block_paths: list[Path], gpus: list[str], levels: Sequence[int], b
             f"GPU estimates are not available in this build ({exc})",
             fix="drop --estimate, or install a ppipe build with ppipe.profiler.estimate",
         ) from None
-    from ppipe.profiler.estimate.gpus import gpu_spec
-
     # only the MPS levels the GPU type offers (a P4 has no thread-percentage limits)
-    levels_by_gpu = {g: [v for v in levels if v in gpu_spec(g).mps_levels] for g in gpus}
+    levels_by_gpu = {g: _offered_levels(g, levels) for g in gpus}
     grid = batch_grid(batches, levels)
     table = roofline_table([str(p) for p in block_paths], gpus, levels_by_gpu, grid)
     return {(g, int(v), int(b), int(blk)): float(lat) for (g, v, b, blk), lat in table.items()}
 
 
-def _estimate_cross(profile, source: str, gpu: str, levels: Sequence[int], batches: Sequence[int]) -> dict[Key, float]:
+def _estimate_cross(profile, source: str, gpu: str, levels: Sequence[int], batches: Sequence[int]) -> tuple[dict[Key, float], str]:
+    """Cross-GPU estimates of ``gpu`` from ``source``, and which model made them (per-layer
+    features where ``layers.csv`` has per-node timings of the source, else blocks-only)."""
+    from ppipe.profiler.layers import cross_gpu_layer_inputs
+
     try:
         from ppipe.profiler.estimate import cross_gpu_table
     except ImportError as exc:
         raise NotAvailableError(
             f"the cross-GPU estimator is not available in this build ({exc})", fix="drop --estimate-from"
         ) from None
-    table = cross_gpu_table(profile, source, gpu, levels=list(levels), batches_by_level=batch_grid(batches, levels))
-    return {(g, int(v), int(b), int(blk)): float(lat) for (g, v, b, blk), lat in table.items()}
+    levels = _offered_levels(gpu, levels)  # a P4 has no MPS levels, as for the roofline
+    kwargs, how = cross_gpu_layer_inputs(profile, source)
+    table = cross_gpu_table(profile, source, gpu, levels=list(levels), batches_by_level=batch_grid(batches, levels), **kwargs)
+    return {(g, int(v), int(b), int(blk)): float(lat) for (g, v, b, blk), lat in table.items()}, how
+
+
+def _time_layers(req: "ProfileRequest", info: GraphInfo, device: str, threads: int, say) -> tuple[list[float], str, str]:
+    """Batch-1 time of every compute node on ``device``: (times, method, provenance)."""
+    from ppipe.spec.profile import LayerMethod
+
+    names = [info.node(p).name for p in range(len(info.compute_nodes))]
+    if device == CPU:
+        import onnxruntime as ort
+
+        from ppipe.profiler.ort_backend import layer_times_us
+
+        say(f"timing {len(names)} layers (onnxruntime, {threads} threads)")
+        times = layer_times_us(info.model, names, threads)
+        prov = (
+            f"measured: onnxruntime {ort.__version__} CPUExecutionProvider, all graph optimizations, {threads} intra-op "
+            "threads, batch 1, minimum of 10 runs per node; a node fused into another has 0"
+        )
+        return times, LayerMethod.ORT_OPTIMIZED.value, prov
+    from ppipe.profiler.trt_backend import layer_times_us as trt_layer_times_us
+
+    say(f"timing {len(names)} layers on {device} (TensorRT, {req.trt_layers}, {req.precision})")
+    lt = trt_layer_times_us(info, gpu_type=device, mode=req.trt_layers, precision=req.precision)
+    method = LayerMethod.PER_NODE if lt.mode == "per-node" else LayerMethod.FUSED_SPLIT
+    return lt.node_us, method.value, lt.provenance
+
+
+def _old_layers(out: Path):
+    """The layer timings of the model.yaml/layers.csv in ``out`` (whose cuts are reused), or None."""
+    from ppipe.errors import SpecError
+    from ppipe.spec.base import load_yaml_model
+    from ppipe.spec.profile import ModelManifest, read_layers_csv
+
+    manifest = load_yaml_model(ModelManifest, out / "model.yaml")
+    if manifest.layers is None:
+        return None
+    try:
+        return read_layers_csv(out / manifest.layers.csv, manifest)
+    except SpecError as exc:
+        raise UserError(
+            f"the per-layer timings of the profile being resumed are unusable: {exc.message}",
+            fix=f"delete {out / manifest.layers.csv} and run the same command again (the layers are timed again)",
+            file=exc.file,
+        ) from None
+
+
+def _check_estimate_source(source: str, provenance: str) -> None:
+    import re
+
+    if re.search(r"\bfp16\b", provenance):
+        raise UserError(
+            f"--estimate-from {source}: the {source} timings were measured in fp16 ({provenance[:120]}...), and the "
+            "cross-GPU model learned its ratios from TF32 timings (the PPipe artifact); fp16 ratios between GPU types differ",
+            fix=f"measure {source} with --precision tf32 (the default), or estimate with the roofline (drop --estimate-from)",
+        )
 
 
 def _estimate_provenance(gpu: str) -> str:
@@ -306,12 +390,18 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
     Raises:
         UserError: bad input file, shapes, flags; NotAvailableError: a backend is missing.
     """
-    from ppipe.profiler.ort_backend import default_threads, layer_times_us
-    from ppipe.spec.profile import ModelProfile
+    from ppipe.profiler.ort_backend import default_threads
+    from ppipe.spec.profile import LayerMethod, LayerRow, LayerTimingSpec, LayersSpec, ModelProfile, make_layer_timings
 
     say = echo or (lambda _m: None)
     if req.measure is None and not req.estimate:
         raise UserError("nothing to do: no --measure and no --estimate", fix="give --measure cpu and/or --estimate L4,T4")
+    from ppipe.profiler.trt_backend import LAYER_MODES, PRECISIONS
+
+    if req.trt_layers not in LAYER_MODES:
+        raise UserError(f"--trt-layers {req.trt_layers!r} is not one of {', '.join(LAYER_MODES)}", fix="use --trt-layers per-node (default) or fused")
+    if req.precision not in PRECISIONS:
+        raise UserError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}", fix="use --precision tf32 (default) or fp16")
     model, src, default_name, src_path = _load(req)
     name = req.name or default_name
     out = Path(req.out_dir) if req.out_dir is not None else Path("models") / name
@@ -321,18 +411,32 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
     # 1. cuts: reuse those of an existing model.yaml for the same model, else cut afresh
     out.mkdir(parents=True, exist_ok=True)
     last_nodes = _reusable_cuts(out / "model.yaml", src, info.input_shape, req.num_blocks)
+    # per-layer timings: device -> (times in compute order, method, provenance)
+    layer_times: dict[str, tuple[list[float], str, str]] = {}
     if last_nodes is not None:
         blocks = blocks_from_last_nodes(info, last_nodes)
         say(f"resuming: reusing the {len(blocks)} blocks of {out / 'model.yaml'}")
         existing = _read_rows(out / "profile.csv")
         existing.update(_read_rows(out / PARTIAL_CSV))
+        old = _old_layers(out)
+        old_spec = _old_layer_spec(out)
+        if old is not None:
+            names_now = [info.node(p).name for p in range(len(info.compute_nodes))]
+            if old.nodes() == names_now:
+                for g in old.gpus():
+                    lat = old.latency_us(g)
+                    layer_times[g] = ([lat[n] for n in names_now], old.methods[g].value, old_spec.get(g, ""))
+            else:
+                say("the existing layers.csv lists other nodes than this model has: its rows are dropped")
+        if req.measure is not None and req.measure not in layer_times:
+            layer_times[req.measure] = _time_layers(req, info, req.measure, threads, say)  # recorded, not cut on
     else:
-        say(f"timing {len(info.compute_nodes)} layers (onnxruntime, {threads} threads) to cut {req.num_blocks} blocks")
-        names = [info.node(p).name for p in range(len(info.compute_nodes))]
-        times = layer_times_us(info.model, names, threads)
-        blocks = partition(info, times, req.num_blocks, req.size_weight)
+        device = req.measure or CPU
+        layer_times[device] = _time_layers(req, info, device, threads, say)
+        say(f"cutting {req.num_blocks} blocks by the {device} layer times")
+        blocks = partition(info, layer_times[device][0], req.num_blocks, req.size_weight)
         existing = {}
-        for stale in (out / PARTIAL_CSV, out / "profile.csv"):
+        for stale in (out / PARTIAL_CSV, out / "profile.csv", out / "layers.csv"):
             stale.unlink(missing_ok=True)  # rows of other cuts are meaningless now
 
     # 2. block files: next to model.yaml for a user's file, in the cache for built-ins
@@ -344,9 +448,26 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
         onnx_rel = [f"blocks/block_{b.index:02d}.onnx" for b in blocks]
     block_paths = write_blocks(info, blocks, block_dir, name)
     old_provenance = _old_provenance(out) if last_nodes is not None else {}
-    manifest = _manifest(name, src, info, blocks, onnx_rel, {}, old_provenance)
+    layers_spec = None
+    if layer_times:
+        layers_spec = LayersSpec(
+            gpus={g: LayerTimingSpec(method=LayerMethod(m), provenance=prov) for g, (_t, m, prov) in sorted(layer_times.items())}
+        )
+    manifest = _manifest(name, src, info, blocks, onnx_rel, {}, old_provenance, layers_spec)
+    layer_timings = None
+    if layers_spec is not None:
+        node_ops = [(info.node(p).name, info.node(p).op_type) for p in range(len(info.compute_nodes))]
+        layer_timings = make_layer_timings(
+            manifest,
+            {g: [LayerRow(n, op, round(float(t), 3)) for (n, op), t in zip(node_ops, times)] for g, (times, _m, _p) in layer_times.items()},
+            {g: LayerMethod(m) for g, (_t, m, _p) in layer_times.items()},
+        )
     # model.yaml goes first (without a table): an interrupted run resumes from its cuts
     dump_yaml(manifest.model_dump(mode="json", exclude_none=True), out / "model.yaml")
+    if layer_timings is not None:
+        from ppipe.spec.profile import write_layers_csv
+
+        write_layers_csv(out / layers_spec.csv, layer_timings)
     if src["kind"] == "builtin":
         (block_dir / "blocks.stamp.json").write_text(json.dumps({"fingerprint": block_fingerprint(manifest), "model": name}))
 
@@ -367,7 +488,7 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
             from ppipe.profiler.trt_backend import TensorRTTimer
 
             levels = list(req.gpu_levels)
-            timer = TensorRTTimer(reps=req.reps)
+            timer = TensorRTTimer(reps=req.reps, precision=req.precision)
             measure_fn = timer.latency_us
             provenance[req.measure] = timer.provenance()
         grid = batch_grid(req.batches, levels)
@@ -380,6 +501,8 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
         ]
         done = sum(len(bs) for bs in grid.values()) * len(blocks) - len(todo)
         say(f"measuring {len(todo)} (level, block, batch) points on {req.measure}" + (f" ({done} already done)" if done else ""))
+        if not todo and req.measure in old_provenance:
+            provenance[req.measure] = old_provenance[req.measure]  # nothing measured now: the rows keep their record
         writer = _PartialWriter(out / PARTIAL_CSV)
         try:
             bar = _progress(len(todo), f"{name} on {req.measure}", progress)
@@ -401,14 +524,20 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
             table = {k: lat for k, lat in table.items() if k[0] not in gpus}
         missing_gpus = [g for g in gpus if not any(k[0] == g for k in table)]
         if missing_gpus and req.estimate_from:
-            say(f"estimating {', '.join(missing_gpus)} from the {req.estimate_from} timings (cross-GPU model)")
-            partial = ModelProfile(manifest=_manifest(name, src, info, blocks, onnx_rel, {}, {}), table=table, directory=out)
+            src_gpu = req.estimate_from
+            _check_estimate_source(src_gpu, provenance.get(src_gpu) or old_provenance.get(src_gpu, ""))
+            partial = ModelProfile(
+                manifest=_manifest(name, src, info, blocks, onnx_rel, {}, {}, layers_spec), table=table, directory=out,
+                layers=layer_timings,
+            )
             for g in missing_gpus:
-                for k, lat in _estimate_cross(partial, req.estimate_from, g, req.gpu_levels, req.batches).items():
+                est, how = _estimate_cross(partial, src_gpu, g, req.gpu_levels, req.batches)
+                say(f"estimating {g} from the {src_gpu} timings: cross-GPU {how}")
+                for k, lat in est.items():
                     table.setdefault(k, lat)
                 provenance[g] = (
-                    f"estimated: cross-GPU model (ppipe.profiler.estimate.cross_gpu_table) from the {req.estimate_from} "
-                    "timings of this profile, not measured"
+                    f"estimated: cross-GPU model (ppipe.profiler.estimate.cross_gpu_table) from the {src_gpu} "
+                    f"timings of this profile, {how}; not measured"
                 )
         elif missing_gpus:
             say(f"estimating {', '.join(missing_gpus)}")
@@ -427,11 +556,23 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
     for g in gpus_here:
         if all((g, 1, 1, blk) in table for blk in range(len(blocks))):
             latency_bs1[g] = round(sum(max(table[(g, 1, 1, blk)], 1.0) for blk in range(len(blocks))), 3)
-    manifest = _manifest(name, src, info, blocks, onnx_rel, latency_bs1, dict(sorted(provenance.items())))
-    profile = ModelProfile(manifest=manifest, table=table, directory=out)
+    manifest = _manifest(name, src, info, blocks, onnx_rel, latency_bs1, dict(sorted(provenance.items())), layers_spec)
+    profile = ModelProfile(manifest=manifest, table=table, directory=out, layers=layer_timings)
     profile.save(out)
     (out / PARTIAL_CSV).unlink(missing_ok=True)
     return profile
+
+
+def _old_layer_spec(out: Path) -> dict[str, str]:
+    """Per device type, the per-layer provenance text of the existing model.yaml."""
+    from ppipe.spec.base import load_yaml_model
+    from ppipe.spec.profile import ModelManifest
+
+    try:
+        m = load_yaml_model(ModelManifest, out / "model.yaml")
+    except UserError:
+        return {}
+    return {g: s.provenance for g, s in (m.layers.gpus.items() if m.layers else [])}
 
 
 def _old_provenance(out: Path) -> dict[str, str]:

@@ -56,6 +56,13 @@ def test_profile_writes_a_loadable_profile(tiny_onnx, tmp_path):
     assert all(p.is_file() and p.parent == out / "blocks" for p in paths)
     assert prof.manifest.blocks[-1].out_bytes_per_sample == 5 * 2 + 4
     assert not (out / "profile.partial.csv").exists()
+    # the CPU per-layer timings that cut the model are in layers.csv, op types from the graph
+    assert prof.layers.gpus() == ["cpu"] and prof.manifest.layers.gpus["cpu"].method.value == "ort-optimized"
+    assert prof.layers.op_types()["conv_a"] == "Conv" and prof.layers.op_types()["argmax"] == "ArgMax"
+    assert prof.layers.nodes()[0] == "conv0" and len(prof.layers.nodes()) == 10
+    assert [prof.layers.node_blocks[b.last_node] for b in prof.manifest.blocks] == [0, 1, 2]
+    assert sum(prof.layers.latency_us("cpu").values()) > 0
+    assert "layers.csv (cpu)" in res.output
 
 
 def test_profile_resumes_after_an_interruption(tiny_onnx, tmp_path, monkeypatch):
@@ -67,15 +74,24 @@ def test_profile_resumes_after_an_interruption(tiny_onnx, tmp_path, monkeypatch)
         profile_model(req, progress=False)
     assert len(calls) == 3
     assert (out / "profile.partial.csv").is_file() and (out / "model.yaml").is_file()
+    layers_before = (out / "layers.csv").read_text()
     calls = _count_measurements(monkeypatch)
+    retimed = []
+    monkeypatch.setattr(ort_backend, "layer_times_us", lambda *a, **k: retimed.append(1) or [])
     prof = profile_model(req, progress=False)
     assert len(calls) == total - 3  # only what was missing
     assert len(prof.table) == total
+    assert not retimed and (out / "layers.csv").read_text() == layers_before  # the layers are not timed again
+    # a run that measures nothing keeps the record of the run that measured the rows
+    before = prof.manifest.provenance["cpu"]
+    monkeypatch.setattr(ort_backend, "provenance", lambda *a, **k: "measured: by another onnxruntime")
+    assert profile_model(req, progress=False).manifest.provenance["cpu"] == before
     # a third run, with batch 3 added, measures only batch 3 (at levels 1 and 2)
     calls = _count_measurements(monkeypatch)
     prof = profile_model(ProfileRequest(onnx_path=tiny_onnx, out_dir=out, num_blocks=2, batches=[1, 2, 3], reps=1, threads=2), progress=False)
     assert sorted(c[1:] for c in calls) == [(1, 3), (1, 3), (2, 3), (2, 3)]
     assert len(load_profile(out).table) == total + 4
+    assert prof.manifest.provenance["cpu"] == "measured: by another onnxruntime"  # it measured
 
 
 def test_estimates_are_added_for_absent_gpu_types(tiny_onnx, tmp_path, monkeypatch):

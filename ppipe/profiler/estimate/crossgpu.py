@@ -281,6 +281,7 @@ def static_features(
     layer_latency_us: Mapping[str, float] | None = None,
     node_blocks: Mapping[str, int] | None = None,
     layer_models: Sequence[LayerRatioModel] | None = None,
+    node_op_types: Mapping[str, str] | None = None,
 ) -> np.ndarray:
     """Per-block features that depend on the source profile but not on (v, b).
 
@@ -289,6 +290,9 @@ def static_features(
         source_gpu: the measured GPU type.
         layer_latency_us: per ONNX node, batch-1 latency on the source, us.
         node_blocks: node name -> block index.
+        node_op_types: node name -> ONNX op type (a profile's ``layers.csv`` has them from
+            the graph); a node without one gets :func:`op_type_of` its name (the artifact
+            has names only; for the exporters' names both agree, see the tests).
         layer_models: the layer ratio models from ``source_gpu`` to each other GPU type
             of the cross-GPU model, sorted by target (:data:`N_LAYER_RATIOS` for the
             artifact's four GPU types).
@@ -319,7 +323,7 @@ def static_features(
             lat = layer_latency_us.get(node)
             if lat is None or not np.isfinite(lat) or lat < 0 or not (0 <= blk < nb):
                 continue
-            ops.append(op_type_of(node))
+            ops.append((node_op_types or {}).get(node) or op_type_of(node))
             lats.append(float(lat))
             blks.append(int(blk))
         lat_a = np.asarray(lats, dtype=float)
@@ -903,6 +907,7 @@ def cross_gpu_table(
     batches_by_level: Mapping[int, Iterable[int]] | None = None,
     layer_latency_us: Mapping[str, float] | None = None,
     node_blocks: Mapping[str, int] | None = None,
+    node_op_types: Mapping[str, str] | None = None,
     model: CrossGpuModel | None = None,
 ) -> dict[tuple[str, int, int, int], float]:
     """Estimate a model's block latencies on ``target_gpu`` from its profile on ``source_gpu``.
@@ -918,6 +923,10 @@ def cross_gpu_table(
         layer_latency_us: optional per-ONNX-node batch-1 latency on the source GPU, us.
         node_blocks: optional node name -> block index; with ``layer_latency_us`` it adds
             the op-class features (more accurate, see ``scripts/bench_estimator.py``).
+            The per-layer latencies must be *per-node* timings like the artifact's (each
+            node its own kernel); :func:`ppipe.profiler.layers.cross_gpu_layer_inputs`
+            gives all three from a profile's ``layers.csv`` where they are.
+        node_op_types: optional node name -> ONNX op type (default: from the node names).
         model: fitted parameters (default: the ones shipped with ppipe).
 
     Returns:
@@ -952,7 +961,8 @@ def cross_gpu_table(
             fix="leave out layer_latency_us and node_blocks, or refit with with_layers=(False, True)",
         )
     static = static_features(
-        profile, source_gpu, layer_latency_us=layer_latency_us, node_blocks=node_blocks, layer_models=layer_models
+        profile, source_gpu, layer_latency_us=layer_latency_us, node_blocks=node_blocks, layer_models=layer_models,
+        node_op_types=node_op_types,
     )
     src_levels = profile.levels(source_gpu)
     out: dict[tuple[str, int, int, int], float] = {}

@@ -43,7 +43,10 @@ def estimate_profile(
             1-8 at level 1, 1-4 at level 2, 1-2 at levels 3 and 4, limited to the levels
             the spec sheet lists for the target).
         layer_latency_us, node_blocks: optional per-layer source timings for the
-            cross-GPU method (see :func:`~ppipe.profiler.estimate.crossgpu.cross_gpu_table`).
+            cross-GPU method (see :func:`~ppipe.profiler.estimate.crossgpu.cross_gpu_table`);
+            default: those of the profile's ``layers.csv`` where it has per-node timings of
+            the source (:func:`ppipe.profiler.layers.cross_gpu_layer_inputs`), else none
+            (the blocks-only model). The provenance says which model was used.
 
     Returns:
         A new :class:`ModelProfile`; ``manifest.provenance`` says how each target was made.
@@ -79,18 +82,19 @@ def estimate_profile(
                     fix="use method='roofline', or profile the model on one of those GPU types",
                 )
         if use_cross:
+            from ppipe.profiler.layers import cross_gpu_layer_inputs
+
             fitted = default_cross_gpu_model().grid(src, t)
             grid = {v: [b for b in bs if b in fitted.get(v, [])] for v, bs in grid.items()}
             grid = {v: bs for v, bs in grid.items() if bs}
-            table.update(
-                cross_gpu_table(
-                    profile, src, t, levels=list(grid), batches_by_level=grid,
-                    layer_latency_us=layer_latency_us, node_blocks=node_blocks,
-                )
-            )
+            if layer_latency_us is not None and node_blocks is not None:
+                kwargs, how = dict(layer_latency_us=layer_latency_us, node_blocks=node_blocks), "per-layer model (the per-layer timings given)"
+            else:
+                kwargs, how = cross_gpu_layer_inputs(profile, src)
+            table.update(cross_gpu_table(profile, src, t, levels=list(grid), batches_by_level=grid, **kwargs))
             prov[t] = (
                 f"estimated: cross-GPU ratios from the measured {src} profile (ppipe.profiler.estimate.crossgpu, "
-                "fitted on PPipe-artifact TensorRT timings), not measured"
+                f"fitted on PPipe-artifact TensorRT timings), {how}; not measured"
             )
             continue
         paths = [profile.block_onnx_path(i) for i in range(profile.num_blocks)]
@@ -103,4 +107,4 @@ def estimate_profile(
         table.update(roofline_table([p for p in paths if p is not None], [t], {t: list(grid)}, grid))
         prov[t] = roofline_provenance(t)
     manifest = profile.manifest.model_copy(update={"provenance": prov})
-    return ModelProfile(manifest=manifest, table=table, directory=profile.directory)
+    return ModelProfile(manifest=manifest, table=table, directory=profile.directory, layers=profile.layers)
