@@ -2,12 +2,15 @@
 """(Re)generate the built-in model profiles shipped in models/.
 
 For each built-in CNN (onnx's backend test models with seeded weights, see
-ppipe/profiler/builtin.py): cut it into 10 blocks, measure every block on this machine's
-CPU with onnxruntime (type ``cpu``, levels 1-2, batches 1-8 / 1-4) and add roofline
-estimates for the GPU types of the paper's clusters and a few more. Prints the wall time
-of each model's profiling (the CPU measurement dominates it).
+ppipe/profiler/builtin.py): time every layer on this machine's CPU with onnxruntime
+(written to models/<name>/layers.csv, method ``ort-optimized``), cut it into 10 blocks,
+measure every block on the CPU (type ``cpu``, levels 1-2, batches 1-8 / 1-4) and add
+roofline estimates for the GPU types of the paper's clusters and a few more. Prints the
+wall time of each model's profiling (the CPU measurement dominates it; timing the layers
+takes about a second).
 
-Re-running resumes (rows already in models/<name>/profile.csv are kept); pass --fresh to
+Re-running resumes (rows already in models/<name>/profile.csv are kept, and so are the
+per-layer rows of layers.csv; a profile without them gets them timed); pass --fresh to
 re-measure from scratch, --refresh-estimates to recompute only the estimates.
 
     python scripts/profile_builtins.py                       # resnet50, inception_v2, densenet121

@@ -1,5 +1,6 @@
 """The built-in profiles shipped in models/: they load, cover the default cluster's GPU
-types, record provenance, and their block sub-models regenerate from model.yaml."""
+types, record provenance, carry the CPU per-layer timings that cut them, and their block
+sub-models regenerate from model.yaml."""
 
 from __future__ import annotations
 
@@ -67,3 +68,23 @@ def test_shipped_estimates_use_only_the_levels_each_gpu_offers():
             if gpu != "cpu":
                 assert set(prof.levels(gpu)) <= set(gpu_spec(gpu).mps_levels), (name, gpu, prof.levels(gpu))
         assert prof.levels("P4") == [1]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_layer_timings_match_the_graph_and_the_blocks(name):
+    from ppipe.profiler.builtin import load_builtin
+    from ppipe.profiler.graph import analyze, prepare_model
+
+    prof = load_profile(name)
+    assert prof.layers is not None and prof.layers.gpus() == ["cpu"]
+    assert prof.manifest.layers.gpus["cpu"].method.value == "ort-optimized"
+    model, path = load_builtin(name, prof.manifest.source.weights_seed)
+    info = analyze(prepare_model(model, source=str(path)))
+    nodes = [info.node(p) for p in range(len(info.compute_nodes))]
+    assert prof.layers.nodes() == [n.name for n in nodes]
+    assert prof.layers.op_types() == {n.name: n.op_type for n in nodes}  # from the graph, not the names (n0, n1, ...)
+    assert [b.num_nodes for b in prof.manifest.blocks] == [
+        sum(1 for blk in prof.layers.node_blocks.values() if blk == i) for i in range(prof.num_blocks)
+    ]
+    lat = prof.layers.latency_us("cpu")
+    assert sum(lat.values()) > 0 and all(x >= 0 for x in lat.values())
