@@ -83,6 +83,22 @@ def check_whole_paths(scheduler: Any, policy: str) -> None:
         )
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive now out of the garbage collector's sight (``gc.freeze``).
+
+    Why: a full (generation 2) collection walks every tracked object, and a serving
+    process holds hundreds of thousands after start-up (Ray, pydantic schemas, profiles,
+    the scheduler's tables). Measured in the frontend during a rehearsal at 135 req/s:
+    two full collections in 10 s, one of 79 ms, which stalls every request in flight (a
+    79 ms stop of the event loop misses SLOs of ~100 ms). Frozen start-up objects are never
+    scanned again; what is allocated later is collected as usual.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def default_scheduler_factory(plan, profiles, cluster, clock, policy: str = "reservation", **options):
     from ppipe.dataplane import build_scheduler  # the data plane's one scheduler
 
@@ -153,6 +169,7 @@ class Runtime:
         self.clock = WallClock(asyncio.get_running_loop(), lead_us=self.dispatch_lead_us)
         self.scheduler = self._factory(self.plan, self.profiles, self.cluster, self.clock, policy=self._policy, **self._options)
         check_whole_paths(self.scheduler, self._policy)
+        freeze_startup_objects()
         self._health = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def stop(self) -> None:
@@ -333,13 +350,15 @@ class Runtime:
                     report = await rep_ref
                 except ray.exceptions.RayActorError as exc:
                     raise _StageFailed(k, str(exc).splitlines()[0]) from None
+                outputs = report.pop("outputs", None)  # the last stage's (see VgpuWorker.run_stage)
                 trace.reports.append(report)
                 self._report(d, k, report)
             k = len(route) - 1
-            try:
-                outputs = (await payload)["tensors"]
-            except ray.exceptions.RayActorError as exc:
-                raise _StageFailed(k, str(exc).splitlines()[0]) from None
+            if outputs is None:  # a worker that returns them apart
+                try:
+                    outputs = (await payload)["tensors"]
+                except ray.exceptions.RayActorError as exc:
+                    raise _StageFailed(k, str(exc).splitlines()[0]) from None
         except _StageFailed as exc:
             vgpu = route[exc.stage]
             trace.error = f"worker-failed: {vgpu}: {exc.detail}"

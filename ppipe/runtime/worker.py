@@ -79,6 +79,9 @@ class VgpuWorker:
         self.batches = 0
         self.channels: dict[tuple[str, str], Any] = {}  # (send|recv, peer vGPU) -> EdgeChannel
         self._node: str | None = None
+        from ppipe.runtime.driver import freeze_startup_objects
+
+        freeze_startup_objects()  # a worker is on the latency path too: no full-GC stalls over start-up objects
 
     async def ping(self) -> dict[str, Any]:
         """Liveness probe; also tells where the worker runs."""
@@ -173,9 +176,10 @@ class VgpuWorker:
         Returns:
             ``(report, output)``, two Ray objects: ``report`` (small; the frontend awaits
             it) with wall-clock ``start_us``/``end_us`` and, after the first stage, the
-            transfer's ``transfer_start_us``/``transfer_end_us``; ``output`` (the next
-            stage's payload: fp16 feature maps; for the last stage the model's outputs;
-            ``tensors`` is None when they went over NCCL).
+            transfer's ``transfer_start_us``/``transfer_end_us``, and for the last stage of
+            the path the model's ``outputs``; ``output`` (the next stage's payload: fp16
+            feature maps; ``tensors`` is None when they went over NCCL; None after the last
+            stage).
         """
         received = wall_us()
         send = (link or {}).get("send")
@@ -234,8 +238,13 @@ class VgpuWorker:
                 await self._channel("send", send["peer"]).send(send["seq"], batch_id, outputs, end)
                 sent = True
                 return report, {"tensors": None, "sent_wall_us": end, "transport": "nccl"}
-            last = timing is not None and index + 1 == len(timing)
-            return report, {"tensors": outputs if last else to_wire(outputs), "sent_wall_us": end}
+            if timing is not None and index + 1 == len(timing):
+                # the last stage's outputs ride in its report: the frontend awaits one object
+                # per stage, not one more for the answer (each await of a Ray object costs the
+                # frontend's loop a turn and, on a busy host, ms)
+                report["outputs"] = outputs
+                return report, None
+            return report, {"tensors": to_wire(outputs), "sent_wall_us": end}
         except BaseException as exc:
             if recv is not None and not recv_posted and ("recv", recv["peer"]) in self.channels:
                 # take the message off the edge anyway: the sender posts it whatever happens

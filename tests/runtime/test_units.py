@@ -174,8 +174,9 @@ class FakeWorker:
     """The worker protocol in-process (two returns per stage, ObjectRef-like arguments);
     ``dead`` makes calls fail like a killed actor."""
 
-    def __init__(self, vgpu_id, mailbox=None):
+    def __init__(self, vgpu_id, mailbox=None, outputs_in_report=True):
         self.vgpu_id, self.dead = vgpu_id, False
+        self.outputs_in_report = outputs_in_report  # as VgpuWorker does for the last stage
         self.mailbox = {} if mailbox is None else mailbox  # (sender, receiver, seq) -> future: a fake NCCL edge
         self.links, self.dropped = [], []
         self.pings = 0
@@ -239,6 +240,9 @@ class FakeWorker:
         if link and "send" in link:
             self._box((self.vgpu_id, link["send"]["peer"], link["send"]["seq"])).set_result({"tensors": out, "sent_wall_us": t + 1})
             return rep, {"tensors": None, "sent_wall_us": t + 1}
+        if self.outputs_in_report and index + 1 == len(timing):
+            rep["outputs"] = out
+            return rep, None
         return rep, {"tensors": out, "sent_wall_us": t + 1}
 
 
@@ -271,6 +275,25 @@ def test_driver_batches_answers_each_request_with_its_own_row(tinynet):
     assert [o["y"].tolist() for o in outs] == [[2 * i + 2, 2 * i + 2] for i in range(5)]  # (x + 1) * 2
     assert [len(t.request_ids) for t in rt.traces] == [3, 2]  # one full batch, one after the WakeAt window
     assert rt.scheduler.wakes >= 1 and len(rt.scheduler.reports) == 4
+
+
+def test_driver_takes_outputs_from_the_last_report_or_from_the_output_object(tinynet):
+    for in_report in (True, False):
+        rt, peers = _runtime(tinynet, max_batch=1)
+        for w in peers.values():
+            w.outputs_in_report = in_report
+
+        async def main():
+            await rt.start()
+            out = await rt.infer("tinynet", {"x": np.full(2, 3, np.float32)})
+            await rt.stop()
+            return out
+
+        assert asyncio.run(main())["y"].tolist() == [8.0, 8.0]
+        assert all("outputs" not in rep for t in rt.traces for rep in t.reports)  # not kept in traces
+    import gc
+
+    assert gc.get_freeze_count() > 0  # Runtime.start froze the start-up objects
 
 
 def test_driver_answers_drops_with_their_reason(tinynet):
