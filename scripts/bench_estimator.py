@@ -9,7 +9,19 @@ sees a copy of the profile that holds the source GPU type (and, unless --blocks-
 per-layer latencies on the source GPU type). The fit chooses its own hyper-parameters by
 leave-one-model-out among the models it is given, so this is a NESTED cross-validation:
 the held-out model never takes part in choosing them, and the figures are out-of-sample.
-The script is deterministic (seeded random features, one BLAS thread). Figures:
+The script is deterministic (seeded random features, one BLAS thread).
+
+Which path is this for a user? ``ppipe profile --measure L4 --estimate-from L4 --estimate
+P4,T4,V100`` writes the L4 per-node timings (TensorRT, ``--trt-layers per-node``, the
+default) to ``layers.csv`` and gives them to the same ``cross_gpu_table`` with the same
+features: op types from the ONNX graph (they equal those the artifact's node names give),
+node -> block from model.yaml's blocks (tests/profiler/test_user_path.py profiles an
+artifact model through that path and gets this script's predictions). So the default
+figures are what such a user gets, provided TensorRT's per-node timings on their GPU are
+like the artifact's per-layer tables (each node its own kernel; checked on the artifact
+only, no GPU was at hand to compare). ``--blocks-only`` gives the figures of the other
+path: a profile without per-node timings of the source (``--trt-layers fused``, rows
+measured elsewhere, an imported profile). Figures:
 
 * block latency: relative error |pred / true - 1| over every (target, level, batch, block);
 * latency ratio between the two GPU types of a paper cluster (L4/P4, L4/T4, V100/P4,
@@ -32,7 +44,7 @@ ratios for models of the same family.
 Usage::
 
     python scripts/bench_estimator.py --skip-roofline   # the cross-GPU LOMO, ~3-4 min on 2 busy cores
-    python scripts/bench_estimator.py                   # everything
+    python scripts/bench_estimator.py                   # everything (the per-layer model: the default path)
     python scripts/bench_estimator.py --models 4        # the first 4 models only
     python scripts/bench_estimator.py --blocks-only     # without the per-layer features
 """
@@ -137,8 +149,13 @@ def cross_gpu_part(artifact: Path, n_models: int | None, blocks_only: bool) -> N
                                 rerr[kind].setdefault((s, hi, lo), []).append(r_pred / r_true - 1)
         print(f"  {name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
-    feats = "blocks-only features" if blocks_only else "with per-layer op-class features"
-    print(f"\n== Cross-GPU model, leave-one-model-out over {len(names)} models ({feats}) ==")
+    if blocks_only:
+        feats = ("BLOCKS-ONLY model: what `ppipe profile --estimate-from GPU` uses when the profile has no per-node "
+                 "timings of GPU in layers.csv (--trt-layers fused, rows measured elsewhere, imported profiles)")
+    else:
+        feats = ("PER-LAYER model: what `ppipe profile --measure GPU --estimate-from GPU` uses by default (TensorRT "
+                 "per-node timings of GPU in layers.csv; same features as here, tests/profiler/test_user_path.py)")
+    print(f"\n== Cross-GPU model, nested leave-one-model-out over {len(names)} models ==\n   {feats}")
     print("block latency, relative error |pred/true - 1|, per (source -> target):")
     for (s, t) in sorted(err["model"]):
         print(f"  {s:>4} -> {t:<4}  model: {pct(err['model'][(s, t)])}   naive: {pct(err['naive'][(s, t)])}")
@@ -162,8 +179,10 @@ def cross_gpu_part(artifact: Path, n_models: int | None, blocks_only: bool) -> N
         print(f"  {lo}/{hi} from {s:<4}  model: {pct(rerr['model'][key])}   naive: {pct(rerr['naive'][key])}")
     for kind in ("model", "naive"):
         allv = [x for v in rerr[kind].values() for x in v]
+        l4 = [x for (s, _hi, _lo), v in rerr[kind].items() if s == "L4" for x in v]
         both = [x for (s, hi, lo), v in rerr[kind].items() if s not in (hi, lo) for x in v]
         print(f"  ALL ratios {kind:5s}: {pct(allv)}")
+        print(f"  ratios from L4 {kind:5s}: {pct(l4)}")
         print(f"  both sides predicted {kind:5s}: {pct(both)}")
 
 
