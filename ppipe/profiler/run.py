@@ -341,8 +341,8 @@ def _old_layers(out: Path):
     from ppipe.spec.profile import ModelManifest, read_layers_csv
 
     manifest = load_yaml_model(ModelManifest, out / "model.yaml")
-    if manifest.layers is None:
-        return None
+    if manifest.layers is None or not (out / manifest.layers.csv).is_file():
+        return None  # nothing (left) to keep: the layers are timed again
     try:
         return read_layers_csv(out / manifest.layers.csv, manifest)
     except SpecError as exc:

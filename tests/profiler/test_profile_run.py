@@ -240,3 +240,17 @@ def test_roofline_estimates_with_the_real_estimator(tiny_onnx, tmp_path):
     assert prof.manifest.provenance["T4"].startswith("estimated")
     res = CliRunner().invoke(main, ["profile", str(tiny_onnx), "-o", str(tmp_path / "u"), "--measure", "none", "--estimate", "Q9000"])
     assert res.exit_code == 2  # an unknown GPU type is the user's mistake
+
+
+def test_resuming_over_a_broken_layers_file_says_what_to_delete(tiny_onnx, tmp_path):
+    out = tmp_path / "tiny"
+    args = ["profile", str(tiny_onnx), "-o", str(out), "--blocks", "2", "--batches", "1", "--reps", "1", "--threads", "2", "--no-progress"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    text = (out / "layers.csv").read_text().splitlines()
+    (out / "layers.csv").write_text("\n".join(text[:3] + ["cpu,relu0,Relu,soon"] + text[4:]) + "\n")
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "latency_us 'soon' is not a number" in res.output and f"delete {out / 'layers.csv'}" in res.output
+    (out / "layers.csv").unlink()  # as the message says: the layers are timed again
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0 and load_profile(out).layers.gpus() == ["cpu"]
