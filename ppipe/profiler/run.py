@@ -354,9 +354,9 @@ def _old_layers(out: Path):
 
 
 def _check_estimate_source(source: str, provenance: str) -> None:
-    import re
+    from ppipe.profiler.trt_backend import precision_of
 
-    if re.search(r"\bfp16\b", provenance):
+    if precision_of(provenance) == "fp16":
         raise UserError(
             f"--estimate-from {source}: the {source} timings were measured in fp16 ({provenance[:120]}...), and the "
             "cross-GPU model learned its ratios from TF32 timings (the PPipe artifact); fp16 ratios between GPU types differ",

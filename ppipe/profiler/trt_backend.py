@@ -51,6 +51,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import re
 import shutil
 import subprocess
 import tempfile
@@ -110,8 +111,14 @@ def _build(
     *,
     detailed: bool = False,
     mark_outputs: tuple[str, ...] = (),
+    max_batch: int | None = None,
 ) -> bytes:
-    """Serialized engine of an ONNX model at one batch size (every input's first dimension)."""
+    """Serialized engine of an ONNX model at one batch size (every input's first dimension).
+
+    With ``max_batch`` the engine takes any batch from 1 to ``max_batch`` and its kernels
+    are tuned for ``batch`` (the serving runtime's case: the planned batch, or a smaller
+    one when the data plane shrinks a batch to meet a deadline).
+    """
     _check_precision(precision)
     trt = _import_trt()
     logger = _logger(trt)
@@ -142,8 +149,11 @@ def _build(
     profile = builder.create_optimization_profile()
     for i in range(network.num_inputs):
         t = network.get_input(i)
-        shape = [batch] + [int(d) for d in list(t.shape)[1:]]
-        profile.set_shape(t.name, shape, shape, shape)
+        rest = [int(d) for d in list(t.shape)[1:]]
+        if max_batch is None:
+            profile.set_shape(t.name, [batch] + rest, [batch] + rest, [batch] + rest)
+        else:
+            profile.set_shape(t.name, [1] + rest, [batch] + rest, [max(batch, max_batch)] + rest)
     config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -154,6 +164,44 @@ def _build(
 def build_engine(onnx_path: str | Path, batch: int, precision: str = "tf32") -> bytes:
     """Serialized TensorRT engine of an ONNX block for one batch size."""
     return _build(Path(onnx_path).read_bytes(), batch, precision, str(onnx_path))
+
+
+def precision_of(provenance: str) -> str:
+    """The TensorRT precision a profile's timings were measured in, from their provenance
+    (``ppipe profile`` writes it there); ``tf32`` (the default, as the PPipe artifact) unless it says fp16."""
+    return "fp16" if re.search(r"\bfp16\b", provenance or "") else "tf32"
+
+
+def serving_engine(onnx_path: str | Path, opt_batch: int, max_batch: int, precision: str, engine_dir: str | Path | None = None) -> bytes:
+    """A serialized engine for serving one block: batches 1..``max_batch``, tuned for ``opt_batch``.
+
+    Cached on disk (``$PPIPE_CACHE/trt`` by default), keyed by the ONNX file's content, the
+    precision, the batch range, the TensorRT version and the GPU, so that a worker restart
+    does not rebuild every block.
+    """
+    from ppipe.profiler.blocks import cache_root
+
+    trt = _import_trt()
+    _check_precision(precision)
+    cp = _import_cupy()
+    data = Path(onnx_path).read_bytes()
+    device = re.sub(r"[^A-Za-z0-9]+", "-", _device_name(cp)).strip("-")
+    key = hashlib.sha256(data).hexdigest()[:16]
+    folder = Path(engine_dir) if engine_dir is not None else cache_root() / "trt"
+    path = folder / f"{Path(onnx_path).stem}_{key}_{precision}_b{opt_batch}-{max_batch}_trt{trt.__version__}_{device}.plan"
+    if path.exists():
+        return path.read_bytes()
+    plan = _build(data, opt_batch, precision, str(onnx_path), max_batch=max_batch)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(plan)
+    tmp.replace(path)  # atomic: workers of one host may build the same block at once
+    return plan
+
+
+def runtime_logger():
+    """The process's one TensorRT logger (builders and runtimes should share it)."""
+    return _logger(_import_trt())
 
 
 class _EngineRunner:

@@ -7,8 +7,9 @@ are available, by name:
   built-in models get them from :func:`ppipe.profiler.ensure_block_models`). CPU by
   default; the CUDA execution provider on GPU types when onnxruntime has it. On the CPU
   a vGPU of level v gets ``max(1, cores // v)`` intra-op threads.
-- ``tensorrt``: TensorRT engines built from the same sub-models (fp16), on the GPU the
-  worker was pinned to. Needs ``tensorrt`` and ``cupy`` (``pip install ppipe[gpu]``).
+- ``tensorrt``: TensorRT engines built from the same sub-models (at the profile's
+  precision, tf32 by default), on the GPU the worker was pinned to. Needs ``tensorrt`` and
+  ``cupy`` (``pip install ppipe[gpu]``).
 - ``emulated``: sleeps for the profiled latency of the partition at the batch
   (``ModelProfile.partition_latency_us``) and emits fp16 tensors of the profiled size
   (``out_bytes_per_sample`` of the partition's last block). It rehearses a plan for a
@@ -225,11 +226,20 @@ class OrtBackend:
 
 
 class TensorRTBackend:
-    """TensorRT engines (fp16) built from the block sub-models, on this worker's GPU.
+    """TensorRT engines built from the block sub-models, on this worker's GPU.
 
-    Written against the TensorRT >= 10 Python API (named I/O tensors, ``execute_async_v3``)
-    with CuPy device buffers. Engines are built at worker start with an optimization
-    profile covering batches 1..``max_batch``.
+    Written against the TensorRT Python API of 8.6 and 10.x (explicit-batch networks, named
+    I/O tensors, ``execute_async_v3``) with CuPy device buffers. Engines come from
+    :func:`ppipe.profiler.trt_backend.serving_engine` (shared with ``ppipe profile``, cached
+    on disk): batches 1..``max_batch``, kernels tuned for ``opt_batch`` (the pipeline's
+    planned batch; the data plane only ever shrinks it), at the precision the profile was
+    measured in (``tf32`` unless its provenance for this GPU type says ``fp16``), so that
+    served latencies are the profiled ones.
+
+    Args:
+        opt_batch: the planned batch of the partition's pipeline.
+        max_batch: the largest batch accepted (default ``opt_batch``).
+        precision: ``tf32`` or ``fp16`` (default: the profile's, see above).
     """
 
     name = "tensorrt"
@@ -237,7 +247,10 @@ class TensorRTBackend:
     accepts_device = True  # CuPy inputs are used in place (cp.asarray does not copy them)
     device_outputs = True
 
-    def __init__(self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, max_batch: int = 32):
+    def __init__(
+        self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, opt_batch: int = 1,
+        max_batch: int | None = None, precision: str | None = None,
+    ):
         try:
             import tensorrt as trt  # noqa: F401
             import cupy  # noqa: F401
@@ -249,57 +262,64 @@ class TensorRTBackend:
         import cupy as cp
         import tensorrt as trt
 
+        from ppipe.profiler.trt_backend import precision_of, runtime_logger, serving_engine
+
         self.cp, self.trt = cp, trt
         self.keep = keep_after(profile, last)
-        self.logger = trt.Logger(trt.Logger.WARNING)
-        self.runtime = trt.Runtime(self.logger)
-        self.engines = [self._build(p, max_batch) for p in block_model_paths(profile, first, last)]
+        self.opt_batch = max(1, int(opt_batch))
+        self.max_batch = max(self.opt_batch, int(max_batch or self.opt_batch))
+        self.precision = precision or precision_of(profile.manifest.provenance.get(gpu, ""))
+        self.runtime = trt.Runtime(runtime_logger())
+        self.engines = []
+        for path in block_model_paths(profile, first, last):
+            blob = serving_engine(path, self.opt_batch, self.max_batch, self.precision)
+            engine = self.runtime.deserialize_cuda_engine(blob)
+            if engine is None:
+                raise RuntimeError(f"TensorRT could not load the engine of {path} (a stale cache file? delete $PPIPE_CACHE/trt)")
+            self.engines.append(engine)
         self.contexts = [e.create_execution_context() for e in self.engines]
         self.stream = cp.cuda.Stream(non_blocking=True)
+        self._buffers: dict[tuple[int, str, tuple], object] = {}  # output buffers per (engine, tensor, shape)
 
-    def _build(self, path: str, max_batch: int):
-        trt = self.trt
-        builder = trt.Builder(self.logger)
-        network = builder.create_network(0)
-        parser = trt.OnnxParser(network, self.logger)
-        with open(path, "rb") as fh:
-            if not parser.parse(fh.read()):
-                errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-                raise RuntimeError(f"TensorRT cannot parse {path}: {errs}")
-        config = builder.create_builder_config()
-        config.set_flag(trt.BuilderFlag.FP16)
-        prof = builder.create_optimization_profile()
-        for i in range(network.num_inputs):
-            t = network.get_input(i)
-            rest = tuple(t.shape)[1:]
-            prof.set_shape(t.name, (1, *rest), (max(1, max_batch // 2), *rest), (max_batch, *rest))
-        config.add_optimization_profile(prof)
-        blob = builder.build_serialized_network(network, config)
-        if blob is None:
-            raise RuntimeError(f"TensorRT failed to build an engine for {path}")
-        return self.runtime.deserialize_cuda_engine(blob)
+    def _output(self, i: int, name: str, shape: tuple, dtype) -> object:
+        key = (i, name, shape)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = self.cp.empty(shape, dtype=dtype)
+        return buf
 
     def run_sync(self, inputs: Tensors, device_out: bool = False) -> Tensors:
         """Run the engines; outputs as NumPy, or as CuPy device arrays with ``device_out``
-        (for an NCCL send: the feature map never visits the host)."""
+        (for an NCCL send: the feature map never visits the host).
+
+        Device inputs come from an NCCL receive, which synchronizes its own stream before
+        it returns them, so this stream may use them at once.
+        """
         cp, trt = self.cp, self.trt
         env = {k: cp.asarray(v) for k, v in inputs.items()}
         last_outs: list[str] = []
         with self.stream:
-            for engine, ctx in zip(self.engines, self.contexts):
+            for i, (engine, ctx) in enumerate(zip(self.engines, self.contexts)):
                 outs = []
-                for i in range(engine.num_io_tensors):
-                    name = engine.get_tensor_name(i)
+                for j in range(engine.num_io_tensors):
+                    name = engine.get_tensor_name(j)
                     dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
                     if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
                         arr = cp.ascontiguousarray(env[name].astype(dtype, copy=False))
                         env[name] = arr
-                        ctx.set_input_shape(name, arr.shape)
+                        if arr.shape[0] > self.max_batch or not ctx.set_input_shape(name, arr.shape):
+                            raise UserError(
+                                f"TensorRT engine input {name!r}: batch {arr.shape[0]} (shape {arr.shape}) is outside "
+                                f"the engine's range 1..{self.max_batch}",
+                                fix="serve with a larger backend option max_batch (the plan's batch is the default)",
+                            )
                         ctx.set_tensor_address(name, arr.data.ptr)
                     else:
                         outs.append((name, dtype))
                 for name, dtype in outs:
-                    arr = cp.empty(tuple(ctx.get_tensor_shape(name)), dtype=dtype)
+                    # reused between calls: a later stage's copy to the host or the NCCL send
+                    # finishes before this stream runs the next batch (run_sync is serialised)
+                    arr = self._output(i, name, tuple(ctx.get_tensor_shape(name)), dtype)
                     env[name] = arr
                     ctx.set_tensor_address(name, arr.data.ptr)
                 if not ctx.execute_async_v3(self.stream.ptr):
@@ -308,7 +328,8 @@ class TensorRTBackend:
             self.stream.synchronize()
         keep = self.keep or last_outs
         if device_out:
-            return {k: env[k] for k in keep}
+            # copies: the cached buffers are overwritten by the next batch, the NCCL send may still be reading
+            return {k: env[k].copy() for k in keep}
         return {k: cp.asnumpy(env[k]) for k in keep}
 
     async def run(self, inputs: Tensors, batch: int, device_out: bool = False) -> Tensors:
@@ -325,5 +346,8 @@ def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: i
     if name == "ort":
         return OrtBackend(profile, gpu, vgpu, first, last)
     if name == "tensorrt":
-        return TensorRTBackend(profile, gpu, vgpu, first, last, max_batch=options.get("max_batch", 32))
+        return TensorRTBackend(
+            profile, gpu, vgpu, first, last, opt_batch=options.get("opt_batch", 1), max_batch=options.get("max_batch"),
+            precision=options.get("precision"),
+        )
     raise UserError(f"unknown backend '{name}'", fix=f"use one of {', '.join(BACKENDS)}")

@@ -112,6 +112,7 @@ def worker_specs(dep: Deployment) -> list[WorkerSpec]:
                 gpu=pp.gpu,
                 vgpu=pp.vgpu,
                 profile=profile_ref(prof),
+                batch=mp.pipelines[p.pipeline].batch,
             )
         )
     for mp in plan.models:

@@ -46,6 +46,7 @@ class WorkerSpec:
     gpu: str
     vgpu: int
     profile: str  # plan.yaml-style reference (ppipe.spec.profile.profile_ref)
+    batch: int = 1  # the pipeline's planned batch (TensorRT tunes its engines for it)
 
 
 def to_wire(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -69,10 +70,8 @@ class VgpuWorker:
         self.nice = _undo_ray_niceness()
         self.spec = spec
         profile = load_profile_ref(spec.profile)
-        self.backend = make_backend(
-            backend, profile, spec.gpu, spec.vgpu, spec.first_block, spec.last_block,
-            **{k: v for k, v in (backend_options or {}).items() if k != "emulate_network"},
-        )
+        opts = {"opt_batch": spec.batch, **{k: v for k, v in (backend_options or {}).items() if k != "emulate_network"}}
+        self.backend = make_backend(backend, profile, spec.gpu, spec.vgpu, spec.first_block, spec.last_block, **opts)
         # the emulated backend rehearses a cluster: feature maps take the planned NIC time
         self.emulate_network = backend == "emulated" and bool((backend_options or {}).get("emulate_network", True))
         self._lock: asyncio.Lock | None = None

@@ -147,9 +147,9 @@ def test_worker_specs_follow_the_placement_and_reject_a_plan_without_one(tinynet
     cluster = load_cluster("local-cpu")
     plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
     specs = worker_specs(Deployment(plan, cluster, {"tinynet": tinynet}, "plan.yaml"))
-    assert [(s.vgpu_id, s.first_block, s.last_block) for s in specs] == [
-        ("localhost-0/gpu0/s0", 0, 1),
-        ("localhost-0/gpu0/s1", 2, 2),
+    assert [(s.vgpu_id, s.first_block, s.last_block, s.batch) for s in specs] == [
+        ("localhost-0/gpu0/s0", 0, 1, plan.models[0].pipelines[0].batch),
+        ("localhost-0/gpu0/s1", 2, 2, plan.models[0].pipelines[0].batch),
     ]
     empty = plan.model_copy(update={"placement": []})
     with pytest.raises(UserError, match="plan.yaml: the plan has no placement"):
@@ -515,3 +515,11 @@ def test_health_loop_pings_only_workers_that_have_not_reported_lately(tinynet):
     before = asyncio.run(main())
     assert all(n >= 1 for n in before.values())
     assert peers[busy].pings == before[busy]  # it kept reporting: no health ping needed
+
+
+def test_tensorrt_precision_follows_the_profiles_provenance():
+    from ppipe.profiler.trt_backend import precision_of
+
+    assert precision_of("measured: TensorRT 10.3 fp16 on NVIDIA L4, an engine per block") == "fp16"
+    assert precision_of("measured: TensorRT 10.3 tf32 on NVIDIA L4") == "tf32"
+    assert precision_of("") == "tf32"  # the artifact's (and ppipe profile's) default
