@@ -312,15 +312,29 @@ def block_fingerprint(manifest) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def _replace_atomically(path: Path, write) -> None:
+    """``write(tmp)`` then rename over ``path``: a reader sees the old file or the new one,
+    never half of one (the workers of one model start together and may regenerate its
+    blocks at the same time, each loading them as soon as its own call returns)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def write_blocks(info: GraphInfo, blocks: Sequence[Block], out_dir: Path, name: str) -> list[Path]:
-    """Extract and save every block as ``block_XX.onnx`` in ``out_dir``."""
+    """Extract and save every block as ``block_XX.onnx`` in ``out_dir`` (each file replaced atomically)."""
     import onnx
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for b in blocks:
         p = out_dir / f"block_{b.index:02d}.onnx"
-        onnx.save(extract_block(info, b, f"{name}_block_{b.index:02d}"), str(p))
+        model = extract_block(info, b, f"{name}_block_{b.index:02d}")
+        _replace_atomically(p, lambda tmp, model=model: onnx.save(model, str(tmp)))
         paths.append(p)
     return paths
 
@@ -367,7 +381,7 @@ def ensure_block_models(profile, cache_dir: Path | None = None) -> list[Path]:
                 fix="re-run `ppipe profile` for this model (the onnx package or the source changed)",
             )
     written = write_blocks(info, blocks, out, manifest.name)
-    stamp.write_text(json.dumps({"fingerprint": fp, "model": manifest.name}))
+    _replace_atomically(stamp, lambda tmp: tmp.write_text(json.dumps({"fingerprint": fp, "model": manifest.name})))
     return written
 
 
@@ -388,8 +402,9 @@ def ensure_reference_model(profile, cache_dir: Path | None = None) -> Path:
             pass
     info, _sha = load_source(manifest)
     out.mkdir(parents=True, exist_ok=True)
-    onnx.save(reference_model(info), str(p))
-    stamp.write_text(json.dumps({"fingerprint": fp, "model": manifest.name}))
+    model = reference_model(info)
+    _replace_atomically(p, lambda tmp: onnx.save(model, str(tmp)))
+    _replace_atomically(stamp, lambda tmp: tmp.write_text(json.dumps({"fingerprint": fp, "model": manifest.name})))
     return p
 
 
