@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ppipe.planner.configs import ConfigSet
+from ppipe.planner.highs_util import new_highs
 
 BINS = 50_000  # throughput bins per model: the rounding-up costs < 2e-5 of the target per pattern
 MAX_KELLEY_ITERATIONS = 40
@@ -278,8 +279,7 @@ def _kelley_lp(counts: np.ndarray, cuts: list[list[np.ndarray]]) -> tuple[float,
     vals += list(counts[nz])
     n_rows = r + 1
     inf = highspy.kHighsInf
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = new_highs()
     h.addVars(K + M, np.r_[np.zeros(K), np.full(M, -inf)], np.full(K + M, inf))
     h.changeColsCost(K + M, np.arange(K + M, dtype=np.int32), np.r_[np.zeros(K), np.ones(M)])
     h.changeObjectiveSense(highspy.ObjSense.kMaximize)

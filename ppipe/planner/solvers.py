@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ppipe.errors import NotAvailableError, SolverError, UserError
+from ppipe.planner.highs_util import new_highs
 from ppipe.planner.milp import Milp
 
 
@@ -134,8 +135,7 @@ class HighsSolver(Solver):
 
         t0 = time.perf_counter()
         lp, integ = _highs_lp(milp)
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = new_highs()
         h.setOptionValue("mip_rel_gap", float(gap))
         if time_limit_s is not None:
             h.setOptionValue("time_limit", float(time_limit_s))
