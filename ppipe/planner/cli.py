@@ -6,7 +6,9 @@ Each flag overrides one field of the written plan.yaml (``settings.*`` or
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import click
@@ -61,26 +63,27 @@ def plan(cluster, model_dirs, slo_ms, slo_scale, weights, margin, max_partitions
     (profile folders or built-in model names, default every built-in model) -> plan.yaml."""
     from ppipe.planner.api import plan as make_plan
 
-    result = make_plan(
-        cluster or "HC2-S",
-        list(model_dirs) or None,
-        objective=objective,
-        planner=planner,
-        formulation=formulation,
-        solver=solver,
-        slo_ms=_parse_per_model(slo_ms, "--slo-ms"),
-        slo_scale=slo_scale,
-        weights=_parse_per_model(weights, "--weights"),
-        margin=margin,
-        max_partitions=max_partitions,
-        gpu_rule=gpu_rule,
-        configs_per_template=configs_per_template,
-        batch_build=batch_build,
-        required_rps=_parse_per_model(required_rps, "--required-rps"),
-        time_limit_s=time_limit_s,
-        gap=gap,
-        headroom=(False if headroom is False else (headroom_util if headroom_util is not None else headroom)),
-    )
+    with one_line_warnings():
+        result = make_plan(
+            cluster or "HC2-S",
+            list(model_dirs) or None,
+            objective=objective,
+            planner=planner,
+            formulation=formulation,
+            solver=solver,
+            slo_ms=_parse_per_model(slo_ms, "--slo-ms"),
+            slo_scale=slo_scale,
+            weights=_parse_per_model(weights, "--weights"),
+            margin=margin,
+            max_partitions=max_partitions,
+            gpu_rule=gpu_rule,
+            configs_per_template=configs_per_template,
+            batch_build=batch_build,
+            required_rps=_parse_per_model(required_rps, "--required-rps"),
+            time_limit_s=time_limit_s,
+            gap=gap,
+            headroom=(False if headroom is False else (headroom_util if headroom_util is not None else headroom)),
+        )
     out = Path(output)
     result = relative_profiles(result, out.parent)
     result.save(out)
@@ -89,6 +92,21 @@ def plan(cluster, model_dirs, slo_ms, slo_scale, weights, margin, max_partitions
 
         print_summary(result)
     click.echo(f"wrote {out}")
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Show warnings raised inside as one ``warning: ...`` line on stderr (no file and source line)."""
+    old = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        click.echo(f"warning: {message}", err=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = old
 
 
 def relative_profiles(plan, base: Path):

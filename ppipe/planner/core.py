@@ -16,7 +16,7 @@ from ppipe.planner.configs import ConfigSet, ModelSpec, enumerate_configs
 from ppipe.planner.formulation import build, extract
 from ppipe.planner.bounds import CoverBound
 from ppipe.planner.objectives import MaxMinNormalized, Objective
-from ppipe.planner.solvers import HighsSolver, SolveResult, Solver
+from ppipe.planner.solvers import SolveResult, Solver
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import ModelPlan
 
@@ -141,9 +141,10 @@ def milp_plan(
     )
     milp, variables = build(specs, configs, cluster, gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
     objective.apply(milp, variables)
-    if isinstance(objective, MaxMinNormalized) and isinstance(solver, HighsSolver):
+    if isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_prover", False):
         # The cover bound proves HiGHS's incumbents optimal where branch and bound is slow
-        # (it is only asked after prover_after_s, so easy models pay nothing).
+        # (it is only asked after prover_after_s, so easy models pay nothing). Gurobi takes it
+        # only to hand it to HiGHS when its licence refuses the model.
         prover = CoverProver(configs, specs, cluster)
         result = solver.solve(milp, time_limit_s=time_limit_s, gap=gap, prover=prover, prover_after_s=PROVER_AFTER_S)
     else:

@@ -115,6 +115,7 @@ class HighsSolver(Solver):
     """
 
     name = "highs"
+    accepts_prover = True
 
     def __init__(self, options: dict[str, object] | None = None):
         self.options = dict(HIGHS_MIP_OPTIONS if options is None else options)
@@ -307,11 +308,19 @@ class CbcSolver(Solver):
 
 
 class GurobiSolver(Solver):
-    """Gurobi through gurobipy's matrix API; falls back to HiGHS if the licence refuses the model."""
+    """Gurobi through gurobipy's matrix API; falls back to HiGHS if the licence refuses the model.
+
+    The pip wheel of gurobipy carries a size-limited licence (at most 2000 variables and
+    2000 constraints): small plans (e.g. one model on two GPU types, or the NP plan) run on
+    Gurobi, larger ones are refused (error 10010) and solved by :class:`HighsSolver`
+    instead, with one warning. Without any licence (10009) the same happens.
+    """
 
     name = "gurobi"
+    accepts_prover = True  # passed on to HiGHS when the licence refuses the model
 
-    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None):
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2):
+        """Solve ``milp``; ``prover``/``prover_after_s`` only serve the HiGHS fallback (see :meth:`HighsSolver.solve`)."""
         try:
             import gurobipy as gp
             from gurobipy import GRB
@@ -326,7 +335,9 @@ class GurobiSolver(Solver):
         col_lb, col_ub, integ, row_lb, row_ub, cost = milp.arrays()
         r, c, v = milp.coo()
         A = sp.csr_matrix((v, (r, c)), shape=(milp.num_rows, milp.num_cols))
+        env = m = None
         try:
+            # OutputFlag in the Env's own parameters keeps its licence banner off stdout too.
             env = gp.Env(params={"OutputFlag": 0})
             m = gp.Model("ppipe", env=env)
             x = m.addMVar(milp.num_cols, lb=col_lb, ub=col_ub, vtype=np.where(integ, GRB.INTEGER, GRB.CONTINUOUS))
@@ -343,19 +354,38 @@ class GurobiSolver(Solver):
             if threads is not None:
                 m.Params.Threads = threads
             m.optimize()
+            secs = time.perf_counter() - t0
+            st = m.Status
+            is_mip = bool(integ.any())
+            work = dict(
+                nodes=int(m.NodeCount) if is_mip else 0,
+                lp_iterations=int(m.IterCount),
+            )
+            if st in (GRB.INFEASIBLE, GRB.INF_OR_UNBD):
+                return SolveResult(self.name, "infeasible", None, math.nan, math.inf, secs, **work)
+            if st == GRB.OPTIMAL:
+                g = float(m.MIPGap) if is_mip else 0.0
+                return SolveResult(self.name, "optimal", np.array(x.X), float(m.ObjVal), max(0.0, g), secs, **work)
+            if st in (GRB.TIME_LIMIT, GRB.INTERRUPTED, GRB.SOLUTION_LIMIT, GRB.NODE_LIMIT):
+                if m.SolCount == 0:
+                    raise _timeout("Gurobi", time_limit_s)
+                g = float(m.MIPGap) if is_mip else 0.0
+                return SolveResult(self.name, "time_limit", np.array(x.X), float(m.ObjVal), g if math.isfinite(g) else math.inf, secs, **work)
+            raise SolverError(f"Gurobi ended with status code {st}")
         except gp.GurobiError as exc:
-            if getattr(exc, "errno", None) in (10009, 10010):  # no licence / size-limited licence
+            if getattr(exc, "errno", None) in (GUROBI_NO_LICENSE, GUROBI_SIZE_LIMIT):
                 warnings.warn(f"Gurobi refused the model ({exc}); solving with HiGHS instead", stacklevel=2)
-                return HighsSolver().solve(milp, time_limit_s=time_limit_s, gap=gap, threads=threads)
+                return HighsSolver().solve(
+                    milp, time_limit_s=time_limit_s, gap=gap, threads=threads, prover=prover, prover_after_s=prover_after_s
+                )
             raise SolverError(f"Gurobi failed: {exc}") from None
-        secs = time.perf_counter() - t0
-        st = m.Status
-        if st in (GRB.INFEASIBLE, GRB.INF_OR_UNBD):
-            return SolveResult(self.name, "infeasible", None, math.nan, math.inf, secs)
-        if st == GRB.OPTIMAL:
-            return SolveResult(self.name, "optimal", np.array(x.X), float(m.ObjVal), float(getattr(m, "MIPGap", 0.0) if integ.any() else 0.0), secs)
-        if st in (GRB.TIME_LIMIT, GRB.INTERRUPTED, GRB.SOLUTION_LIMIT, GRB.NODE_LIMIT):
-            if m.SolCount == 0:
-                raise _timeout("Gurobi", time_limit_s)
-            return SolveResult(self.name, "time_limit", np.array(x.X), float(m.ObjVal), float(m.MIPGap), secs)
-        raise SolverError(f"Gurobi ended with status code {st}")
+        finally:
+            # Free the licence token and the model now rather than at garbage collection.
+            if m is not None:
+                m.dispose()
+            if env is not None:
+                env.dispose()
+
+
+GUROBI_NO_LICENSE = 10009
+GUROBI_SIZE_LIMIT = 10010

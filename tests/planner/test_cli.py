@@ -122,3 +122,16 @@ def test_no_models_and_no_builtin_models(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "no built-in models found" in r.output
     r = run("plan", "-o", str(tmp_path / "p.yaml"))
     assert r.exit_code == 2 and "no such cluster" in r.output
+
+
+def test_warnings_during_planning_print_as_one_line(capsys):
+    import warnings
+
+    from ppipe.planner.cli import one_line_warnings
+
+    before = warnings.showwarning
+    with one_line_warnings():
+        warnings.warn("Gurobi refused the model (too large); solving with HiGHS instead", stacklevel=1)
+    err = capsys.readouterr().err
+    assert err == "warning: Gurobi refused the model (too large); solving with HiGHS instead\n"
+    assert warnings.showwarning is before
