@@ -94,10 +94,10 @@ def bench(url: str, model: str, rate: float, duration_s: float, seed: int, binar
     return res
 
 
-def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lead_ms=None, keep_traces=0):
+def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lead_ms=None, keep_traces=0, answer_budget_ms=None):
     """Start emulated workers and the frontend (uvicorn thread) with `ppipe serve`'s
     defaults; returns (server, workers, runtime)."""
-    from ppipe.runtime.cli import DEFAULT_DISPATCH_LEAD_MS, DEFAULT_WAKE_LEAD_MS
+    from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_WAKE_LEAD_MS
     from ppipe.runtime.deploy import Deployment, start_workers
     from ppipe.runtime.driver import Runtime
     from ppipe.runtime.server import BackgroundServer, create_app
@@ -105,8 +105,9 @@ def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lea
     dep = Deployment(plan=plan, cluster=cluster, profiles=profiles)
     workers = start_workers(dep, backend="emulated", backend_options=backend_options)
     lead = DEFAULT_DISPATCH_LEAD_MS if dispatch_lead_ms is None else dispatch_lead_ms
+    budget = DEFAULT_ANSWER_BUDGET_MS if answer_budget_ms is None else answer_budget_ms
     rt = Runtime(plan, profiles, cluster, workers, scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1000.0},
-                 dispatch_lead_us=lead * 1000.0, keep_traces=keep_traces)
+                 dispatch_lead_us=lead * 1000.0, keep_traces=keep_traces, answer_budget_us=budget * 1000.0)
     srv = BackgroundServer(create_app(rt)).__enter__()
     return srv, workers, rt
 

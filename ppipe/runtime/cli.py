@@ -15,6 +15,7 @@ from ppipe.errors import UserError
 # start was measured here (Ray actor call at low load); see ppipe.runtime.clock.
 DEFAULT_WAKE_LEAD_MS = 2.0
 DEFAULT_DISPATCH_LEAD_MS = 3.0
+DEFAULT_ANSWER_BUDGET_MS = 3.0
 
 
 def _is_loopback(host: str) -> bool:
@@ -60,6 +61,9 @@ class _NullClock:
 @click.option("--dispatch-lead-ms", default=DEFAULT_DISPATCH_LEAD_MS, show_default=True, type=float,
               help="Plan every decision this far ahead of the wall clock: the time an actor call takes to reach its worker, "
               "so reserved stages do not all start late (runtime option; no YAML field).")
+@click.option("--answer-budget-ms", default=DEFAULT_ANSWER_BUDGET_MS, show_default=True, type=float,
+              help="The scheduler must end every batch this long before the SLO: the time its answer still needs to reach "
+              "the client (last report to the frontend, HTTP reply). Lateness is still judged at arrival + SLO (runtime option; no YAML field).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; use 0.0.0.0 to expose (with --token).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")
 @click.option("--token", default=None, envvar="PPIPE_TOKEN", help="Bearer token required on every endpoint but health (env PPIPE_TOKEN).")
@@ -67,7 +71,7 @@ class _NullClock:
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
-def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
+def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API."""
     import uvicorn
 
@@ -80,6 +84,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
                         fix="use --backend tensorrt (or ort with the CUDA execution provider), or --transport auto")
     if dispatch_lead_ms < 0:
         raise UserError(f"--dispatch-lead-ms must be >= 0, got {dispatch_lead_ms}", fix="use 0 (no lead) or a few ms")
+    if answer_budget_ms < 0:
+        raise UserError(f"--answer-budget-ms must be >= 0, got {answer_budget_ms}", fix="use 0 (none) or a few ms")
     dep = load_deployment(plan_file, cluster)
     options: dict = {} if max_queue is None else {"max_queue": max_queue}
     if wake_lead_ms:
@@ -106,7 +112,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
             ray.kill(h)
         raise
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, policy=policy, scheduler_options=options, edges=edges,
-                 dispatch_lead_us=dispatch_lead_ms * 1000.0)
+                 dispatch_lead_us=dispatch_lead_ms * 1000.0, answer_budget_us=answer_budget_ms * 1000.0)
     def shutdown():
         for h in workers.values():
             ray.kill(h)

@@ -56,6 +56,7 @@ class DroppedError(Exception):
 class _Pending:
     request: Request
     future: asyncio.Future
+    slo_deadline_us: float  # arrival + SLO (the request's deadline is earlier by the answer budget)
     dispatched: bool = False
 
 
@@ -119,6 +120,11 @@ class Runtime:
         keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
         dispatch_lead_us: the scheduler plans each decision this far ahead of the wall clock,
             the time an actor call takes to reach its worker (:class:`~ppipe.runtime.clock.WallClock`).
+        answer_budget_us: the deadline the scheduler gets is ``arrival + SLO - answer_budget``:
+            a batch must end this long before the SLO, which is the time its answer still
+            needs (the last report reaching the frontend, the HTTP reply). Without it, a
+            batch the scheduler fits just inside the deadline is answered late. Lateness
+            (metrics, the answer) is still judged against ``arrival + SLO``.
         edges: the transport of each (sender, receiver) vGPU pair, from
             :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "object-store"}``
             or ``{edge: (transport, reason)}``); edges not named use the object store.
@@ -140,6 +146,7 @@ class Runtime:
         keep_traces: int = 0,
         edges: dict[tuple[str, str], Any] | None = None,
         dispatch_lead_us: float = 0.0,
+        answer_budget_us: float = 0.0,
     ):
         self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
         self._factory = scheduler_factory or default_scheduler_factory
@@ -148,6 +155,9 @@ class Runtime:
         self.health_interval_s, self.answer_grace_s = health_interval_s, answer_grace_s
         self.keep_traces = keep_traces
         self.dispatch_lead_us = dispatch_lead_us
+        if answer_budget_us < 0:
+            raise ValueError(f"answer_budget_us must be >= 0, got {answer_budget_us}")
+        self.answer_budget_us = answer_budget_us
         self.traces: list[BatchTrace] = []
         self.failed: dict[str, float] = {}  # vGPU id -> scheduler time it was marked failed
         self.clock: WallClock | None = None
@@ -205,9 +215,12 @@ class Runtime:
             raise RuntimeError("Runtime.start() has not run")
         mp = self.plan.model(model)
         now = self.clock.true_now_us()  # arrival and deadline on the true timeline, never the lead's
-        req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + mp.slo_ms * 1e3, payload=inputs)
+        slo_us = mp.slo_ms * 1e3
+        # the scheduler must leave the answer its time (answer_budget_us, at most half the SLO)
+        budget = min(self.answer_budget_us, 0.5 * slo_us)
+        req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + slo_us - budget, payload=inputs)
         fut = asyncio.get_running_loop().create_future()
-        self._pending[req.id] = _Pending(req, fut)
+        self._pending[req.id] = _Pending(req, fut, now + slo_us)
         self._queued[model] += 1
         self.metrics.bound(self.metrics.queue, model).inc()
         self._apply(self.scheduler.submit(req))
@@ -277,7 +290,7 @@ class Runtime:
         if p is None or p.future.done():
             return
         p.future.set_result(outputs)
-        if self.clock.true_now_us() > p.request.deadline_us:
+        if self.clock.true_now_us() > p.slo_deadline_us:
             self.metrics.bound(self.metrics.late, p.request.model).inc()
 
     def _dispatch(self, d: Dispatch) -> None:

@@ -102,3 +102,9 @@ def test_serve_refuses_a_negative_dispatch_lead(tmp_path):
     r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--dispatch-lead-ms", "-1"])
     assert r.exit_code == 2
     assert "--dispatch-lead-ms must be >= 0" in r.output
+
+
+def test_serve_refuses_a_negative_answer_budget(tmp_path):
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--answer-budget-ms", "-1"])
+    assert r.exit_code == 2
+    assert "--answer-budget-ms must be >= 0" in r.output

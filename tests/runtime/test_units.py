@@ -463,6 +463,46 @@ def test_dispatch_lead_moves_the_schedulers_now_but_not_arrivals_or_deadlines(ti
     assert d.stages[0].start_us >= r.arrival_us + 1e6  # planned to start when the call can have arrived
 
 
+def test_answer_budget_shortens_the_schedulers_deadline_not_the_slo(tinynet):
+    rt, _ = _runtime(tinynet, max_batch=1)
+    slo_us = rt.plan.model("tinynet").slo_ms * 1e3
+    rt.answer_budget_us = 0.1 * slo_us
+
+    async def main():
+        await rt.start()
+        await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+        p_deadline = {}
+        orig = rt._answer
+
+        def spy(rid, outputs):  # what the driver judges lateness by
+            p_deadline[rid] = rt._pending[rid].slo_deadline_us
+            orig(rid, outputs)
+
+        rt._answer = spy
+        await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+        await rt.stop()
+        return p_deadline
+
+    p_deadline = asyncio.run(main())
+    d = rt.scheduler.dispatched[-1]
+    r = d.requests[0]
+    assert r.deadline_us == pytest.approx(r.arrival_us + 0.9 * slo_us)  # the scheduler plans for the answer's time
+    assert p_deadline[r.id] == pytest.approx(r.arrival_us + slo_us)  # lateness is judged at the SLO
+    rt.answer_budget_us = 10 * slo_us  # never more than half the SLO
+    asyncio.run(main())
+    r = rt.scheduler.dispatched[-1].requests[0]
+    assert r.deadline_us == pytest.approx(r.arrival_us + 0.5 * slo_us)
+    with pytest.raises(ValueError, match="answer_budget_us must be >= 0"):
+        _runtime_with(tinynet, answer_budget_us=-1)
+
+
+def _runtime_with(tinynet, **kw):
+    from ppipe.runtime.driver import Runtime
+
+    rt, peers = _runtime(tinynet, max_batch=1)
+    return Runtime(rt.plan, rt.profiles, rt.cluster, peers, **kw)
+
+
 def test_infer_fast_path_answers_like_the_routes_and_leaves_the_rest_to_them(tinynet):
     import httpx
 
