@@ -83,6 +83,10 @@ class PlanVariables:
         x_config: per model, a (C,) array of the columns x_c (-1 where n_c = 1).
         configs: per model, the :class:`~ppipe.planner.configs.ConfigSet`.
         extra: columns objectives add (e.g. ``"z"``).
+        y: per model, a (C,) array of the columns y_c (-1 without constraint 6).
+        agg: key of a GPU row -> column of its count: (k, v) -> P_{k,v} (physical rule),
+            (m, d, k) -> n_{m,d,k} (paper rule).
+        gpu_rule: ``"physical"`` or ``"paper"``.
     """
 
     models: list[str]
@@ -95,6 +99,9 @@ class PlanVariables:
     x_config: list[np.ndarray] = field(default_factory=list)
     configs: list[ConfigSet] = field(default_factory=list)
     extra: dict[str, int] = field(default_factory=dict)
+    y: list[np.ndarray] = field(default_factory=list)
+    agg: dict[tuple, int] = field(default_factory=dict)
+    gpu_rule: str = "physical"
 
 
 def build(
@@ -124,6 +131,7 @@ def build(
         price={g.name: g.price_per_gpu for g in cluster.gpu_types},
         weight={s.name: s.weight for s in models},
         configs=list(configs),
+        gpu_rule=gpu_rule,
     )
     # Terms of the GPU rows, collected over all models: key -> (cols, coefs).
     gpu_terms: dict[tuple, tuple[list[np.ndarray], list[np.ndarray]]] = {}
@@ -167,8 +175,10 @@ def build(
         milp.add_rows(1, np.zeros(cols.size, int), cols, vals, lb=0.0, ub=0.0, name="c5_model")
 
         # (6) the paper's formulation: one configuration per template.
+        v.y.append(np.full(C, -1, int))
         if one_config_per_template and C:
             y = milp.add_cols(C, lb=0, ub=1, integer=True, name="y")
+            v.y[-1] = y
             tmpl_ids, tmpl_row = np.unique(cs.template, return_inverse=True)
             milp.add_rows(tmpl_ids.size, tmpl_row, y, np.ones(C), ub=1.0, name="c6a_one_config")
             lc, ld = np.nonzero(mask)
@@ -205,6 +215,7 @@ def build(
     if keys:
         key_type = np.array([k[0] if gpu_rule == "physical" else k[2] for k in keys])
         agg = milp.add_cols(len(keys), lb=0, ub=N[key_type], integer=True, name="P" if gpu_rule == "physical" else "n")
+        v.agg = {key: int(col) for key, col in zip(keys, agg)}
         rows, cols, vals = [], [], []
         for i, key in enumerate(keys):
             cl, co = gpu_terms[key]

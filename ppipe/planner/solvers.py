@@ -116,14 +116,17 @@ class HighsSolver(Solver):
 
     name = "highs"
     accepts_prover = True
+    accepts_start = True
 
     def __init__(self, options: dict[str, object] | None = None):
         self.options = dict(HIGHS_MIP_OPTIONS if options is None else options)
 
-    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2):
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2, start=None):
         """Solve ``milp``.
 
         Args:
+            start: optional column values of a feasible solution (a MIP start), e.g. the
+                split search's plan (:mod:`ppipe.planner.split_search`).
             prover: optional ``prover(T, bound) -> bool`` for a maximization: True means
                 it is proven that no solution reaches objective ``T`` (``bound`` is HiGHS's
                 current upper bound on the optimum). Asked about a better incumbent (once
@@ -146,6 +149,11 @@ class HighsSolver(Solver):
             for key, val in self.options.items():
                 h.setOptionValue(key, val)
         h.passModel(lp)
+        if start is not None and integ.any():
+            sol = highspy.HighsSolution()
+            sol.col_value = [float(a) for a in start]
+            sol.value_valid = True
+            h.setSolution(sol)
         proof = _attach_prover(h, prover, prover_after_s, gap, milp.sense) if (prover is not None and integ.any()) else None
         h.run()
         st = h.getModelStatus()
@@ -318,9 +326,10 @@ class GurobiSolver(Solver):
 
     name = "gurobi"
     accepts_prover = True  # passed on to HiGHS when the licence refuses the model
+    accepts_start = True
 
-    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2):
-        """Solve ``milp``; ``prover``/``prover_after_s`` only serve the HiGHS fallback (see :meth:`HighsSolver.solve`)."""
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2, start=None):
+        """Solve ``milp``; ``start`` is a MIP start, ``prover``/``prover_after_s`` only serve the HiGHS fallback (see :meth:`HighsSolver.solve`)."""
         try:
             import gurobipy as gp
             from gurobipy import GRB
@@ -353,6 +362,8 @@ class GurobiSolver(Solver):
                 m.Params.TimeLimit = time_limit_s
             if threads is not None:
                 m.Params.Threads = threads
+            if start is not None and integ.any():
+                x.Start = np.asarray(start, dtype=float)
             m.optimize()
             secs = time.perf_counter() - t0
             st = m.Status
@@ -376,7 +387,7 @@ class GurobiSolver(Solver):
             if getattr(exc, "errno", None) in (GUROBI_NO_LICENSE, GUROBI_SIZE_LIMIT):
                 warnings.warn(f"Gurobi refused the model ({exc}); solving with HiGHS instead", stacklevel=2)
                 return HighsSolver().solve(
-                    milp, time_limit_s=time_limit_s, gap=gap, threads=threads, prover=prover, prover_after_s=prover_after_s
+                    milp, time_limit_s=time_limit_s, gap=gap, threads=threads, prover=prover, prover_after_s=prover_after_s, start=start
                 )
             raise SolverError(f"Gurobi failed: {exc}") from None
         finally:

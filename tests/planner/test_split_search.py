@@ -1,0 +1,187 @@
+"""The split search (ppipe.planner.split_search) is exact for its restriction, never beats
+the MILP, and its plan is a feasible MIP start that leaves the optimum unchanged."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import ppipe
+from planner_synth import cluster, plain_configs, profile
+from ppipe.planner.api import usable_levels
+from ppipe.planner.configs import ModelSpec
+from ppipe.planner.core import is_feasible, model_configs, split_start
+from ppipe.planner.formulation import build
+from ppipe.planner.objectives import MaxMinNormalized
+from ppipe.planner.solvers import HighsSolver
+from ppipe.planner.split_search import split_search, start_vector
+
+LEVELS = {"A": [1, 2], "B": [1, 2]}
+LAT_1 = {"A": [2000.0, 3000.0, 1000.0], "B": [3000.0, 9000.0, 1500.0]}
+LAT_2 = {"A": [1500.0, 1000.0, 2500.0], "B": [2500.0, 2000.0, 8000.0]}
+LAT_3 = {"A": [900.0, 4000.0, 700.0], "B": [1200.0, 2500.0, 3000.0]}
+
+
+def _restricted_value(cfgs, counts: dict[str, int]) -> dict[tuple[int, ...], float]:
+    """Brute force of the restriction for ONE model: every template gets at most one
+    configuration and whole GPUs per slot, no GPU shared; value per GPU vector (A, B)."""
+    types = list(counts)
+    per_t: dict[tuple, dict[tuple[int, ...], float]] = {}
+    for tmpl, slots in cfgs:
+        best = per_t.setdefault(tmpl, {})
+        for u in itertools.product(*[range(1, counts[k] + 1) for k, _v, _x in slots]):
+            use = [0] * len(types)
+            for (k, _v, _x), ud in zip(slots, u):
+                use[types.index(k)] += ud
+            if any(a > counts[k] for a, k in zip(use, types)):
+                continue
+            thr = min(x * v * ud for (_k, v, x), ud in zip(slots, u))
+            key = tuple(use)
+            best[key] = max(best.get(key, 0.0), thr)
+    grid = list(itertools.product(*[range(counts[k] + 1) for k in types]))
+    value = {r: 0.0 for r in grid}
+    options = [[(tuple([0] * len(types)), 0.0)] + list(b.items()) for b in per_t.values()]
+    for pick in itertools.product(*options):
+        use = tuple(sum(p[0][i] for p in pick) for i in range(len(types)))
+        if any(a > counts[k] for a, k in zip(use, types)):
+            continue
+        thr = sum(p[1] for p in pick)
+        for r in grid:
+            if all(a <= b for a, b in zip(use, r)) and thr > value[r]:
+                value[r] = thr
+    return value
+
+
+def _specs_configs(models, cl, slo_ms, D, *, gpu_rule="paper", one=True, weights=None):
+    weights = weights or [1.0] * len(models)
+    specs = [ModelSpec(profile=m, slo_ms=slo_ms, weight=w) for m, w in zip(models, weights)]
+    configs = model_configs(
+        specs, cl, [usable_levels(m, cl) for m in models], max_partitions=D, margin=0.2,
+        group_by_multiset=(gpu_rule == "physical" and not one),
+    )
+    return specs, configs
+
+
+@pytest.mark.parametrize("D", [2, 3])
+@pytest.mark.parametrize("slo_ms", [15.0, 30.0])
+def test_split_search_equals_brute_force_of_its_restriction(D, slo_ms):
+    counts = {"A": 2, "B": 3}
+    cl = cluster(counts, LEVELS)
+    models = [profile("m1", LAT_1, [200_000, 100_000], LEVELS), profile("m2", LAT_2, [50_000, 300_000], LEVELS)]
+    w = [1.0, 1.7]
+    specs, configs = _specs_configs(models, cl, slo_ms, D, weights=w)
+    got = split_search(configs, w, np.array([2, 3]))
+    values = [_restricted_value(plain_configs(m, cl, slo_ms, 0.2, D, LEVELS), counts) for m in models]
+    want = 0.0
+    for r1 in values[0]:
+        r2 = (counts["A"] - r1[0], counts["B"] - r1[1])
+        want = max(want, min(values[0][r1] / w[0], values[1][r2] / w[1]))
+    assert got is not None
+    assert got.objective == pytest.approx(want, rel=1e-6)
+    # The split is within the cluster and each model's pipelines fit its GPU vector.
+    assert all(sum(g[k] for g in got.gpus) <= c for k, c in enumerate([2, 3]))
+    for m, cs in enumerate(configs):
+        use = np.zeros(2, int)
+        for p in got.pipelines[m]:
+            for d, u in enumerate(p.gpus):
+                use[cs.gpu[p.config, d]] += u
+        assert (use <= np.array(got.gpus[m])).all()
+
+
+@pytest.mark.parametrize("gpu_rule,one", [("paper", True), ("physical", True), ("physical", False)])
+def test_split_search_never_beats_the_milp_and_its_start_is_feasible(gpu_rule, one):
+    cl = cluster({"A": 4, "B": 4}, LEVELS, per_server=2)
+    N = np.array([cl.gpu_counts[g.name] for g in cl.gpu_types])
+    models = [profile(n, lat, [200_000, 100_000], LEVELS) for n, lat in (("m1", LAT_1), ("m2", LAT_2), ("m3", LAT_3))]
+    w = [0.3, 0.33, 0.37]
+    specs, configs = _specs_configs(models, cl, 25.0, 2, gpu_rule=gpu_rule, one=one, weights=w)
+    milp, v = build(specs, configs, cl, gpu_rule=gpu_rule, one_config_per_template=one)
+    MaxMinNormalized().apply(milp, v)
+    sp = split_search(configs, w, N)
+    assert sp is not None
+    x = start_vector(sp, v, milp.num_cols, v.extra["z"])
+    assert is_feasible(milp, x)
+    assert x[v.extra["z"]] == pytest.approx(sp.objective)
+    exact = HighsSolver().solve(milp, gap=1e-9, time_limit_s=60)
+    assert exact.status == "optimal"
+    assert sp.objective <= exact.objective * (1 + 1e-9)
+    # With the start, the solver reaches the same optimum.
+    started = HighsSolver().solve(milp, gap=1e-9, time_limit_s=60, start=x)
+    assert started.status == "optimal" and started.objective == pytest.approx(exact.objective, rel=1e-9)
+
+
+def test_is_feasible_rejects_a_broken_start():
+    counts = {"A": 2, "B": 2}
+    cl = cluster(counts, LEVELS)
+    specs, configs = _specs_configs([profile("m1", LAT_1, [200_000, 100_000], LEVELS)], cl, 25.0, 2)
+    milp, v = build(specs, configs, cl, gpu_rule="paper", one_config_per_template=True)
+    MaxMinNormalized().apply(milp, v)
+    x = split_start(configs, specs, cl, milp, v, None)
+    assert x is not None and is_feasible(milp, x)
+    bad = x.copy()
+    bad[v.extra["z"]] *= 1.5  # more than the model carries: breaks c3_maxmin
+    assert not is_feasible(milp, bad)
+    bad = x.copy()
+    bad[v.gpus["A"]] += 0.5  # not an integer
+    assert not is_feasible(milp, bad)
+
+
+def test_split_search_gives_up_on_a_grid_too_large(monkeypatch):
+    import ppipe.planner.split_search as ss
+
+    counts = {"A": 2, "B": 2}
+    cl = cluster(counts, LEVELS)
+    specs, configs = _specs_configs([profile("m1", LAT_1, [200_000, 100_000], LEVELS)], cl, 25.0, 2)
+    monkeypatch.setattr(ss, "MAX_GRID", 8)  # 3 x 3 GPU vectors > 8
+    assert ss.split_search(configs, [1.0], np.array([2, 2])) is None
+
+
+def test_plan_with_and_without_the_start_has_the_same_optimum(monkeypatch):
+    import ppipe.planner.core as core
+
+    counts = {"A": 3, "B": 3}
+    cl = cluster(counts, LEVELS)
+    models = [profile("m1", LAT_1, [200_000, 100_000], LEVELS), profile("m2", LAT_2, [50_000, 300_000], LEVELS)]
+    kw = dict(slo_ms=25.0, weights=[1.0, 2.0], max_partitions=2, batch_build=False, margin=0.2, gap=1e-9,
+              formulation="ppipe-atc25", place=False)
+    monkeypatch.setattr(core, "SPLIT_SEARCH_MIN_TYPES", 2)  # this cluster has 2 types
+    starts = []
+    real = core.split_start
+
+    def counted(*a, **k):
+        x = real(*a, **k)
+        starts.append(x)
+        return x
+
+    monkeypatch.setattr(core, "split_start", counted)
+    with_start = ppipe.plan(cl, models, **kw)
+    assert starts and starts[-1] is not None, "the start was never made"
+    monkeypatch.setattr(core, "split_start", lambda *a, **k: None)
+    without = ppipe.plan(cl, models, **kw)
+    assert with_start.solver.status == without.solver.status == "optimal"
+    assert with_start.solver.objective == pytest.approx(without.solver.objective, rel=1e-7)  # HiGHS row tolerance 1e-6
+
+
+def test_three_types_two_models_start_is_used_and_never_beats_the_milp():
+    import ppipe.planner.core as core
+
+    levels = {"A": [1, 2], "B": [1, 2], "C": [1]}
+    lat1 = {"A": [2000.0, 3000.0, 1000.0], "B": [3000.0, 9000.0, 1500.0], "C": [2500.0, 5000.0, 2000.0]}
+    lat2 = {"A": [1500.0, 1000.0, 2500.0], "B": [2500.0, 2000.0, 8000.0], "C": [1800.0, 1500.0, 4000.0]}
+    cl = cluster({"A": 2, "B": 2, "C": 3}, levels)
+    models = [profile("m1", lat1, [200_000, 100_000], levels), profile("m2", lat2, [50_000, 300_000], levels)]
+    w = [1.0, 1.5]
+    specs, configs = _specs_configs(models, cl, 25.0, 2, weights=w)
+    assert core.wants_split_start(MaxMinNormalized(), HighsSolver(), specs, cl)
+    assert not core.wants_split_start(MaxMinNormalized(), HighsSolver(), specs[:1], cl)
+    milp, v = build(specs, configs, cl, gpu_rule="paper", one_config_per_template=True)
+    MaxMinNormalized().apply(milp, v)
+    x = split_start(configs, specs, cl, milp, v, None)
+    assert x is not None and is_feasible(milp, x)
+    exact = HighsSolver().solve(milp, gap=1e-9, time_limit_s=60)
+    assert exact.status == "optimal" and x[v.extra["z"]] <= exact.objective * (1 + 1e-9)
+    plan = ppipe.plan(cl, models, slo_ms=25.0, weights=w, max_partitions=2, batch_build=False, margin=0.2, gap=1e-9,
+                      formulation="ppipe-atc25", place=False)
+    assert plan.solver.status == "optimal" and plan.solver.objective == pytest.approx(exact.objective, rel=1e-7)
