@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 import ppipe  # noqa: E402
 from ppipe.spec.artifact import load_artifact_model  # noqa: E402
+from ppipe.planner import core as _core  # noqa: E402
 from ppipe.planner import solvers as _solvers  # noqa: E402
 from ppipe.spec.cluster import ClusterSpec, GpuType, ServerGroup  # noqa: E402
 
@@ -52,6 +53,22 @@ def _counting(solve):
 
 for _cls in (_solvers.HighsSolver, _solvers.CbcSolver, _solvers.GurobiSolver):
     _cls.solve = _counting(_cls.solve)
+
+# The split search's plan (the MIP start of the last solve that had one), also by wrapping.
+START = {"objective": None, "seconds": 0.0}
+_split_start = _core.split_start
+
+
+def _recording_split_start(*args, **kw):
+    t0 = time.perf_counter()
+    x = _split_start(*args, **kw)
+    START["seconds"] += time.perf_counter() - t0
+    milp, variables = args[3], args[4]
+    START["objective"] = None if x is None else float(x[variables.extra["z"]])
+    return x
+
+
+_core.split_start = _recording_split_start
 
 GROUPS = {
     "G1": ["efficientnet-b8_3rdparty_8xb32-aa-advprop_in1k", "encnet_r101-d8_4xb2-40k_cityscapes-512x1024", "rtmdet_x_8xb32-300e_coco"],
@@ -82,16 +99,19 @@ def four_type_cluster() -> ClusterSpec:
 
 def run_case(label: str, cluster, profiles, rows: list, **kw) -> dict:
     WORK.update(nodes=0, lp_iterations=0)
+    START.update(objective=None, seconds=0.0)
     t0 = time.perf_counter()
     c0 = time.process_time()
     plan = ppipe.plan(cluster, profiles, **kw)
     secs = time.perf_counter() - t0
     cpu = time.process_time() - c0
     s = plan.solver
-    row = dict(case=label, objective=s.objective, status=s.status, gap=s.gap, seconds=secs, cpu=cpu, columns=s.columns, **WORK)
+    row = dict(case=label, objective=s.objective, status=s.status, gap=s.gap, seconds=secs, cpu=cpu, columns=s.columns,
+               start=START["objective"], start_seconds=START["seconds"], **WORK)
     rows.append(row)
+    start = "" if START["objective"] is None else f"  (split-search start {START['objective']:.2f} in {START['seconds']:.2f}s)"
     print(f"{label:<44} {s.objective:>10.2f} {s.status:>10} {s.gap * 100:>7.3f}% {secs:>7.2f}s {cpu:>7.2f}s {s.columns:>6} "
-          f"{WORK['nodes']:>6} {WORK['lp_iterations']:>7}  {s.method or 'b&b'}", flush=True)
+          f"{WORK['nodes']:>6} {WORK['lp_iterations']:>7}  {s.method or 'b&b'}{start}", flush=True)
     return row
 
 
