@@ -40,30 +40,37 @@ Examples::
 
 Timing figures depend on the machine; attainment figures are seeded and repeatable.
 
-Measured on the project's 2-core machine while other jobs shared it (load average 7-9),
-10 s points, guided search, seed 0, default data plane (look-ahead probe, other pipelines
-tried before a drop), share-basis rates: mean max load factor PPipe 0.957 (per cluster
-HC1-L 0.975, HC2-L 0.964, HC3-L 0.933, HC4-L 0.956), with ``--isolate-models`` 0.962
-(HC3-L 0.950, HC4-L 0.958: cross-model NIC sharing costs HC3-L most); with
-``--rate-basis planned`` the previous session measured 0.947. NP 0.666, DART-r 0.722
-(paper 0.668 / 0.749; PPipe over them +43.7 % / +32.5 %, paper +48.0 / +32.2 %);
-low-class GPU utilization at the max load NP 5.0 %, DART-r 23.2 %, PPipe 68.6 %. Ablation
-on six models (first of each group, 10 s points): reservation 0.950, reactive 0.700
-(paper 0.92 / 0.71). Every PPipe plan here runs batch 1; all
-drops are ``deadline-unreachable`` in the queue (no late completion without jitter).
-The weak models (fcn-d6 0.80-0.90, googlenet-v3 0.85-0.90, rtmdet_x on HC3-L, gcnet,
-tf_efficientdet_d1) have a bottleneck pool of 4-10 vGPUs run at ~100 % of its capacity
-at load 1.0 with a runtime slack of only 1-2 service times (SLOs of 23-35 ms): their
-loss is the queueing of a small pool (M/D/c), plus feature-map waits on V100 uplinks
-planned at 60-75 % utilization, not a scheduling choice.
+Systems: ``ppipe`` (the paper's formulation; the GPUs its plan leaves idle stay idle, as
+in the paper), ``ppipe+headroom`` (the same MILP plan and the same rates, its idle GPUs
+given to the pools busier than 80 % at the planned rate, :mod:`ppipe.planner.headroom`),
+``np`` and ``dart-r``.
 
-Cost (CPU seconds, which the load of the shared machine does not inflate much): NP +
-DART-r at 10 s points 574 s; six ablation models 168 s; one 30 s run of G2 on HC1-L (the
-busiest group, 3 systems, 13 points) 171 s. The whole default run (30 s main points, 18
-ablation models at 10 s) is estimated at ~50 min of CPU, i.e. ~25-30 min on two idle
-cores: at the edge of the 30-minute budget, not verified on an idle machine. Safer (~46 min
-CPU): ``--duration-s 30 --ablation-models efficientnet-b8 colorization-v2 apcnet
-fcn-d6 centernet fsaf`` (six ablation models).
+Measured 2026-11-24 on the project's 2-core machine, quiet, the default run
+(``python scripts/reproduce_fig6.py``: 30 s points, guided search, seed 0, default data
+plane, share-basis rates; ablation 18 models at 10 s): **16 min 12 s wall** (32 min CPU).
+Mean max load factor over the 24 cases: ppipe 0.961 (HC1-L 0.972, HC2-L 0.969, HC3-L
+0.939, HC4-L 0.964), ppipe+headroom 0.974 (0.978, 0.992, 0.950, 0.978), NP 0.665, DART-r
+0.722 (paper: PPipe 0.965, NP 0.668, DART-r 0.749); ppipe over NP +44.6 %, over DART-r
++33.2 % (paper +48.0 / +32.2 %); low-class GPU utilization at the max load: ppipe 70.3 %,
+NP 5.1 %, DART-r 23.1 % (paper 73.6 / 8.1 / 29.5 %). Ablation, 18 models alone on HC2-L:
+reservation 0.944, reactive 0.711 (paper 0.92 / 0.71). With 10 s points: ppipe 0.958,
+ppipe+headroom 0.972; ``--isolate-models`` (each model of a group alone, as the authors'
+simulator runs them) ppipe 0.9625.
+
+Where ppipe (paper formulation) loses to 0.965: every PPipe plan here runs batch 1 and
+all drops are ``deadline-unreachable`` in the queue (no late completion without jitter).
+The weak models (fcn-d6, googlenet-v3, rtmdet_x and gcnet on HC3-L, 0.85-0.90) have a
+bottleneck pool of 4-10 vGPUs at ~100 % of its capacity at load 1.0 and an SLO that
+leaves one or two service times of slack: M/D/c queueing, which the headroom pass
+removes where the plan leaves GPUs of that pool's type idle. On HC3-L two more effects
+were found: the MILP's V100s are exhausted (no headroom for V100 pools), and NIC
+reservations are contiguous intervals, so a large feature map (rtmdet_x, 9.6 ms per
+transfer at 6 Gbit/s) rarely finds a gap on a downlink that another model's small,
+frequent transfers (efficientnet-b8, 0.5 ms, 214/s) have reserved far ahead: rtmdet_x's
+vGPUs on those two servers ran at 40 % while its others ran at 98 % (isolated: 0.95
+instead of 0.85). Placing vGPUs server-major instead of interleaved fixed HC3-L (+0.05 on
+two models) and cost HC2-L as much; a NIC-aware placement or divisible NIC reservations
+would address it and are not built.
 """
 
 from __future__ import annotations
