@@ -27,7 +27,7 @@ def _policies() -> list[str]:
 @click.command("simulate")
 @click.argument("plan_file", metavar="PLAN.yaml", type=click.Path(dir_okay=False))
 @click.option("--cluster", default=None, help="Cluster YAML or built-in name (overrides plan.yaml 'cluster_file' / 'cluster').")
-@click.option("--load", type=float, default=None, help="Load factor: 1.0 = each model's planned throughput_rps (plan.yaml models[].throughput_rps). Default 1.0.")
+@click.option("--load", type=float, default=None, help="Load factor: 1.0 = the plan's max-min throughput (plan.yaml solver.objective) x each model's weight; for other objectives each model's models[].throughput_rps. Default 1.0.")
 @click.option("--sweep", is_flag=True, help="Find each model's largest load factor with attainment >= --target (1.0 down by 0.05, as the paper).")
 @click.option("--search", type=click.Choice(["scan", "bisect", "guided"]), default="scan", show_default=True,
               help="Sweep order: 'scan' 1.0 down by 0.05 (the paper); 'bisect'/'guided' over the same grid "
@@ -46,7 +46,7 @@ def _policies() -> list[str]:
 @click.option("--feedback", type=click.Choice(["all", "changed", "none"]), default="all", show_default=True,
               help="Which stages workers report to the scheduler: all (as the runtime), only those that differ from the plan (faster, same result), none.")
 @click.option("--rates-from", type=click.Path(dir_okay=False), default=None,
-              help="Base rates (load 1.0) from this plan's models[].throughput_rps instead of PLAN.yaml's (drive systems at the same rates).")
+              help="Base rates (load 1.0) from this plan instead of PLAN.yaml (drive systems at the same rates).")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG figures into this folder.")
 @click.option("--records", "records_out", type=click.Path(dir_okay=False), default=None,
               help="Write one CSV row per request (arrival, dispatch, stages, completion or drop reason/place) of the run shown.")
