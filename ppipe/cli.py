@@ -20,6 +20,7 @@ from ppipe.errors import UserError
 COMMANDS: dict[str, str] = {
     "profile": "ppipe.profiler.cli:profile",
     "import-ppipe": "ppipe.spec.cli:import_ppipe",
+    "schema": "ppipe.spec.cli:schema",
     "plan": "ppipe.planner.cli:plan",
     "simulate": "ppipe.sim.cli:simulate",
     "serve": "ppipe.runtime.cli:serve",
@@ -75,6 +76,7 @@ def main() -> None:
     simulate      plan.yaml under a virtual clock: SLO attainment, load sweeps
     serve         plan.yaml on Ray behind an Open Inference Protocol (KServe v2) API
     bench         open-loop load generator against a running `ppipe serve`
+    schema        the fields of a cluster YAML, a model profile or plan.yaml
     """
 
 

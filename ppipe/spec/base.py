@@ -96,8 +96,16 @@ def describe_validation_error(err: ValidationError, model: type[BaseModel], file
             shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
             lines.append(f"field '{where}': {msg} (got {shown})")
     message = "invalid " + model.__name__ + ":\n  " + "\n  ".join(lines)
-    fix = "; ".join(dict.fromkeys(fixes)) or "correct the field(s) named above (see the schema in DESIGN.md, Formats)"
+    fix = "; ".join(dict.fromkeys(fixes)) or f"correct the field(s) named above ({_schema_hint(model.__name__)})"
     return SpecError(message, fix=fix, file=file)
+
+
+def _schema_hint(model_name: str) -> str:
+    """Where a user reads the layout of the file a model class describes."""
+    from ppipe.spec.schema import kind_of
+
+    kind = kind_of(model_name)
+    return f"`ppipe schema {kind}` prints the fields of this file" if kind else "see the field descriptions in ppipe.spec"
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -122,7 +130,7 @@ def validate_data(model: type[M], data: Any, file: str) -> M:
     if not isinstance(data, dict):
         raise SpecError(
             f"expected a mapping of {model.__name__} fields at the top level, got {type(data).__name__}",
-            fix="see DESIGN.md, Formats, for the layout of this file",
+            fix=_schema_hint(model.__name__).capitalize(),
             file=file,
         )
     version = data.get("version", SCHEMA_VERSION)

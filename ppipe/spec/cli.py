@@ -18,3 +18,12 @@ def import_ppipe(artifact_dir: str, models: tuple[str, ...], out_dir: str) -> No
     for f in folders:
         click.echo(f"wrote {f}/model.yaml and profile.csv")
     click.echo(f"{len(folders)} model(s) imported into {out_dir}")
+
+
+@click.command("schema")
+@click.argument("kind", type=click.Choice(["cluster", "model", "plan"]))
+def schema(kind: str) -> None:
+    """Print the fields of a file format: a cluster YAML, a model profile, or plan.yaml."""
+    from ppipe.spec.schema import render
+
+    click.echo(render(kind))
