@@ -166,15 +166,13 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
     return InferRequest(id=None if rid is None else str(rid), inputs=inputs, binary_output=binary, requested_outputs=requested)
 
 
-def encode_infer_response(
-    model: str, outputs: dict[str, np.ndarray], request_id: str | None, binary: bool
-) -> tuple[bytes, dict[str, str]]:
-    """Encode outputs as a KServe v2 response body; returns (body, extra HTTP headers)."""
-    head: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
-    if request_id is not None:
-        head["id"] = request_id
+def _encode_body(head: dict[str, Any], key: str, tensors: dict[str, np.ndarray], binary: bool) -> tuple[bytes, dict[str, str]]:
+    """Append ``tensors`` to ``head[key]`` as KServe v2 tensor entries and encode the body:
+    JSON data inline, or (``binary``) the binary tensor extension, raw little-endian blobs
+    after the JSON header. Returns (body, extra HTTP headers)."""
     blobs: list[bytes] = []
-    for name, arr in outputs.items():
+    entries = head.setdefault(key, [])
+    for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
         entry: dict[str, Any] = {"name": name, "shape": list(arr.shape), "datatype": datatype_of(arr.dtype)}
         if binary:
@@ -183,7 +181,7 @@ def encode_infer_response(
             blobs.append(data)
         else:
             entry["data"] = arr.reshape(-1).tolist()
-        head["outputs"].append(entry)
+        entries.append(entry)
     head_bytes = json.dumps(head, separators=(",", ":")).encode()
     if not binary:
         return head_bytes, {"content-type": "application/json"}
@@ -191,6 +189,16 @@ def encode_infer_response(
         "content-type": "application/octet-stream",
         "inference-header-content-length": str(len(head_bytes)),
     }
+
+
+def encode_infer_response(
+    model: str, outputs: dict[str, np.ndarray], request_id: str | None, binary: bool
+) -> tuple[bytes, dict[str, str]]:
+    """Encode outputs as a KServe v2 response body; returns (body, extra HTTP headers)."""
+    head: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
+    if request_id is not None:
+        head["id"] = request_id
+    return _encode_body(head, "outputs", outputs, binary)
 
 
 def encode_infer_request(
@@ -202,24 +210,7 @@ def encode_infer_request(
         head["id"] = request_id
     if binary_output:
         head["parameters"] = {"binary_data_output": True}
-    blobs = []
-    for name, arr in inputs.items():
-        arr = np.ascontiguousarray(arr)
-        entry: dict[str, Any] = {"name": name, "shape": list(arr.shape), "datatype": datatype_of(arr.dtype)}
-        if binary:
-            data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-            entry["parameters"] = {"binary_data_size": len(data)}
-            blobs.append(data)
-        else:
-            entry["data"] = arr.reshape(-1).tolist()
-        head["inputs"].append(entry)
-    head_bytes = json.dumps(head, separators=(",", ":")).encode()
-    if not binary:
-        return head_bytes, {"content-type": "application/json"}
-    return head_bytes + b"".join(blobs), {
-        "content-type": "application/octet-stream",
-        "inference-header-content-length": str(len(head_bytes)),
-    }
+    return _encode_body(head, "inputs", inputs, binary)
 
 
 def decode_infer_response(body: bytes, header_length: str | None = None) -> dict[str, np.ndarray]:
