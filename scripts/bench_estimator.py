@@ -268,6 +268,9 @@ def main() -> None:
     args = ap.parse_args()
     if not (args.artifact / "block-timing").is_dir():
         sys.exit(f"PPipe artifact not found at {args.artifact} (use --artifact)")
+    from hostspeed import host_line
+
+    print(host_line(), flush=True)
     if not args.skip_cross_gpu:
         cross_gpu_part(args.artifact, args.models, args.blocks_only)
     if not args.skip_roofline:

@@ -315,6 +315,9 @@ def main() -> None:
     ap.add_argument("--json-out", default=None, help="write all figures to this JSON file")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
+    from hostspeed import host_line
+
+    print(host_line())
 
     import ray
 

@@ -382,6 +382,9 @@ def main(argv=None) -> int:
     if not (artifact / "block-timing").is_dir():
         print(f"PPipe artifact not found at {artifact} (use --artifact or PPIPE_ARTIFACT)", file=sys.stderr)
         return 2
+    from hostspeed import host_line
+
+    print(host_line(), flush=True)
     if args.arrivals == "trace" and not args.trace:
         print("--arrivals trace needs --trace FILE", file=sys.stderr)
         return 2
