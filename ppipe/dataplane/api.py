@@ -39,8 +39,37 @@ Driver contract (what the simulator and the runtime do with the decisions):
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Protocol, Union, runtime_checkable
+
+
+def _record(cls):
+    """``@dataclass(frozen=True)`` with a cheaper constructor (the same signature and fields).
+
+    A frozen dataclass's generated ``__init__`` sets every field through
+    ``object.__setattr__``, one call per field; these records are built several times per
+    request on the simulator's and the runtime's hot paths (a 9-field Stage took ~4 us).
+    This ``__init__`` fills the instance dict in one step (~1.5 us); equality, hashing,
+    repr, immutability and pickling are the dataclass's own.
+    """
+    cls = dataclass(frozen=True)(cls)
+    ns: dict[str, Any] = {"_set": object.__setattr__}
+    params = []
+    for f in fields(cls):
+        if f.default is not MISSING:
+            ns[f"_d_{f.name}"] = f.default
+            params.append(f"{f.name}=_d_{f.name}")
+        elif f.default_factory is not MISSING:  # pragma: no cover - none of the records has one
+            raise TypeError(f"{cls.__name__}.{f.name}: default factories are not supported")
+        else:
+            params.append(f.name)
+    body = ", ".join(f"{f.name!r}: {f.name}" for f in fields(cls))
+    exec(f"def __init__(self, {', '.join(params)}):\n    _set(self, '__dict__', {{{body}}})\n", ns)
+    init = ns["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__doc__ = cls.__init__.__doc__
+    cls.__init__ = init
+    return cls
 
 
 @runtime_checkable
@@ -62,7 +91,7 @@ class DropReason(str, enum.Enum):
     UNKNOWN_MODEL = "unknown-model"
 
 
-@dataclass(frozen=True)
+@_record
 class Request:
     """One inference request as the scheduler sees it."""
 
@@ -89,7 +118,7 @@ def downlink(server: str) -> ResourceId:
     return f"down:{server}"
 
 
-@dataclass(frozen=True)
+@_record
 class Reservation:
     """A planned busy interval of one resource."""
 
@@ -102,7 +131,7 @@ class Reservation:
         return self.start_us + self.duration_us
 
 
-@dataclass(frozen=True)
+@_record
 class Stage:
     """One partition of a dispatched batch: where and when it runs."""
 
@@ -121,7 +150,7 @@ class Stage:
         return self.start_us + self.infer_us
 
 
-@dataclass(frozen=True)
+@_record
 class Dispatch:
     """Run ``requests`` as one batch along ``stages``; resources are already reserved."""
 
@@ -141,7 +170,7 @@ class Dispatch:
         return self.stages[-1].end_us
 
 
-@dataclass(frozen=True)
+@_record
 class Drop:
     """The request will not be served; the driver must answer it with ``reason``."""
 
@@ -150,7 +179,7 @@ class Drop:
     detail: str = ""
 
 
-@dataclass(frozen=True)
+@_record
 class WakeAt:
     """Call :meth:`Scheduler.wake` at ``t_us`` (or earlier if another event comes)."""
 
@@ -160,7 +189,7 @@ class WakeAt:
 Decision = Union[Dispatch, Drop, WakeAt]
 
 
-@dataclass(frozen=True)
+@_record
 class StageReport:
     """A worker's report of what really happened to one stage of a batch."""
 

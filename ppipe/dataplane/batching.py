@@ -509,15 +509,22 @@ class BatchingScheduler:
         now = result.start
         for d, h in enumerate(result.hops):
             if h.uses_nic and h.transfer_us > 0:
-                for tab, kind in ((h.prev.up, "u"), (h.vgpu.down, "d")):
-                    if len(tab) > limit:
-                        tab.prune(now)
-                    key = (batch_id, d, kind)
-                    tab.add(h.transfer_start, h.transfer_us, key)
-                    keys.append((tab, key))
+                ts, tl = h.transfer_start, h.transfer_us
+                tab = h.prev.up
+                if len(tab.starts) > limit:
+                    tab.prune(now)
+                key = (batch_id, d, "u")
+                tab.add(ts, tl, key)
+                keys.append((tab, key))
+                tab = h.vgpu.down
+                if len(tab.starts) > limit:
+                    tab.prune(now)
+                key = (batch_id, d, "d")
+                tab.add(ts, tl, key)
+                keys.append((tab, key))
             if h.infer_us > 0:
                 tab = h.vgpu.table
-                if len(tab) > limit:
+                if len(tab.starts) > limit:
                     tab.prune(now)
                 key = (batch_id, d, "i")
                 tab.add(h.start, h.infer_us, key)
@@ -529,46 +536,34 @@ class BatchingScheduler:
         self._next_batch_id += 1
         keys = self.reserve(r, bid)
         pipe = r.pipeline
-        stages = tuple(
-            Stage(
-                partition=d,
-                vgpu_id=h.vgpu.id,
-                server=h.vgpu.server,
-                first_block=pipe.pools[d].first_block,
-                last_block=pipe.pools[d].last_block,
-                transfer_start_us=h.transfer_start,
-                transfer_us=h.transfer_us,
-                start_us=h.start,
-                infer_us=h.infer_us,
-            )
-            for d, h in enumerate(r.hops)
-        )
-        disp = Dispatch(
-            batch_id=bid,
-            model=pipe.model,
-            pipeline=pipe.index,
-            requests=tuple(requests),
-            stages=stages,
-            reservations=tuple(self._reservations_of(r, keys)),
-        )
-        rec = InFlight(disp, r.hops, keys)
+        pools = pipe.pools
+        hops = r.hops
+        stages = []
+        for d, h in enumerate(hops):
+            g = h.vgpu
+            pool = pools[d]
+            stages.append(Stage(d, g.id, g.server, pool.first_block, pool.last_block, h.transfer_start, h.transfer_us, h.start, h.infer_us))
+        disp = Dispatch(bid, pipe.model, pipe.index, tuple(requests), tuple(stages), self._reservations_of(r, keys))
+        rec = InFlight(disp, hops, keys)
         self.inflight[bid] = rec
         heapq.heappush(self._expiry, (rec.expected_end, bid))
-        self.counters.dispatches += 1
-        self.counters.dispatched_requests += len(requests)
+        c = self.counters
+        c.dispatches += 1
+        c.dispatched_requests += len(requests)
         out.append(disp)
 
     @staticmethod
-    def _reservations_of(r: ProbeResult, keys: list[tuple[ReservationTable, tuple]]) -> list[Reservation]:
+    def _reservations_of(r: ProbeResult, keys: list[tuple[ReservationTable, tuple]]) -> tuple[Reservation, ...]:
         """The Reservation records of what ``reserve`` actually marked (a policy may skip NICs)."""
         out = []
+        hops = r.hops
         for tab, (_bid, d, kind) in keys:
-            h = r.hops[d]
+            h = hops[d]
             if kind == "i":
                 out.append(Reservation(tab.name, h.start, h.infer_us))
             else:
                 out.append(Reservation(tab.name, h.transfer_start, h.transfer_us))
-        return out
+        return tuple(out)
 
     # ---- bookkeeping ---------------------------------------------------------------
     def _drop(self, request: Request, reason: DropReason, detail: str = "") -> Drop:
