@@ -241,8 +241,9 @@ class BatchingScheduler:
         bound = self.options.queue_bound(request.model)
         if bound is not None and len(q) >= bound:
             return [self._drop(request, DropReason.QUEUE_FULL, f"queue bound {bound}")]
-        if not q or _queue_key(request) >= _queue_key(q[-1]):
-            q.append(request)
+        last = q[-1] if q else None
+        if last is None or (request.deadline_us, request.arrival_us, request.id) >= (last.deadline_us, last.arrival_us, last.id):
+            q.append(request)  # (the usual case; the test is _queue_key's, inlined)
         else:  # out-of-order arrival (clock skew in the runtime): keep the queue sorted
             items = list(q)
             insort(items, request, key=_queue_key)

@@ -116,7 +116,14 @@ class ReservationScheduler(BatchingScheduler):
             g = pool.longest_idle() if best is None else None
             seed: Hop | None = None
             if g is not None:
-                f, hop = self._candidate(g, t_g, last, bits, l_i, local_us, slots)
+                if last is None:  # (self._candidate inlined for the first pool: no transfer)
+                    tab = g.table
+                    ends = tab.ends
+                    s = tab.earliest(t_g, l_i) if ends and ends[-1] > t_g + EPS_US else t_g
+                    f = s + l_i
+                    hop = Hop(g, None, 0.0, False, None, s, l_i)
+                else:
+                    f, hop = self._candidate(g, t_g, last, bits, l_i, local_us, slots)
                 if f <= bound + EPS_US:
                     best, best_t = hop, f
                 else:
@@ -133,13 +140,15 @@ class ReservationScheduler(BatchingScheduler):
                     scan = pool.vgpus
                 elif scan and seed.vgpu in scan:
                     # The seed cannot beat itself (`f < best_t` is strict): not visited again.
-                    scan = [x for x in scan if x is not seed.vgpu]
+                    scan = () if len(scan) == 1 else [x for x in scan if x is not seed.vgpu]
                 eps = EPS_US
                 b_g = None
                 b_ts = b_s = 0.0
                 b_ln = 0.0
                 b_nic = False
-                if last is None:
+                if not scan:
+                    pass  # (the usual case under load: the seed stays the best)
+                elif last is None:
                     for g in scan:
                         s = t_g
                         tab = g.table
@@ -277,7 +286,7 @@ class ReservationScheduler(BatchingScheduler):
             scan = pool.scan_set(tau, l_i, limit)
             if scan and best.vgpu in scan:
                 # The seed does not replace itself (no comparison of equals is strict).
-                scan = [x for x in scan if x is not best.vgpu]
+                scan = () if len(scan) == 1 else [x for x in scan if x is not best.vgpu]
         if scan is None:
             scan, limit = pool.vgpus, _INF
         # The scan (hot: locals, the table search inlined).

@@ -48,6 +48,8 @@ def _vgpu_id(g: "VGpu") -> str:
 
 _sift_down = heapq._siftup  # type: ignore[attr-defined]
 """Restore the heap below index i after its entry grew (heapq's name: items move up, the entry down)."""
+_heapreplace = heapq.heapreplace
+"""For the root: the same sift (the same heap afterwards), done by heapq's C code."""
 
 
 class VGpu:
@@ -192,8 +194,7 @@ class Pool:
             h2 = tab.earliest(tau, dmin)
             if h2 < h:  # float tolerance only: keep the lower bound, note the version
                 h2 = h
-            heap[0] = (h2, vid, tab.version)
-            _sift_down(heap, 0)
+            _heapreplace(heap, (h2, vid, tab.version))  # = heap[0] = ...; _sift_down(heap, 0), in C
         if not n or heap[0][0] > lim:
             return []
         # 1. the entries <= lim (a subtree at the root)
