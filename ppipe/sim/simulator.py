@@ -425,10 +425,10 @@ class Simulator:
             self._anomaly(f"dispatch {d.batch_id} has no stages")
             return None
         rids = tuple([r.id for r in d.requests])
-        rec = BatchRecord(d.batch_id, d.model, d.pipeline, rids, now)
-        rec.stages = [
-            StageRun(s.partition, s.vgpu_id, s.server, s.start_us, s.infer_us) for s in d.stages
-        ]
+        stages = []
+        for s in d.stages:
+            stages.append(StageRun(s.partition, s.vgpu_id, s.server, s.start_us, s.infer_us))
+        rec = BatchRecord(d.batch_id, d.model, d.pipeline, rids, now, stages)
         last = self._last_partition.get((d.model, d.pipeline))
         if last is None:
             self._anomaly(f"dispatch {d.batch_id} on unknown pipeline {d.model}/{d.pipeline}")
@@ -448,7 +448,8 @@ class Simulator:
         if first.partition > 0 and first.transfer_us > 0:
             ts = first.transfer_start_us if first.transfer_start_us is not None else now
             return TransferReadyEvent(max(now, ts), self, run, 0)
-        return StageReadyEvent(max(now, first.start_us), self, run, 0)
+        ps = first.start_us
+        return StageReadyEvent(ps if ps > now else now, self, run, 0)
 
     # ---- event handlers ----------------------------------------------------------------------
 
@@ -535,10 +536,11 @@ class Simulator:
             nxt = rec.stages[k + 1]
             ds = run.dispatch.stages[k + 1]
             if ds.transfer_us > 0:
-                ts = ds.transfer_start_us if ds.transfer_start_us is not None else now
-                out.append(TransferReadyEvent(max(now, ts), self, run, k + 1))
+                ts = ds.transfer_start_us
+                out.append(TransferReadyEvent(ts if ts is not None and ts > now else now, self, run, k + 1))
             else:
-                out.append(StageReadyEvent(max(now, nxt.planned_start_us), self, run, k + 1))
+                ps = nxt.planned_start_us
+                out.append(StageReadyEvent(ps if ps > now else now, self, run, k + 1))
         elif st.partition == run.last_partition:
             records = self.records
             for rid in rec.request_ids:
