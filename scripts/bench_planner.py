@@ -148,6 +148,10 @@ def main(argv=None) -> int:
     if not (art / "block-timing").is_dir():
         print(f"PPipe artifact not found at {art} (--artifact)", file=sys.stderr)
         return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hostspeed import host_line
+
+    print(host_line(), flush=True)
     groups = [g for g in args.groups.split(",") if g]
     clusters = [c for c in args.clusters.split(",") if c]
     cache: dict[str, object] = {}
