@@ -148,11 +148,12 @@ class InFlight:
 
     __slots__ = ("dispatch", "hops", "reported", "stage_end", "planned_finish", "expected_end", "keys", "live")
 
-    def __init__(self, dispatch: Dispatch, hops: list[Hop], keys: list[tuple[ReservationTable, tuple]]):
+    def __init__(self, dispatch: Dispatch, hops: list[Hop], keys: list[tuple[ReservationTable, tuple]], stage_end: list[float] | None = None):
         self.dispatch = dispatch
         self.hops = hops
         self.reported = [False] * len(hops)
-        self.stage_end = [h.start + h.infer_us for h in hops]
+        # planned end of each stage's inference (the caller may pass them, computed already)
+        self.stage_end = [h.start + h.infer_us for h in hops] if stage_end is None else stage_end
         self.planned_finish = self.stage_end[-1]
         self.expected_end = self.planned_finish
         self.keys = keys
@@ -467,7 +468,7 @@ class BatchingScheduler:
                 self.counters.waits += 1
                 out.append(WakeAt(t))
                 break
-            self._dispatch(chosen, [q.popleft() for _ in range(chosen.batch)], out)
+            self._dispatch(chosen, [q.popleft()] if chosen.batch == 1 else [q.popleft() for _ in range(chosen.batch)], out)
         return out
 
     def _largest_fitting(self, first: ProbeResult, deadline_us: float, now: float, reuse: bool) -> ProbeResult | None:
@@ -552,12 +553,16 @@ class BatchingScheduler:
         pools = pipe.pools
         hops = r.hops
         stages = []
+        ends = []
         for d, h in enumerate(hops):
             g = h.vgpu
             pool = pools[d]
-            stages.append(Stage(d, g.id, g.server, pool.first_block, pool.last_block, h.transfer_start, h.transfer_us, h.start, h.infer_us))
+            st = h.start
+            li = h.infer_us
+            stages.append(Stage(d, g.id, g.server, pool.first_block, pool.last_block, h.transfer_start, h.transfer_us, st, li))
+            ends.append(st + li)
         disp = Dispatch(bid, pipe.model, pipe.index, tuple(requests), tuple(stages), self._reservations_of(r, keys))
-        rec = InFlight(disp, hops, keys)
+        rec = InFlight(disp, hops, keys, ends)
         self.inflight[bid] = rec
         heapq.heappush(self._expiry, (rec.expected_end, bid))
         c = self.counters
