@@ -552,15 +552,19 @@ class Simulator:
         fb = self._feedback
         if fb == "changed":
             # does the stage (or its transfer) differ from the plan by more than 1 ns?
+            # (`x > S or x < -S` is `abs(x) > S` without the builtin call)
             ds = run.dispatch.stages[k]
-            if abs(st.start_us - ds.start_us) > _SAME_US or abs(st.end_us - ds.start_us - ds.infer_us) > _SAME_US:
+            ps = ds.start_us
+            a = st.start_us - ps
+            b = st.end_us - ps - ds.infer_us
+            if a > _SAME_US or a < -_SAME_US or b > _SAME_US or b < -_SAME_US:
                 report = True
             elif st.transfer_start_us is None or ds.transfer_start_us is None:
                 report = st.transfer_start_us is not ds.transfer_start_us and ds.transfer_us > 0
             else:
-                report = abs(st.transfer_start_us - ds.transfer_start_us) > _SAME_US or abs(
-                    st.transfer_end_us - ds.transfer_start_us - ds.transfer_us
-                ) > _SAME_US
+                a = st.transfer_start_us - ds.transfer_start_us
+                b = st.transfer_end_us - ds.transfer_start_us - ds.transfer_us
+                report = a > _SAME_US or a < -_SAME_US or b > _SAME_US or b < -_SAME_US
         else:
             report = fb == "all"
         if report:
