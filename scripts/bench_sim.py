@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     if not (artifact / "block-timing").is_dir():
         print(f"PPipe artifact not found at {artifact}", file=sys.stderr)
         return 2
+    from hostspeed import host_line
+
+    print(host_line(), flush=True)
     from ppipe.spec.artifact import load_artifact_model
     from ppipe.spec.cluster import load_cluster
 
