@@ -509,39 +509,19 @@ class BatchingScheduler:
         keys: list[tuple[ReservationTable, tuple]] = []
         limit = self.options.prune_threshold
         now = result.start
-        eps = EPS_US
         for d, h in enumerate(result.hops):
-            ts = h.transfer_start
-            tl = h.transfer_us
-            if h.uses_nic and tl > 0:
+            if h.uses_nic and h.transfer_us > 0:
                 for tab, key in ((h.prev.up, (batch_id, d, "u")), (h.vgpu.down, (batch_id, d, "d"))):
-                    starts = tab.starts
-                    if len(starts) > limit:
+                    if len(tab.starts) > limit:
                         tab.prune(now)
-                    # ReservationTable.add's usual case inlined: after every reservation there is
-                    if not starts or (ts >= starts[-1] and tab.ends[-1] <= ts + eps):
-                        starts.append(ts)
-                        tab.ends.append(ts + tl)
-                        tab.keys.append(key)
-                        tab.version += 1
-                    else:
-                        tab.add(ts, tl, key)
+                    tab.add(h.transfer_start, h.transfer_us, key)
                     keys.append((tab, key))
-            li = h.infer_us
-            if li > 0:
+            if h.infer_us > 0:
                 tab = h.vgpu.table
-                starts = tab.starts
-                if len(starts) > limit:
+                if len(tab.starts) > limit:
                     tab.prune(now)
                 key = (batch_id, d, "i")
-                s = h.start
-                if not starts or (s >= starts[-1] and tab.ends[-1] <= s + eps):
-                    starts.append(s)
-                    tab.ends.append(s + li)
-                    tab.keys.append(key)
-                    tab.version += 1
-                else:
-                    tab.add(s, li, key)
+                tab.add(h.start, h.infer_us, key)
                 keys.append((tab, key))
         return keys
 
