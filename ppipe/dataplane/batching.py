@@ -273,20 +273,22 @@ class BatchingScheduler:
         part = report.partition
         hint = rec.hops[part] if rec is not None and 0 <= part < len(rec.hops) else None
         if g is not None:
-            self.counters.cascaded += g.table.correct(
-                (report.batch_id, part, "i"), report.start_us, report.end_us, now=now, hint_start=hint.start if hint else None
-            )
-            if g.alive and g.pool is not None:
-                g.pool.touch(g)  # it may be free earlier than the pool's idle-heap thinks
+            key = (report.batch_id, part, "i")
+            hint_start = hint.start if hint else None
+            # (the usual report: it ran as reserved, and the table already says so)
+            if not g.table.confirm(key, report.start_us, report.end_us, now, hint_start):
+                self.counters.cascaded += g.table.correct(key, report.start_us, report.end_us, now=now, hint_start=hint_start)
+                if g.alive and g.pool is not None:
+                    g.pool.touch(g)  # it may be free earlier than the pool's idle-heap thinks
         if rec is not None and 0 <= part < len(rec.hops):
             hop = rec.hops[part]
             later = report.end_us > rec.stage_end[part] + EPS_US
             if self.tracks_nics and hop.uses_nic and report.transfer_start_us is not None and report.transfer_end_us is not None:
+                ts, te = report.transfer_start_us, report.transfer_end_us
                 for tab, kind in ((hop.prev.up, "u"), (hop.vgpu.down, "d")):
-                    self.counters.cascaded += tab.correct(
-                        (report.batch_id, part, kind), report.transfer_start_us, report.transfer_end_us, now=now,
-                        hint_start=hop.transfer_start,
-                    )
+                    key = (report.batch_id, part, kind)
+                    if not tab.confirm(key, ts, te, now, hop.transfer_start):
+                        self.counters.cascaded += tab.correct(key, ts, te, now=now, hint_start=hop.transfer_start)
                 later = later or report.transfer_end_us > hop.transfer_start + hop.transfer_us + EPS_US
             rec.reported[part] = True
             if later and self.options.propagate_delays:

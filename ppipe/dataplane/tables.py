@@ -150,6 +150,22 @@ class ReservationTable:
             self.on_free()
         return True
 
+    def confirm(self, key: Hashable, start: float, end: float, now: float | None = None, hint_start: float | None = None) -> bool:
+        """Whether the interval ``key`` is exactly ``[start, end)`` already (then only prunes).
+
+        The common report: the work ran as reserved. :meth:`correct` would remove and
+        re-insert the same interval and tell the indexes the resource may be free earlier;
+        this answers the question without changing anything (no version bump, no
+        ``on_free``), so a caller does ``confirm(...) or correct(...)``. With ``now``, past
+        intervals are pruned as :meth:`correct` would.
+        """
+        i = self.find(key, hint_start)
+        if i < 0 or self.starts[i] != start or self.ends[i] != end:
+            return False
+        if now is not None:
+            self.prune(now)
+        return True
+
     def correct(self, key: Hashable, start: float, end: float, now: float | None = None, hint_start: float | None = None) -> int:
         """Replace the interval ``key`` by the observed ``[start, end)``.
 

@@ -80,6 +80,18 @@ def test_correct_of_an_unknown_key_inserts_the_truth():
     assert [(s, e) for s, e, _ in t.intervals()] == [(0, 10), (10, 15)]
 
 
+def test_confirm_answers_without_changing_the_table():
+    t = table((0, 10), (20, 30))
+    calls = []
+    t.on_free = lambda: calls.append(1)
+    v = t.version
+    assert t.confirm((20, 30), 20, 30, now=15)  # ran as reserved: only the past is pruned
+    assert [(s, e) for s, e, _ in t.intervals()] == [(20, 30)] and t.version == v and not calls
+    assert not t.confirm((20, 30), 20, 31)  # ran longer: the caller must correct
+    assert not t.confirm("ghost", 20, 30)  # unknown key: the caller must correct (it inserts the truth)
+    assert [(s, e) for s, e, _ in t.intervals()] == [(20, 30)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.lists(st.tuples(st.integers(0, 100), st.integers(1, 20)), max_size=8), min_size=1, max_size=3),

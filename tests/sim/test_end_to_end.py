@@ -52,6 +52,17 @@ def test_changed_only_feedback_gives_the_same_result_without_jitter(tiny):
     assert [(r.outcome, r.completion_us) for r in a.records] == [(r.outcome, r.completion_us) for r in b.records]
 
 
+def test_changed_only_feedback_gives_the_same_result_with_jitter(tiny):
+    # A report that equals the reservation changes nothing in the tables (confirm), so
+    # skipping it ("changed") takes the same decisions as sending it ("all").
+    plan, profiles, cluster = tiny
+    cfg = dict(duration_s=1.0, jitter_cv=0.2, seed=3)
+    a = run_point(plan, profiles, cluster, 1.1, config=SimConfig(**cfg, feedback="all"))
+    b = run_point(plan, profiles, cluster, 1.1, config=SimConfig(**cfg, feedback="changed"))
+    assert a.overall.late > 0  # the jitter did move stages off their reservations
+    assert [(r.outcome, r.completion_us, r.batch_ids) for r in a.records] == [(r.outcome, r.completion_us, r.batch_ids) for r in b.records]
+
+
 def test_failure_with_the_real_scheduler(tiny):
     plan, profiles, cluster = tiny
     res = run_point(plan, profiles, cluster, 0.5, config=SimConfig(duration_s=1.0, failures=((0.3, "b-0/gpu0/s0"),)))
