@@ -89,6 +89,8 @@ from ppipe.dataplane.options import SchedulerOptions
 from ppipe.dataplane.tables import EPS_US, ReservationTable
 from ppipe.dataplane.topology import Pipeline, Topology, VGpu
 
+_INF = float("inf")
+
 
 class Hop:
     """One stage of a probed path: the transfer into it (if any), then its inference."""
@@ -189,6 +191,36 @@ class Counters:
             "cascaded": self.cascaded,
             "expired_inflight": self.expired_inflight,
         }
+
+
+_LB_MAX_VGPUS = 4
+"""First pools up to this size get a lower bound on their waiting before step 1 probes them."""
+
+
+def _first_pool_wait(p: Pipeline, bs: int, now: float) -> float:
+    """A lower bound on ``probe(p, bs, now).wait``: the waiting before the first inference.
+
+    A probe's ``wait`` sums every wait along its path (before each transfer and each
+    inference), so it is at least the wait of its first inference, which is at least the
+    shortest wait of any vGPU of the first pool. Computed for small pools only (the
+    pipelines of a baseline such as DART-r: one vGPU per pool, a dozen pipelines per
+    model); 0 otherwise.
+    """
+    pool = p.pools[0]
+    vgpus = pool.vgpus
+    if len(vgpus) > _LB_MAX_VGPUS:
+        return 0.0
+    l_i = pool.infer_us[bs]
+    lb = _INF
+    for g in vgpus:
+        tab = g.table
+        ends = tab.ends
+        if not ends or ends[-1] <= now + EPS_US:
+            return 0.0
+        s = tab.earliest(now, l_i)
+        if s < lb:
+            lb = s
+    return lb - now if lb < _INF else 0.0
 
 
 def _queue_key(r: Request) -> tuple[float, float, int]:
@@ -409,11 +441,17 @@ class BatchingScheduler:
                 while q:
                     out.append(self._drop(q.popleft(), DropReason.NO_PIPELINE, "every pipeline of the model has a failed pool"))
                 break
-            # Step 1: the pipeline with the least waiting at its planned batch.
+            # Step 1: the pipeline with the least waiting at its planned batch. (A pipeline
+            # whose first pool alone makes it wait at least as long as the best so far
+            # cannot replace it, so it is not probed: same choice, fewer probes.)
             best: ProbeResult | None = None
-            step1: list[ProbeResult] = []
+            step1: list[ProbeResult | Pipeline] = []
             for p in pipes:
-                r = self.probe(p, p.batches[0], now)
+                bs = p.batches[0]
+                if best is not None and _first_pool_wait(p, bs, now) > best.wait - 0.5 * EPS_US:
+                    step1.append(p)  # not probed (see the fallback below)
+                    continue
+                r = self.probe(p, bs, now)
                 step1.append(r)
                 if best is None or r.wait < best.wait - EPS_US:
                     best = r
@@ -423,7 +461,8 @@ class BatchingScheduler:
             chosen = self._largest_fitting(best, head.deadline_us, now, reuse)
             if chosen is None and self.options.try_other_pipelines and len(step1) > 1:
                 # Not in the paper: before dropping, try the other pipelines, least waiting first.
-                for r1 in sorted((r for r in step1 if r is not best), key=lambda r: (r.wait, r.pipeline.index)):
+                others = [r if isinstance(r, ProbeResult) else self.probe(r, r.batches[0], now) for r in step1 if r is not best]
+                for r1 in sorted(others, key=lambda r: (r.wait, r.pipeline.index)):
                     chosen = self._largest_fitting(r1, head.deadline_us, now, reuse)
                     if chosen is not None:
                         p = r1.pipeline
