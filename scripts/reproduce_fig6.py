@@ -149,7 +149,7 @@ def _sweep(plan, profiles, cluster, rates, args, policy: str):
     cfg = SimConfig(duration_s=args.duration_s, seed=args.seed, policy=policy,
                     feedback="changed" if policy == "reservation" else "all", scheduler_options=_dp_options(args))
     return sweep(plan, {p.name: p for p in profiles}, cluster, rates_rps=rates, workload=wl, config=cfg,
-                 search=args.search, bisect_steps=args.bisect_steps)
+                 search=args.search, bisect_steps=args.bisect_steps, early_stop=not args.no_early_stop)
 
 
 def _summary(res, plan, cluster) -> dict:
@@ -367,6 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--isolate-models", action="store_true",
                     help="simulate each model of a group alone on its own vGPUs (the authors' simulator runs one model "
                     "per process, so models share no NIC); default: the whole group at once, sharing servers' NICs")
+    ap.add_argument("--no-early-stop", action="store_true",
+                    help="run every load point to its end (default: a point stops once every model is certain to miss the target; same answers)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     ap.add_argument("--no-ablation", action="store_true")

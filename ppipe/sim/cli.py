@@ -34,6 +34,8 @@ def _policies() -> list[str]:
               "(fewer runs; assume attainment falls as load rises).")
 @click.option("--bisect-steps", type=int, default=0, show_default=True, help="After the sweep, halve the 0.05 step above each answer this many times.")
 @click.option("--target", type=float, default=0.99, show_default=True, help="Attainment target of the sweep.")
+@click.option("--full-points", is_flag=True,
+              help="Run every sweep point to its end (default: a point stops once every model is certain to miss --target; same answers, faster).")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty", "trace"]), default=None,
               help="Arrival process (default poisson; 'trace' with --trace FILE).")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
@@ -51,7 +53,7 @@ def _policies() -> list[str]:
 @click.option("--records", "records_out", type=click.Path(dir_okay=False), default=None,
               help="Write one CSV row per request (arrival, dispatch, stages, completion or drop reason/place) of the run shown.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
-def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, arrivals, trace_file, cv, duration_s, seed,
+def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full_points, arrivals, trace_file, cv, duration_s, seed,
              policy, jitter_cv, feedback, rates_from, plot_dir, records_out, json_out) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
@@ -86,10 +88,11 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, arri
     if sweep:
         def progress(f, res):
             parts = "  ".join(f"{m}={100 * mm.attainment:.2f}%" for m, mm in res.models.items())
-            click.echo(f"load {f:.3f}: {parts}  ({res.wall_s:.1f} s)")
+            cut = f", stopped at {res.stopped_at_s:.2f} s: every model below target" if res.stopped_at_s is not None else ""
+            click.echo(f"load {f:.3f}: {parts}  ({res.wall_s:.1f} s{cut})")
 
         result = run_sweep(plan, profiles, spec, rates_rps=rates, workload=workload, config=config, target=target,
-                           search=search, bisect_steps=bisect_steps, progress=progress)
+                           search=search, bisect_steps=bisect_steps, progress=progress, early_stop=not full_points)
         _print_sweep(result, base)
         payload = {"plan": str(plan_file), "policy": policy, "arrivals": kind.value, "base_rates_rps": base, **result.to_dict()}
         # the figures of one point: the highest load at which every model still met the target

@@ -71,6 +71,7 @@ class SimResult:
     sim_s_per_cpu_s: float
     anomalies: list[str]
     anomaly_count: int
+    stopped_at_s: float | None = None  # the run stopped early here: every model was already below the target (see ppipe.sim.simulator)
     records: list[RequestRecord] = field(default_factory=list, repr=False)
     batches: list[BatchRecord] = field(default_factory=list, repr=False)
     vgpus: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -147,6 +148,10 @@ def utilization(vgpus: dict, gpu_counts: dict[str, int], window_us: float) -> tu
 def summarize(sim, wall_s: float, cpu_s: float | None = None) -> SimResult:
     """Summarize a finished :class:`~ppipe.sim.simulator.Simulator`."""
     dur = sim.config.duration_s
+    stopped = sim.stopped_at_us
+    if stopped is not None:
+        # the requests that arrived before the stop, over the time they arrived in
+        dur = max(min(dur, stopped / 1e6), 1e-9)
     by_model: dict[str, list[RequestRecord]] = {m.name: [] for m in sim.plan.models}
     for r in sim.records:
         by_model[r.model].append(r)
@@ -155,11 +160,11 @@ def summarize(sim, wall_s: float, cpu_s: float | None = None) -> SimResult:
         batches_by_model.setdefault(b.model, []).append(b)
     models = {m: model_metrics(m, recs, batches_by_model[m], dur) for m, recs in by_model.items()}
     overall = model_metrics("all", sim.records, sim.batches, dur)
-    util, util_used = utilization(sim.vgpus, sim.cluster.gpu_counts, sim.window_us)
+    util, util_used = utilization(sim.vgpus, sim.cluster.gpu_counts, dur * 1e6)
     dispatches = len(sim.batches)
     probes = _probe_count(sim.scheduler)
     # simulated time = the arrival window (the drain after it is bookkeeping, not load)
-    sim_s = sim.window_us / 1e6
+    sim_s = dur
     cpu_s = wall_s if cpu_s is None else cpu_s
     return SimResult(
         duration_s=dur,
@@ -178,6 +183,7 @@ def summarize(sim, wall_s: float, cpu_s: float | None = None) -> SimResult:
         sim_s_per_cpu_s=sim_s / cpu_s if cpu_s > 0 else math.inf,
         anomalies=list(sim.anomalies),
         anomaly_count=sim.anomaly_count,
+        stopped_at_s=None if stopped is None else stopped / 1e6,
         records=sim.records,
         batches=sim.batches,
         vgpus=sim.vgpus,

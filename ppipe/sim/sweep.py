@@ -36,10 +36,19 @@ load; it needs ~5 runs instead of up to 20.
 ``f`` where a model met a share ``a`` of its requests says its capacity is about ``a x f``,
 so the next run is at the grid point just below that (then one step up, to confirm).
 Same answer as ``bisect`` under the same assumption, usually in 3-4 runs.
+
+Early stop (``early_stop=True``, the default): every run of a sweep stops as soon as
+every model is certain to miss the target (:class:`~ppipe.sim.simulator.SimConfig`
+``stop_below``), which is what a failing point of an overloaded plan costs most of its
+time on. Pass/fail at each point is the full run's; such a point's attainment covers the
+requests that arrived before the stop (``SimResult.stopped_at_s``), and the guided
+search reads its capacity from the requests already decided there (served on time out
+of served, dropped or late).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -199,6 +208,16 @@ class SweepResult:
         }
 
 
+def _served_share(res: SimResult, model: str) -> float:
+    """The share of the model's requests served on time: its attainment, or for a run that
+    stopped early, on time out of those already decided (not still queued or in flight)."""
+    mm = res.models[model]
+    if res.stopped_at_s is None:
+        return mm.attainment
+    decided = mm.ok + mm.late + mm.dropped
+    return mm.ok / decided if decided else mm.attainment
+
+
 def _grid() -> list[float]:
     return [round(GRID_STEP * i, 4) for i in range(1, int(round(1 / GRID_STEP)) + 1)]
 
@@ -216,9 +235,12 @@ def sweep(
     search: Search | str = Search.SCAN,
     bisect_steps: int = 0,
     progress: Callable[[float, SimResult], None] | None = None,
+    early_stop: bool = True,
 ) -> SweepResult:
     """Find each model's largest load factor with attainment >= ``target`` (see the module docstring)."""
     search = Search(search)
+    if early_stop and config.stop_below is None:
+        config = dataclasses.replace(config, stop_below=target)
     names = [m.name for m in plan.models]
     points: dict[float, SimResult] = {}
 
@@ -263,7 +285,7 @@ def sweep(
                 i = (lo[m] + hi[m]) // 2
                 if search is Search.GUIDED and hi[m] < len(grid):
                     f_fail = grid[hi[m]]
-                    capacity = points[round(f_fail, 6)].models[m].attainment * f_fail
+                    capacity = _served_share(points[round(f_fail, 6)], m) * f_fail
                     guess = int(math.floor(capacity / GRID_STEP + 1e-9)) - 1  # grid[i] = (i + 1) * step
                     i = min(max(guess, lo[m] + 1), hi[m] - 1)
                     if round(grid[i], 6) in points:

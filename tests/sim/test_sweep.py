@@ -23,7 +23,7 @@ def _fake_point(thresholds: dict[str, float], calls: list):
         for m, cap in thresholds.items():
             att = 1.0 if load <= cap + 1e-9 else min(0.985, (cap + 0.02) / load)
             models[m] = SimpleNamespace(attainment=att)
-        return SimpleNamespace(models=models)
+        return SimpleNamespace(models=models, stopped_at_s=None)
 
     return fake
 
@@ -100,3 +100,50 @@ def test_plans_made_from_in_memory_artifact_profiles_reload(artifact_dir, tmp_pa
     assert plan.models[0].profile.startswith("ppipe-artifact:")
     assert profiles["repvgg-b3"].table == prof.table and cluster.name == "HC2-S"
     assert load_deployment(str(path), None).profiles["repvgg-b3"].table == prof.table
+
+
+def test_early_stop_cuts_a_run_only_when_it_must_fail(tiny):
+    plan, profiles, cluster = tiny
+    full = run_point(plan, profiles, cluster, 2.0, config=SimConfig(duration_s=2.0))
+    cut = run_point(plan, profiles, cluster, 2.0, config=SimConfig(duration_s=2.0, stop_below=0.99))
+    assert full.stopped_at_s is None and full.attainment < 0.99
+    assert cut.stopped_at_s is not None and cut.stopped_at_s < 1.0 and cut.attainment < 0.99
+    assert cut.overall.requests < full.overall.requests
+    # up to the stop it is the same run: every request decided there ended the same way
+    by_id = {r.id: r for r in full.records}
+    decided = [r for r in cut.records if r.outcome.value != "unfinished"]
+    assert decided and all((r.outcome, r.completion_us) == (by_id[r.id].outcome, by_id[r.id].completion_us) for r in decided)
+    # a point that passes runs to the end
+    ok = run_point(plan, profiles, cluster, 0.5, config=SimConfig(duration_s=2.0, stop_below=0.99))
+    assert ok.stopped_at_s is None and ok.attainment >= 0.99
+
+
+def test_sweep_gives_the_same_answer_with_and_without_early_stop(tiny):
+    plan, profiles, cluster = tiny
+    cfg = SimConfig(duration_s=1.0)
+    for search in ("scan", "guided"):
+        slow = sweep(plan, profiles, cluster, config=cfg, search=search, early_stop=False)
+        fast = sweep(plan, profiles, cluster, config=cfg, search=search)
+        assert fast.max_load == slow.max_load
+        assert any(r.stopped_at_s is not None for r in fast.points.values())
+        assert all(r.stopped_at_s is None for r in slow.points.values())
+        for load, r in fast.points.items():
+            if load in slow.points:
+                assert (r.attainment >= 0.99) == (slow.points[load].attainment >= 0.99)
+
+
+@pytest.mark.artifact
+def test_early_stop_waits_while_any_model_can_still_pass(artifact_dir):
+    import ppipe
+    from ppipe.spec.artifact import load_artifact_model
+    from ppipe.spec.cluster import load_cluster
+
+    profs = [load_artifact_model(artifact_dir, n) for n in ("repvgg-b3", "googlenet-v3-pytorch")]
+    cluster = load_cluster("HC2-S")
+    plan = ppipe.plan(cluster, profs, formulation="ppipe-atc25")
+    base = base_rates(plan)
+    rates = {"repvgg-b3": 5 * base["repvgg-b3"], "googlenet-v3-pytorch": 0.3 * base["googlenet-v3-pytorch"]}
+    res = run_point(plan, {p.name: p for p in profs}, cluster, 1.0, rates_rps=rates,
+                    config=SimConfig(duration_s=2.0, stop_below=0.99, feedback="changed"))
+    assert res.stopped_at_s is None
+    assert res.models["repvgg-b3"].attainment < 0.99 <= res.models["googlenet-v3-pytorch"].attainment
