@@ -118,6 +118,14 @@ def test_early_stop_cuts_a_run_only_when_it_must_fail(tiny):
     assert ok.stopped_at_s is None and ok.attainment >= 0.99
 
 
+def test_early_stop_waits_for_a_tenth_of_the_window(tiny):
+    # the guided sweep reads a stopped run's served share as the capacity: a stop in the
+    # first instants would read a warm-up, not the steady state
+    plan, profiles, cluster = tiny
+    cut = run_point(plan, profiles, cluster, 2.0, config=SimConfig(duration_s=20.0, stop_below=0.99))
+    assert cut.stopped_at_s is not None and 1.75 < cut.stopped_at_s <= 2.0 and cut.attainment < 0.99
+
+
 def test_sweep_gives_the_same_answer_with_and_without_early_stop(tiny):
     plan, profiles, cluster = tiny
     cfg = SimConfig(duration_s=1.0)
