@@ -13,11 +13,14 @@ Timings depend on the machine and its load: run it on a quiet machine and report
 figures as measured there (``--repeat N`` keeps the fastest of N runs of each case, which
 filters out most interference). Uses the PPipe artifact (``--artifact`` or PPIPE_ARTIFACT).
 
-Last measured (``--duration-s 5 --repeat 3``, a 2-core AMD EPYC host on which a plain
-10M-iteration ``s += i`` loop at module level takes 2.35 s, hostspeed.py's loop 0.69 s):
-dispatch median 58.6 us (p99 113 us), 1.79 probes per dispatch; HC1-L G1 5.1 and
-efficientnet-b8 5.1 simulated s per wall s (scheduler 60-63 % of it). The code before
-the constructor/probe trimming of that session measured 85.1 us, 3.9 and 3.9 there.
+Last measured 2026-11-25 (``--duration-s 5 --repeat 3``, the project's 2-core AMD EPYC
+machine, five runs within 30 minutes): dispatch median 35.4-58.4 us (p99 77-132 us), 1.79
+probes per dispatch; HC1-L G1 5.1-8.2 and efficientnet-b8 7.0-8.1 simulated s per wall s
+(scheduler 62-63 % of it). The spread is the host's, not the code's: that day's code and
+the code of the day before, run alternately, were within 6 % of each other in every
+figure, and the slowest run of each came first, right after a long reproduction. (On
+2026-11-24: 58.6 us, 5.1 and 5.1 s/s; the code before that session's trimming measured
+85.1 us, 3.9 and 3.9 there.)
 
     python scripts/bench_sim.py [--duration-s 10] [--group G1] [--single efficientnet-b8] [--repeat 3]
     python scripts/bench_sim.py --duration-s 5 --speed-groups G1 G2 G3 G4 G5 G6 --skip-dispatch
