@@ -17,7 +17,7 @@ Last measured 2026-11-25 (``--duration-s 5 --repeat 3``, the project's 2-core AM
 machine, five runs within 30 minutes): dispatch median 35.4-58.4 us (p99 77-132 us), 1.79
 probes per dispatch; HC1-L G1 5.1-8.2 and efficientnet-b8 7.0-8.1 simulated s per wall s
 (scheduler 62-63 % of it). The spread is the host's, not the code's: that day's code and
-the code of the day before, run alternately, were within 6 % of each other in every
+the code of the day before, run alternately, were within 8 % of each other (either way) in every
 figure, and the slowest run of each came first, right after a long reproduction. (On
 2026-11-24: 58.6 us, 5.1 and 5.1 s/s; the code before that session's trimming measured
 85.1 us, 3.9 and 3.9 there.)
