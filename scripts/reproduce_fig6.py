@@ -48,13 +48,13 @@ given to the pools busier than 80 % at the planned rate, :mod:`ppipe.planner.hea
 Measured on the project's 2-core machine, quiet, the default run (``python
 scripts/reproduce_fig6.py``: 30 s points, guided search, seed 0, default data plane,
 share-basis rates; ablation 18 models at 10 s): 2026-11-24, every point run in full,
-**16 min 12 s wall** (32 min CPU); 2026-11-25, on a host about twice as slow that day
-(the same code without early stop was on course for 45+ min there), with sweeps' early
+**16 min 12 s wall** (32 min CPU); 2026-11-25, a slower host that day, with sweeps' early
 stop (the default since; ``--no-early-stop`` turns it off): **22 min 23 s wall** (44 min
 CPU), and the same max load factor for every model of every case (96 main sweeps, 36
 ablation sweeps) as the full-point run. Early stop alone, same host and hour: the
-ablation 411 s -> 196 s wall. Timing figures move with the host (the script's first line
-prints a host-speed reading; it read 0.40-0.64 s on 2026-11-25's machine within an hour).
+ablation 411 s -> 196 s wall, the HC1-L main sweeps (``--clusters HC1-L --no-ablation``)
+404 s -> 313 s. Timing figures move with the host (the script's first line prints a
+host-speed reading; it read 0.39-0.69 s on 2026-11-25's machine within two hours).
 Mean max load factor over the 24 cases: ppipe 0.961 (HC1-L 0.972, HC2-L 0.969, HC3-L
 0.939, HC4-L 0.964), ppipe+headroom 0.974 (0.978, 0.992, 0.950, 0.978), NP 0.665, DART-r
 0.722 (paper: PPipe 0.965, NP 0.668, DART-r 0.749); ppipe over NP +44.6 %, over DART-r
