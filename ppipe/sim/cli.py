@@ -35,7 +35,7 @@ def _policies() -> list[str]:
 @click.option("--bisect-steps", type=int, default=0, show_default=True, help="After the sweep, halve the 0.05 step above each answer this many times.")
 @click.option("--target", type=float, default=0.99, show_default=True, help="Attainment target of the sweep.")
 @click.option("--full-points", is_flag=True,
-              help="Run every sweep point to its end (default: a point stops once every model is certain to miss --target; same answers, faster).")
+              help="Run every sweep point to its end (default: a point stops once every model is certain to miss --target: the same pass or fail at every point, faster; with --search scan, the same answers).")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty", "trace"]), default=None,
               help="Arrival process (default poisson; 'trace' with --trace FILE).")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
