@@ -43,11 +43,12 @@ run stops there (checked every 0.25 simulated s, and not before 10 % of the wind
 guided sweep reads a stopped run's served share as the model's capacity, and a run's first
 instants can be a warm-up that misses far more than its steady state -- the reactive
 policy on HC2-L atss at load 1.0 missed 45 % of its first 0.25 s and ~7 % later, and a
-stop at 0.5 s sent the sweep to 0.65, a failing point below a passing 0.70). The result then covers the requests
-that arrived before the stop (:attr:`Simulator.stopped_at_us`; a request still queued or
-in flight counts as unfinished): its attainment is below the target as the full run's
-would be, and it is flagged ``stopped_at_s``. A run in which some model can still make
-its target always runs to the end, so no passing point is ever cut short.
+stop at 0.5 s sent the sweep to 0.65, a failing point below a passing 0.70). The result
+then covers the requests that arrived before the stop (:attr:`Simulator.stopped_at_us`;
+a request still queued or in flight counts as unfinished): its attainment is below the
+target as the full run's would be, and it is flagged ``stopped_at_s``. A run in which
+some model can still make its target always runs to the end, so no passing point is ever
+cut short.
 """
 
 from __future__ import annotations
