@@ -22,6 +22,11 @@ figure, and the slowest run of each came first, right after a long reproduction.
 2026-11-24: 58.6 us, 5.1 and 5.1 s/s; the code before that session's trimming measured
 85.1 us, 3.9 and 3.9 there.)
 
+Compiled with mypyc (tables, topology, reservation, batching and options; 2026-11-25, after
+a few typing fixes), HC1-L G1 ran 1.10, 1.21 and 0.70 times as fast as pure Python in three
+pairs of runs started together (the host's speed moved 2x between pairs): not worth a
+C toolchain at install time, so ppipe ships pure Python.
+
     python scripts/bench_sim.py [--duration-s 10] [--group G1] [--single efficientnet-b8] [--repeat 3]
     python scripts/bench_sim.py --duration-s 5 --speed-groups G1 G2 G3 G4 G5 G6 --skip-dispatch
 """

@@ -33,6 +33,16 @@ which ends the search early.
 Used by :func:`ppipe.planner.core.milp_plan` for the max-min objective: when HiGHS finds
 an incumbent ``z_inc``, the bound is asked whether ``T = z_inc (1 + gap)`` is out of
 reach; if so the incumbent is optimal within the gap and the search stops.
+
+Where it is too weak (measured 2026-11-25, the 4-GPU-type case of
+``scripts/bench_planner.py --suite four``, 10 s limit): the lowest level it refutes is
+0.69 % above the incumbent for G2 and 2.66 % for G1 (HiGHS's own gaps then: 1.05 % and
+3.02 %). Not the pool sizes within a model are what it misses: an extended formulation
+with one binary per (configuration, bottleneck pool size) pattern (8 k columns for G2,
+dominated patterns removed) has a root LP bound only 0.1 % below the compact model's
+and closed G2 to 0.36 % in 60 s, no further. What is left lies in how whole GPUs are split,
+between the models and between the slots of one model (the paper's GPU rule rounds up
+per model, slot and type), which one price per type cannot see.
 """
 
 from __future__ import annotations
