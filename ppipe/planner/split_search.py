@@ -35,7 +35,9 @@ Master (exact for R)
 
 Cost: grid size G = prod (N_k + 1) (457 k for 4 types of 25) times the staircase corners
 of all templates (a few thousand per model) for the tables, plus the bisection's
-Minkowski sums; :func:`split_search` gives up (returns None) past a size or time budget.
+Minkowski sums; :func:`split_search` gives up (returns None) past a size budget, or a time
+budget that ends before it has a plan (one that ends during the bisection leaves the best
+plan found so far).
 """
 
 from __future__ import annotations
@@ -297,8 +299,11 @@ def split_search(
 ) -> SplitPlan | None:
     """The best max-min plan of the restriction R (module docstring), or None.
 
-    None when the grid is too large, a Minkowski sum too big, the time budget runs out, or
-    some model has no configuration.
+    None when the grid is too large, a Minkowski sum too big, the time budget runs out
+    before the tables are built or before any level above 0 is found reachable, or some
+    model has no configuration. When the budget runs out during the bisection, the plan of
+    the best level found so far is returned (below R's optimum by less than the
+    bisection's remaining interval).
 
     Args:
         configs: per model, its configurations (the MILP's columns).
@@ -326,7 +331,7 @@ def split_search(
             lo = hi
         while hi - lo > 1e-7 * max(hi, 1e-12):
             if time.perf_counter() - t0 > time_budget_s:
-                return None
+                break  # anytime: lo is reachable, its plan is as good a start as we have
             mid = 0.5 * (lo + hi)
             if _reachable(tables, w, counts, mid):
                 lo = mid

@@ -138,6 +138,34 @@ def test_split_search_gives_up_on_a_grid_too_large(monkeypatch):
     assert ss.split_search(configs, [1.0], np.array([2, 2])) is None
 
 
+def test_split_search_out_of_time_in_the_bisection_returns_its_best_level_so_far(monkeypatch):
+    """Anytime: a budget that ends during the bisection still yields a plan (the best
+    reachable level so far, at most the full search's), not None."""
+    import ppipe.planner.split_search as ss
+
+    cl = cluster({"A": 4, "B": 4}, LEVELS, per_server=2)
+    models = [profile(n, lat, [200_000, 100_000], LEVELS) for n, lat in (("m1", LAT_1), ("m2", LAT_2), ("m3", LAT_3))]
+    w = [0.3, 0.33, 0.37]
+    _specs, configs = _specs_configs(models, cl, 25.0, 2, weights=w)
+    N = np.array([4, 4])
+    full = ss.split_search(configs, w, N)
+    assert full is not None
+
+    class Ticks:  # each reading of the clock is one "second" later
+        t = 0.0
+
+        def perf_counter(self):
+            self.t += 1.0
+            return self.t
+
+    # Readings: t0, one per model table, then one per halving: the budget allows 3 halvings.
+    monkeypatch.setattr(ss, "time", Ticks())
+    cut = ss.split_search(configs, w, N, time_budget_s=len(configs) + 3.5)
+    assert cut is not None
+    assert 0 < cut.objective <= full.objective * (1 + 1e-9)
+    assert all(sum(g[k] for g in cut.gpus) <= N[k] for k in range(2))
+
+
 def test_plan_with_and_without_the_start_has_the_same_optimum(monkeypatch):
     import ppipe.planner.core as core
 
