@@ -30,6 +30,11 @@ Driver contract (what the simulator and the runtime do with the decisions):
   one-stage dispatches: a request then goes through several dispatches, one per
   partition, and waits where its last stage ran. A driver that runs whole paths only
   must refuse such a policy.
+* A policy whose ``executes_as_planned`` attribute is true (``reservation``) reserves
+  every vGPU and NIC use of a dispatch, never overlapping another: a faithful driver whose
+  stages take exactly their planned latencies then runs every stage and transfer exactly
+  at its planned times, and no report differs from the plan. (The simulator relies on it
+  to skip simulating such stages one by one when there is no jitter.)
 * ``WakeAt(t)``: call ``wake()`` at ``t``. Stale timers are harmless (``wake()`` does
   nothing for models that are not due).
 * ``build_scheduler(...)`` returns an object that also has ``stats()`` (counters: probe()

@@ -239,6 +239,7 @@ class BatchingScheduler:
     policy_name = "base"
     partial_dispatches = False  # every Dispatch covers a whole path
     tracks_nics = True  # whether NIC tables are reserved and corrected (the reactive baseline: no)
+    executes_as_planned = False  # see the driver contract in ppipe.dataplane.api
 
     def __init__(self, topology: Topology, clock: Clock, options: SchedulerOptions | None = None):
         self.topology = topology

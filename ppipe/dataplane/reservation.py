@@ -72,6 +72,7 @@ class ReservationScheduler(BatchingScheduler):
     """PPipe's data plane: Algorithm 1 over reservation-table probes (Algorithm 2)."""
 
     policy_name = "reservation"
+    executes_as_planned = True  # every vGPU and NIC use is reserved (ppipe.dataplane.api)
 
     def probe(self, pipeline: Pipeline, bs: int, t0: float | None = None) -> ProbeResult:
         """The path through ``pipeline`` at batch ``bs`` that finishes earliest, greedily per pool.

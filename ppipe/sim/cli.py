@@ -45,8 +45,9 @@ def _policies() -> list[str]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of arrivals and jitter.")
 @click.option("--policy", default="reservation", show_default=True, help="Data-plane policy: reservation (the paper's) or reactive (per-pool baseline).")
 @click.option("--jitter-cv", type=float, default=0.0, show_default=True, help="CV of lognormal jitter on inference times (0 = exactly the profile).")
-@click.option("--feedback", type=click.Choice(["all", "changed", "none"]), default="all", show_default=True,
-              help="Which stages workers report to the scheduler: all (as the runtime), only those that differ from the plan (faster, same result), none.")
+@click.option("--feedback", type=click.Choice(["all", "changed", "none"]), default=None,
+              help="Which stages workers report to the scheduler: all (as the runtime), changed (only those that differ from the plan: "
+                   "the same result, faster), none. Default: changed for the reservation policy, all for the others.")
 @click.option("--rates-from", type=click.Path(dir_okay=False), default=None,
               help="Base rates (load 1.0) from this plan instead of PLAN.yaml (drive systems at the same rates).")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG figures into this folder.")
@@ -82,6 +83,11 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
         if not Path(rates_from).is_file():
             raise UserError("reference plan not found", fix="give a plan.yaml for --rates-from", file=rates_from)
         rates = check_rates(plan, base_rates(load_plan(rates_from)), f"--rates-from {rates_from}")
+    if feedback is None:
+        # What scripts/reproduce_fig6.py runs: a report equal to a reservation changes nothing
+        # (tests/sim/test_end_to_end.py), and without them a jitter-free run is simulated
+        # batch by batch instead of stage by stage (SimConfig.execution).
+        feedback = "changed" if policy == "reservation" else "all"
     config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy)
     base = rates or base_rates(plan)
 

@@ -26,6 +26,19 @@ carried out, and feeds the truth back:
   with reason and place; **failures** (optional, ``(time, vgpu_id)``) call
   ``mark_failed`` and kill the worker: stages it has not finished never finish.
 
+**Exact execution** (``SimConfig.execution="auto"``, the default): with no jitter and no
+failures, a policy that reserves every vGPU and NIC use of a batch without overlap
+(``executes_as_planned``: the reservation policy) gets every stage and transfer run
+exactly at its planned times -- by induction over time, no resource is ever busy when a
+planned use begins -- so every report equals the plan. When the workers send only the
+reports that differ (``feedback`` ``"changed"`` or ``"none"``), the simulator then writes a
+batch's stage and transfer times at dispatch, with the same arithmetic as the events,
+and handles one event at the batch's end (completion) instead of one per transfer and
+stage start and end. A run that stops early, or ends at the horizon, undoes what falls
+after that time for the batches still in flight. The records are the events' own,
+bit for bit (tests/sim/test_exact_execution.py; busy times up to summation order);
+HC1-L G1 at load 1.0 then handles 17 k events instead of 50 k.
+
 A request completes when the stage of its pipeline's last partition ends. A dispatch
 may cover only some partitions (a per-pool policy dispatches stage by stage); the
 request then waits at the server of its last stage for the next dispatch.
@@ -74,6 +87,7 @@ SchedulerFactory = Callable[[Plan, dict, ClusterSpec, Any], Any]
 
 _MAX_WAKES_AT_ONE_INSTANT = 10_000
 FEEDBACK_MODES = ("all", "changed", "none")
+EXECUTION_MODES = ("auto", "events")
 _SAME_US = 1e-3  # 1 ns: below this, a reported time equals the planned one
 _STOP_CHECK_US = 250_000.0  # how often (simulated us) a run with stop_below checks whether it may stop
 _STOP_MIN_SHARE = 0.1  # ... and not before this share of the arrival window (module docstring, "Early stop")
@@ -99,6 +113,10 @@ class SimConfig:
         scheduler_options: extra keyword options for ``build_scheduler``.
         stop_below: stop the run once every model's attainment is certain to end below
             this (module docstring, "Early stop"); ``None`` = always run to the end.
+        execution: how dispatched batches are carried out (module docstring, "Exact
+            execution"): ``"auto"`` writes a batch's stage times from its plan when nothing
+            can make them differ, and simulates every transfer and stage as events
+            otherwise; ``"events"`` always simulates them as events. Same records either way.
     """
 
     duration_s: float = 30.0
@@ -110,6 +128,7 @@ class SimConfig:
     policy: str = "reservation"
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
     stop_below: float | None = None
+    execution: str = "auto"
 
 
 @dataclass(slots=True)
@@ -182,6 +201,15 @@ class StageEndEvent(_StageEvent):
 
     def handle(self):
         return self.sim.on_stage_end(self.run, self.k)
+
+
+class BatchDoneEvent(_StageEvent):
+    """Exact execution: a batch's last stage ended (its stage times were written at dispatch)."""
+
+    __slots__ = ()
+
+    def handle(self):
+        return self.sim.on_batch_done(self.run)
 
 
 class TransferReadyEvent(_StageEvent):
@@ -299,6 +327,8 @@ class Simulator:
             raise UserError(f"feedback must be one of {FEEDBACK_MODES}, got {config.feedback!r}", fix="e.g. --feedback all")
         if config.jitter_cv < 0:
             raise UserError(f"jitter CV must be >= 0, got {config.jitter_cv}", fix="give e.g. --jitter-cv 0.1")
+        if config.execution not in EXECUTION_MODES:
+            raise UserError(f"execution must be one of {EXECUTION_MODES}, got {config.execution!r}", fix="use 'auto' (the default) or 'events'")
         if config.stop_below is not None and not (0 < config.stop_below <= 1):
             raise UserError(f"stop_below must be in (0, 1], got {config.stop_below}", fix="give the sweep's target, e.g. 0.99")
         self.plan = plan
@@ -318,6 +348,15 @@ class Simulator:
         }
         factory = scheduler_factory or default_scheduler_factory(config.policy, **dict(config.scheduler_options))
         self.scheduler = factory(plan, self.profiles, cluster, self.clock)
+        # Exact execution (module docstring): nothing can make a stage differ from its plan.
+        self.exact = (
+            config.execution == "auto"
+            and config.jitter_cv == 0
+            and not config.failures
+            and config.feedback != "all"
+            and getattr(self.scheduler, "executes_as_planned", False) is True
+        )
+        self._exact_inflight: dict[int, _BatchRun] = {}  # batch id -> run, until its BatchDoneEvent
         # jitter: lognormal with mean 1 and CV c has sigma^2 = ln(1 + c^2), mu = -sigma^2 / 2
         self._jitter_rng = np.random.default_rng(np.random.SeedSequence([int(config.seed), 0x717E]))
         s2 = math.log1p(config.jitter_cv**2)
@@ -378,6 +417,8 @@ class Simulator:
         try:
             if not self._miss_budget:
                 self.loop.run(until_us=horizon)
+                if self._exact_inflight:
+                    self._exact_cutoff(horizon)
             else:
                 t = 0.0
                 earliest_stop = _STOP_MIN_SHARE * self.window_us
@@ -385,13 +426,47 @@ class Simulator:
                     t = min(t + _STOP_CHECK_US, horizon)
                     self.loop.run(until_us=t)
                     if t >= earliest_stop and self._all_below_target():
-                        self.stopped_at_us = self.clock.now_us()
+                        self.stopped_at_us = self._exact_cutoff(t) if self._exact_inflight else self.clock.now_us()
                         self.records = [r for r in self.records if r is not None]
                         break
+                else:
+                    if self._exact_inflight:
+                        self._exact_cutoff(horizon)
         finally:
             if gc_was_enabled:
                 gc.enable()
         return self
+
+    def _exact_cutoff(self, t: float) -> float:
+        """Exact execution ends at ``t`` (stop or horizon): undo what happens after ``t``.
+
+        Batches still in flight had all their stage times written at dispatch; the events
+        would only have done what falls at or before ``t``. Returns the time of the last
+        event up to ``t`` that the events would have handled (the clock's reading then).
+        """
+        last = self.clock.now_us()
+        w = self.window_us
+        for run in self._exact_inflight.values():
+            for st in run.record.stages:
+                ts = st.transfer_start_us
+                if ts is not None:
+                    if ts > t:
+                        st.transfer_start_us = st.transfer_end_us = None
+                    elif ts > last:
+                        last = ts
+                start, end = st.start_us, st.end_us
+                if start > t:
+                    hi = w if w < end else end
+                    if hi > start:
+                        self.vgpus[st.vgpu_id].busy_in_window_us -= hi - start
+                    st.start_us = st.end_us = -1.0
+                else:
+                    if start > last:
+                        last = start
+                    if last < end <= t:
+                        last = end
+        self._exact_inflight.clear()
+        return last
 
     def _all_below_target(self) -> bool:
         """Every model with arrivals has missed more than its budget (it ends below target)."""
@@ -492,11 +567,51 @@ class Simulator:
                 r.dispatch_us = now
             r.batch_ids.append(d.batch_id)
         first = d.stages[0]
+        if self.exact and first.partition == 0:
+            return self._run_as_planned(run, d, now)
         if first.partition > 0 and first.transfer_us > 0:
             ts = first.transfer_start_us if first.transfer_start_us is not None else now
             return TransferReadyEvent(max(now, ts), self, run, 0)
         ps = first.start_us
         return StageReadyEvent(ps if ps > now else now, self, run, 0)
+
+    def _run_as_planned(self, run: _BatchRun, d: Dispatch, now: float) -> Event | None:
+        """Exact execution: the batch's transfer and stage times from its plan, one event at its end.
+
+        The same arithmetic as the events (on_stage_ready, on_stage_end, on_transfer_ready)
+        without the waits for a busy vGPU or link, which cannot occur here (module
+        docstring, "Exact execution").
+        """
+        vgpus = self.vgpus
+        for s in d.stages:
+            if s.vgpu_id not in vgpus:  # (a scheduler bug: the events record it as an anomaly)
+                self.exact = False
+                ev = self._start_dispatch(d, now)
+                self.exact = True
+                return ev
+        w = self.window_us
+        t = now  # when the input is ready: the dispatch, then the previous stage's end
+        stages = run.record.stages
+        for k, ds in enumerate(d.stages):
+            st = stages[k]
+            if k and ds.transfer_us > 0:
+                ts = ds.transfer_start_us
+                if ts is None or ts < t:
+                    ts = t
+                t = ts + ds.transfer_us
+                st.transfer_start_us, st.transfer_end_us = ts, t
+            ps = st.planned_start_us
+            start = ps if ps > t else t
+            end = start + st.planned_infer_us
+            vg = vgpus[ds.vgpu_id]
+            vg.free_us = end
+            hi = w if w < end else end
+            if hi > start:
+                vg.busy_in_window_us += hi - start
+            st.start_us, st.end_us = start, end
+            t = end
+        self._exact_inflight[d.batch_id] = run
+        return BatchDoneEvent(t, self, run, len(stages) - 1)
 
     # ---- event handlers ----------------------------------------------------------------------
 
@@ -620,6 +735,21 @@ class Simulator:
             rep = StageReport(rec.batch_id, st.partition, st.vgpu_id, st.start_us, st.end_us, st.transfer_start_us, st.transfer_end_us)
             out.extend(self.apply(self._call(self.scheduler.report, rep)))
         return out
+
+    def on_batch_done(self, run: _BatchRun) -> list[Event]:
+        """Exact execution: the batch's last stage ended (as on_stage_end; no report differs from the plan)."""
+        rec = run.record
+        del self._exact_inflight[rec.batch_id]
+        if rec.stages[-1].partition == run.last_partition:
+            now = self.clock._now_us
+            records = self.records
+            for rid in rec.request_ids:
+                r = records[rid]
+                if r.drop_reason is None and r.completion_us < 0:
+                    r.completion_us = now
+                    if now > r.deadline_us:
+                        self.missed[r.model] += 1
+        return []
 
     def on_transfer_ready(self, run: _BatchRun, k: int) -> list[Event]:
         st = run.record.stages[k]
