@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, Union, runtime_checkable
 
 
 def _record(cls):
@@ -164,7 +164,7 @@ class Dispatch:
     pipeline: int
     requests: tuple[Request, ...]
     stages: tuple[Stage, ...]
-    reservations: tuple[Reservation, ...]
+    reservations: Sequence[Reservation]  # a tuple (or the scheduler's ReservationList, which builds it on first use)
 
     @property
     def batch(self) -> int:

@@ -31,6 +31,29 @@ def test_reactive_reserves_no_nic_and_ignores_nic_contention(fig5):
     assert len(rea.topology.table("up:n-0")) == 1  # nothing added to the NIC tables
 
 
+def test_dispatch_reservations_are_what_reserve_marked(fig5):
+    # Built on first use (ReservationList), they must equal the intervals the tables hold,
+    # and behave (and pickle) as the tuple they stand for.
+    import pickle
+
+    from ppipe.dataplane import Reservation
+
+    res, _ = fig5(batch=1)
+    (d,) = res.submit(req(0, 0.0))
+    marked = tuple(
+        Reservation(tab.name, s, e - s)
+        for tab in [res.topology.table(r.resource) for r in d.reservations]
+        for s, e, key in tab.intervals() if key[0] == d.batch_id
+    )
+    assert len(d.reservations) == 4 == len(marked)  # two inferences, the transfer on both NICs
+    assert sorted(d.reservations, key=repr) == sorted(marked, key=repr)
+    as_tuple = tuple(d.reservations)
+    assert d.reservations == as_tuple and as_tuple == d.reservations and hash(d.reservations) == hash(as_tuple)
+    assert d.reservations[0] == as_tuple[0] and repr(d.reservations) == repr(as_tuple)
+    assert pickle.loads(pickle.dumps(d.reservations)) == as_tuple
+    assert type(pickle.loads(pickle.dumps(d.reservations))) is tuple
+
+
 def test_reactive_appends_to_vgpu_queues_without_filling_gaps(fig5):
     rea, _ = fig5(batch=1, policy="reactive")
     for s in (rea,):
