@@ -54,9 +54,14 @@ def test_exact_execution_gives_the_event_simulations_records(tiny, load, feedbac
         assert slow.overall.dropped > 0  # overload: drops at dispatch, queues in the tables
 
 
-def test_exact_execution_stops_early_where_the_events_stop(tiny):
+@pytest.mark.parametrize("prune_every", [4096, 3])
+def test_exact_execution_stops_early_where_the_events_stop(tiny, monkeypatch, prune_every):
     # Batches in flight at the stop had their stages written at dispatch: the ones after
     # the stop must be undone, and the stop time must be the events' (last event handled).
+    # (prune_every=3: ended batches are forgotten all along, as in long runs.)
+    import ppipe.sim.simulator as simulator
+
+    monkeypatch.setattr(simulator, "_EXACT_PRUNE_EVERY", prune_every)
     plan, profiles, cluster = tiny
     fast, slow = _both(plan, profiles, cluster, 2.5, duration_s=5.0, seed=1, feedback="changed", stop_below=0.99)
     assert slow.stopped_at_s is not None
@@ -104,3 +109,28 @@ def test_exact_execution_on_a_paper_plan_with_nic_transfers(artifact_dir, load):
     fast, slow = _both(plan, {p.name: p for p in profs}, cluster, load, duration_s=1.0, seed=5, feedback="changed")
     assert any(s.transfer_start_us is not None for b in slow.batches for s in b.stages)
     _assert_same(fast, slow)
+
+
+def test_a_dispatch_to_an_unknown_vgpu_falls_back_to_the_events(tiny):
+    # A scheduler bug under exact execution is still recorded as the events record it.
+    from sim_fakes import FakeScheduler
+
+    class Buggy(FakeScheduler):
+        executes_as_planned = True
+
+        def _dispatch(self, request):
+            out = super()._dispatch(request)
+            d = out[0]
+            if request.id == 3 and hasattr(d, "stages"):
+                bad = d.stages[1].__class__(**{**d.stages[1].__dict__, "vgpu_id": "nowhere"})
+                out = [d.__class__(**{**d.__dict__, "stages": (d.stages[0], bad)})]
+            return out
+
+    plan, profiles, cluster = tiny
+    sim = Simulator(plan, profiles, cluster, SimConfig(duration_s=0.01, feedback="changed"), lambda *a: Buggy(*a))
+    assert sim.exact is True
+    res = run_point(plan, profiles, cluster, 0.5, config=SimConfig(duration_s=0.05, feedback="changed"),
+                    scheduler_factory=lambda *a: Buggy(*a))
+    assert res.anomaly_count == 1 and "unknown vGPU nowhere" in res.anomalies[0]
+    assert len({b.batch_id for b in res.batches}) == len(res.batches)  # no batch recorded twice
+    assert sum(r.batch_ids.count(r.batch_ids[0]) > 1 for r in res.records if r.batch_ids) == 0
