@@ -13,14 +13,21 @@ Timings depend on the machine and its load: run it on a quiet machine and report
 figures as measured there (``--repeat N`` keeps the fastest of N runs of each case, which
 filters out most interference). Uses the PPipe artifact (``--artifact`` or PPIPE_ARTIFACT).
 
-Last measured 2026-11-25 (``--duration-s 5 --repeat 3``, the project's 2-core AMD EPYC
-machine, five runs within 30 minutes): dispatch median 35.4-58.4 us (p99 77-132 us), 1.79
-probes per dispatch; HC1-L G1 5.1-8.2 and efficientnet-b8 7.0-8.1 simulated s per wall s
-(scheduler 62-63 % of it). The spread is the host's, not the code's: that day's code and
-the code of the day before, run alternately, were within 8 % of each other (either way) in every
-figure, and the slowest run of each came first, right after a long reproduction. (On
-2026-11-24: 58.6 us, 5.1 and 5.1 s/s; the code before that session's trimming measured
-85.1 us, 3.9 and 3.9 there.)
+Last measured 2026-11-25 evening (``--duration-s 5 --repeat 3``, the project's 2-core AMD
+EPYC machine, host readings 0.35-0.53 s), with the simulator's exact execution (a
+jitter-free batch of the reservation policy is written from its plan: 8.5 k events instead
+of 50 k) and lazily built ``Dispatch.reservations``, five runs: dispatch median 33.9-38.5
+us (p99 73-105 us), 1.79 probes per dispatch; HC1-L G1 10.6-11.3 simulated s per wall s,
+efficientnet-b8 10.2-11.6 (one run 7.7). The code before them, run alternately with the
+first two: 34.2-36.6 us, G1 8.6-9.0, efficientnet-b8 8.6-8.7.
+
+Earlier that day (five runs within 30 minutes): dispatch median 35.4-58.4 us (p99 77-132
+us); HC1-L G1 5.1-8.2 and efficientnet-b8 7.0-8.1 simulated s per wall s (scheduler 62-63 %
+of it). That spread was the host's, not the code's: that day's code and the code of the
+day before, run alternately, were within 8 % of each other (either way) in every figure,
+and the slowest run of each came first, right after a long reproduction. (On 2026-11-24:
+58.6 us, 5.1 and 5.1 s/s; the code before that session's trimming measured 85.1 us, 3.9
+and 3.9 there.)
 
 Compiled with mypyc (tables, topology, reservation, batching and options; 2026-11-25, after
 a few typing fixes), HC1-L G1 ran 1.10, 1.21 and 0.70 times as fast as pure Python in three
