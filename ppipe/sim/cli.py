@@ -179,7 +179,7 @@ def _print_point(res, load: float, base: dict[str, float]) -> None:
     ppd = "-" if res.probes_per_dispatch is None else f"{res.probes_per_dispatch:.2f}"
     spd = "-" if res.scheduler_us_per_dispatch is None else f"{res.scheduler_us_per_dispatch:.1f}"
     con.print(f"dispatches {res.dispatches}, probes/dispatch {ppd}, scheduler {spd} us/dispatch, "
-              f"{res.events} events, {res.wall_s:.1f} s wall ({res.sim_s_per_wall_s:.1f} simulated s per wall s, {res.sim_s_per_cpu_s:.1f} per CPU s)")
+              f"{res.events} events ({res.execution} execution), {res.wall_s:.1f} s wall ({res.sim_s_per_wall_s:.1f} simulated s per wall s, {res.sim_s_per_cpu_s:.1f} per CPU s)")
     if res.anomaly_count:
         con.print(f"[yellow]{res.anomaly_count} scheduler anomalies, e.g. {res.anomalies[:3]}[/yellow]")
 

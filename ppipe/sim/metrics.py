@@ -72,6 +72,7 @@ class SimResult:
     anomalies: list[str]
     anomaly_count: int
     stopped_at_s: float | None = None  # the run stopped early here: every model was already below the target (see ppipe.sim.simulator)
+    execution: str = "events"  # "exact": batches written from their plans; "events": every stage simulated (SimConfig.execution)
     records: list[RequestRecord] = field(default_factory=list, repr=False)
     batches: list[BatchRecord] = field(default_factory=list, repr=False)
     vgpus: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -184,6 +185,7 @@ def summarize(sim, wall_s: float, cpu_s: float | None = None) -> SimResult:
         anomalies=list(sim.anomalies),
         anomaly_count=sim.anomaly_count,
         stopped_at_s=None if stopped is None else stopped / 1e6,
+        execution="exact" if getattr(sim, "exact", False) else "events",
         records=sim.records,
         batches=sim.batches,
         vgpus=sim.vgpus,

@@ -28,6 +28,7 @@ def _batches(res):
 
 def _assert_same(fast, slow):
     assert fast.events < slow.events  # the shortcut did run
+    assert (fast.execution, slow.execution) == ("exact", "events")
     assert _records(fast) == _records(slow)
     assert _batches(fast) == _batches(slow)
     assert fast.stopped_at_s == slow.stopped_at_s
