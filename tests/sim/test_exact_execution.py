@@ -135,3 +135,12 @@ def test_a_dispatch_to_an_unknown_vgpu_falls_back_to_the_events(tiny):
     assert res.anomaly_count == 1 and "unknown vGPU nowhere" in res.anomalies[0]
     assert len({b.batch_id for b in res.batches}) == len(res.batches)  # no batch recorded twice
     assert sum(r.batch_ids.count(r.batch_ids[0]) > 1 for r in res.records if r.batch_ids) == 0
+
+
+def test_exact_execution_ends_at_the_horizon_where_the_events_end(tiny):
+    # No drain: batches dispatched near the end of the window are still in flight at the
+    # horizon; their stages after it never ran and their requests are unfinished.
+    plan, profiles, cluster = tiny
+    fast, slow = _both(plan, profiles, cluster, 1.1, duration_s=0.5, seed=4, feedback="changed", drain_s=0.0)
+    assert slow.overall.unfinished > 0
+    _assert_same(fast, slow)
