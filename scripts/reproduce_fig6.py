@@ -152,13 +152,12 @@ def _dp_options(args) -> dict:
 
 def _sweep(plan, profiles, cluster, rates, args, policy: str):
     from ppipe.sim import SimConfig, Workload, sweep
+    from ppipe.sim.simulator import default_feedback
     from ppipe.sim.arrivals import read_trace
 
     wl = Workload(kind=args.arrivals, cv=args.cv, trace_s=read_trace(args.trace) if args.trace else None)
-    # For the reservation policy a report equal to the plan is a no-op, so only changed
-    # stages are reported (same results, faster); the reactive policy gets every report.
     cfg = SimConfig(duration_s=args.duration_s, seed=args.seed, policy=policy,
-                    feedback="changed" if policy == "reservation" else "all", scheduler_options=_dp_options(args))
+                    feedback=default_feedback(policy), scheduler_options=_dp_options(args))
     return sweep(plan, {p.name: p for p in profiles}, cluster, rates_rps=rates, workload=wl, config=cfg,
                  search=args.search, bisect_steps=args.bisect_steps, early_stop=not args.no_early_stop)
 

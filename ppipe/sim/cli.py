@@ -58,7 +58,7 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
              policy, jitter_cv, feedback, rates_from, plot_dir, records_out, json_out) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
-    from ppipe.sim.simulator import SimConfig
+    from ppipe.sim.simulator import SimConfig, default_feedback
     from ppipe.sim.sweep import Workload, base_rates, check_rates, load_inputs, run_point
     from ppipe.sim.sweep import sweep as run_sweep
     from ppipe.spec.plan import load_plan
@@ -84,10 +84,7 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
             raise UserError("reference plan not found", fix="give a plan.yaml for --rates-from", file=rates_from)
         rates = check_rates(plan, base_rates(load_plan(rates_from)), f"--rates-from {rates_from}")
     if feedback is None:
-        # What scripts/reproduce_fig6.py runs: a report equal to a reservation changes nothing
-        # (tests/sim/test_end_to_end.py), and without them a jitter-free run is simulated
-        # batch by batch instead of stage by stage (SimConfig.execution).
-        feedback = "changed" if policy == "reservation" else "all"
+        feedback = default_feedback(policy)
     config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy)
     base = rates or base_rates(plan)
 

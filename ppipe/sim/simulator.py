@@ -96,6 +96,16 @@ _STOP_MIN_SHARE = 0.1  # ... and not before this share of the arrival window (mo
 _EXACT_PRUNE_EVERY = 4096  # exact execution: forget ended batches once this many are listed
 
 
+def default_feedback(policy: str) -> str:
+    """The feedback ``ppipe simulate`` and the reproduction scripts use for ``policy``.
+
+    ``"changed"`` for the reservation policy: a report equal to its reservation changes
+    nothing (tests/sim/test_end_to_end.py), and without such reports a jitter-free run
+    uses exact execution. ``"all"`` for the others (their reports drive late drops).
+    """
+    return "changed" if policy == "reservation" else "all"
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """Settings of one simulation run.
