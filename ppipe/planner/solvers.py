@@ -272,11 +272,14 @@ class CbcSolver(Solver):
         t0 = time.perf_counter()
         col_lb, col_ub, integ, row_lb, row_ub, cost = milp.arrays()
         prob = pulp.LpProblem("ppipe", pulp.LpMaximize if milp.sense == "max" else pulp.LpMinimize)
+        # PuLP >= 3.3 attaches variables to the problem (LpVariable(...) alone is deprecated
+        # there and goes in 4.0); older PuLP has only the free-standing constructor.
+        new_var = getattr(prob, "add_variable", None) or pulp.LpVariable
         xs = [
-            pulp.LpVariable(
+            new_var(
                 f"x{j}",
-                lowBound=None if math.isinf(col_lb[j]) else col_lb[j],
-                upBound=None if math.isinf(col_ub[j]) else col_ub[j],
+                None if math.isinf(col_lb[j]) else col_lb[j],
+                None if math.isinf(col_ub[j]) else col_ub[j],
                 cat=pulp.LpInteger if integ[j] else pulp.LpContinuous,
             )
             for j in range(milp.num_cols)
