@@ -111,10 +111,14 @@ def build(
     *,
     gpu_rule: str = "physical",
     one_config_per_template: bool = False,
+    tight_bounds: bool = True,
 ) -> tuple[Milp, PlanVariables]:
     """Build constraints (2), (4), (5) and (6) over the given configurations.
 
     The objective and its rows (3) are added by an objective object afterwards.
+    ``tight_bounds=False`` bounds g_{c,d} by N_k v (the paper's model) instead of U_{c,d}:
+    the same optimum, and every plan with more vGPUs in a pool than its pipeline can use
+    (the headroom pass's) stays a solution.
     """
     if gpu_rule not in ("physical", "paper"):
         raise ValueError(f"gpu_rule must be 'physical' or 'paper', got {gpu_rule!r}")
@@ -144,6 +148,8 @@ def build(
             cap = np.where(mask, Nk * cs.level * cs.X, np.inf)
             xmax = cap.min(axis=1) if C else np.zeros(0)
             U = np.where(mask, np.minimum(Nk * cs.level, np.ceil(xmax[:, None] / np.where(mask, cs.X, 1.0) - 1e-9)), 0.0)
+        if not tight_bounds:
+            U = np.where(mask, Nk * cs.level, 0.0)
         U = np.maximum(U, 0.0)
         gcols = milp.add_cols(int(mask.sum()), lb=0, ub=U[mask], integer=True, name="g")
         gidx = np.full((C, D), -1, int)
@@ -304,6 +310,70 @@ def extract(x: np.ndarray, v: PlanVariables, models: list[ModelSpec]) -> list[Mo
             )
         )
     return out
+
+
+def solution_vector(models: list[ModelPlan], v: PlanVariables, num_cols: int) -> np.ndarray:
+    """The column values of a plan in a MILP built by :func:`build`: :func:`extract` inverted.
+
+    Each pipeline is matched to the configuration with its block ranges, GPU types, levels
+    and batch; ``g`` takes its pools' counts, ``x_c``/``x_m`` its throughputs, ``y_c`` 1,
+    the GPU columns the counts that constraint (2) needs, and ``z`` (when the max-min
+    objective added it) ``min_m x_m / w_m``. With :func:`ppipe.planner.core.is_feasible` it
+    tells whether a plan changed after the solve (the headroom pass) is still a solution
+    of the same MILP.
+
+    Raises:
+        ValueError: a pipeline whose configuration is not among the MILP's columns.
+    """
+    x = np.zeros(num_cols)
+    share: dict[tuple, float] = {}
+    per_type = np.zeros(len(v.types))
+    z = math.inf
+    for mi, m in enumerate(models):
+        cs = v.configs[mi]
+        index = {
+            (
+                tuple(int(a) for a in cs.first[c, : cs.nparts[c]]),
+                tuple(int(a) for a in cs.last[c, : cs.nparts[c]]),
+                tuple(cs.types[int(k)] for k in cs.gpu[c, : cs.nparts[c]]),
+                tuple(int(a) for a in cs.level[c, : cs.nparts[c]]),
+                int(cs.batch[c]),
+            ): c
+            for c in range(len(cs))
+        }
+        xm = 0.0
+        for pi, pipe in enumerate(m.pipelines):
+            key = (
+                tuple(p.first_block for p in pipe.partitions),
+                tuple(p.last_block for p in pipe.partitions),
+                tuple(p.gpu for p in pipe.partitions),
+                tuple(p.vgpu for p in pipe.partitions),
+                pipe.batch,
+            )
+            c = index.get(key)
+            if c is None:
+                raise ValueError(f"model '{m.name}' pipeline {pi}: its configuration is not a column of this MILP")
+            for d, part in enumerate(pipe.partitions):
+                x[v.g[mi][c, d]] += part.count
+                k = int(cs.gpu[c, d])
+                skey = (k, part.vgpu) if v.gpu_rule == "physical" else (mi, d, k)
+                share[skey] = share.get(skey, 0.0) + part.count / part.vgpu
+            if v.x_config[mi][c] >= 0:
+                x[v.x_config[mi][c]] += pipe.throughput_rps
+            if v.y and v.y[mi][c] >= 0:
+                x[v.y[mi][c]] = 1.0
+            xm += pipe.throughput_rps
+        x[v.x_model[m.name]] = xm
+        z = min(z, xm / v.weight[m.name])
+    for skey, s in share.items():
+        n = math.ceil(s - 1e-9)
+        x[v.agg[skey]] = n
+        per_type[skey[0] if v.gpu_rule == "physical" else skey[2]] += n
+    for i, k in enumerate(v.types):
+        x[v.gpus[k]] = per_type[i]
+    if "z" in v.extra:
+        x[v.extra["z"]] = z
+    return x
 
 
 def gpus_needed(models: list[ModelPlan], types: list[str], gpu_rule: str) -> dict[str, int]:
