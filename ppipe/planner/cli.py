@@ -53,7 +53,7 @@ def _parse_per_model(values: tuple[str, ...], flag: str):
 @click.option("--required-rps", multiple=True, help="For --objective min-cost: RPS for all models or MODEL=RPS (repeatable).")
 @click.option("--time-limit-s", type=float, default=60.0, show_default=True, help="Solver time limit in s.")
 @click.option("--gap", type=float, default=1e-4, show_default=True, help="Relative MIP gap at which the solver stops. Reported in solver.gap.")
-@click.option("--headroom/--no-headroom", default=None, help="Give pools busier than --headroom-util extra vGPUs from GPUs the plan leaves idle (the objective does not change). Sets settings.headroom_util (default: on for --formulation ppipe with max-min/total, off for ppipe-atc25 and the baselines).")
+@click.option("--headroom/--no-headroom", default=None, help="Give pools busier than --headroom-util extra vGPUs from GPUs the plan leaves idle (the objective does not change). Sets settings.headroom_util (default: on for --planner ppipe with max-min/total, in both formulations: the plan stays an optimal solution of the same MILP; off for the baselines).")
 @click.option("--headroom-util", type=float, default=None, help="Utilization target of the headroom pass, in [0, 1): pools are grown until they are at or below it at the planned load (0 = use every idle GPU a pool can take). Sets settings.headroom_util (default 0.8); implies --headroom.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.yaml", show_default=True, help="Where to write the plan.")
 @click.option("--quiet", is_flag=True, help="Do not print the summary.")

@@ -11,6 +11,20 @@ pool: the objective value, the pipelines' block ranges, levels and batches stay 
 MILP's, and so do the rates a load factor refers to (:func:`ppipe.sim.sweep.base_rates`
 uses the solver's objective).
 
+Still an optimal plan of the same MILP. The max-min MILP has many optimal solutions: the
+vGPU counts of pools that do not bind are free as long as the GPU rows hold, and nothing
+in the model (ppipe's or the paper's) says which of them to run. The pass only raises
+counts of existing pools within constraint (2), so every row of the MILP still holds and
+``z = min_m x_m / w_m`` keeps the solver's value: the grown plan is another optimal
+solution (with the paper's bound ``g <= N_k v``; ppipe's tighter ``U_{c,d}`` bound only
+excludes pools larger than their pipeline can ever use, which the pass may build).
+``tests/planner/test_headroom.py`` checks it row by row
+(:func:`ppipe.planner.formulation.solution_vector` and
+:func:`ppipe.planner.core.is_feasible`), and so did a check of the 24 main cases of
+``scripts/reproduce_fig6.py`` in the paper's formulation (2026-11-26: 24 of 24 feasible,
+objective unchanged, 0-16 vGPUs added per case). Hence the pass is on by default in both
+formulations.
+
 Rule (greedy, deterministic). For every pool (a partition of a pipeline):
 
 * its *load* is the planned throughput of its pipeline before headroom (the MILP's), its

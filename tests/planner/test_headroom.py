@@ -89,7 +89,9 @@ def test_plan_api_defaults_and_records_the_target():
     paper = ppipe.plan(cl, [prof], max_partitions=2, formulation="ppipe-atc25", slo_ms=60.0)
     off = ppipe.plan(cl, [prof], max_partitions=2, headroom=False)
     assert default.settings.headroom_util == 0.8
-    assert paper.settings.headroom_util is None and off.settings.headroom_util is None
+    # on in the paper's formulation too: the pass picks another optimal plan of the same MILP
+    assert paper.settings.headroom_util == 0.8 and off.settings.headroom_util is None
+    assert ppipe.plan(cl, [prof], max_partitions=2, planner="np").settings.headroom_util is None
     # same objective, never more GPUs than the cluster, and the idle L GPUs were used
     assert default.solver.objective == pytest.approx(off.solver.objective)
     assert all(default.gpus_used[k] <= n for k, n in cl.gpu_counts.items())
@@ -126,3 +128,80 @@ def test_cli_flags_set_the_headroom_target(tmp_path):
     assert got == {(): 0.8, ("--no-headroom",): None, ("--headroom-util", "0.5"): 0.5}
     r = CliRunner().invoke(main, ["plan", str(cl_file), str(model_dir), "-o", str(tmp_path / "x.yaml"), "--headroom-util", "2"])
     assert r.exit_code == 2 and "headroom utilization target" in r.output
+
+
+# --- the headroom plan is a solution of the MILP the planner solved ----------------------
+# Why this matters: the max-min MILP has many optimal solutions that differ in the counts
+# of pools that do not bind. The headroom pass picks one of them (idle GPUs to the busiest
+# pools); these tests check, row by row, that what it returns is still a solution of the
+# same MILP (with the paper's bound g <= N_k v instead of ppipe's tighter U) with the same
+# objective value -- so a PPipe plan with headroom is an optimal plan of the paper's model.
+
+LEVELS = {"A": [1, 2], "B": [1, 2]}
+LATS = (
+    {"A": [2000.0, 3000.0, 1000.0], "B": [3000.0, 9000.0, 1500.0]},
+    {"A": [1500.0, 1000.0, 2500.0], "B": [2500.0, 2000.0, 8000.0]},
+    {"A": [900.0, 4000.0, 700.0], "B": [1200.0, 2500.0, 3000.0]},
+)
+
+
+def _solved(gpu_rule, one, counts):
+    from ppipe.planner.api import usable_levels
+    from ppipe.planner.configs import ModelSpec
+    from ppipe.planner.core import model_configs
+    from ppipe.planner.formulation import build, extract
+    from ppipe.planner.objectives import MaxMinNormalized
+    from ppipe.planner.solvers import HighsSolver
+
+    cl = cluster(counts, LEVELS, per_server=2)
+    models = [profile(f"m{i}", lat, [200_000, 100_000], LEVELS) for i, lat in enumerate(LATS)]
+    specs = [ModelSpec(profile=m, slo_ms=25.0, weight=w) for m, w in zip(models, (0.3, 0.33, 0.37))]
+    configs = model_configs(specs, cl, [usable_levels(m, cl) for m in models], max_partitions=2, margin=0.2,
+                            group_by_multiset=(gpu_rule == "physical" and not one))
+    milps = {}
+    for tight in (True, False):
+        milp, v = build(specs, configs, cl, gpu_rule=gpu_rule, one_config_per_template=one, tight_bounds=tight)
+        MaxMinNormalized().apply(milp, v)
+        milps[tight] = (milp, v)
+    milp, v = milps[True]
+    res = HighsSolver().solve(milp, gap=1e-9, time_limit_s=60)
+    assert res.status == "optimal"
+    return cl, extract(res.x, v, specs), res.objective, milps
+
+
+@pytest.mark.parametrize("gpu_rule,one,counts", [("paper", True, {"A": 6, "B": 12}), ("physical", False, {"A": 2, "B": 16})])
+@pytest.mark.parametrize("target", [0.8, 0.0])
+def test_headroom_plan_is_an_optimal_solution_of_the_same_milp(gpu_rule, one, counts, target):
+    from ppipe.planner.core import is_feasible
+    from ppipe.planner.formulation import solution_vector
+
+    cl, plans, z, milps = _solved(gpu_rule, one, counts)
+    # the extracted plan itself round-trips into the tight MILP
+    milp, v = milps[True]
+    x = solution_vector(plans, v, milp.num_cols)
+    assert is_feasible(milp, x) and x[v.extra["z"]] == pytest.approx(z, rel=1e-9)
+
+    grown = add_headroom(plans, cl, gpu_rule, target_util=target)
+    added = sum(p.headroom for m in grown for pp in m.pipelines for p in pp.partitions)
+    assert added > 0  # the case leaves idle GPUs that the pass uses
+    paper_milp, pv = milps[False]
+    xg = solution_vector(grown, pv, paper_milp.num_cols)
+    assert is_feasible(paper_milp, xg)
+    assert xg[pv.extra["z"]] == pytest.approx(z, rel=1e-9)  # the same (optimal) objective value
+
+
+def test_solution_vector_catches_a_plan_that_breaks_the_milp():
+    from ppipe.planner.core import is_feasible
+    from ppipe.planner.formulation import solution_vector
+
+    cl, plans, _z, milps = _solved("paper", True, {"A": 6, "B": 12})
+    paper_milp, pv = milps[False]
+    m = plans[0]
+    p0 = m.pipelines[0]
+    part = p0.partitions[0]
+    over = part.model_copy(update=dict(count=part.count + 100, throughput_rps=part.throughput_rps / part.count * (part.count + 100)))
+    broken = m.model_copy(update=dict(pipelines=[p0.model_copy(update=dict(partitions=[over, *p0.partitions[1:]]))] + m.pipelines[1:]))
+    assert not is_feasible(paper_milp, solution_vector([broken, *plans[1:]], pv, paper_milp.num_cols))
+    other = p0.model_copy(update=dict(batch=p0.batch + 7))
+    with pytest.raises(ValueError, match="not a column"):
+        solution_vector([m.model_copy(update=dict(pipelines=[other])), *plans[1:]], pv, paper_milp.num_cols)
