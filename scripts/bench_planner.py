@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clusters", default=",".join(CLUSTERS), help="Clusters for main/gain.")
     ap.add_argument("--models", default=None, help="Models for the ablation (comma-separated; default the 18 of model_list.txt).")
     ap.add_argument("--solver", default="highs", help="highs | cbc | gurobi.")
-    ap.add_argument("--time-limit-s", type=float, default=120.0, help="Solver time limit per case.")
+    ap.add_argument("--time-limit-s", type=float, default=120.0, help="Time budget per case (one ppipe.plan call: NP estimate, split search and solver).")
     ap.add_argument("--gap", type=float, default=1e-4, help="Relative MIP gap at which to stop.")
     args = ap.parse_args(argv)
     suites = args.suite or ["main", "ablation", "four", "gain"]

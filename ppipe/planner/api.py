@@ -33,7 +33,7 @@ from typing import Iterable, Mapping, Sequence, Union
 from ppipe.errors import InfeasibleError, UserError
 from ppipe.planner.baselines import dart_r, np_levels
 from ppipe.planner.configs import ModelSpec
-from ppipe.planner.core import milp_plan
+from ppipe.planner.core import MIN_SOLVE_S, milp_plan
 from ppipe.planner.objectives import ObjectiveLike, get_objective
 from ppipe.planner.solvers import get_solver
 from ppipe.spec.cluster import ClusterSpec, load_cluster, resolve_cluster_path
@@ -220,7 +220,9 @@ def plan(
         configs_per_template: ``"many"`` or ``"one"`` (default from the formulation).
         batch_build: apply beta(b) with x_hat from the NP plan (default True).
         required_rps: rate per model for the min-cost objective.
-        time_limit_s: solver time limit in s (None = none).
+        time_limit_s: wall-clock budget of the whole call in s (the NP plan for the
+            batch-build estimate, the split search and the solver share it; the best plan
+            found by then is returned with its gap). None = none.
         gap: relative MIP gap at which the solver stops (1e-4 = 0.01 %).
         place: assign vGPUs to servers (``Plan.placement``).
         headroom: give the pools that are busier than a target utilization at the planned
@@ -270,7 +272,11 @@ def plan(
             raise UserError(f"weight of model '{n}' must be positive, got {v}", fix="pass positive --weights")
     files = [_model_file(p) for p in profiles]
     specs = [ModelSpec(profile=p, slo_ms=slos[p.name], weight=w[p.name], profile_ref=profile_ref(p)) for p in profiles]
-    solve_kw = dict(solver=slv, margin=margin, time_limit_s=time_limit_s, gap=gap, files=files)
+    solve_kw = dict(solver=slv, margin=margin, gap=gap, files=files)
+
+    def budget_left() -> float | None:
+        # time_limit_s bounds the whole call: a solve gets what the earlier steps left.
+        return None if time_limit_s is None else max(MIN_SOLVE_S, time_limit_s - (time.perf_counter() - t0))
 
     def run_np(objective_):
         # NP: one partition, level 1 only, the paper's per-template choice; beta off (NP is its source).
@@ -282,6 +288,7 @@ def plan(
             max_partitions=1,
             gpu_rule=gpu_rule,
             one_config_per_template=(configs_per_template == "one"),
+            time_limit_s=budget_left(),
             **solve_kw,
         )
 
@@ -316,6 +323,7 @@ def plan(
             max_partitions=max_partitions,
             gpu_rule=gpu_rule,
             one_config_per_template=(configs_per_template == "one"),
+            time_limit_s=budget_left(),
             **solve_kw,
         )
         models_out, result = out.models, out.result

@@ -51,7 +51,7 @@ def _parse_per_model(values: tuple[str, ...], flag: str):
 @click.option("--batch-build/--no-batch-build", default=None, help="Batch-gathering estimate beta(b) from the NP plan. Overrides settings.batch_build (default on).")
 @click.option("--objective", type=click.Choice(["max-min", "total", "min-cost"]), default=None, help="Overrides settings.objective (default max-min; min-cost when --required-rps is given).")
 @click.option("--required-rps", multiple=True, help="For --objective min-cost: RPS for all models or MODEL=RPS (repeatable).")
-@click.option("--time-limit-s", type=float, default=60.0, show_default=True, help="Solver time limit in s.")
+@click.option("--time-limit-s", type=float, default=60.0, show_default=True, help="Time budget of the whole planning in s (NP estimate, split search and solver share it); the best plan found by then is kept, with its gap.")
 @click.option("--gap", type=float, default=1e-4, show_default=True, help="Relative MIP gap at which the solver stops. Reported in solver.gap.")
 @click.option("--headroom/--no-headroom", default=None, help="Give pools busier than --headroom-util extra vGPUs from GPUs the plan leaves idle (the objective does not change). Sets settings.headroom_util (default: on for --planner ppipe with max-min/total, in both formulations: the plan stays an optimal solution of the same MILP; off for the baselines).")
 @click.option("--headroom-util", type=float, default=None, help="Utilization target of the headroom pass, in [0, 1): pools are grown until they are at or below it at the planned load (0 = use every idle GPU a pool can take). Sets settings.headroom_util (default 0.8); implies --headroom.")

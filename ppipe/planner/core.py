@@ -97,6 +97,7 @@ def infeasible_slo(spec: ModelSpec, cs: ConfigSet, margin: float, cluster: Clust
 PROVER_AFTER_S = 0.2
 # Most seconds the split search may take before the solver starts (it gives up past it).
 SPLIT_SEARCH_BUDGET_S = 4.0
+MIN_SOLVE_S = 0.1  # a solve always gets at least this, even when the time budget is spent
 
 
 class CoverProver:
@@ -195,6 +196,11 @@ def milp_plan(
     )
     milp, variables = build(specs, configs, cluster, gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
     objective.apply(milp, variables)
+
+    def left() -> float | None:
+        # time_limit_s covers building and the split search too: the solver gets the rest.
+        return None if time_limit_s is None else max(MIN_SOLVE_S, time_limit_s - (time.perf_counter() - t0))
+
     kw = {}
     if wants_split_start(objective, solver, specs, cluster):
         kw["start"] = split_start(configs, specs, cluster, milp, variables, time_limit_s)
@@ -203,9 +209,9 @@ def milp_plan(
         # (it is only asked after prover_after_s, so easy models pay nothing). Gurobi takes it
         # only to hand it to HiGHS when its licence refuses the model.
         prover = CoverProver(configs, specs, cluster)
-        result = solver.solve(milp, time_limit_s=time_limit_s, gap=gap, prover=prover, prover_after_s=PROVER_AFTER_S, **kw)
+        result = solver.solve(milp, time_limit_s=left(), gap=gap, prover=prover, prover_after_s=PROVER_AFTER_S, **kw)
     else:
-        result = solver.solve(milp, time_limit_s=time_limit_s, gap=gap, **kw)
+        result = solver.solve(milp, time_limit_s=left(), gap=gap, **kw)
     if result.status == "infeasible":
         raise InfeasibleError(
             f"no plan meets objective '{objective.name}' on cluster '{cluster.name}' "

@@ -71,3 +71,26 @@ def test_highs_reports_its_work():
     out = _solve(HighsSolver(), [ModelSpec(profile=profile("m1", LAT_1, [200_000, 100_000], LEVELS), slo_ms=30.0)], cl)
     assert out.result.nodes >= 0
     assert out.result.lp_iterations > 0
+
+
+def test_time_limit_is_a_budget_for_the_whole_plan_call(monkeypatch):
+    # The paper formulation solves twice (the NP plan for the batch-build estimate, then
+    # PPipe's MILP): the second solve gets what the first left, never the whole limit again.
+    import ppipe
+
+    seen = []
+    solve = HighsSolver.solve
+
+    def recording(self, milp, **kw):
+        seen.append(kw["time_limit_s"])
+        return solve(self, milp, **kw)
+
+    monkeypatch.setattr(HighsSolver, "solve", recording)
+    levels = {"A": [1, 2], "B": [1]}
+    cl = cluster({"A": 2, "B": 4}, levels)
+    prof = profile("m", {"A": [1000.0, 2000.0, 1500.0], "B": [3000.0, 5000.0, 4000.0]}, [100_000, 50_000], levels, slo_ms=40.0)
+    ppipe.plan(cl, [prof], formulation="ppipe-atc25", slo_ms=40.0, max_partitions=2, time_limit_s=5.0)
+    assert len(seen) == 2
+    assert seen[0] < 5.0 and seen[1] < seen[0]
+    ppipe.plan(cl, [prof], formulation="ppipe-atc25", slo_ms=40.0, max_partitions=2, time_limit_s=None)
+    assert seen[2:] == [None, None]
