@@ -11,6 +11,7 @@ incumbents optimal where branch and bound is slow to. Neither changes the optimu
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from ppipe.planner.configs import ConfigSet, ModelSpec, enumerate_configs
 from ppipe.planner.formulation import build, extract
 from ppipe.planner.bounds import CoverBound
 from ppipe.planner.objectives import MaxMinNormalized, Objective
+from ppipe.planner.price_bound import PriceBound
 from ppipe.planner.solvers import SolveResult, Solver
 from ppipe.planner.split_search import split_search, start_vector
 from ppipe.spec.cluster import ClusterSpec
@@ -98,27 +100,55 @@ PROVER_AFTER_S = 0.2
 # Most seconds the split search may take before the solver starts (it gives up past it).
 SPLIT_SEARCH_BUDGET_S = 4.0
 MIN_SOLVE_S = 0.1  # a solve always gets at least this, even when the time budget is spent
+# The price bound (8-25 single-model MILP solves of 0.3-3 s on the 4-type case) is not
+# started with less than this left of the time budget.
+PRICE_BOUND_MIN_S = 10.0
 
 
 class CoverProver:
-    """``prover(T, bound)`` for :meth:`HighsSolver.solve`: the cover bound of :mod:`ppipe.planner.bounds`.
+    """``prover(T, bound)`` for :meth:`HighsSolver.solve`: the cover bound of :mod:`ppipe.planner.bounds`,
+    then, where it fails and is given, the price bound of :mod:`ppipe.planner.price_bound`.
 
-    Built on first use (the pipeline patterns are listed once), with its throughput bins
-    spanning HiGHS's upper bound at that time; GPU prices start at 1 / N_k.
+    The cover bound is built on first use (the pipeline patterns are listed once), with its
+    throughput bins spanning HiGHS's upper bound at that time; GPU prices start at 1 / N_k.
+    The price bound starts from the cover bound's last prices, is tried once per level and
+    only while at least ``PRICE_BOUND_MIN_S`` of the time budget is left; ``method`` names
+    the bound that gave the last proof.
     """
 
     method = "cover bound"
 
-    def __init__(self, configs: list[ConfigSet], specs: list[ModelSpec], cluster: ClusterSpec):
+    def __init__(
+        self,
+        configs: list[ConfigSet],
+        specs: list[ModelSpec],
+        cluster: ClusterSpec,
+        price_bound: PriceBound | None = None,
+        deadline: float | None = None,
+    ):
         self._args = (configs, specs, cluster)
         self.bound: CoverBound | None = None
+        self.price_bound = price_bound
+        self.deadline = deadline
+        self._priced: set[float] = set()
 
     def __call__(self, T: float, upper_bound: float) -> bool:
         if self.bound is None:
             configs, specs, cluster = self._args
             counts = np.array([cluster.gpu_counts[g.name] for g in cluster.gpu_types], dtype=float)
             self.bound = CoverBound(configs, [s.weight for s in specs], counts, z_max=upper_bound)
-        return self.bound.refutes(T)
+        if self.bound.refutes(T):
+            self.method = "cover bound"
+            return True
+        left = math.inf if self.deadline is None else self.deadline - time.perf_counter()
+        if self.price_bound is None or T in self._priced or left < PRICE_BOUND_MIN_S:
+            return False
+        self._priced.add(T)
+        mu0 = np.array(self.bound.stats.last_mu) if self.bound.stats.last_mu else None
+        if self.price_bound.refutes(T, mu0=mu0, deadline=self.deadline):
+            self.method = "price bound"
+            return True
+        return False
 
 
 # The split search runs for max-min plans of >= 2 models on >= 3 GPU types. Measured
@@ -208,7 +238,16 @@ def milp_plan(
         # The cover bound proves HiGHS's incumbents optimal where branch and bound is slow
         # (it is only asked after prover_after_s, so easy models pay nothing). Gurobi takes it
         # only to hand it to HiGHS when its licence refuses the model.
-        prover = CoverProver(configs, specs, cluster)
+        # The price bound needs per-model integer GPU vectors: the paper's GPU rule (under
+        # physical packing models share GPUs of a level, so a model's own count would
+        # overstate what it needs). It serves the cases the split search serves.
+        price = (
+            PriceBound(specs, configs, cluster, dict(gpu_rule=gpu_rule, one_config_per_template=one_config_per_template))
+            if gpu_rule == "paper" and wants_split_start(objective, solver, specs, cluster)
+            else None
+        )
+        deadline = None if time_limit_s is None else t0 + time_limit_s
+        prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline)
         result = solver.solve(milp, time_limit_s=left(), gap=gap, prover=prover, prover_after_s=PROVER_AFTER_S, **kw)
     else:
         result = solver.solve(milp, time_limit_s=left(), gap=gap, **kw)

@@ -112,6 +112,7 @@ def build(
     gpu_rule: str = "physical",
     one_config_per_template: bool = False,
     tight_bounds: bool = True,
+    rate_cap: list[float] | None = None,
 ) -> tuple[Milp, PlanVariables]:
     """Build constraints (2), (4), (5) and (6) over the given configurations.
 
@@ -147,6 +148,8 @@ def build(
         with np.errstate(divide="ignore", invalid="ignore"):
             cap = np.where(mask, Nk * cs.level * cs.X, np.inf)
             xmax = cap.min(axis=1) if C else np.zeros(0)
+            if rate_cap is not None:
+                xmax = np.minimum(xmax, rate_cap[mi])
             U = np.where(mask, np.minimum(Nk * cs.level, np.ceil(xmax[:, None] / np.where(mask, cs.X, 1.0) - 1e-9)), 0.0)
         if not tight_bounds:
             U = np.where(mask, Nk * cs.level, 0.0)

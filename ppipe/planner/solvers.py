@@ -251,6 +251,7 @@ def _attach_prover(h, prover, after_s: float, gap: float, sense: str) -> dict:
                 t1 = time.perf_counter()
                 if prover(T, bound):
                     state["target"] = T
+                    state["method"] = "highs incumbent + " + getattr(prover, "method", "prover")
                 state["spent"] += time.perf_counter() - t1
             if state["target"] is not None:
                 inp.user_interrupt = True

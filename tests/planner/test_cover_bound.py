@@ -139,7 +139,7 @@ def test_a_prover_that_refutes_stops_the_search_with_its_method(monkeypatch):
     class Yes:
         method = "test prover"
 
-        def __init__(self, *args):
+        def __init__(self, *args, **kwargs):
             pass
 
         def __call__(self, T, bound):

@@ -1,0 +1,76 @@
+"""The price bound (ppipe.planner.price_bound): never refutes a level a plan reaches, and
+refutes levels just above the optimum where the cover bound cannot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ppipe
+import ppipe.planner.core as core
+from planner_synth import cluster, profile
+from ppipe.planner.api import usable_levels
+from ppipe.planner.bounds import CoverBound
+from ppipe.planner.configs import ModelSpec
+from ppipe.planner.core import model_configs
+from ppipe.planner.formulation import build
+from ppipe.planner.objectives import MaxMinNormalized
+from ppipe.planner.price_bound import PriceBound
+from ppipe.planner.solvers import HighsSolver
+
+LEVELS = {"A": [1, 2], "B": [1, 2], "C": [1]}
+LATS = (
+    {"A": [2000.0, 3000.0, 1000.0], "B": [3000.0, 9000.0, 1500.0], "C": [4000.0, 7000.0, 2500.0]},
+    {"A": [1500.0, 1000.0, 2500.0], "B": [2500.0, 2000.0, 8000.0], "C": [3500.0, 3000.0, 6000.0]},
+    {"A": [900.0, 4000.0, 700.0], "B": [1200.0, 2500.0, 3000.0], "C": [2000.0, 5000.0, 1800.0]},
+)
+PAPER = dict(gpu_rule="paper", one_config_per_template=True)
+
+
+def _case(counts):
+    cl = cluster(counts, LEVELS, per_server=2)
+    models = [profile(f"m{i}", lat, [200_000, 100_000], LEVELS) for i, lat in enumerate(LATS)]
+    specs = [ModelSpec(profile=m, slo_ms=25.0, weight=w) for m, w in zip(models, (0.3, 0.33, 0.37))]
+    configs = model_configs(specs, cl, [usable_levels(m, cl) for m in models], max_partitions=2, margin=0.2, group_by_multiset=False)
+    milp, v = build(specs, configs, cl, **PAPER)
+    MaxMinNormalized().apply(milp, v)
+    res = HighsSolver().solve(milp, gap=1e-9, time_limit_s=60)
+    assert res.status == "optimal"
+    return cl, specs, configs, res.objective
+
+
+@pytest.mark.parametrize("counts", [{"A": 2, "B": 4, "C": 4}, {"A": 4, "B": 6, "C": 4}])
+def test_never_refutes_the_optimum_and_refutes_just_above_it(counts):
+    cl, specs, configs, z = _case(counts)
+    N = np.array([cl.gpu_counts[g.name] for g in cl.gpu_types], dtype=float)
+    assert not PriceBound(specs, configs, cl, PAPER).refutes(z), "refuted the level the optimum reaches"
+    cover = CoverBound(configs, [s.weight for s in specs], N, z_max=1.5 * z)
+    assert not cover.refutes(z * 1.001)  # where the cover bound cannot ...
+    assert PriceBound(specs, configs, cl, PAPER).refutes(z * 1.001, mu0=np.array(cover.stats.last_mu))  # ... this one can
+
+
+def test_a_level_no_model_reaches_alone_is_refuted():
+    cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
+    assert PriceBound(specs, configs, cl, PAPER).refutes(100 * z)
+
+
+def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
+    # Under physical packing models share the GPUs of a level, so a model's own GPU count
+    # overstates its need and the bound would not be valid: the planner must not use it.
+    made = []
+
+    class Spy:
+        def __init__(self, *args):
+            made.append(args[3])
+
+        def refutes(self, T, mu0=None, deadline=None):
+            return False
+
+    monkeypatch.setattr(core, "PriceBound", Spy)
+    cl = cluster({"A": 2, "B": 4, "C": 4}, LEVELS, per_server=2)
+    models = [profile(f"m{i}", lat, [200_000, 100_000], LEVELS) for i, lat in enumerate(LATS)]
+    kw = dict(weights=[0.3, 0.33, 0.37], slo_ms=25.0, max_partitions=2, margin=0.2, batch_build=False, time_limit_s=30)
+    ppipe.plan(cl, models, gpu_rule="physical", **kw)
+    assert made == []
+    ppipe.plan(cl, models, gpu_rule="paper", configs_per_template="one", **kw)
+    assert made and made[-1]["gpu_rule"] == "paper"
