@@ -33,9 +33,9 @@ from typing import Iterable, Mapping, Sequence, Union
 from ppipe.errors import InfeasibleError, UserError
 from ppipe.planner.baselines import dart_r, np_levels
 from ppipe.planner.configs import ModelSpec
-from ppipe.planner.core import MIN_SOLVE_S, milp_plan
+from ppipe.planner.core import milp_plan
 from ppipe.planner.objectives import ObjectiveLike, get_objective
-from ppipe.planner.solvers import get_solver
+from ppipe.planner.solvers import get_solver, time_left
 from ppipe.spec.cluster import ClusterSpec, load_cluster, resolve_cluster_path
 from ppipe.spec.plan import Plan, PlanSettings, SolverReport
 from ppipe.spec.profile import ModelProfile, load_profile, load_profile_ref, profile_ref, resolve_model_dir  # noqa: F401 (re-exported)
@@ -274,9 +274,8 @@ def plan(
     specs = [ModelSpec(profile=p, slo_ms=slos[p.name], weight=w[p.name], profile_ref=profile_ref(p)) for p in profiles]
     solve_kw = dict(solver=slv, margin=margin, gap=gap, files=files)
 
-    def budget_left() -> float | None:
-        # time_limit_s bounds the whole call: a solve gets what the earlier steps left.
-        return None if time_limit_s is None else max(MIN_SOLVE_S, time_limit_s - (time.perf_counter() - t0))
+    # time_limit_s bounds the whole call: a solve gets what the earlier steps left.
+    deadline = None if time_limit_s is None else t0 + time_limit_s
 
     def run_np(objective_):
         # NP: one partition, level 1 only, the paper's per-template choice; beta off (NP is its source).
@@ -288,7 +287,7 @@ def plan(
             max_partitions=1,
             gpu_rule=gpu_rule,
             one_config_per_template=(configs_per_template == "one"),
-            time_limit_s=budget_left(),
+            time_limit_s=time_left(deadline),
             **solve_kw,
         )
 
@@ -323,7 +322,7 @@ def plan(
             max_partitions=max_partitions,
             gpu_rule=gpu_rule,
             one_config_per_template=(configs_per_template == "one"),
-            time_limit_s=budget_left(),
+            time_limit_s=time_left(deadline),
             **solve_kw,
         )
         models_out, result = out.models, out.result

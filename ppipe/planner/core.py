@@ -23,7 +23,7 @@ from ppipe.planner.formulation import build, extract
 from ppipe.planner.bounds import CoverBound
 from ppipe.planner.objectives import MaxMinNormalized, Objective
 from ppipe.planner.price_bound import PriceBound
-from ppipe.planner.solvers import SolveResult, Solver
+from ppipe.planner.solvers import SolveResult, Solver, time_left
 from ppipe.planner.split_search import split_search, start_vector
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import ModelPlan
@@ -99,7 +99,6 @@ def infeasible_slo(spec: ModelSpec, cs: ConfigSet, margin: float, cluster: Clust
 PROVER_AFTER_S = 0.2
 # Most seconds the split search may take before the solver starts (it gives up past it).
 SPLIT_SEARCH_BUDGET_S = 4.0
-MIN_SOLVE_S = 0.1  # a solve always gets at least this, even when the time budget is spent
 # The price bound (8-25 single-model MILP solves of 0.3-3 s on the 4-type case) is not
 # started with less than this left of the time budget.
 PRICE_BOUND_MIN_S = 10.0
@@ -226,10 +225,8 @@ def milp_plan(
     )
     milp, variables = build(specs, configs, cluster, gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
     objective.apply(milp, variables)
-
-    def left() -> float | None:
-        # time_limit_s covers building and the split search too: the solver gets the rest.
-        return None if time_limit_s is None else max(MIN_SOLVE_S, time_limit_s - (time.perf_counter() - t0))
+    # time_limit_s covers building and the split search too: the solver gets the rest.
+    deadline = None if time_limit_s is None else t0 + time_limit_s
 
     kw = {}
     if wants_split_start(objective, solver, specs, cluster):
@@ -246,11 +243,10 @@ def milp_plan(
             if gpu_rule == "paper" and wants_split_start(objective, solver, specs, cluster)
             else None
         )
-        deadline = None if time_limit_s is None else t0 + time_limit_s
         prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline)
-        result = solver.solve(milp, time_limit_s=left(), gap=gap, prover=prover, prover_after_s=PROVER_AFTER_S, **kw)
+        result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_s=PROVER_AFTER_S, **kw)
     else:
-        result = solver.solve(milp, time_limit_s=left(), gap=gap, **kw)
+        result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, **kw)
     if result.status == "infeasible":
         raise InfeasibleError(
             f"no plan meets objective '{objective.name}' on cluster '{cluster.name}' "

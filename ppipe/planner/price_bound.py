@@ -46,6 +46,7 @@ import time
 import numpy as np
 
 from ppipe.planner.configs import ConfigSet, ModelSpec
+from ppipe.planner.solvers import HighsSolver, time_left
 from ppipe.spec.cluster import ClusterSpec
 
 MAX_ITERATIONS = 30
@@ -68,7 +69,7 @@ class PriceBound:
 
     def __init__(self, specs: list[ModelSpec], configs: list[ConfigSet], cluster: ClusterSpec, build_kw: dict):
         self.specs, self.configs, self.cluster = specs, configs, cluster
-        self.build_kw = {k: v for k, v in build_kw.items() if k in ("gpu_rule", "one_config_per_template")}
+        self.build_kw = dict(build_kw)
         self.types = [g.name for g in cluster.gpu_types]
         self.N = np.array([cluster.gpu_counts[k] for k in self.types], dtype=float)
         self.solves = 0
@@ -89,14 +90,11 @@ class PriceBound:
 
     def _price(self, sub, mu: np.ndarray, deadline: float | None) -> tuple[float, np.ndarray | None]:
         """(a lower bound on P_m(mu), the GPU vector of the best plan found or None)."""
-        from ppipe.planner.solvers import HighsSolver
-
         milp, v = sub
         milp.set_objective({v.gpus[k]: float(mu[i]) for i, k in enumerate(self.types)}, "min")
-        left = None if deadline is None else max(0.05, deadline - time.perf_counter())
         t0 = time.perf_counter()
         try:
-            res = HighsSolver().solve(milp, time_limit_s=left, gap=SOLVE_GAP)
+            res = HighsSolver().solve(milp, time_limit_s=time_left(deadline), gap=SOLVE_GAP)
         except Exception:  # noqa: BLE001 - a subproblem without a plan in time proves nothing
             return 0.0, None
         finally:

@@ -37,6 +37,14 @@ class SolverTimeLimitError(UserError):
     """The time limit struck before the solver found any plan."""
 
 
+MIN_SOLVE_S = 0.1  # a solve always gets at least this, even when the time budget is spent
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds a solve may take before ``deadline`` (a ``time.perf_counter()`` value; None: no limit)."""
+    return None if deadline is None else max(MIN_SOLVE_S, deadline - time.perf_counter())
+
+
 @dataclass(frozen=True)
 class SolveResult:
     """What a solver returns.
