@@ -106,7 +106,8 @@ class PriceBound:
             return 0.0, None
         u = np.array([round(float(res.x[v.gpus[k]])) for k in self.types], dtype=float)
         gap = res.gap if np.isfinite(res.gap) else 1.0
-        return max(0.0, res.objective * (1.0 - gap)), u
+        # HiGHS's gap is |primal - dual| / max(1, |primal|) at most: the dual bound is at least this.
+        return max(0.0, res.objective - gap * max(1.0, abs(res.objective))), u
 
     def refutes(self, T: float, mu0: np.ndarray | None = None, deadline: float | None = None) -> bool:
         """True if it is proven that no plan reaches objective ``T`` (False: not proven).
