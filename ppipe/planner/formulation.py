@@ -315,23 +315,51 @@ def extract(x: np.ndarray, v: PlanVariables, models: list[ModelSpec]) -> list[Mo
     return out
 
 
+def pipeline_columns(v: PlanVariables, num_cols: int, chosen: list[list[tuple[int, list, float]]]) -> np.ndarray:
+    """Column values of chosen pipelines: per model, (configuration c, vGPUs per slot, throughput).
+
+    ``g`` takes the counts, ``x_c``/``x_m`` the throughputs, ``y_c`` 1, and the GPU columns
+    the counts that constraint (2) needs. Objective columns (``z``) are left at 0.
+    """
+    x = np.zeros(num_cols)
+    share: dict[tuple, float] = {}
+    for mi, pipes in enumerate(chosen):
+        cs = v.configs[mi]
+        xm = 0.0
+        for c, counts, thr in pipes:
+            for d in range(int(cs.nparts[c])):
+                x[v.g[mi][c, d]] += counts[d]
+                k, lvl = int(cs.gpu[c, d]), int(cs.level[c, d])
+                key = (k, lvl) if v.gpu_rule == "physical" else (mi, d, k)
+                share[key] = share.get(key, 0.0) + counts[d] / lvl
+            if v.x_config[mi][c] >= 0:
+                x[v.x_config[mi][c]] += thr
+            if v.y and v.y[mi][c] >= 0:
+                x[v.y[mi][c]] = 1.0
+            xm += thr
+        x[v.x_model[v.models[mi]]] = xm
+    per_type = np.zeros(len(v.types))
+    for key, s in share.items():
+        n = math.ceil(s - 1e-9)
+        x[v.agg[key]] = n
+        per_type[key[0] if v.gpu_rule == "physical" else key[2]] += n
+    for i, k in enumerate(v.types):
+        x[v.gpus[k]] = per_type[i]
+    return x
+
+
 def solution_vector(models: list[ModelPlan], v: PlanVariables, num_cols: int) -> np.ndarray:
     """The column values of a plan in a MILP built by :func:`build`: :func:`extract` inverted.
 
     Each pipeline is matched to the configuration with its block ranges, GPU types, levels
-    and batch; ``g`` takes its pools' counts, ``x_c``/``x_m`` its throughputs, ``y_c`` 1,
-    the GPU columns the counts that constraint (2) needs, and ``z`` (when the max-min
-    objective added it) ``min_m x_m / w_m``. With :func:`ppipe.planner.core.is_feasible` it
-    tells whether a plan changed after the solve (the headroom pass) is still a solution
-    of the same MILP.
+    and batch (then :func:`pipeline_columns`), and ``z`` (when the max-min objective added
+    it) is ``min_m x_m / w_m``. With :func:`ppipe.planner.core.is_feasible` it tells whether
+    a plan changed after the solve (the headroom pass) is still a solution of the same MILP.
 
     Raises:
         ValueError: a pipeline whose configuration is not among the MILP's columns.
     """
-    x = np.zeros(num_cols)
-    share: dict[tuple, float] = {}
-    per_type = np.zeros(len(v.types))
-    z = math.inf
+    chosen = []
     for mi, m in enumerate(models):
         cs = v.configs[mi]
         index = {
@@ -344,7 +372,7 @@ def solution_vector(models: list[ModelPlan], v: PlanVariables, num_cols: int) ->
             ): c
             for c in range(len(cs))
         }
-        xm = 0.0
+        pipes = []
         for pi, pipe in enumerate(m.pipelines):
             key = (
                 tuple(p.first_block for p in pipe.partitions),
@@ -353,29 +381,13 @@ def solution_vector(models: list[ModelPlan], v: PlanVariables, num_cols: int) ->
                 tuple(p.vgpu for p in pipe.partitions),
                 pipe.batch,
             )
-            c = index.get(key)
-            if c is None:
+            if key not in index:
                 raise ValueError(f"model '{m.name}' pipeline {pi}: its configuration is not a column of this MILP")
-            for d, part in enumerate(pipe.partitions):
-                x[v.g[mi][c, d]] += part.count
-                k = int(cs.gpu[c, d])
-                skey = (k, part.vgpu) if v.gpu_rule == "physical" else (mi, d, k)
-                share[skey] = share.get(skey, 0.0) + part.count / part.vgpu
-            if v.x_config[mi][c] >= 0:
-                x[v.x_config[mi][c]] += pipe.throughput_rps
-            if v.y and v.y[mi][c] >= 0:
-                x[v.y[mi][c]] = 1.0
-            xm += pipe.throughput_rps
-        x[v.x_model[m.name]] = xm
-        z = min(z, xm / v.weight[m.name])
-    for skey, s in share.items():
-        n = math.ceil(s - 1e-9)
-        x[v.agg[skey]] = n
-        per_type[skey[0] if v.gpu_rule == "physical" else skey[2]] += n
-    for i, k in enumerate(v.types):
-        x[v.gpus[k]] = per_type[i]
+            pipes.append((index[key], [p.count for p in pipe.partitions], pipe.throughput_rps))
+        chosen.append(pipes)
+    x = pipeline_columns(v, num_cols, chosen)
     if "z" in v.extra:
-        x[v.extra["z"]] = z
+        x[v.extra["z"]] = min(x[v.x_model[m.name]] / v.weight[m.name] for m in models)
     return x
 
 

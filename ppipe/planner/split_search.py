@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ppipe.planner.configs import ConfigSet
+from ppipe.planner.formulation import pipeline_columns
 
 MAX_GRID = 2_000_000  # GPU vectors per model table (memory: one float32 table per template)
 MAX_PAIRS = 40_000_000  # minimal-point pairs per Minkowski sum
@@ -362,32 +363,7 @@ def start_vector(plan: SplitPlan, v, num_cols: int, objective_col: int | None) -
         num_cols: the MILP's column count.
         objective_col: the column of z (max-min), or None.
     """
-    x = np.zeros(num_cols)
-    share: dict[tuple, float] = {}
-    for m, pls in enumerate(plan.pipelines):
-        cs = v.configs[m]
-        xm = 0.0
-        for p in pls:
-            c = p.config
-            n = int(cs.nparts[c])
-            for d in range(n):
-                x[v.g[m][c, d]] = p.vgpus[d]
-                k, lvl = int(cs.gpu[c, d]), int(cs.level[c, d])
-                key = (k, lvl) if v.gpu_rule == "physical" else (m, d, k)
-                share[key] = share.get(key, 0.0) + p.vgpus[d] / lvl
-            if v.x_config[m][c] >= 0:
-                x[v.x_config[m][c]] = p.throughput_rps
-            if v.y and v.y[m][c] >= 0:
-                x[v.y[m][c]] = 1.0
-            xm += p.throughput_rps
-        x[v.x_model[v.models[m]]] = xm
-    per_type = np.zeros(len(v.types))
-    for key, s in share.items():
-        cnt = float(np.ceil(s - 1e-9))
-        x[v.agg[key]] = cnt
-        per_type[key[0] if v.gpu_rule == "physical" else key[2]] += cnt
-    for i, k in enumerate(v.types):
-        x[v.gpus[k]] = per_type[i]
+    x = pipeline_columns(v, num_cols, [[(p.config, p.vgpus, p.throughput_rps) for p in pls] for pls in plan.pipelines])
     if objective_col is not None:
         x[objective_col] = plan.objective
     return x
