@@ -61,11 +61,11 @@ _split_start = _core.split_start
 
 def _recording_split_start(*args, **kw):
     t0 = time.perf_counter()
-    x = _split_start(*args, **kw)
+    x, plan = _split_start(*args, **kw)
     START["seconds"] += time.perf_counter() - t0
     milp, variables = args[3], args[4]
     START["objective"] = None if x is None else float(x[variables.extra["z"]])
-    return x
+    return x, plan
 
 
 _core.split_start = _recording_split_start

@@ -24,7 +24,7 @@ from ppipe.planner.bounds import CoverBound
 from ppipe.planner.objectives import MaxMinNormalized, Objective
 from ppipe.planner.price_bound import PriceBound
 from ppipe.planner.solvers import SolveResult, Solver, time_left
-from ppipe.planner.split_search import split_search, start_vector
+from ppipe.planner.split_search import SplitPlan, split_search, start_vector
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import ModelPlan
 
@@ -99,9 +99,10 @@ def infeasible_slo(spec: ModelSpec, cs: ConfigSet, margin: float, cluster: Clust
 PROVER_AFTER_S = 0.2
 # Most seconds the split search may take before the solver starts (it gives up past it).
 SPLIT_SEARCH_BUDGET_S = 4.0
-# The price bound (8-25 single-model MILP solves of 0.3-3 s on the 4-type case) is not
-# started with less than this left of the time budget.
-PRICE_BOUND_MIN_S = 10.0
+# The price bound (a round of one single-model MILP solve of 0.3-6 s per model on the
+# 4-type case, where the restriction's dual does not rule it out at once) is not started
+# with less than this left of the time budget.
+PRICE_BOUND_MIN_S = 3.0
 
 
 class CoverProver:
@@ -110,9 +111,8 @@ class CoverProver:
 
     The cover bound is built on first use (the pipeline patterns are listed once), with its
     throughput bins spanning HiGHS's upper bound at that time; GPU prices start at 1 / N_k.
-    The price bound starts from the cover bound's last prices, is tried once per level and
-    only while at least ``PRICE_BOUND_MIN_S`` of the time budget is left; ``method`` names
-    the bound that gave the last proof.
+    The price bound is tried once per level and only while at least ``PRICE_BOUND_MIN_S``
+    of the time budget is left; ``method`` names the bound that gave the last proof.
     """
 
     method = "cover bound"
@@ -143,8 +143,7 @@ class CoverProver:
         if self.price_bound is None or T in self._priced or left < PRICE_BOUND_MIN_S:
             return False
         self._priced.add(T)
-        mu0 = np.array(self.bound.stats.last_mu) if self.bound.stats.last_mu else None
-        if self.price_bound.refutes(T, mu0=mu0, deadline=self.deadline):
+        if self.price_bound.refutes(T, deadline=self.deadline):
             self.method = "price bound"
             return True
         return False
@@ -169,8 +168,8 @@ def wants_split_start(objective, solver, specs, cluster) -> bool:
     )
 
 
-def split_start(configs, specs, cluster, milp, variables, time_limit_s) -> np.ndarray | None:
-    """A MIP start from :func:`~ppipe.planner.split_search.split_search` (max-min), or None.
+def split_start(configs, specs, cluster, milp, variables, time_limit_s) -> tuple[np.ndarray | None, SplitPlan | None]:
+    """(a MIP start from :func:`~ppipe.planner.split_search.split_search` (max-min) or None, its plan or None).
 
     The start is checked against every row and bound of ``milp`` before it is handed over,
     so that a wrong start can never reach the solver.
@@ -179,9 +178,9 @@ def split_start(configs, specs, cluster, milp, variables, time_limit_s) -> np.nd
     budget = SPLIT_SEARCH_BUDGET_S if time_limit_s is None else min(SPLIT_SEARCH_BUDGET_S, 0.25 * time_limit_s)
     plan = split_search(configs, [s.weight for s in specs], counts, time_budget_s=budget)
     if plan is None:
-        return None
+        return None, None
     x = start_vector(plan, variables, milp.num_cols, variables.extra.get("z"))
-    return x if is_feasible(milp, x) else None
+    return (x if is_feasible(milp, x) else None), plan
 
 
 def is_feasible(milp, x: np.ndarray, tol: float = 1e-6) -> bool:
@@ -229,18 +228,25 @@ def milp_plan(
     deadline = None if time_limit_s is None else t0 + time_limit_s
 
     kw = {}
+    restricted = None
     if wants_split_start(objective, solver, specs, cluster):
-        kw["start"] = split_start(configs, specs, cluster, milp, variables, time_limit_s)
+        kw["start"], restricted = split_start(configs, specs, cluster, milp, variables, time_limit_s)
     if isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_prover", False):
         # The cover bound proves HiGHS's incumbents optimal where branch and bound is slow
         # (it is only asked after prover_after_s, so easy models pay nothing). Gurobi takes it
         # only to hand it to HiGHS when its licence refuses the model.
         # The price bound needs per-model integer GPU vectors: the paper's GPU rule (under
         # physical packing models share GPUs of a level, so a model's own count would
-        # overstate what it needs). It serves the cases the split search serves.
+        # overstate what it needs), and the split search's tables, which seed it.
         price = (
-            PriceBound(specs, configs, cluster, dict(gpu_rule=gpu_rule, one_config_per_template=one_config_per_template))
-            if gpu_rule == "paper" and wants_split_start(objective, solver, specs, cluster)
+            PriceBound(
+                specs,
+                configs,
+                cluster,
+                dict(gpu_rule=gpu_rule, one_config_per_template=one_config_per_template),
+                tables=restricted.tables,
+            )
+            if gpu_rule == "paper" and restricted is not None
             else None
         )
         prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline)

@@ -17,26 +17,31 @@ the objective "fewest priced GPUs" and the row ``x_m >= t`` -- solved exactly by
 its dual bound used, so a time-limited solve still gives a valid bound. If some ``mu``
 gives ``sum_m P_m > mu . N``, no plan reaches ``T``.
 
-Prices: Kelley's cutting planes on the dual function (each solve returns a plan, whose
-GPU vector is a cut), inside a box around the best price so far (without it Kelley's
-prices jump to the corners and every jump costs three MILP solves), started from the
-cover bound's last prices. When the cutting-plane model says that no price in the box
-can refute ``T``, the box grows; over all prices, the search ends (not proven).
+Prices: Kelley's cutting planes on the dual function, seeded with the split search's
+restriction (:mod:`ppipe.planner.split_search`, every pool on whole GPUs of its own). Its
+tables L_m give, for free, the GPU vector of every minimal restricted plan of model m that
+reaches ``T w_m``; each is a plan of the MILP, hence a cut ``P_m(mu) <= mu . r``. Kelley's
+LP over all of them is the restriction's own Lagrangian dual, an upper bound on this
+one's: if it cannot refute ``T``, no price can, and the bound says so at once without a
+single MILP solve. Otherwise its best price is where the exact solves go first; each
+solve adds its plan's GPU vector as a cut, and the LP picks the next price. Where no model
+plan is cheaper than the restricted ones at that price (sharing a GPU between pools does
+not pay), one round of three solves proves ``T``.
 
 Where it proves and where not (2026-11-26, the four-type case, ``T`` = incumbent + 0.1 %):
 it refutes ``T`` for G2, G5 and G6 (so their split-search plans are optimal within
-0.1 %), and cannot for G1, G3 and G4: there the best prices leave a fractional mix of
-per-model GPU vectors that fits the cluster (e.g. G4: model 3 half at (17 L4, 14 T4, 18
-P4), half at (22 L4, 1 T4)), which no price can separate, and no integer choice among
-the plans the solves produced fits -- a branch on per-model GPU counts would be next.
-At incumbent + 0.01 % (the planner's default gap) it refutes only G5. Each proof costs
-8-25 single-model MILP solves of 0.3-3 s (HiGHS already uses both cores: solving the
-models in threads saved 8 %), so the planner asks it only on the many-type, many-model,
-paper-rule cases that the split search serves, after the cover bound has failed, with
-at least ``PRICE_BOUND_MIN_S`` of the budget left. Measured (``python
-scripts/bench_planner.py --suite four --time-limit-s 60 --gap 1e-3``): G2 20.6 s, G5
-15.9 s, G6 16.2 s proven within 0.1 %; G1, G3, G4 stop at 60 s with 1.13, 0.75 and
-0.83 % (before: no case proven in 60 s, G2 0.85 %, G6 0.33 %).
+0.1 %), each with one round of exact solves at the restriction's best price, and cannot
+for G1, G3 and G4, where the restriction's dual already stays below the capacity (G4:
+0.9995 of it): the best prices leave a fractional mix of per-model GPU vectors that fits
+the cluster (e.g. G4: model 3 half at (17 L4, 14 T4, 18 P4), half at (22 L4, 1 T4)),
+which no price can separate -- a branch on per-model GPU counts would be next. At
+incumbent + 0.01 % (the planner's default gap) it refutes only G5. An exact solve takes
+0.3-6 s (HiGHS's LP bound of the single-model MILP sits about 1.3 % low and only the
+finished tree closes it), so the planner asks this bound only on the many-type,
+many-model, paper-rule cases that the split search serves, after the cover bound has
+failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. Measured (``python
+scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``): see the
+planner's notes in :mod:`ppipe.planner.core`.
 """
 
 from __future__ import annotations
@@ -47,12 +52,12 @@ import numpy as np
 
 from ppipe.planner.configs import ConfigSet, ModelSpec
 from ppipe.planner.solvers import HighsSolver, time_left
+from ppipe.planner.split_search import minimal_points
 from ppipe.spec.cluster import ClusterSpec
 
 MAX_ITERATIONS = 30
 PRICE_SCALE = 1000.0  # mu . N: keeps each P_m well above 1, where HiGHS's relative gap is exact
 SOLVE_GAP = 1e-7  # relative gap of each subproblem solve (its dual bound is what counts)
-BOX = 0.15  # half-width of the price box, as a share of the largest price
 _REL_TOL = 1e-6  # a proof needs the priced demand to exceed the priced capacity by this share
 
 
@@ -65,11 +70,22 @@ class PriceBound:
         cluster: the cluster (N_k and the GPU rule's data).
         build_kw: the keyword arguments the planner gave
             :func:`ppipe.planner.formulation.build` (GPU rule, one configuration per template).
+        tables: per model, the split search's L_m on the GPU grid
+            (:attr:`ppipe.planner.split_search.SplitPlan.tables`): the GPU vectors of
+            restricted plans, which seed the price search (module docstring).
     """
 
-    def __init__(self, specs: list[ModelSpec], configs: list[ConfigSet], cluster: ClusterSpec, build_kw: dict):
+    def __init__(
+        self,
+        specs: list[ModelSpec],
+        configs: list[ConfigSet],
+        cluster: ClusterSpec,
+        build_kw: dict,
+        tables: list[np.ndarray],
+    ):
         self.specs, self.configs, self.cluster = specs, configs, cluster
         self.build_kw = dict(build_kw)
+        self.tables = list(tables)
         self.types = [g.name for g in cluster.gpu_types]
         self.N = np.array([cluster.gpu_counts[k] for k in self.types], dtype=float)
         self.solves = 0
@@ -109,75 +125,62 @@ class PriceBound:
         # HiGHS's gap is |primal - dual| / max(1, |primal|) at most: the dual bound is at least this.
         return max(0.0, res.objective - gap * max(1.0, abs(res.objective))), u
 
-    def refutes(self, T: float, mu0: np.ndarray | None = None, deadline: float | None = None) -> bool:
+    def refutes(self, T: float, deadline: float | None = None) -> bool:
         """True if it is proven that no plan reaches objective ``T`` (False: not proven).
 
         Args:
             T: the level to refute.
-            mu0: starting GPU prices (e.g. the cover bound's last), or None for 1 / N_k.
             deadline: ``time.perf_counter()`` value after which the search gives up.
         """
         K = self.N.size
-        subs = self._subproblems(T)
-        mu = np.ones(K) if mu0 is None or not (np.asarray(mu0) @ self.N > 0) else np.maximum(np.asarray(mu0, float), 0.0)
-        mu = mu * (PRICE_SCALE / (mu @ self.N))
-        cuts: list[list[np.ndarray]] = [[] for _ in subs]
-        best_mu, best_ratio, box = mu, -np.inf, BOX
+        full = PRICE_SCALE / self.N  # mu . N = PRICE_SCALE, mu >= 0 keeps every mu_k below this
+        cuts = [list(minimal_points(t >= np.float32(T * s.weight)).astype(float)) for t, s in zip(self.tables, self.specs)]
+        subs = None
+        if not all(cuts):
+            # A model the restriction cannot serve at T alone: one exact solve at uniform
+            # prices either proves that no plan of it can, or gives its first cut.
+            subs = self._subproblems(T)
+            for m in (m for m, c in enumerate(cuts) if not c):
+                lb, u = self._price(subs[m], full / K, deadline)
+                if not np.isfinite(lb):
+                    return True
+                if u is None:
+                    return False
+                cuts[m].append(u)
         for _ in range(MAX_ITERATIONS):
+            value, mu = _kelley(self.N, cuts, full)
+            if mu is None or value <= PRICE_SCALE * (1.0 + _REL_TOL):
+                return False  # no price refutes T against these cuts, so none does against P_m
+            subs = subs or self._subproblems(T)
             priced = 0.0
             for m, sub in enumerate(subs):
+                if deadline is not None and time.perf_counter() > deadline:
+                    return False
                 lb, u = self._price(sub, mu, deadline)
                 priced += lb
-                if u is not None:
-                    cuts[m].append(u)
                 if not np.isfinite(priced):
                     return True
-            cap = float(mu @ self.N)
-            if priced > cap * (1.0 + _REL_TOL):
+                if u is not None:
+                    cuts[m].append(u)
+            if priced > float(mu @ self.N) * (1.0 + _REL_TOL):
                 return True
-            if priced / cap > best_ratio:
-                best_ratio, best_mu = priced / cap, mu
-            if deadline is not None and time.perf_counter() > deadline:
-                return False
-            if any(not c for c in cuts):
-                return False  # a subproblem found no plan in time: no cut to steer by
-            full = PRICE_SCALE / self.N  # mu . N = PRICE_SCALE, mu >= 0 keeps every mu_k below this
-            while True:
-                if box >= 1.0:
-                    lo_b, hi_b = np.zeros(K), full
-                else:
-                    lo_b = np.maximum(best_mu - box * best_mu.max(), 0.0)
-                    hi_b = np.minimum(best_mu + box * best_mu.max(), full)
-                value, new_mu = _kelley_box(self.N, cuts, lo_b, hi_b)
-                if new_mu is not None and value > PRICE_SCALE * (1.0 + _REL_TOL):
-                    mu = new_mu
-                    break
-                if box >= 1.0:
-                    return False  # no price at all can refute T against these cuts
-                box = box * 4.0
         return False
 
 
-def _kelley_box(N: np.ndarray, cuts: list[list[np.ndarray]], lo: np.ndarray, hi: np.ndarray):
-    """max sum_m theta_m s.t. theta_m <= mu . u (u in cuts[m]), mu . N = PRICE_SCALE, lo <= mu <= hi.
+def _kelley(N: np.ndarray, cuts: list[list[np.ndarray]], hi: np.ndarray):
+    """max sum_m theta_m s.t. theta_m <= mu . u (u in cuts[m]), mu . N = PRICE_SCALE, 0 <= mu <= hi.
 
-    Returns (value, mu), or (-inf, None) when the box holds no price with ``mu . N = PRICE_SCALE``.
+    Returns (value, mu), or (-inf, None) when the LP fails.
     """
     from scipy.optimize import linprog
 
     K, M = N.size, len(cuts)
-    rows = []
-    for m, us in enumerate(cuts):
-        for u in us:
-            r = np.zeros(K + M)
-            r[:K] = -u
-            r[K + m] = 1.0
-            rows.append(r)
+    A = np.vstack([np.hstack([-np.asarray(us), np.tile(np.eye(M)[m], (len(us), 1))]) for m, us in enumerate(cuts)])
     res = linprog(
         np.r_[np.zeros(K), -np.ones(M)],
-        A_ub=np.array(rows), b_ub=np.zeros(len(rows)),
+        A_ub=A, b_ub=np.zeros(A.shape[0]),
         A_eq=np.r_[N, np.zeros(M)][None, :], b_eq=[PRICE_SCALE],
-        bounds=[(float(a), float(b)) for a, b in zip(lo, hi)] + [(None, None)] * M,
+        bounds=[(0.0, float(b)) for b in hi] + [(None, None)] * M,
         method="highs",
     )
     if res.status != 0:

@@ -43,7 +43,7 @@ plan found so far).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -67,12 +67,17 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """The restricted plan: the objective z_R, each model's GPU vector and pipelines."""
+    """The restricted plan: the objective z_R, each model's GPU vector and pipelines.
+
+    ``tables`` keeps each model's L_m on the grid (req/s, float32): the price bound
+    (:mod:`ppipe.planner.price_bound`) reads GPU vectors of restricted plans from them.
+    """
 
     objective: float
     gpus: list[tuple[int, ...]]
     pipelines: list[list[Pipeline]]
     seconds: float
+    tables: list[np.ndarray] = field(default_factory=list, repr=False, compare=False)
 
 
 class _Template:
@@ -185,7 +190,7 @@ class _ModelTable:
         return out
 
 
-def _minimal_points(B: np.ndarray) -> np.ndarray:
+def minimal_points(B: np.ndarray) -> np.ndarray:
     """Minimal elements of an upward-closed boolean array."""
     m = B.copy()
     for ax in range(B.ndim):
@@ -211,7 +216,7 @@ class _Budget(Exception):
 
 def _minkowski(A: np.ndarray, B: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Upward closure of {a + b <= N : a in A, b in B} for upward-closed A, B on the grid."""
-    P, Q = _minimal_points(A), _minimal_points(B)
+    P, Q = minimal_points(A), minimal_points(B)
     out = np.zeros_like(A)
     if P.size == 0 or Q.size == 0:
         return out
@@ -227,7 +232,7 @@ def _minkowski(A: np.ndarray, B: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def _last_pair(A: np.ndarray, B: np.ndarray, C: np.ndarray, counts: np.ndarray):
     """A minimal b in B and c in C with N - b - c in A (upward closed), or None."""
-    P, Q = _minimal_points(B), _minimal_points(C)
+    P, Q = minimal_points(B), minimal_points(C)
     if P.size == 0 or Q.size == 0:
         return None
     if P.shape[0] * Q.shape[0] > MAX_PAIRS:
@@ -262,7 +267,7 @@ def _reachable(tables: list[np.ndarray], weights: np.ndarray, counts: np.ndarray
     # acc[-1] sums sets[0..M-3]; for M == 2 it is sets[0] and the "pair" is (sets[1], nothing).
     if M == 2:
         pair = None
-        for b in _minimal_points(sets[1]):
+        for b in minimal_points(sets[1]):
             left = counts - b
             if (left >= 0).all() and sets[0][tuple(left)]:
                 pair = (b,)
@@ -281,7 +286,7 @@ def _reachable(tables: list[np.ndarray], weights: np.ndarray, counts: np.ndarray
         split[j] = np.asarray(r)
         rest = rest - split[j]
     for m in range(M - 1 - len(pair), 0, -1):
-        for r in _minimal_points(sets[m]):
+        for r in minimal_points(sets[m]):
             left = rest - r
             if (left >= 0).all() and acc[m - 1][tuple(left)]:
                 split[m] = r
@@ -351,6 +356,7 @@ def split_search(
         gpus=[tuple(int(a) for a in r) for r in split],
         pipelines=pipelines,
         seconds=time.perf_counter() - t0,
+        tables=tables,
     )
 
 

@@ -17,6 +17,7 @@ from ppipe.planner.formulation import build
 from ppipe.planner.objectives import MaxMinNormalized
 from ppipe.planner.price_bound import PriceBound
 from ppipe.planner.solvers import HighsSolver
+from ppipe.planner.split_search import split_search
 
 LEVELS = {"A": [1, 2], "B": [1, 2], "C": [1]}
 LATS = (
@@ -39,19 +40,38 @@ def _case(counts):
     return cl, specs, configs, res.objective
 
 
+def _bound(cl, specs, configs):
+    N = np.array([cl.gpu_counts[g.name] for g in cl.gpu_types])
+    tables = split_search(configs, [s.weight for s in specs], N).tables
+    return PriceBound(specs, configs, cl, PAPER, tables=tables)
+
+
 @pytest.mark.parametrize("counts", [{"A": 2, "B": 4, "C": 4}, {"A": 4, "B": 6, "C": 4}])
 def test_never_refutes_the_optimum_and_refutes_just_above_it(counts):
     cl, specs, configs, z = _case(counts)
     N = np.array([cl.gpu_counts[g.name] for g in cl.gpu_types], dtype=float)
-    assert not PriceBound(specs, configs, cl, PAPER).refutes(z), "refuted the level the optimum reaches"
+    assert not _bound(cl, specs, configs).refutes(z), "refuted the level the optimum reaches"
     cover = CoverBound(configs, [s.weight for s in specs], N, z_max=1.5 * z)
     assert not cover.refutes(z * 1.001)  # where the cover bound cannot ...
-    assert PriceBound(specs, configs, cl, PAPER).refutes(z * 1.001, mu0=np.array(cover.stats.last_mu))  # ... this one can
+    bound = _bound(cl, specs, configs)
+    assert bound.refutes(z * 1.001)  # ... this one can
+    assert bound.solves > 0, "a proof needs the exact solves: the restriction's tables alone prove nothing"
+
+
+def test_the_restrictions_dual_says_no_without_a_solve():
+    # Far below the optimum every price leaves room: the seeded LP answers, no MILP is solved.
+    cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
+    bound = _bound(cl, specs, configs)
+    assert not bound.refutes(0.5 * z)
+    assert bound.solves == 0
 
 
 def test_a_level_no_model_reaches_alone_is_refuted():
+    # The restriction has no plan for any model at 100 z: the exact solve proves it.
     cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
-    assert PriceBound(specs, configs, cl, PAPER).refutes(100 * z)
+    bound = _bound(cl, specs, configs)
+    assert bound.refutes(100 * z)
+    assert bound.solves >= 1
 
 
 def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
@@ -60,10 +80,11 @@ def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
     made = []
 
     class Spy:
-        def __init__(self, *args):
+        def __init__(self, *args, tables):
+            assert tables, "the price bound is built without the split search's tables"
             made.append(args[3])
 
-        def refutes(self, T, mu0=None, deadline=None):
+        def refutes(self, T, deadline=None):
             return False
 
     monkeypatch.setattr(core, "PriceBound", Spy)
