@@ -162,8 +162,9 @@ class PriceBound:
                 priced += lb
                 if not np.isfinite(priced):
                     return True
-                if u is not None:
-                    cuts[m].append(u)
+                if u is None:
+                    return False  # a solve without a plan in time: no proof, and no cut to steer by
+                cuts[m].append(u)
             if priced > float(mu @ self.N) * (1.0 + _REL_TOL):
                 return True
         return False
