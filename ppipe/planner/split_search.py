@@ -6,7 +6,8 @@ found here in about 2 s). What makes the search hard is the split of every type'
 among the models, and each model's rough value as a function of its GPUs (one
 configuration per template). This module searches the split exactly, over a restriction
 of the MILP that keeps that structure and drops the rest. Its plan is handed to the MILP
-solver as a start; it proves nothing about the MILP's optimum.
+solver as a start; it proves nothing about the MILP's optimum. Its tables (below) also
+seed the prices of the price bound (:mod:`ppipe.planner.price_bound`), which does prove.
 
 The restriction R (dedicated GPUs): every pool owns whole GPUs. Slot d of model m's
 pipeline of template t gets u_{t,d} in Z+ GPUs of type k_{t,d}, hence up to v u vGPUs of
