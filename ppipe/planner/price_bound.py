@@ -53,7 +53,7 @@ import time
 import numpy as np
 
 from ppipe.planner.configs import ConfigSet, ModelSpec
-from ppipe.planner.solvers import HighsSolver, time_left
+from ppipe.planner.solvers import HIGHS_MIP_OPTIONS, HighsSolver, time_left
 from ppipe.planner.split_search import minimal_points
 from ppipe.spec.cluster import ClusterSpec
 
@@ -106,13 +106,17 @@ class PriceBound:
             out.append((milp, v))
         return out
 
-    def _price(self, sub, mu: np.ndarray, deadline: float | None) -> tuple[float, np.ndarray | None]:
-        """(a lower bound on P_m(mu), the GPU vector of the best plan found or None)."""
+    def _price(self, sub, mu: np.ndarray, deadline: float | None, target: float = -np.inf) -> tuple[float, np.ndarray | None]:
+        """(a lower bound on P_m(mu), the GPU vector of the best plan found or None).
+
+        The solve stops early at a plan priced ``target`` or less (then P_m <= target).
+        """
         milp, v = sub
         milp.set_objective({v.gpus[k]: float(mu[i]) for i, k in enumerate(self.types)}, "min")
         t0 = time.perf_counter()
         try:
-            res = HighsSolver().solve(milp, time_limit_s=time_left(deadline), gap=SOLVE_GAP)
+            solver = HighsSolver({**HIGHS_MIP_OPTIONS, "objective_target": float(target)})
+            res = solver.solve(milp, time_limit_s=time_left(deadline), gap=SOLVE_GAP)
         except Exception:  # noqa: BLE001 - a subproblem without a plan in time proves nothing
             return 0.0, None
         finally:
@@ -154,18 +158,26 @@ class PriceBound:
             if mu is None or value <= PRICE_SCALE * (1.0 + _REL_TOL):
                 return False  # no price refutes T against these cuts, so none does against P_m
             subs = subs or self._subproblems(T)
-            priced = 0.0
+            need = float(mu @ self.N) * (1.0 + _REL_TOL)
+            # The cuts price each model's cheapest known plan: theta_m >= P_m(mu). The round
+            # proves T if the solves' lower bounds sum above ``need``; it cannot once a model
+            # has a plan cheaper than need minus what the others can give at most, so each
+            # solve stops at such a plan, and the round at the first that falls short.
+            best = np.array([min(float(mu @ u) for u in c) for c in cuts])
             for m, sub in enumerate(subs):
                 if deadline is not None and time.perf_counter() > deadline:
                     return False
-                lb, u = self._price(sub, mu, deadline)
-                priced += lb
-                if not np.isfinite(priced):
+                target = need - (best.sum() - best[m])
+                lb, u = self._price(sub, mu, deadline, target=target)
+                if not np.isfinite(lb):
                     return True
                 if u is None:
                     return False  # a solve without a plan in time: no proof, and no cut to steer by
                 cuts[m].append(u)
-            if priced > float(mu @ self.N) * (1.0 + _REL_TOL):
+                best[m] = lb
+                if best.sum() <= need:
+                    break  # this price cannot refute T: on to the next, with the new cut
+            else:
                 return True
         return False
 

@@ -185,7 +185,8 @@ class HighsSolver(Solver):
             obj = float(info.objective_function_value)
             g = max(0.0, proof["target"] / obj - 1.0) if obj > 0 else math.inf
             return SolveResult(self.name, "optimal", x, obj, g, secs, method=proof["method"], **work)
-        if st in (MS.kTimeLimit, MS.kInterrupt, MS.kIterationLimit, MS.kSolutionLimit, MS.kObjectiveBound):
+        # kObjectiveTarget: stopped at the option objective_target (the price bound sets it).
+        if st in (MS.kTimeLimit, MS.kInterrupt, MS.kIterationLimit, MS.kSolutionLimit, MS.kObjectiveBound, MS.kObjectiveTarget):
             if x is None:
                 raise _timeout("HiGHS", time_limit_s)
             g = float(info.mip_gap)
