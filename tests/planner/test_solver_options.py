@@ -94,3 +94,27 @@ def test_time_limit_is_a_budget_for_the_whole_plan_call(monkeypatch):
     assert seen[0] < 5.0 and seen[1] < seen[0]
     ppipe.plan(cl, [prof], formulation="ppipe-atc25", slo_ms=40.0, max_partitions=2, time_limit_s=None)
     assert seen[2:] == [None, None]
+
+
+def test_a_solve_stopped_at_its_objective_target_keeps_its_plan():
+    # The price bound stops single-model solves at a plan priced at most a target: HiGHS
+    # reports "objective target reached", which must come back as a stopped solve with its
+    # plan and a valid (possibly large) gap, not as an error.
+    import numpy as np
+
+    from ppipe.planner.milp import Milp
+
+    rng = np.random.default_rng(3)
+    n, rows = 40, 6
+    milp = Milp()
+    x = milp.add_cols(n, lb=0, ub=5, integer=True, name="x")
+    for _ in range(rows):
+        w = rng.integers(3, 40, n).astype(float)
+        milp.add_row({int(c): float(a) for c, a in zip(x, w)}, lb=float(w.sum()) * 0.9 + 0.5)
+    milp.set_objective({int(c): float(a) for c, a in zip(x, rng.uniform(1.0, 2.0, n))}, "min")
+    exact = HighsSolver().solve(milp, gap=1e-9, time_limit_s=60)
+    assert exact.status == "optimal"
+    res = HighsSolver({**HIGHS_MIP_OPTIONS, "objective_target": 1e6}).solve(milp, gap=1e-9, time_limit_s=60)
+    assert res.status == "time_limit", "the target should stop the solve at its first plan"
+    assert res.x is not None and exact.objective - 1e-9 <= res.objective <= 1e6
+    assert res.objective - res.gap * max(1.0, abs(res.objective)) <= exact.objective + 1e-9  # its dual bound stays valid
