@@ -40,10 +40,14 @@ incumbent + 0.01 % (the planner's default gap) it refutes only G5. An exact solv
 finished tree closes it), so the planner asks this bound only on the many-type,
 many-model, paper-rule cases that the split search serves, after the cover bound has
 failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. Measured (``python
-scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``, 2026-11-26): G2
-6.5 s, G5 7.9 s, G6 6.2 s proven within 0.1 % (16-21 s with unseeded prices, which
-needed 5-7 rounds); G1, G3, G4 stop at 10 s with 1.7, 0.9 and 1.0 %. With the default
-gap (1e-4) G5 is proven in 5.6 s.
+scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``, 2026-11-26, three
+runs): G2 5.3-6.8 s, G5 7.4-9.0 s, G6 6.0-7.0 s proven within 0.1 % (16-21 s with
+unseeded prices, which needed 5-7 rounds); G1, G3, G4 stop at 10 s with 1.7, 0.9 and
+1.0 %. With the default gap (1e-4) G5 is proven in 5.6-6.1 s.
+
+Each round stops early where it cannot prove: a model's solve stops at the first plan
+priced below what the round needs from it (HiGHS's ``objective_target``), and the round
+stops there; the new cut moves the next price.
 """
 
 from __future__ import annotations
