@@ -256,7 +256,7 @@ class CoverBound:
                     return False
                 # Kelley: max sum_m theta_m  s.t. theta_m <= mu . share_p (collected covers),
                 # mu . N = 1, mu >= 0. Its value bounds every price's sum_m LB_m from above.
-                best, x = _kelley_lp(self.counts, cuts)
+                best, x = kelley_lp(self.counts, cuts)
                 if x is None or best <= 1.0 + _REL_TOL:
                     return False  # no price refutes T, even priced against the collected covers only
                 mu = np.maximum(x[:K], 0.0)
@@ -265,8 +265,11 @@ class CoverBound:
             self.stats.seconds += time.perf_counter() - t0
 
 
-def _kelley_lp(counts: np.ndarray, cuts: list[list[np.ndarray]]) -> tuple[float, np.ndarray | None]:
+def kelley_lp(counts: np.ndarray, cuts: list[list[np.ndarray]]) -> tuple[float, np.ndarray | None]:
     """max sum_m theta_m s.t. theta_m <= mu . p for p in cuts[m], mu . N = 1, mu >= 0 (HiGHS).
+
+    Kelley's cutting-plane model of a Lagrangian dual whose cuts are GPU vectors (or
+    shares) of plans; the price bound (:mod:`ppipe.planner.price_bound`) uses it too.
 
     Returns (value, [mu, theta]) or (-inf, None) if HiGHS does not solve it.
     """

@@ -56,6 +56,7 @@ import time
 
 import numpy as np
 
+from ppipe.planner.bounds import kelley_lp
 from ppipe.planner.configs import ConfigSet, ModelSpec
 from ppipe.planner.solvers import HIGHS_MIP_OPTIONS, HighsSolver, time_left
 from ppipe.planner.split_search import minimal_points
@@ -143,7 +144,6 @@ class PriceBound:
             deadline: ``time.perf_counter()`` value after which the search gives up.
         """
         K = self.N.size
-        full = PRICE_SCALE / self.N  # mu . N = PRICE_SCALE, mu >= 0 keeps every mu_k below this
         cuts = [list(minimal_points(t >= np.float32(T * s.weight)).astype(float)) for t, s in zip(self.tables, self.specs)]
         subs = None
         if not all(cuts):
@@ -151,23 +151,24 @@ class PriceBound:
             # prices either proves that no plan of it can, or gives its first cut.
             subs = self._subproblems(T)
             for m in (m for m, c in enumerate(cuts) if not c):
-                lb, u = self._price(subs[m], full / K, deadline)
+                lb, u = self._price(subs[m], PRICE_SCALE / (K * self.N), deadline)
                 if not np.isfinite(lb):
                     return True
                 if u is None:
                     return False
                 cuts[m].append(u)
         for _ in range(MAX_ITERATIONS):
-            value, mu = _kelley(self.N, cuts, full)
-            if mu is None or value <= PRICE_SCALE * (1.0 + _REL_TOL):
+            value, x = kelley_lp(self.N, cuts)  # prices with mu . N = 1
+            if x is None or value <= 1.0 + _REL_TOL:
                 return False  # no price refutes T against these cuts, so none does against P_m
+            mu = np.maximum(x[:K], 0.0) * PRICE_SCALE
             subs = subs or self._subproblems(T)
             need = float(mu @ self.N) * (1.0 + _REL_TOL)
             # The cuts price each model's cheapest known plan: theta_m >= P_m(mu). The round
             # proves T if the solves' lower bounds sum above ``need``; it cannot once a model
             # has a plan cheaper than need minus what the others can give at most, so each
             # solve stops at such a plan, and the round at the first that falls short.
-            best = np.array([min(float(mu @ u) for u in c) for c in cuts])
+            best = np.array([float(np.min(np.asarray(c) @ mu)) for c in cuts])
             for m, sub in enumerate(subs):
                 if deadline is not None and time.perf_counter() > deadline:
                     return False
@@ -184,24 +185,3 @@ class PriceBound:
             else:
                 return True
         return False
-
-
-def _kelley(N: np.ndarray, cuts: list[list[np.ndarray]], hi: np.ndarray):
-    """max sum_m theta_m s.t. theta_m <= mu . u (u in cuts[m]), mu . N = PRICE_SCALE, 0 <= mu <= hi.
-
-    Returns (value, mu), or (-inf, None) when the LP fails.
-    """
-    from scipy.optimize import linprog
-
-    K, M = N.size, len(cuts)
-    A = np.vstack([np.hstack([-np.asarray(us), np.tile(np.eye(M)[m], (len(us), 1))]) for m, us in enumerate(cuts)])
-    res = linprog(
-        np.r_[np.zeros(K), -np.ones(M)],
-        A_ub=A, b_ub=np.zeros(A.shape[0]),
-        A_eq=np.r_[N, np.zeros(M)][None, :], b_eq=[PRICE_SCALE],
-        bounds=[(0.0, float(b)) for b in hi] + [(None, None)] * M,
-        method="highs",
-    )
-    if res.status != 0:
-        return -np.inf, None
-    return float(-res.fun), np.maximum(res.x[:K], 0.0)
