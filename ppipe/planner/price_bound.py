@@ -30,11 +30,13 @@ not pay), one round of three solves proves ``T``.
 
 Where it proves and where not (2026-11-26, the four-type case, ``T`` = incumbent + 0.1 %):
 it refutes ``T`` for G2, G5 and G6 (so their split-search plans are optimal within
-0.1 %), each with one round of exact solves at the restriction's best price, and cannot
-for G1, G3 and G4, where the restriction's dual already stays below the capacity (G4:
-0.9995 of it): the best prices leave a fractional mix of per-model GPU vectors that fits
-the cluster (e.g. G4: model 3 half at (17 L4, 14 T4, 18 P4), half at (22 L4, 1 T4)),
-which no price can separate -- a branch on per-model GPU counts would be next. At
+0.1 %), each with one round of exact solves at the restriction's best price. It cannot
+for G3 and G4, where the restriction's dual already stays below the capacity (G4: 0.9995
+of it): the best prices leave a fractional mix of per-model GPU vectors that fits the
+cluster (e.g. G4: model 3 half at (17 L4, 14 T4, 18 P4), half at (22 L4, 1 T4)), which
+no price can separate -- a branch on per-model GPU counts would be next. Nor for G1,
+where sharing pays at that price (two V100 pools of 22 + 5 vGPUs at level 3 fit 9 GPUs,
+the restriction needs 10): the exact solves sum to 0.996 of the capacity. At
 incumbent + 0.01 % (the planner's default gap) it refutes only G5. An exact solve takes
 0.3-6 s (HiGHS's LP bound of the single-model MILP sits about 1.3 % low and only the
 finished tree closes it), so the planner asks this bound only on the many-type,
