@@ -138,12 +138,13 @@ class PriceBound:
         # HiGHS's gap is |primal - dual| / max(1, |primal|) at most: the dual bound is at least this.
         return max(0.0, res.objective - gap * max(1.0, abs(res.objective))), u
 
-    def refutes(self, T: float, deadline: float | None = None) -> bool:
+    def refutes(self, T: float, deadline: float | None = None, max_rounds: int = MAX_ITERATIONS) -> bool:
         """True if it is proven that no plan reaches objective ``T`` (False: not proven).
 
         Args:
             T: the level to refute.
             deadline: ``time.perf_counter()`` value after which the search gives up.
+            max_rounds: most rounds of exact solves (one per price).
         """
         K = self.N.size
         cuts = [list(minimal_points(t >= np.float32(T * s.weight)).astype(float)) for t, s in zip(self.tables, self.specs)]
@@ -159,7 +160,7 @@ class PriceBound:
                 if u is None:
                     return False
                 cuts[m].append(u)
-        for _ in range(MAX_ITERATIONS):
+        for _ in range(max_rounds):
             value, x = kelley_lp(self.N, cuts)  # prices with mu . N = 1
             if x is None or value <= 1.0 + _REL_TOL:
                 return False  # no price refutes T against these cuts, so none does against P_m

@@ -42,5 +42,5 @@ def print_summary(plan: Plan, console=None) -> None:
     console.print(f"GPUs used: {used}")
     console.print(
         f"solver {s.name}: {s.status}, objective {s.objective:.3f} ({plan.settings.objective}), gap {s.gap:.2%}, "
-        f"{s.seconds:.2f} s, {s.columns} columns" + (f"; proven by {s.method}" if s.method else "")
+        f"{s.seconds:.2f} s, {s.columns} columns" + (f"; {'proven' if s.status == 'optimal' else 'gap proven'} by {s.method}" if s.method else "")
     )

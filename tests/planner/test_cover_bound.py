@@ -156,3 +156,57 @@ def test_a_prover_that_refutes_stops_the_search_with_its_method(monkeypatch):
     assert T <= s.objective * (1 + 1e-4) * (1 + 1e-12)
     assert s.gap == pytest.approx(max(0.0, T / s.objective - 1.0))
     assert bound >= s.objective * (1 - 1e-9)
+
+
+class _RefutesFrom:
+    """A stand-in cover bound that refutes every level from ``level`` up."""
+
+    level = math.inf
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def refutes(self, T):
+        return T >= self.level
+
+
+def test_prover_keeps_the_looser_level_it_proves_and_answers_no(monkeypatch):
+    cl = cluster({"A": 2, "B": 2}, LEVELS)
+    inc = 1000.0
+    monkeypatch.setattr(_RefutesFrom, "level", inc * (1 + 5e-4))
+    monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
+    prover = core.CoverProver([], [], cl, gap=1e-4)
+    assert not prover(inc * (1 + 1e-4), inc * 1.01)  # the requested gap is not proven ...
+    assert prover.weak == (pytest.approx(inc * (1 + core.FALLBACK_GAP)), "cover bound")  # ... the looser one is
+    # No fallback when the requested gap is already that loose, or HiGHS's bound is below it.
+    loose = core.CoverProver([], [], cl, gap=core.FALLBACK_GAP)
+    assert not loose(inc * (1 + 1e-4), inc * 1.01) and loose.weak is None
+    tight = core.CoverProver([], [], cl, gap=1e-4)
+    assert not tight(inc * (1 + 1e-4), inc * (1 + 5e-4)) and tight.weak is None
+
+
+def test_a_plan_stopped_by_its_time_limit_reports_the_gap_a_looser_proof_gives(monkeypatch):
+    from dataclasses import replace
+
+    from ppipe.planner.objectives import MaxMinNormalized
+    from ppipe.planner.solvers import HighsSolver
+
+    counts = {"A": 2, "B": 2}
+    cl = cluster(counts, LEVELS)
+    models = [profile("m1", LAT_1, [200_000, 100_000], LEVELS), profile("m2", LAT_2, [50_000, 300_000], LEVELS)]
+    specs = [ModelSpec(profile=m, slo_ms=25.0, weight=w) for m, w in zip(models, (1.0, 2.0))]
+    class OutOfTime:
+        name, accepts_prover, accepts_start = "highs", True, False
+
+        def solve(self, milp, *, time_limit_s=None, gap=1e-4, prover=None, prover_after_s=0.0, **kw):
+            res = HighsSolver().solve(milp, gap=1e-9)  # the real plan; only the time limit is pretended
+            monkeypatch.setattr(_RefutesFrom, "level", res.objective * (1 + 5e-4))
+            assert not prover(res.objective * (1 + gap), res.objective * 1.05)
+            return replace(res, status="time_limit", gap=0.05)
+
+    monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
+    out = core.milp_plan(specs, cl, [usable_levels(m, cl) for m in models], objective=MaxMinNormalized(), solver=OutOfTime(),
+                         max_partitions=2, margin=0.2, gpu_rule="paper", one_config_per_template=True, time_limit_s=60, gap=1e-4)
+    r = out.result
+    assert r.status == "time_limit" and r.method == "highs incumbent + cover bound"
+    assert r.gap == pytest.approx(core.FALLBACK_GAP)  # not the 5 % branch and bound reported

@@ -84,7 +84,7 @@ def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
             assert tables, "the price bound is built without the split search's tables"
             made.append(args[3])
 
-        def refutes(self, T, deadline=None):
+        def refutes(self, T, deadline=None, max_rounds=None):
             return False
 
     monkeypatch.setattr(core, "PriceBound", Spy)
