@@ -125,8 +125,11 @@ def summary(rows: list, target: str = "") -> None:
         return
     t = [r["seconds"] for r in rows]
     c = [r["cpu"] for r in rows]
-    n_opt = sum(r["status"] == "optimal" and r["gap"] <= 1e-3 for r in rows)
-    print(f"-- {len(rows)} cases: proven optimal (gap <= 0.1 %) {n_opt}/{len(rows)}; "
+    # Proven within 0.1 %: a time_limit plan counts when a bound proved that gap (the
+    # planner then reports it, see core.FALLBACK_GAP) though the requested one was smaller.
+    n_opt = sum(r["gap"] <= 1e-3 * (1 + 1e-9) for r in rows)
+    n_req = sum(r["status"] == "optimal" for r in rows)
+    print(f"-- {len(rows)} cases: proven optimal (gap <= 0.1 %) {n_opt}/{len(rows)} (to the requested gap {n_req}); "
           f"wall median {statistics.median(t):.3f} s, max {max(t):.3f} s; "
           f"CPU median {statistics.median(c):.3f} s, max {max(c):.3f} s; "
           f"nodes {sum(r['nodes'] for r in rows)}, LP iterations {sum(r['lp_iterations'] for r in rows)} in all {target}")
