@@ -265,13 +265,15 @@ class CoverBound:
             self.stats.seconds += time.perf_counter() - t0
 
 
-def kelley_lp(counts: np.ndarray, cuts: list[list[np.ndarray]]) -> tuple[float, np.ndarray | None]:
+def kelley_lp(counts: np.ndarray, cuts: list[list[np.ndarray]], weights: bool = False):
     """max sum_m theta_m s.t. theta_m <= mu . p for p in cuts[m], mu . N = 1, mu >= 0 (HiGHS).
 
     Kelley's cutting-plane model of a Lagrangian dual whose cuts are GPU vectors (or
-    shares) of plans; the price bound (:mod:`ppipe.planner.price_bound`) uses it too.
+    shares) of plans; the price bound (:mod:`ppipe.planner.price_bound`) uses it too, with
+    ``weights=True`` for the mix of plans (per model, one weight per cut) it branches on.
 
-    Returns (value, [mu, theta]) or (-inf, None) if HiGHS does not solve it.
+    Returns (value, [mu, theta]) or (-inf, None) if HiGHS does not solve it; with
+    ``weights``, a third item: per model, the weights of its cuts (None if unsolved).
     """
     import highspy
 
@@ -304,5 +306,16 @@ def kelley_lp(counts: np.ndarray, cuts: list[list[np.ndarray]]) -> tuple[float, 
     h.addRows(n_rows, lower, upper, len(vals_a), starts, cols_a, vals_a)
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return -np.inf, None
-    return float(h.getInfo().objective_function_value), np.array(h.getSolution().col_value)
+        return (-np.inf, None, None) if weights else (-np.inf, None)
+    value, x = float(h.getInfo().objective_function_value), np.array(h.getSolution().col_value)
+    if not weights:
+        return value, x
+    # The cut rows' duals are the LP dual's weights on the cuts: per model they sum to 1
+    # (theta_m is free), a convex mix of its plans whose GPU vectors, summed, fit N.
+    dual = np.abs(np.array(h.getSolution().row_dual)[: n_rows - 1])
+    out, i = [], 0
+    for plans in cuts:
+        w = dual[i : i + len(plans)]
+        out.append(w / w.sum() if w.sum() > 0 else w)
+        i += len(plans)
+    return value, x, out

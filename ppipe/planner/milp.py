@@ -50,6 +50,17 @@ class Milp:
     def add_col(self, *, lb=0.0, ub=INF, integer: bool = False, name: str = "") -> int:
         return int(self.add_cols(1, lb=lb, ub=ub, integer=integer, name=name)[0])
 
+    def set_col_bounds(self, cols, lb, ub) -> None:
+        """Change the bounds of existing columns (by index); ``lb``/``ub`` scalars or arrays."""
+        cols = np.atleast_1d(np.asarray(cols, int))
+        lb = np.broadcast_to(np.asarray(lb, float), cols.shape)
+        ub = np.broadcast_to(np.asarray(ub, float), cols.shape)
+        starts = np.cumsum([0] + [a.size for a in self.col_lb])
+        for c, lo, hi in zip(cols, lb, ub):
+            b = int(np.searchsorted(starts, c, side="right")) - 1
+            self.col_lb[b][c - starts[b]] = lo
+            self.col_ub[b][c - starts[b]] = hi
+
     # ---- rows ----------------------------------------------------------------------
     def add_rows(self, n: int, rows, cols, vals, *, lb=-INF, ub=INF, name: str = "") -> np.ndarray:
         """Add ``n`` rows given as triples (row within this block, column, coefficient)."""

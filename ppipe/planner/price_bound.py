@@ -64,7 +64,8 @@ from ppipe.planner.solvers import HIGHS_MIP_OPTIONS, HighsSolver, time_left
 from ppipe.planner.split_search import minimal_points
 from ppipe.spec.cluster import ClusterSpec
 
-MAX_ITERATIONS = 30
+MAX_ITERATIONS = 30  # rounds of exact solves (one per price) in one search
+MAX_NODES = 200  # boxes in one search
 PRICE_SCALE = 1000.0  # mu . N: keeps each P_m well above 1, where HiGHS's relative gap is exact
 SOLVE_GAP = 1e-7  # relative gap of each subproblem solve (its dual bound is what counts)
 _REL_TOL = 1e-6  # a proof needs the priced demand to exceed the priced capacity by this share
@@ -99,6 +100,7 @@ class PriceBound:
         self.N = np.array([cluster.gpu_counts[k] for k in self.types], dtype=float)
         self.solves = 0
         self.seconds = 0.0
+        self.nodes = 0
 
     def _subproblems(self, T: float) -> list:
         """Per model, its MILP alone with ``x_m >= T w_m`` (pools capped at that rate)."""
@@ -113,13 +115,18 @@ class PriceBound:
             out.append((milp, v))
         return out
 
-    def _price(self, sub, mu: np.ndarray, deadline: float | None, target: float = -np.inf) -> tuple[float, np.ndarray | None]:
-        """(a lower bound on P_m(mu), the GPU vector of the best plan found or None).
+    def _price(
+        self, sub, mu: np.ndarray, deadline: float | None, box: tuple[np.ndarray, np.ndarray], target: float = -np.inf
+    ) -> tuple[float, np.ndarray | None]:
+        """(a lower bound on P_m(mu) over plans whose GPU vector lies in ``box`` = (lo, hi),
+        the GPU vector of the best plan found or None).
 
         The solve stops early at a plan priced ``target`` or less (then P_m <= target).
         """
         milp, v = sub
-        milp.set_objective({v.gpus[k]: float(mu[i]) for i, k in enumerate(self.types)}, "min")
+        cols = [v.gpus[k] for k in self.types]
+        milp.set_objective({c: float(mu[i]) for i, c in enumerate(cols)}, "min")
+        milp.set_col_bounds(cols, box[0], box[1])  # GPUs beyond a pool's need may idle: lo is reachable
         t0 = time.perf_counter()
         try:
             solver = HighsSolver({**HIGHS_MIP_OPTIONS, "objective_target": float(target)})
@@ -127,13 +134,14 @@ class PriceBound:
         except Exception:  # noqa: BLE001 - a subproblem without a plan in time proves nothing
             return 0.0, None
         finally:
+            milp.set_col_bounds(cols, 0.0, self.N)
             self.solves += 1
             self.seconds += time.perf_counter() - t0
         if res.status == "infeasible":
-            return np.inf, None  # the model alone cannot reach its share of T
+            return np.inf, None  # the model alone cannot reach its share of T in the box
         if res.x is None:
             return 0.0, None
-        u = np.array([round(float(res.x[v.gpus[k]])) for k in self.types], dtype=float)
+        u = np.array([round(float(res.x[c])) for c in cols], dtype=float)
         gap = res.gap if np.isfinite(res.gap) else 1.0
         # HiGHS's gap is |primal - dual| / max(1, |primal|) at most: the dual bound is at least this.
         return max(0.0, res.objective - gap * max(1.0, abs(res.objective))), u
@@ -141,50 +149,115 @@ class PriceBound:
     def refutes(self, T: float, deadline: float | None = None, max_rounds: int = MAX_ITERATIONS) -> bool:
         """True if it is proven that no plan reaches objective ``T`` (False: not proven).
 
+        Branch and bound over the models' GPU vectors (module docstring): a node bounds
+        each model's vector to a box and is closed when the bound refutes ``T`` in it.
+
         Args:
             T: the level to refute.
             deadline: ``time.perf_counter()`` value after which the search gives up.
-            max_rounds: most rounds of exact solves (one per price).
+            max_rounds: most rounds of exact solves (one per price) over the whole search.
         """
-        K = self.N.size
-        cuts = [list(minimal_points(t >= np.float32(T * s.weight)).astype(float)) for t, s in zip(self.tables, self.specs)]
-        subs = None
-        if not all(cuts):
-            # A model the restriction cannot serve at T alone: one exact solve at uniform
-            # prices either proves that no plan of it can, or gives its first cut.
-            subs = self._subproblems(T)
-            for m in (m for m, c in enumerate(cuts) if not c):
-                lb, u = self._price(subs[m], PRICE_SCALE / (K * self.N), deadline)
+        M, K = len(self.specs), self.N.size
+        # GPU vectors of known plans per model: the restriction's minimal ones, then every
+        # exact solve's. Each is a plan anywhere it fits a box (idle GPUs pad it up to lo).
+        known = [minimal_points(t >= np.float32(T * s.weight)).astype(float) for t, s in zip(self.tables, self.specs)]
+        self._rounds_left = max_rounds
+        subs: list = []
+        stack = [(np.zeros((M, K)), np.tile(self.N, (M, 1)))]
+        for _ in range(MAX_NODES):
+            if not stack:
+                return True  # every box refuted
+            lo, hi = stack.pop()
+            self.nodes += 1
+            if (lo.sum(axis=0) > self.N).any():
+                continue  # the boxes' least GPUs do not fit the cluster
+            subs = subs or self._subproblems(T)
+            branch = self._node(lo, hi, known, subs, deadline)
+            if branch is None:
+                continue  # refuted
+            if branch is False:
+                return False
+            m, k, cut = branch
+            below, above = hi.copy(), lo.copy()
+            below[m, k], above[m, k] = cut, cut + 1
+            stack += [(lo, below), (above, hi)]
+        return False
+
+    def _node(self, lo, hi, known, subs, deadline):
+        """None if ``T`` is refuted in the boxes, False if not proven (give up), else a branch (m, k, cut)."""
+        M = len(self.specs)
+        while True:
+            if deadline is not None and time.perf_counter() > deadline:
+                return False
+            cuts = []
+            for m in range(M):
+                P = np.maximum(known[m], lo[m]) if len(known[m]) else known[m]
+                cuts.append(np.unique(P[(P <= hi[m]).all(axis=1)], axis=0) if len(P) else P)
+            empty = [m for m in range(M) if len(cuts[m]) == 0]
+            if empty:
+                # No known plan in a box: one exact solve at uniform prices proves it holds
+                # none, or gives the first.
+                m = empty[0]
+                lb, u = self._price(subs[m], PRICE_SCALE / (len(self.N) * self.N), deadline, (lo[m], hi[m]))
                 if not np.isfinite(lb):
-                    return True
+                    return None
                 if u is None:
                     return False
-                cuts[m].append(u)
-        for _ in range(max_rounds):
-            value, x = kelley_lp(self.N, cuts)  # prices with mu . N = 1
-            if x is None or value <= 1.0 + _REL_TOL:
-                return False  # no price refutes T against these cuts, so none does against P_m
-            mu = np.maximum(x[:K], 0.0) * PRICE_SCALE
-            subs = subs or self._subproblems(T)
+                known[m] = np.vstack([known[m], u]) if len(known[m]) else u[None, :]
+                continue
+            value, x, weights = kelley_lp(self.N, [list(c) for c in cuts], weights=True)
+            if x is None:
+                return False
+            if value <= 1.0 + _REL_TOL:
+                return _branching(cuts, weights, lo, hi) or False  # no branch: these plans reach T together
+            if self._rounds_left <= 0:
+                return False
+            self._rounds_left -= 1
+            mu = np.maximum(x[: self.N.size], 0.0) * PRICE_SCALE
             need = float(mu @ self.N) * (1.0 + _REL_TOL)
-            # The cuts price each model's cheapest known plan: theta_m >= P_m(mu). The round
-            # proves T if the solves' lower bounds sum above ``need``; it cannot once a model
-            # has a plan cheaper than need minus what the others can give at most, so each
-            # solve stops at such a plan, and the round at the first that falls short.
-            best = np.array([float(np.min(np.asarray(c) @ mu)) for c in cuts])
-            for m, sub in enumerate(subs):
-                if deadline is not None and time.perf_counter() > deadline:
-                    return False
-                target = need - (best.sum() - best[m])
-                lb, u = self._price(sub, mu, deadline, target=target)
+            # The cuts price each model's cheapest known plan: best_m >= P_m(mu). The round
+            # refutes the node if the solves' lower bounds sum above ``need``; it cannot once
+            # a model has a plan cheaper than need minus what the others can give at most, so
+            # each solve stops at such a plan, and the round at the first that falls short.
+            best = np.array([float(np.min(c @ mu)) for c in cuts])
+            for m in range(M):
+                lb, u = self._price(subs[m], mu, deadline, (lo[m], hi[m]), target=need - (best.sum() - best[m]))
                 if not np.isfinite(lb):
-                    return True
+                    return None
                 if u is None:
                     return False  # a solve without a plan in time: no proof, and no cut to steer by
-                cuts[m].append(u)
+                known[m] = np.vstack([known[m], u])
                 best[m] = lb
                 if best.sum() <= need:
-                    break  # this price cannot refute T: on to the next, with the new cut
+                    break  # this price cannot refute the node: on to the next, with the new cut
             else:
-                return True
-        return False
+                return None
+
+
+def _branching(cuts, weights, lo, hi):
+    """(model, type, cut) splitting the LP's mix of plans, or None if every model's mix is one plan.
+
+    The most fractional mixed GPU count first; where all are whole, a type on which the
+    plans of one model's mix differ, split between them.
+    """
+    best = None
+    for m, (c, w) in enumerate(zip(cuts, weights)):
+        mean = w @ c
+        frac = np.abs(mean - np.round(mean))
+        k = int(np.argmax(frac))
+        if frac[k] > 1e-6 and (best is None or frac[k] > best[0]):
+            best = (frac[k], m, k, float(np.floor(mean[k])))
+    if best is None:
+        for m, (c, w) in enumerate(zip(cuts, weights)):
+            used = c[w > 1e-9]
+            spread = used.max(axis=0) - used.min(axis=0)
+            k = int(np.argmax(spread))
+            if spread[k] > 0:
+                best = (0.0, m, k, float(np.floor((used[:, k].max() + used[:, k].min()) / 2)))
+                break
+    if best is None:
+        return None
+    _, m, k, cut = best
+    if not (lo[m, k] <= cut < hi[m, k]):
+        return None
+    return m, k, cut

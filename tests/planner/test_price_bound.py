@@ -95,3 +95,59 @@ def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
     assert made == []
     ppipe.plan(cl, models, gpu_rule="paper", configs_per_template="one", **kw)
     assert made and made[-1]["gpu_rule"] == "paper"
+
+
+def test_branching_splits_the_most_fractional_count_then_differing_plans():
+    from ppipe.planner.price_bound import _branching
+
+    lo, hi = np.zeros((2, 2)), np.full((2, 2), 9.0)
+    plans = [np.array([[2.0, 4.0], [5.0, 1.0]]), np.array([[3.0, 3.0]])]
+    # Model 0 half and half: mean (3.5, 2.5); both counts are 0.5 off, the first wins.
+    assert _branching(plans, [np.array([0.5, 0.5]), np.array([1.0])], lo, hi) == (0, 0, 3.0)
+    # Whole means from differing plans: split between them on the type they differ most.
+    plans = [np.array([[2.0, 4.0], [4.0, 2.0]]), np.array([[3.0, 3.0]])]
+    assert _branching(plans, [np.array([0.5, 0.5]), np.array([1.0])], lo, hi) == (0, 0, 3.0)
+    # Every model on one plan: nothing to split.
+    assert _branching(plans, [np.array([1.0, 0.0]), np.array([1.0])], lo, hi) is None
+
+
+def test_milp_column_bounds_can_be_changed_by_index():
+    from ppipe.planner.milp import Milp
+
+    milp = Milp()
+    milp.add_cols(2, lb=0, ub=5, name="a")
+    milp.add_cols(3, lb=1, ub=7, name="b")
+    milp.set_col_bounds([1, 3], [2.0, 3.0], [4.0, 6.0])
+    lb, ub, *_ = milp.arrays()
+    assert lb.tolist() == [0, 2, 1, 3, 1] and ub.tolist() == [5, 4, 7, 6, 7]
+
+
+@pytest.mark.parametrize("above, refuted", [(1.001, True), (1.0, False)])
+def test_branching_keeps_every_plan_in_one_of_the_boxes(monkeypatch, above, refuted):
+    # Small cases are refuted at the root, so the root is told that no price refutes (a
+    # mix of two of model 0's plans): the search must branch, refute both boxes above the
+    # optimum, and keep the box that holds the optimal plan's GPU vector at the optimum.
+    import ppipe.planner.price_bound as pbm
+
+    cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
+    real = pbm.kelley_lp
+    calls = []
+
+    def root_says_no(N, cuts, weights=False):
+        value, x, w = real(N, cuts, weights=True)
+        if not calls:
+            calls.append(1)
+            plans = np.asarray(cuts[0])
+            j = next(i for i in range(1, len(plans)) if (plans[i] != plans[0]).any())
+            w = [np.zeros(len(c)) for c in cuts]
+            w[0][[0, j]] = 0.5
+            for m in range(1, len(cuts)):
+                w[m][0] = 1.0
+            value = 1.0
+        return value, x, w
+
+    monkeypatch.setattr(pbm, "kelley_lp", root_says_no)
+    bound = _bound(cl, specs, configs)
+    assert bound.refutes(z * above) is refuted
+    assert calls, "the root was never asked"
+    assert bound.nodes >= (3 if refuted else 2)  # the root and its boxes
