@@ -28,24 +28,33 @@ solve adds its plan's GPU vector as a cut, and the LP picks the next price. Wher
 plan is cheaper than the restricted ones at that price (sharing a GPU between pools does
 not pay), one round of three solves proves ``T``.
 
+Branching: where no price refutes ``T`` (the LP's optimum is a mix of plans per model
+whose GPU vectors, mixed, fit the cluster), the search splits a model's GPU count of one
+type: ``u_{m,k} <= c`` or ``>= c + 1`` at the mix's most fractional count (or between two
+plans of a mix whose counts are whole). Each box is bounded the same way -- known plans
+padded with idle GPUs up to its lower corner, exact solves with the model's GPU columns
+bounded to it -- and the level is refuted when every box is. A box whose LP mix is one
+plan per model gives up: those plans reach ``T`` together.
+
 Where it proves and where not (2026-11-26, the four-type case, ``T`` = incumbent + 0.1 %):
-it refutes ``T`` for G2, G5 and G6 (so their split-search plans are optimal within
-0.1 %), each with one round of exact solves at the restriction's best price. It cannot
-for G3 and G4, where the restriction's dual already stays below the capacity (G4: 0.9995
-of it): the best prices leave a fractional mix of per-model GPU vectors that fits the
-cluster (e.g. G4: model 3 half at (17 L4, 14 T4, 18 P4), half at (22 L4, 1 T4)), which
-no price can separate -- a branch on per-model GPU counts would be next. Nor for G1,
-where sharing pays at that price (two V100 pools of 22 + 5 vGPUs at level 3 fit 9 GPUs,
-the restriction needs 10): the exact solves sum to 0.996 of the capacity. At
-incumbent + 0.01 % (the planner's default gap) it refutes only G5. An exact solve takes
-0.3-6 s (HiGHS's LP bound of the single-model MILP sits about 1.3 % low and only the
-finished tree closes it), so the planner asks this bound only on the many-type,
-many-model, paper-rule cases that the split search serves, after the cover bound has
-failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. Measured (``python
-scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``, 2026-11-26, three
-runs): G2 5.3-6.8 s, G5 7.4-9.0 s, G6 6.0-7.0 s proven within 0.1 % (16-21 s with
-unseeded prices, which needed 5-7 rounds); G1, G3, G4 stop at 10 s with 1.7, 0.9 and
-1.0 %. With the default gap (1e-4) G5 is proven in 5.6-6.1 s.
+at the root it refutes ``T`` for G2, G5 and G6 (their split-search plans are optimal within
+0.1 %), each with one round of exact solves at the restriction's best price. For G3 and
+G4 the restriction's dual already stays below the capacity (G4: 0.9995 of it): the best
+prices leave a fractional mix of per-model GPU vectors (e.g. G4: model 3 half at (17 L4,
+14 T4, 18 P4), half at (22 L4, 1 T4)); branching proves G3 in 41 s (9 solves) and G4 in
+25 s (13 solves) from its best known plan (5000.28, 0.14 % above the split search's, where
+sharing GPUs between pools pays; from the split search's plan ``T`` is reachable and the
+search gives up after 29 s). G1: sharing pays at the root's price (two V100 pools of 22 +
+5 vGPUs at level 3 fit 9 GPUs, the restriction needs 10) and the search takes about 50 s.
+An exact solve takes 0.3-10 s (HiGHS's LP bound of the single-model MILP sits about 1.3 %
+low and only the finished tree closes it), so the planner asks this bound only on the
+many-type, many-model, paper-rule cases that the split search serves, after the cover
+bound has failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. Measured
+(``python scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``, three
+runs): G2 5.3-6.8 s, G5 6.5-9.0 s, G6 5.7-7.0 s proven within 0.1 % (16-21 s with unseeded
+prices, which needed 5-7 rounds); G1, G3, G4 stop at 10 s. With the defaults (60 s, gap
+1e-4): G5 proven in 5.8 s; G2, G3 and G6 proven within 0.1 % (the planner's fallback gap,
+:data:`ppipe.planner.core.FALLBACK_GAP`); G1 and G4 not.
 
 Each round stops early where it cannot prove: a model's solve stops at the first plan
 priced below what the round needs from it (HiGHS's ``objective_target``), and the round
