@@ -169,7 +169,9 @@ class PriceBound:
         M, K = len(self.specs), self.N.size
         # GPU vectors of known plans per model: the restriction's minimal ones, then every
         # exact solve's. Each is a plan anywhere it fits a box (idle GPUs pad it up to lo).
-        known = [minimal_points(t >= np.float32(T * s.weight)).astype(float) for t, s in zip(self.tables, self.specs)]
+        reach = [t >= np.float32(T * s.weight) for t, s in zip(self.tables, self.specs)]
+        known = [minimal_points(r).astype(float) for r in reach]
+        self._reach = reach  # per model, the GPU vectors (upward closed) a known plan of it fits
         self._rounds_left = max_rounds
         subs: list = []
         stack = [(np.zeros((M, K)), np.tile(self.N, (M, 1)))]
@@ -213,6 +215,8 @@ class PriceBound:
                 if u is None:
                     return False
                 known[m] = np.vstack([known[m], u]) if len(known[m]) else u[None, :]
+                if self._learn(m, u):
+                    return False
                 continue
             value, x, weights = kelley_lp(self.N, [list(c) for c in cuts], weights=True)
             if x is None:
@@ -236,11 +240,34 @@ class PriceBound:
                 if u is None:
                     return False  # a solve without a plan in time: no proof, and no cut to steer by
                 known[m] = np.vstack([known[m], u])
+                if self._learn(m, u):
+                    return False
                 best[m] = lb
                 if best.sum() <= need:
                     break  # this price cannot refute the node: on to the next, with the new cut
             else:
                 return None
+
+
+    def _learn(self, m: int, u: np.ndarray) -> bool:
+        """Record model m's new plan (GPU vector u); True if known plans now reach T together.
+
+        A combination that fits and was not there before has u in it: checked as u with
+        one known plan of each other model (for up to three models; beyond, the search
+        finds out by branching). Then ``T`` is reachable and the search can stop.
+        """
+        reach = self._reach
+        ui = u.astype(np.int64)
+        reach[m][tuple(slice(int(a), None) for a in ui)] = True
+        rest = self.N.astype(np.int64) - ui
+        others = [j for j in range(len(reach)) if j != m]
+        if (rest < 0).any() or len(others) > 2:
+            return False
+        if len(others) == 1:
+            return bool(reach[others[0]][tuple(rest)])
+        a = minimal_points(reach[others[0]])
+        a = a[(a <= rest).all(axis=1)]
+        return bool(a.size and reach[others[1]][tuple((rest - a).T)].any())
 
 
 def _branching(cuts, weights, lo, hi):

@@ -151,3 +151,18 @@ def test_branching_keeps_every_plan_in_one_of_the_boxes(monkeypatch, above, refu
     assert bound.refutes(z * above) is refuted
     assert calls, "the root was never asked"
     assert bound.nodes >= (3 if refuted else 2)  # the root and its boxes
+
+
+def test_a_new_plan_that_completes_a_fitting_combination_ends_the_search():
+    def up(*corners):
+        g = np.zeros((4, 4), bool)
+        for c in corners:
+            g[c[0]:, c[1]:] = True
+        return g
+
+    bound = PriceBound.__new__(PriceBound)  # only the bookkeeping of _learn is exercised
+    bound.N = np.array([3.0, 3.0])
+    bound._reach = [up(), up((1, 1)), up((1, 0))]
+    assert not bound._learn(0, np.array([2.0, 2.0]))  # (1, 1) left: model 1 fits, model 2 not
+    assert bound._reach[0][2, 2] and not bound._reach[0][1, 3]  # the plan was recorded, upward
+    assert bound._learn(0, np.array([1.0, 2.0]))  # (2, 1) left: (1, 1) + (1, 0)
