@@ -248,7 +248,6 @@ class PriceBound:
             else:
                 return None
 
-
     def _learn(self, m: int, u: np.ndarray) -> bool:
         """Record model m's new plan (GPU vector u); True if known plans now reach T together.
 
@@ -263,6 +262,8 @@ class PriceBound:
         others = [j for j in range(len(reach)) if j != m]
         if (rest < 0).any() or len(others) > 2:
             return False
+        if not others:
+            return True
         if len(others) == 1:
             return bool(reach[others[0]][tuple(rest)])
         a = minimal_points(reach[others[0]])
@@ -286,6 +287,8 @@ def _branching(cuts, weights, lo, hi):
     if best is None:
         for m, (c, w) in enumerate(zip(cuts, weights)):
             used = c[w > 1e-9]
+            if len(used) < 2:
+                continue
             spread = used.max(axis=0) - used.min(axis=0)
             k = int(np.argmax(spread))
             if spread[k] > 0:
