@@ -244,11 +244,11 @@ class CoverBound:
             mu = self.mu0.copy()
             for _it in range(MAX_KELLEY_ITERATIONS):
                 self.stats.kelley_iterations += 1
-                self.stats.last_mu = [float(a) for a in mu]
                 priced, plans = self._priced(mu, T)
                 cap = float(mu @ self.counts)
                 if priced > cap * (1 + _REL_TOL) + 1e-12:
                     self.stats.proofs += 1
+                    self.stats.last_mu = [float(a) for a in mu]
                     return True
                 for m, p in enumerate(plans):
                     cuts[m].append(p)
