@@ -41,24 +41,30 @@ at the root it refutes ``T`` for G2, G5 and G6 (their split-search plans are opt
 0.1 %), each with one round of exact solves at the restriction's best price. For G3 and
 G4 the restriction's dual already stays below the capacity (G4: 0.9995 of it): the best
 prices leave a fractional mix of per-model GPU vectors (e.g. G4: model 3 half at (17 L4,
-14 T4, 18 P4), half at (22 L4, 1 T4)); branching proves G3 in 41 s (9 solves) and G4 in
+14 T4, 18 P4), half at (22 L4, 1 T4)); branching proves G3 in 31-33 s (9 solves) and G4 in
 25 s (13 solves) from its best known plan (5000.28, 0.14 % above the split search's, where
 sharing GPUs between pools pays; from the split search's plan ``T`` is reachable: the
-first solved plan completes a fitting combination and the search gives up after 2 s). G1: sharing pays at the root's price (two V100 pools of 22 +
-5 vGPUs at level 3 fit 9 GPUs, the restriction needs 10) and the search takes about 50 s.
-An exact solve takes 0.3-10 s (HiGHS's LP bound of the single-model MILP sits about 1.3 %
+first solved plan completes a fitting combination and the search gives up after 2 s).
+G1: sharing pays at the root's price (two V100 pools of 22 + 5 vGPUs at level 3 fit 9
+GPUs, the restriction needs 10) and the search takes 21 s (12 solves). An exact solve
+takes 0.2-16 s (HiGHS's LP bound of the single-model MILP sits about 1.3 %
 low and only the finished tree closes it), so the planner asks this bound only on the
 many-type, many-model, paper-rule cases that the split search serves, after the cover
 bound has failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. Measured
 (``python scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``, three
 runs): G2 5.3-6.8 s, G5 6.5-9.0 s, G6 5.7-7.0 s proven within 0.1 % (16-21 s with unseeded
 prices, which needed 5-7 rounds); G1, G3, G4 stop at 10 s. With the defaults (60 s, gap
-1e-4): G5 proven in 6.0 s; G2, G3 and G6 proven within 0.1 % (the planner's fallback gap,
-:data:`ppipe.planner.core.FALLBACK_GAP`); G1 and G4 not (G4 ends with its 5000.28 plan).
+1e-4): G5 proven in 5.7-6.0 s; G1, G2, G3 and G6 proven within 0.1 % (the planner's
+fallback gap, :data:`ppipe.planner.core.FALLBACK_GAP`); G4 not (it ends with its 5000.28
+plan).
 
 Each round stops early where it cannot prove: a model's solve stops at the first plan
 priced below what the round needs from it (HiGHS's ``objective_target``), and the round
-stops there; the new cut moves the next price.
+stops there; the new cut moves the next price. A round solves the quickest models first
+(by their last solve; before any, by their number of configurations), so that one that
+falls short ends it before the slow ones run: G1's efficientnet-b8 (533 configurations)
+takes 5-16 s a solve, the other two 0.2-1.6 s, and two of G1's three rounds at incumbent
++ 0.5 % end at a quick model (G1 at + 0.1 %: 50 s -> 21 s, 12 solves).
 """
 
 from __future__ import annotations
@@ -110,6 +116,9 @@ class PriceBound:
         self.solves = 0
         self.seconds = 0.0
         self.nodes = 0
+        # Per model, the seconds of its last exact solve: a round solves the quick models
+        # first, so that one that falls short ends it before the slow ones run.
+        self._solve_s = np.array([len(cs) for cs in configs], dtype=float) * 1e-9  # before any: by size
 
     def _subproblems(self, T: float) -> list:
         """Per model, its MILP alone with ``x_m >= T w_m`` (pools capped at that rate)."""
@@ -121,7 +130,7 @@ class PriceBound:
             # No pipeline needs more than t: the cap only removes pools no cheapest plan has.
             milp, v = build([spec], [cs], self.cluster, rate_cap=[t], **self.build_kw)
             milp.add_row({v.x_model[spec.name]: 1.0}, lb=t, name="price_bound_rate")
-            out.append((milp, v))
+            out.append((milp, v, len(out)))
         return out
 
     def _price(
@@ -132,7 +141,7 @@ class PriceBound:
 
         The solve stops early at a plan priced ``target`` or less (then P_m <= target).
         """
-        milp, v = sub
+        milp, v, m = sub
         cols = [v.gpus[k] for k in self.types]
         milp.set_objective({c: float(mu[i]) for i, c in enumerate(cols)}, "min")
         milp.set_col_bounds(cols, box[0], box[1])  # GPUs beyond a pool's need may idle: lo is reachable
@@ -145,7 +154,8 @@ class PriceBound:
         finally:
             milp.set_col_bounds(cols, 0.0, self.N)
             self.solves += 1
-            self.seconds += time.perf_counter() - t0
+            self._solve_s[m] = time.perf_counter() - t0
+            self.seconds += self._solve_s[m]
         if res.status == "infeasible":
             return np.inf, None  # the model alone cannot reach its share of T in the box
         if res.x is None:
@@ -233,7 +243,7 @@ class PriceBound:
             # a model has a plan cheaper than need minus what the others can give at most, so
             # each solve stops at such a plan, and the round at the first that falls short.
             best = np.array([float(np.min(c @ mu)) for c in cuts])
-            for m in range(M):
+            for m in np.argsort(self._solve_s, kind="stable"):
                 lb, u = self._price(subs[m], mu, deadline, (lo[m], hi[m]), target=need - (best.sum() - best[m]))
                 if not np.isfinite(lb):
                     return None

@@ -166,3 +166,26 @@ def test_a_new_plan_that_completes_a_fitting_combination_ends_the_search():
     assert not bound._learn(0, np.array([2.0, 2.0]))  # (1, 1) left: model 1 fits, model 2 not
     assert bound._reach[0][2, 2] and not bound._reach[0][1, 3]  # the plan was recorded, upward
     assert bound._learn(0, np.array([1.0, 2.0]))  # (2, 1) left: (1, 1) + (1, 0)
+
+
+@pytest.mark.parametrize("solve_s, first", [(None, 2), ([3.0, 1.0, 2.0], 1)])
+def test_a_round_solves_the_quickest_model_first(monkeypatch, solve_s, first):
+    # Before any solve, the model with the fewest configurations (listed last here) goes
+    # first; after, the one whose last solve was quickest: a model that falls short then
+    # ends the round before the slow ones run.
+    cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
+    specs, configs = specs[::-1], configs[::-1]
+    assert [len(c) for c in configs] == sorted((len(c) for c in configs), reverse=True)
+    bound = _bound(cl, specs, configs)
+    if solve_s is not None:
+        bound._solve_s = np.array(solve_s)
+    order = []
+    real = PriceBound._price
+
+    def spy(self, sub, *args, **kw):
+        order.append(sub[2])
+        return real(self, sub, *args, **kw)
+
+    monkeypatch.setattr(PriceBound, "_price", spy)
+    assert bound.refutes(z * 1.001)
+    assert order[0] == first
