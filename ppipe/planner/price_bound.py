@@ -41,18 +41,18 @@ at the root it refutes ``T`` for G2, G5 and G6 (their split-search plans are opt
 0.1 %), each with one round of exact solves at the restriction's best price. For G3 and
 G4 the restriction's dual already stays below the capacity (G4: 0.9995 of it): the best
 prices leave a fractional mix of per-model GPU vectors (e.g. G4: model 3 half at (17 L4,
-14 T4, 18 P4), half at (22 L4, 1 T4)); branching proves G3 in 31-33 s (9 solves) and G4 in
+14 T4, 18 P4), half at (22 L4, 1 T4)); branching proves G3 in 28-29 s (9 solves) and G4 in
 25 s (13 solves) from its best known plan (5000.28, 0.14 % above the split search's, where
 sharing GPUs between pools pays; from the split search's plan ``T`` is reachable: the
 first solved plan completes a fitting combination and the search gives up after 2 s).
 G1: sharing pays at the root's price (two V100 pools of 22 + 5 vGPUs at level 3 fit 9
-GPUs, the restriction needs 10) and the search takes 21 s (12 solves). An exact solve
+GPUs, the restriction needs 10) and the search takes 19 s (12 solves). An exact solve
 takes 0.2-16 s (HiGHS's LP bound of the single-model MILP sits about 1.3 %
 low and only the finished tree closes it), so the planner asks this bound only on the
 many-type, many-model, paper-rule cases that the split search serves, after the cover
 bound has failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. Measured
-(``python scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``, three
-runs): G2 5.3-6.8 s, G5 6.5-9.0 s, G6 5.7-7.0 s proven within 0.1 % (16-21 s with unseeded
+(``python scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``, four
+runs): G2 4.8-6.8 s, G5 6.4-9.0 s, G6 4.3-7.0 s proven within 0.1 % (16-21 s with unseeded
 prices, which needed 5-7 rounds); G1, G3, G4 stop at 10 s. With the defaults (60 s, gap
 1e-4): G5 proven in 5.7-6.0 s; G1, G2, G3 and G6 proven within 0.1 % (the planner's
 fallback gap, :data:`ppipe.planner.core.FALLBACK_GAP`); G4 not (it ends with its 5000.28
@@ -64,7 +64,7 @@ stops there; the new cut moves the next price. A round solves the quickest model
 (by their last solve; before any, by their number of configurations), so that one that
 falls short ends it before the slow ones run: G1's efficientnet-b8 (533 configurations)
 takes 5-16 s a solve, the other two 0.2-1.6 s, and two of G1's three rounds at incumbent
-+ 0.5 % end at a quick model (G1 at + 0.1 %: 50 s -> 21 s, 12 solves).
++ 0.5 % end at a quick model (G1 at + 0.1 %: 50 s -> 22 s, 12 solves).
 """
 
 from __future__ import annotations
@@ -84,6 +84,10 @@ MAX_NODES = 200  # boxes in one search
 PRICE_SCALE = 1000.0  # mu . N: keeps each P_m well above 1, where HiGHS's relative gap is exact
 SOLVE_GAP = 1e-7  # relative gap of each subproblem solve (its dual bound is what counts)
 _REL_TOL = 1e-6  # a proof needs the priced demand to exceed the priced capacity by this share
+# HiGHS's presolve, off for the planner's MILP (solvers.HIGHS_MIP_OPTIONS), pays on the
+# single-model ones: the 4-type case's bounds at incumbent + 0.1 % take 10-45 % less (G1
+# 22.3 -> 18.7 s, G3 31.4 -> 28.5 s, G6 3.8 -> 2.1 s; G5 5.1 s either way).
+SUBPROBLEM_OPTIONS: dict[str, object] = {"presolve": "on"}
 
 
 class PriceBound:
@@ -147,7 +151,7 @@ class PriceBound:
         milp.set_col_bounds(cols, box[0], box[1])  # GPUs beyond a pool's need may idle: lo is reachable
         t0 = time.perf_counter()
         try:
-            solver = HighsSolver({**HIGHS_MIP_OPTIONS, "objective_target": float(target)})
+            solver = HighsSolver({**HIGHS_MIP_OPTIONS, **SUBPROBLEM_OPTIONS, "objective_target": float(target)})
             res = solver.solve(milp, time_limit_s=time_left(deadline), gap=SOLVE_GAP)
         except Exception:  # noqa: BLE001 - a subproblem without a plan in time proves nothing
             return 0.0, None
