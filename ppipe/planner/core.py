@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
 from ppipe.errors import InfeasibleError, SolverError
 from ppipe.planner.configs import ConfigSet, ModelSpec, enumerate_configs
-from ppipe.planner.formulation import build, extract
+from ppipe.planner.formulation import build, extract, solution_vector
 from ppipe.planner.bounds import CoverBound
 from ppipe.planner.objectives import MaxMinNormalized, Objective
 from ppipe.planner.price_bound import MAX_ITERATIONS, PriceBound
@@ -117,7 +118,10 @@ class CoverProver:
     The cover bound is built on first use (the pipeline patterns are listed once), with its
     throughput bins spanning HiGHS's upper bound at that time; GPU prices start at 1 / N_k.
     The price bound is tried once per level and only while at least ``PRICE_BOUND_MIN_S``
-    of the time budget is left; ``method`` names the bound that gave the last proof.
+    of the time budget is left; ``method`` names the bound that gave the last proof. Where
+    it finds instead that known plans of the models reach the level together, that plan
+    (``columns`` turns it into column values, or None if it is not a solution of the MILP)
+    waits in ``solution`` for the solver to take as its new incumbent.
 
     Given the solve's ``gap``, a level ``T = incumbent (1 + gap)`` that neither bound
     refutes is followed, once, by ``incumbent (1 + FALLBACK_GAP)``: if that is refuted,
@@ -135,8 +139,12 @@ class CoverProver:
         price_bound: PriceBound | None = None,
         deadline: float | None = None,
         gap: float | None = None,
+        columns: Callable[[list[ModelPlan]], np.ndarray | None] | None = None,
     ):
         self._args = (configs, specs, cluster)
+        self._columns = columns
+        self.solution: np.ndarray | None = None
+        self._offered = -math.inf  # objective of the best plan offered so far
         self.bound: CoverBound | None = None
         self.price_bound = price_bound
         self.deadline = deadline
@@ -171,6 +179,12 @@ class CoverProver:
         if self.price_bound.refutes(T, deadline=self.deadline, max_rounds=max_rounds):
             self.method = "price bound"
             return True
+        if self.price_bound.found and self._columns is not None:
+            models, specs = self.price_bound.found, self._args[1]
+            z = min(m.throughput_rps / s.weight for m, s in zip(models, specs))
+            x = self._columns(models) if z > self._offered else None
+            if x is not None:
+                self.solution, self._offered = x, z
         return False
 
 
@@ -274,7 +288,12 @@ def milp_plan(
             if gpu_rule == "paper" and restricted is not None
             else None
         )
-        prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap)
+
+        def columns(models: list[ModelPlan]) -> np.ndarray | None:
+            x = solution_vector(models, variables, milp.num_cols)
+            return x if is_feasible(milp, x) else None
+
+        prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns)
         result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_s=PROVER_AFTER_S, **kw)
         if result.status == "time_limit" and prover.weak is not None and result.objective > 0:
             # Stopped short of the requested gap, but a looser level was proven out of reach.

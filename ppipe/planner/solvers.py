@@ -140,7 +140,9 @@ class HighsSolver(Solver):
                 current upper bound on the optimum). Asked about a better incumbent (once
                 ``prover_after_s`` seconds have passed, so that easy models pay nothing) with
                 ``T = incumbent * (1 + gap)``; a True answer stops the search with the
-                incumbent, proven optimal within ``gap``.
+                incumbent, proven optimal within ``gap``. Column values the prover leaves
+                in its ``solution`` attribute (a better plan it found instead of a proof)
+                are handed to HiGHS as a new incumbent, and the attribute is cleared.
             prover_after_s: solve time before the prover is first asked.
         """
         import highspy
@@ -238,7 +240,15 @@ def _attach_prover(h, prover, after_s: float, gap: float, sense: str) -> dict:
     def callback(kind, _msg, out, inp, _data):
         if kind == cb.HighsCallbackType.kCallbackMipImprovingSolution:
             state["best"] = max(state["best"], float(out.objective_function_value))
+        elif kind == cb.HighsCallbackType.kCallbackMipUserSolution:
+            # A better plan the prover found (it then reports no improving solution: the
+            # incumbent is read from the primal bound below).
+            if getattr(prover, "solution", None) is not None:
+                inp.setSolution(prover.solution)
+                prover.solution = None
         elif kind == cb.HighsCallbackType.kCallbackMipInterrupt:
+            if math.isfinite(out.mip_primal_bound):
+                state["best"] = max(state["best"], float(out.mip_primal_bound))
             # Asked here (HiGHS polls this often) rather than on the improvement itself, so
             # that an incumbent found before after_s is still tried once after_s has passed.
             elapsed = time.perf_counter() - t0
@@ -261,13 +271,15 @@ def _attach_prover(h, prover, after_s: float, gap: float, sense: str) -> dict:
                 if prover(T, bound):
                     state["target"] = T
                     state["method"] = "highs incumbent + " + getattr(prover, "method", "prover")
-                state["spent"] += time.perf_counter() - t1
+                if getattr(prover, "solution", None) is None:  # a try that found a better plan paid for itself
+                    state["spent"] += time.perf_counter() - t1
             if state["target"] is not None:
                 inp.user_interrupt = True
 
     h.setCallback(callback, None)
     h.startCallback(cb.HighsCallbackType.kCallbackMipImprovingSolution)
     h.startCallback(cb.HighsCallbackType.kCallbackMipInterrupt)
+    h.startCallback(cb.HighsCallbackType.kCallbackMipUserSolution)
     return state
 
 

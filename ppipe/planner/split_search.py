@@ -191,6 +191,12 @@ class _ModelTable:
         return out
 
 
+def restricted_pipelines(cs: ConfigSet, counts: np.ndarray, r: np.ndarray) -> list[Pipeline]:
+    """The pipelines of one model's best restricted plan within GPU vector ``r`` (its
+    throughput is the model's L_m(r); the table is rebuilt, 0.15-0.4 s on 4 types of 25)."""
+    return _ModelTable(cs, np.asarray(counts, dtype=np.int64)).pipelines(np.asarray(r, dtype=np.int64), cs)
+
+
 def minimal_points(B: np.ndarray) -> np.ndarray:
     """Minimal elements of an upward-closed boolean array."""
     m = B.copy()

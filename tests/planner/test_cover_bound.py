@@ -210,3 +210,60 @@ def test_a_plan_stopped_by_its_time_limit_reports_the_gap_a_looser_proof_gives(m
     r = out.result
     assert r.status == "time_limit" and r.method == "highs incumbent + cover bound"
     assert r.gap == pytest.approx(core.FALLBACK_GAP)  # not the 5 % branch and bound reported
+
+
+
+def test_a_better_plan_the_prover_offers_becomes_highs_incumbent():
+    # The price bound may find, instead of a proof, a plan better than HiGHS's incumbent;
+    # the prover leaves it in ``solution`` and HiGHS takes it at its next chance. Here the
+    # optimum of a knapsack waits there from the start: the first level the prover is
+    # asked about is then the optimum's, not HiGHS's own first incumbent (a worse one).
+    from ppipe.planner.milp import Milp
+    from ppipe.planner.solvers import HighsSolver
+
+    rng = np.random.default_rng(3)
+    w = rng.integers(20, 100, 50).astype(float)
+    milp = Milp()
+    cols = milp.add_cols(50, ub=1.0, integer=True)
+    milp.add_row(dict(zip(cols.tolist(), w)), ub=float(w.sum() // 2))
+    milp.set_objective(dict(zip(cols.tolist(), w + rng.integers(-8, 8, 50))), "max")
+    best = HighsSolver().solve(milp, gap=1e-9)
+
+    class Offering:
+        def __init__(self, x):
+            self.solution, self.asked = x, []
+
+        def __call__(self, T, bound):
+            self.asked.append(T)
+            return False
+
+    alone, helped = Offering(None), Offering(best.x.copy())
+    for prover in (alone, helped):
+        HighsSolver().solve(milp, gap=1e-9, prover=prover, prover_after_s=0.0)
+    assert alone.asked[0] < best.objective * (1 - 1e-3)  # what the test needs: a worse first incumbent
+    assert helped.solution is None, "the offered plan was never taken"
+    assert helped.asked[0] == pytest.approx(best.objective * (1 + 1e-9))
+
+
+def test_the_prover_offers_the_plans_the_price_bound_finds_when_better(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    class Reachable:
+        def __init__(self):
+            self.found = None
+
+        def refutes(self, T, deadline=None, max_rounds=None):
+            # Known plans reach T together: the models' throughputs are T w_m (weights 1, 2).
+            self.found = [NS(throughput_rps=T), NS(throughput_rps=2 * T)]
+            return False
+
+    monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
+    offered = []
+    specs = [NS(weight=1.0), NS(weight=2.0)]
+    prover = core.CoverProver([], specs, cluster({"A": 2, "B": 2}, LEVELS), price_bound=Reachable(),
+                              columns=lambda models: offered.append(models) or np.array([models[0].throughput_rps]))
+    assert not prover(100.0, 110.0) and prover.solution.tolist() == [100.0]
+    prover.solution = None  # taken by the solver
+    assert not prover(99.0, 110.0) and prover.solution is None  # not better than the one offered
+    assert len(offered) == 1
+    assert not prover(101.0, 110.0) and prover.solution.tolist() == [101.0]

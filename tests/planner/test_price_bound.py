@@ -80,6 +80,8 @@ def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
     made = []
 
     class Spy:
+        found = None
+
         def __init__(self, *args, tables):
             assert tables, "the price bound is built without the split search's tables"
             made.append(args[3])
@@ -165,7 +167,8 @@ def test_a_new_plan_that_completes_a_fitting_combination_ends_the_search():
     bound._reach = [up(), up((1, 1)), up((1, 0))]
     assert not bound._learn(0, np.array([2.0, 2.0]))  # (1, 1) left: model 1 fits, model 2 not
     assert bound._reach[0][2, 2] and not bound._reach[0][1, 3]  # the plan was recorded, upward
-    assert bound._learn(0, np.array([1.0, 2.0]))  # (2, 1) left: (1, 1) + (1, 0)
+    budgets = bound._learn(0, np.array([1.0, 2.0]))  # (2, 1) left: (1, 1) + (1, 0)
+    assert [list(r) for r in budgets] == [[1, 2], [1, 1], [1, 0]]
 
 
 @pytest.mark.parametrize("solve_s, first", [(None, 2), ([3.0, 1.0, 2.0], 1)])
@@ -189,3 +192,19 @@ def test_a_round_solves_the_quickest_model_first(monkeypatch, solve_s, first):
     monkeypatch.setattr(PriceBound, "_price", spy)
     assert bound.refutes(z * 1.001)
     assert order[0] == first
+
+
+@pytest.mark.parametrize("counts", [{"A": 2, "B": 4, "C": 4}, {"A": 4, "B": 6, "C": 4}])
+def test_a_reachable_level_leaves_a_plan_that_reaches_it(counts):
+    # Where known plans reach the level together (from the restriction's LP alone in the
+    # first case, after exact solves in the second), the bound keeps them as a whole plan.
+    from ppipe.planner.formulation import gpus_needed
+
+    cl, specs, configs, z = _case(counts)
+    bound = _bound(cl, specs, configs)
+    T = 0.999 * z
+    assert not bound.refutes(T)
+    assert bound.found is not None
+    assert min(m.throughput_rps / s.weight for m, s in zip(bound.found, specs)) >= T * (1 - 1e-6)
+    used = gpus_needed(bound.found, list(counts), "paper")
+    assert all(used[k] <= n for k, n in counts.items())
