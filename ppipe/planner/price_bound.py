@@ -321,10 +321,9 @@ class PriceBound:
             r = np.asarray(r, dtype=np.int64)
             plan = next((p for u, p in self._exact[m] if (u <= r).all()), None)
             if plan is None:
-                cs, (_milp, v, _m) = self.configs[m], subs[m]
-                counts = self.N.astype(np.int64)
-                pipes = restricted_pipelines(cs, counts, r)
-                x = pipeline_columns(v, _milp.num_cols, [[(q.config, q.vgpus, q.throughput_rps) for q in pipes]])
+                cs, (milp, v, _) = self.configs[m], subs[m]
+                pipes = restricted_pipelines(cs, self.N.astype(np.int64), r)
+                x = pipeline_columns(v, milp.num_cols, [[(q.config, q.vgpus, q.throughput_rps) for q in pipes]])
                 plan = extract(x, v, [self.specs[m]])[0]
             plans.append(plan)
         self.found = plans
