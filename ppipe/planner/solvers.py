@@ -166,6 +166,8 @@ class HighsSolver(Solver):
             h.setSolution(sol)
         proof = _attach_prover(h, prover, prover_after_s, gap, milp.sense) if (prover is not None and integ.any()) else None
         h.run()
+        if proof is not None and proof["error"] is not None:
+            raise proof["error"]
         st = h.getModelStatus()
         info = h.getInfo()
         secs = time.perf_counter() - t0
@@ -234,10 +236,22 @@ def _attach_prover(h, prover, after_s: float, gap: float, sense: str) -> dict:
     if sense != "max":
         raise ValueError("a prover needs a maximization")
     cb = highspy.cb
-    state = {"target": None, "best": -math.inf, "tried": -math.inf, "spent": 0.0, "method": "highs incumbent + " + getattr(prover, "method", "prover")}
+    state = {"target": None, "best": -math.inf, "tried": -math.inf, "spent": 0.0, "error": None,
+             "method": "highs incumbent + " + getattr(prover, "method", "prover")}
     t0 = time.perf_counter()
 
     def callback(kind, _msg, out, inp, _data):
+        # An exception raised inside HiGHS's callback would end the solve as a bare "Solve
+        # error": it is kept, the search stopped, and HighsSolver.solve raises it after run().
+        if state["error"] is None:
+            try:
+                on_event(kind, out, inp)
+            except Exception as e:  # noqa: BLE001 - re-raised by the caller
+                state["error"] = e
+        if state["error"] is not None and kind == cb.HighsCallbackType.kCallbackMipInterrupt:
+            inp.user_interrupt = True
+
+    def on_event(kind, out, inp):
         if kind == cb.HighsCallbackType.kCallbackMipImprovingSolution:
             state["best"] = max(state["best"], float(out.objective_function_value))
         elif kind == cb.HighsCallbackType.kCallbackMipUserSolution:

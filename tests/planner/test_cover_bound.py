@@ -267,3 +267,21 @@ def test_the_prover_offers_the_plans_the_price_bound_finds_when_better(monkeypat
     assert not prover(99.0, 110.0) and prover.solution is None  # not better than the one offered
     assert len(offered) == 1
     assert not prover(101.0, 110.0) and prover.solution.tolist() == [101.0]
+
+
+def test_an_error_in_the_prover_surfaces_as_itself():
+    # Raised inside HiGHS's callback, it would end the solve as a bare "Solve error".
+    from ppipe.planner.milp import Milp
+    from ppipe.planner.solvers import HighsSolver
+
+    milp = Milp()
+    cols = milp.add_cols(30, ub=1.0, integer=True)
+    w = np.arange(30, 60, dtype=float)
+    milp.add_row(dict(zip(cols.tolist(), w)), ub=float(w.sum() // 2))
+    milp.set_objective(dict(zip(cols.tolist(), w + np.sin(w))), "max")
+
+    def broken(T, bound):
+        raise ZeroDivisionError("a planner bug")
+
+    with pytest.raises(ZeroDivisionError, match="a planner bug"):
+        HighsSolver().solve(milp, gap=1e-9, prover=broken, prover_after_s=0.0)
