@@ -66,7 +66,8 @@ the defaults (60 s, gap 1e-4): G5 proven in 4.1-6.0 s; the other five proven wit
 Each round stops early where it cannot prove: a model's solve stops at the first plan
 priced below what the round needs from it (HiGHS's ``objective_target``), and the round
 stops there; the new cut moves the next price. A round solves the quickest models first
-(by their last solve; before any, by their number of configurations), so that one that
+(by the simplex iterations of their last solve, which unlike the clock are the same in
+every run; before any, by their number of configurations), so that one that
 falls short ends it before the slow ones run: G1's efficientnet-b8 (533 configurations)
 takes 5-16 s a solve, the other two 0.2-1.6 s, and two of G1's three rounds at incumbent
 + 0.5 % end at a quick model (G1 at + 0.1 %: 50 s -> 22 s, 12 solves).
@@ -127,9 +128,10 @@ class PriceBound:
         self.solves = 0
         self.seconds = 0.0
         self.nodes = 0
-        # Per model, the seconds of its last exact solve: a round solves the quick models
-        # first, so that one that falls short ends it before the slow ones run.
-        self._solve_s = np.array([len(cs) for cs in configs], dtype=float) * 1e-9  # before any: by size
+        # Per model, the work of its last exact solve (HiGHS's simplex iterations: a measure of
+        # time that, unlike the clock, is the same in every run): a round solves the quick
+        # models first, so that one that falls short ends it before the slow ones run.
+        self._work = np.array([len(cs) for cs in configs], dtype=float) * 1e-9  # before any: by size
         # Per model, (GPU vector, plan) of every exact solve's plan; and the plans of the
         # last fitting combination found (a plan of the whole MILP that reaches the level).
         self._exact: list[list[tuple[np.ndarray, ModelPlan]]] = [[] for _ in specs]
@@ -167,8 +169,8 @@ class PriceBound:
         finally:
             milp.set_col_bounds(cols, 0.0, self.N)
             self.solves += 1
-            self._solve_s[m] = time.perf_counter() - t0
-            self.seconds += self._solve_s[m]
+            self.seconds += time.perf_counter() - t0
+        self._work[m] = max(res.lp_iterations, 1)
         if res.status == "infeasible":
             return np.inf, None  # the model alone cannot reach its share of T in the box
         if res.x is None:
@@ -262,7 +264,7 @@ class PriceBound:
             # a model has a plan cheaper than need minus what the others can give at most, so
             # each solve stops at such a plan, and the round at the first that falls short.
             best = np.array([float(np.min(c @ mu)) for c in cuts])
-            for m in np.argsort(self._solve_s, kind="stable"):
+            for m in np.argsort(self._work, kind="stable"):
                 lb, u = self._price(subs[m], mu, deadline, (lo[m], hi[m]), target=need - (best.sum() - best[m]))
                 if not np.isfinite(lb):
                     return None

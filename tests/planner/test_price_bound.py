@@ -171,17 +171,17 @@ def test_a_new_plan_that_completes_a_fitting_combination_ends_the_search():
     assert [list(r) for r in budgets] == [[1, 2], [1, 1], [1, 0]]
 
 
-@pytest.mark.parametrize("solve_s, first", [(None, 2), ([3.0, 1.0, 2.0], 1)])
-def test_a_round_solves_the_quickest_model_first(monkeypatch, solve_s, first):
+@pytest.mark.parametrize("work, first", [(None, 2), ([3000.0, 1000.0, 2000.0], 1)])
+def test_a_round_solves_the_quickest_model_first(monkeypatch, work, first):
     # Before any solve, the model with the fewest configurations (listed last here) goes
-    # first; after, the one whose last solve was quickest: a model that falls short then
-    # ends the round before the slow ones run.
+    # first; after, the one whose last solve took the least work: a model that falls short
+    # then ends the round before the slow ones run.
     cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
     specs, configs = specs[::-1], configs[::-1]
     assert [len(c) for c in configs] == sorted((len(c) for c in configs), reverse=True)
     bound = _bound(cl, specs, configs)
-    if solve_s is not None:
-        bound._solve_s = np.array(solve_s)
+    if work is not None:
+        bound._work = np.array(work)
     order = []
     real = PriceBound._price
 
@@ -192,6 +192,35 @@ def test_a_round_solves_the_quickest_model_first(monkeypatch, solve_s, first):
     monkeypatch.setattr(PriceBound, "_price", spy)
     assert bound.refutes(z * 1.001)
     assert order[0] == first
+
+
+def test_the_search_does_not_depend_on_the_clock(monkeypatch):
+    # The order of the solves (hence the search, and whether it ends in time) follows
+    # HiGHS's work, not the wall clock: a clock that jumps at random changes nothing. (The
+    # second call's first round is ordered by the first call's solves.)
+    import random
+    import types
+
+    from ppipe.planner import price_bound
+
+    cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
+    real = PriceBound._price
+    runs = []
+    for seed in (1, 2, 3):
+        rng = random.Random(seed)
+        monkeypatch.setattr(price_bound, "time", types.SimpleNamespace(perf_counter=lambda: rng.uniform(0.0, 1e6)))
+        bound, order = _bound(cl, specs, configs), []
+        assert bound.refutes(z * 1.001)
+
+        def spy(self, sub, *args, _order=order, **kw):
+            _order.append(sub[2])
+            return real(self, sub, *args, **kw)
+
+        monkeypatch.setattr(PriceBound, "_price", spy)
+        assert bound.refutes(z * 1.0005)
+        monkeypatch.setattr(PriceBound, "_price", real)
+        runs.append(order)
+    assert len(runs[0]) >= 3 and runs[0] == runs[1] == runs[2]
 
 
 @pytest.mark.parametrize("counts", [{"A": 2, "B": 4, "C": 4}, {"A": 4, "B": 6, "C": 4}])
