@@ -1,4 +1,4 @@
-"""The HiGHS options the planner sets (presolve off, no RINS/RENS) change speed, not optima."""
+"""The HiGHS options the planner sets (presolve off, no RINS; RENS under physical packing only) change speed, not optima."""
 
 from __future__ import annotations
 
@@ -36,6 +36,31 @@ def _solve(solver, specs, cl, *, gpu_rule="paper", one=True, D=2):
 def test_default_highs_solver_uses_the_tuned_options():
     assert get_solver("highs").options == HIGHS_MIP_OPTIONS
     assert HIGHS_MIP_OPTIONS["presolve"] == "off"
+
+
+def test_highs_runs_rens_under_physical_packing_only_and_keeps_options_it_was_given():
+    default = get_solver("highs")
+    assert default.tuned_for("physical").options == {**HIGHS_MIP_OPTIONS, "mip_heuristic_run_rens": True}
+    assert default.tuned_for("paper").options == HIGHS_MIP_OPTIONS
+    mine = HighsSolver({"presolve": "on"})
+    assert mine.tuned_for("physical").options == {"presolve": "on"}
+    assert get_solver("cbc").tuned_for("physical").name == "cbc"
+
+
+def test_the_planner_solves_with_the_options_of_its_gpu_rule(monkeypatch):
+    seen = []
+    solve = HighsSolver.solve
+
+    def recording(self, milp, **kw):
+        seen.append(self.options.get("mip_heuristic_run_rens"))
+        return solve(self, milp, **kw)
+
+    monkeypatch.setattr(HighsSolver, "solve", recording)
+    cl = cluster({"A": 2, "B": 2}, LEVELS)
+    specs = [ModelSpec(profile=profile("m1", LAT_1, [200_000, 100_000], LEVELS), slo_ms=30.0)]
+    _solve(HighsSolver(), specs, cl, gpu_rule="physical", one=False)
+    _solve(HighsSolver(), specs, cl, gpu_rule="paper")
+    assert seen == [True, False]
 
 
 @pytest.mark.parametrize("counts", [{"A": 1, "B": 2}, {"A": 2, "B": 1}, {"A": 2, "B": 2}])
