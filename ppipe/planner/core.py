@@ -265,7 +265,7 @@ def milp_plan(
     objective.apply(milp, variables)
     # time_limit_s covers building and the split search too: the solver gets the rest.
     deadline = None if time_limit_s is None else t0 + time_limit_s
-    solver = solver.tuned_for(gpu_rule)
+    solver = solver.tuned_for(gpu_rule) if hasattr(solver, "tuned_for") else solver
 
     kw = {}
     restricted = None
