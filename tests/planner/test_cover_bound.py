@@ -66,14 +66,34 @@ def test_patterns_are_the_fewest_vgpus_for_their_throughput():
             assert ((value >= x * (1 - 1e-12)) & (cost <= own + 1e-12)).any(), (c, g)
 
 
-def _bound(models, weights, cl, *, gpu_rule, one, D):
+def _bound(models, weights, cl, *, gpu_rule, one, D, num_bins=5000):
     specs = [ModelSpec(profile=m, slo_ms=slo, weight=w) for (m, slo), w in zip(models, weights)]
     configs = model_configs(
         specs, cl, [usable_levels(s.profile, cl) for s in specs], max_partitions=D, margin=0.2,
         group_by_multiset=(gpu_rule == "physical" and not one),
     )
     counts = np.array([cl.gpu_counts[g.name] for g in cl.gpu_types], dtype=float)
-    return lambda z_max: CoverBound(configs, weights, counts, z_max=z_max, num_bins=5000)
+    return lambda z_max: CoverBound(configs, weights, counts, z_max=z_max, num_bins=num_bins)
+
+
+def test_the_coarse_tables_price_no_higher_than_the_fine_ones():
+    # The price search starts on coarse tables, whose bins round each pattern's throughput
+    # up further: their priced demand never exceeds the fine tables', so a proof found on
+    # them is a proof. And the two-step search still proves just above the optimum.
+    counts = {"A": 2, "B": 2}
+    cl = cluster(counts, LEVELS)
+    m1 = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
+    m2 = profile("m2", LAT_2, [50_000, 300_000], LEVELS)
+    w = [1.0, 2.0]
+    want = brute_force_physical([plain_configs(m, cl, 25.0, 0.2, 2, LEVELS) for m in (m1, m2)], w, counts, LEVELS)
+    b = _bound([(m1, 25.0), (m2, 25.0)], w, cl, gpu_rule="physical", one=False, D=2, num_bins=50_000)(want * 2)
+    assert b.Jc < b.J
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        mu, T = rng.uniform(0.1, 1.0, 2), want * rng.uniform(0.5, 1.5)
+        coarse, fine = b._priced(mu, T, coarse=True)[0], b._priced(mu, T)[0]
+        assert coarse <= fine + 1e-9
+    assert not b.refutes(want) and b.refutes(want * 1.5)
 
 
 @pytest.mark.parametrize("slo_ms", [12.0, 20.0, 40.0])
