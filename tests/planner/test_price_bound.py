@@ -237,3 +237,19 @@ def test_a_reachable_level_leaves_a_plan_that_reaches_it(counts):
     assert min(m.throughput_rps / s.weight for m, s in zip(bound.found, specs)) >= T * (1 - 1e-6)
     used = gpus_needed(bound.found, list(counts), "paper")
     assert all(used[k] <= n for k, n in counts.items())
+
+
+def test_a_known_plan_prunes_the_solve_but_not_the_bound():
+    # Given the price of a plan known in the box, the solve prunes what cannot beat it
+    # from the start; the bound it returns is the same, and the plan that reaches it is
+    # still found (or a cheaper one).
+    cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
+    bound = _bound(cl, specs, configs)
+    subs = bound._subproblems(z * 1.001)
+    box = (np.zeros(3), bound.N)
+    mu = 1000.0 / (3 * bound.N)
+    for sub in subs:
+        lb, u = bound._price(sub, mu, None, box)
+        lb_known, u_known = bound._price(sub, mu, None, box, known=float(u @ mu))
+        assert lb_known == pytest.approx(lb, rel=1e-6)
+        assert u_known is not None and float(u_known @ mu) <= float(u @ mu) * (1 + 1e-9)
