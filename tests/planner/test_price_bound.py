@@ -3,6 +3,8 @@ refutes levels just above the optimum where the cover bound cannot."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -29,6 +31,14 @@ PAPER = dict(gpu_rule="paper", one_config_per_template=True)
 
 
 def _case(counts):
+    """(cluster, specs, configurations, optimum) of three models on ``counts``; the optimum,
+    an exact MILP solve of a few seconds, is computed once per cluster."""
+    return _solved_case(tuple(sorted(counts.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _solved_case(counts):
+    counts = dict(counts)
     cl = cluster(counts, LEVELS, per_server=2)
     models = [profile(f"m{i}", lat, [200_000, 100_000], LEVELS) for i, lat in enumerate(LATS)]
     specs = [ModelSpec(profile=m, slo_ms=25.0, weight=w) for m, w in zip(models, (0.3, 0.33, 0.37))]
