@@ -193,7 +193,9 @@ class PriceBound:
             self.seconds += time.perf_counter() - t0
         self._work[m] = max(res.lp_iterations, 1)
         if res.status == "infeasible":
-            return np.inf, None  # the model alone cannot reach its share of T in the box
+            # The model alone cannot reach its share of T in the box, or (with a known plan,
+            # only by tolerances) nothing lies below the cutoff: either way P_m >= known.
+            return (np.inf if not np.isfinite(cutoff) else known), None
         if res.x is None:
             return None, None
         gap = res.gap if np.isfinite(res.gap) else 1.0

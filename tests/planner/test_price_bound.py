@@ -263,3 +263,17 @@ def test_a_known_plan_prunes_the_solve_but_not_the_bound():
         lb_known, u_known = bound._price(sub, mu, None, box, known=float(u @ mu))
         assert lb_known == pytest.approx(lb, rel=1e-6)
         assert u_known is not None and float(u_known @ mu) <= float(u @ mu) * (1 + 1e-9)
+
+
+def test_a_known_price_set_too_low_only_weakens_the_bound():
+    # The cutoff assumes the known plan is in the box; were its price too low, the solve
+    # would find nothing below the cutoff, and the bound falls back to that price: lower
+    # than the true one, never above it, never "infeasible".
+    cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
+    bound = _bound(cl, specs, configs)
+    sub = bound._subproblems(z * 1.001)[0]
+    box, mu = (np.zeros(3), bound.N), 1000.0 / (3 * bound.N)
+    lb, _ = bound._price(sub, mu, None, box)
+    for share in (0.5, 0.99):
+        weak, _ = bound._price(sub, mu, None, box, known=share * lb)
+        assert np.isfinite(weak) and weak <= lb * (1 + 1e-9)
