@@ -270,7 +270,9 @@ class CoverBound:
         finally:
             self.stats.seconds += time.perf_counter() - t0
 
-    def _kelley(self, T, mu, coarse, t0, deadline_s, cuts) -> tuple[bool, np.ndarray]:
+    def _kelley(
+        self, T: float, mu: np.ndarray, coarse: bool, t0: float, deadline_s: float | None, cuts: list[list[np.ndarray]]
+    ) -> tuple[bool, np.ndarray]:
         """Kelley's cutting planes from ``mu``, adding to ``cuts``: (proven, the price that
         proved it or, if none did, the one whose priced demand came closest to the priced
         capacity)."""

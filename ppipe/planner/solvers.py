@@ -118,7 +118,7 @@ HIGHS_MIP_OPTIONS: dict[str, object] = {
 }
 # Under physical packing (the default formulation) RENS pays: its first plans are better,
 # and branch and bound needs half the nodes (scripts/bench_planner.py --suite gain, three
-# runs: median 0.16 -> 0.11 s, max 1.87-2.02 -> 1.66-1.76 s, nodes 12,053 -> 5,259-6,985).
+# runs: median 0.16 -> 0.11-0.13 s, max 1.87-2.02 -> 1.66-2.07 s, nodes 12,053 -> 5,259-6,985).
 # Under the paper's rule it does not (main suite: max 0.99 -> 1.43 s), so it stays off there.
 HIGHS_RULE_OPTIONS: dict[str, dict[str, object]] = {"physical": {"mip_heuristic_run_rens": True}, "paper": {}}
 
