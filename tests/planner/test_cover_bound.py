@@ -76,17 +76,23 @@ def _bound(models, weights, cl, *, gpu_rule, one, D, num_bins=5000):
     return lambda z_max: CoverBound(configs, weights, counts, z_max=z_max, num_bins=num_bins)
 
 
-def test_the_coarse_tables_price_no_higher_than_the_fine_ones():
-    # The price search starts on coarse tables, whose bins round each pattern's throughput
-    # up further: their priced demand never exceeds the fine tables', so a proof found on
-    # them is a proof. And the two-step search still proves just above the optimum.
+def _two_models(num_bins=5000):
+    """(the cover bound's maker, the brute-force optimum) of two models on 2 + 2 GPUs, physical packing."""
     counts = {"A": 2, "B": 2}
     cl = cluster(counts, LEVELS)
     m1 = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
     m2 = profile("m2", LAT_2, [50_000, 300_000], LEVELS)
     w = [1.0, 2.0]
     want = brute_force_physical([plain_configs(m, cl, 25.0, 0.2, 2, LEVELS) for m in (m1, m2)], w, counts, LEVELS)
-    b = _bound([(m1, 25.0), (m2, 25.0)], w, cl, gpu_rule="physical", one=False, D=2, num_bins=50_000)(want * 2)
+    return _bound([(m1, 25.0), (m2, 25.0)], w, cl, gpu_rule="physical", one=False, D=2, num_bins=num_bins), want
+
+
+def test_the_coarse_tables_price_no_higher_than_the_fine_ones():
+    # The price search starts on coarse tables, whose bins round each pattern's throughput
+    # up further: their priced demand never exceeds the fine tables', so a proof found on
+    # them is a proof. And the two-step search still proves just above the optimum.
+    make, want = _two_models(num_bins=50_000)
+    b = make(want * 2)
     assert b.Jc < b.J
     rng = np.random.default_rng(0)
     for _ in range(20):
@@ -119,13 +125,7 @@ def test_bound_never_refutes_the_paper_optimum(slo_ms, counts):
 
 
 def test_bound_never_refutes_a_two_model_optimum():
-    counts = {"A": 2, "B": 2}
-    cl = cluster(counts, LEVELS)
-    m1 = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
-    m2 = profile("m2", LAT_2, [50_000, 300_000], LEVELS)
-    w = [1.0, 2.0]
-    want = brute_force_physical([plain_configs(m, cl, 25.0, 0.2, 2, LEVELS) for m in (m1, m2)], w, counts, LEVELS)
-    make = _bound([(m1, 25.0), (m2, 25.0)], w, cl, gpu_rule="physical", one=False, D=2)
+    make, want = _two_models()
     assert not make(want * 2).refutes(want)
 
 
