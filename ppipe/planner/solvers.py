@@ -383,6 +383,13 @@ class GurobiSolver(Solver):
     accepts_prover = True  # passed on to HiGHS when the licence refuses the model
     accepts_start = True
 
+    def __init__(self, fallback: HighsSolver | None = None):
+        self.fallback = fallback or HighsSolver()
+
+    def tuned_for(self, gpu_rule: str) -> "GurobiSolver":
+        """Gurobi with its defaults; the HiGHS fallback tuned for ``gpu_rule``."""
+        return GurobiSolver(self.fallback.tuned_for(gpu_rule))
+
     def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2, start=None):
         """Solve ``milp``; ``start`` is a MIP start, ``prover``/``prover_after_s`` only serve the HiGHS fallback (see :meth:`HighsSolver.solve`)."""
         try:
@@ -441,7 +448,7 @@ class GurobiSolver(Solver):
         except gp.GurobiError as exc:
             if getattr(exc, "errno", None) in (GUROBI_NO_LICENSE, GUROBI_SIZE_LIMIT):
                 warnings.warn(f"Gurobi refused the model ({exc}); solving with HiGHS instead", stacklevel=2)
-                return HighsSolver().solve(
+                return self.fallback.solve(
                     milp, time_limit_s=time_limit_s, gap=gap, threads=threads, prover=prover, prover_after_s=prover_after_s, start=start
                 )
             raise SolverError(f"Gurobi failed: {exc}") from None

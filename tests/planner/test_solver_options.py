@@ -45,6 +45,8 @@ def test_highs_runs_rens_under_physical_packing_only_and_keeps_options_it_was_gi
     mine = HighsSolver({"presolve": "on"})
     assert mine.tuned_for("physical").options == {"presolve": "on"}
     assert get_solver("cbc").tuned_for("physical").name == "cbc"
+    # Gurobi keeps its own defaults; the HiGHS it falls back to is tuned like HiGHS itself.
+    assert get_solver("gurobi").tuned_for("physical").fallback.options == default.tuned_for("physical").options
 
 
 def test_the_planner_solves_with_the_options_of_its_gpu_rule(monkeypatch):
