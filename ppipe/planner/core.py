@@ -57,6 +57,7 @@ def model_configs(
     max_partitions: int,
     margin: float,
     group_by_multiset: bool,
+    across_levels: bool = False,
     files: list[str | None] | None = None,
 ) -> list[ConfigSet]:
     """Configurations of every model; a model with none is an InfeasibleError naming the smallest SLO."""
@@ -70,6 +71,7 @@ def model_configs(
             margin=margin,
             levels=levels[mi],
             group_by_multiset=group_by_multiset,
+            across_levels=across_levels,
         )
         if len(cs) == 0:
             raise infeasible_slo(spec, cs, margin, cluster, (files or [None] * len(specs))[mi])
@@ -259,6 +261,8 @@ def milp_plan(
         margin=margin,
         # Comparing across templates is exact only when resources do not depend on the slot.
         group_by_multiset=(gpu_rule == "physical" and not one_config_per_template),
+        # Across vGPU levels only where a pool's resources are its share g/v (paper rule).
+        across_levels=(gpu_rule == "paper"),
         files=files,
     )
     milp, variables = build(specs, configs, cluster, gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
