@@ -109,18 +109,46 @@ def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
     assert made and made[-1]["gpu_rule"] == "paper"
 
 
-def test_branching_splits_the_most_fractional_count_then_differing_plans():
-    from ppipe.planner.price_bound import _branching
+def test_branching_splits_where_the_weaker_box_scores_highest(monkeypatch):
+    import ppipe.planner.price_bound as pbm
 
     lo, hi = np.zeros((2, 2)), np.full((2, 2), 9.0)
-    plans = [np.array([[2.0, 4.0], [5.0, 1.0]]), np.array([[3.0, 3.0]])]
-    # Model 0 half and half: mean (3.5, 2.5); both counts are 0.5 off, the first wins.
-    assert _branching(plans, [np.array([0.5, 0.5]), np.array([1.0])], lo, hi) == (0, 0, 3.0)
-    # Whole means from differing plans: split between them on the type they differ most.
-    plans = [np.array([[2.0, 4.0], [4.0, 2.0]]), np.array([[3.0, 3.0]])]
-    assert _branching(plans, [np.array([0.5, 0.5]), np.array([1.0])], lo, hi) == (0, 0, 3.0)
+    known = [np.array([[2.0, 4.0], [5.0, 1.0]]), np.array([[3.0, 3.0]])]
+    N, mu = np.array([9.0, 9.0]), np.array([0.5, 0.5])
+    one = [np.array([0.5, 0.5]), np.array([1.0])]
+    # Model 0 half and half: mean (3.5, 2.5), so the candidates cut type 0 at 3 and type 1
+    # at 2. Each box is scored; the split whose weaker box scores higher wins.
+    scores = {("hi", 0, 3.0): 1.2, ("lo", 0, 4.0): 0.9, ("hi", 1, 2.0): 1.0, ("lo", 1, 3.0): 1.05}
+    asked = []
+
+    def fake(known_, lo_, hi_, N_, mu_):
+        key = next(("hi", k, hi_[0, k]) for k in range(2) if hi_[0, k] < 9) if (hi_ < 9).any() else \
+            next(("lo", k, lo_[0, k]) for k in range(2) if lo_[0, k] > 0)
+        asked.append(key)
+        return scores[key]
+
+    monkeypatch.setattr(pbm, "_box_value", fake)
+    assert pbm._branching(known, one, lo, hi, known, N, mu) == (0, 1, 2.0)
+    assert sorted(asked) == sorted(scores)
+    scores[("lo", 0, 4.0)] = 1.3  # now type 0's weaker box (1.2) beats type 1's (1.0)
+    assert pbm._branching(known, one, lo, hi, known, N, mu) == (0, 0, 3.0)
+    # Whole means from differing plans: the only candidate splits between them, unscored.
+    asked.clear()
+    plans = [np.array([[2.0, 4.0], [2.0, 2.0]]), np.array([[3.0, 3.0]])]
+    assert pbm._branching(plans, one, lo, hi, plans, N, mu) == (0, 1, 3.0) and not asked
     # Every model on one plan: nothing to split.
-    assert _branching(plans, [np.array([1.0, 0.0]), np.array([1.0])], lo, hi) is None
+    assert pbm._branching(plans, [np.array([1.0, 0.0]), np.array([1.0])], lo, hi, plans, N, mu) is None
+
+
+def test_a_box_without_a_known_plan_of_some_model_scores_highest():
+    from ppipe.planner.price_bound import _box_value
+
+    known = [np.array([[2.0, 4.0], [5.0, 1.0]]), np.array([[3.0, 3.0]])]
+    N, mu, lo = np.array([9.0, 9.0]), np.array([0.5, 0.5]), np.zeros((2, 2))
+    hi = np.full((2, 2), 9.0)
+    assert np.isfinite(_box_value(known, lo, hi, N, mu))
+    hi[1, 0] = 2.0  # model 1's only plan needs 3 of type 0
+    assert _box_value(known, lo, hi, N, mu) == np.inf
 
 
 def test_milp_column_bounds_can_be_changed_by_index():
@@ -277,3 +305,19 @@ def test_a_known_price_set_too_low_only_weakens_the_bound():
     for share in (0.5, 0.99):
         weak, _ = bound._price(sub, mu, None, box, known=share * lb)
         assert np.isfinite(weak) and weak <= lb * (1 + 1e-9)
+
+
+def test_a_solve_asked_only_for_enough_bounds_by_it_and_never_above_the_truth():
+    # The last solve of a round needs only P_m > its target: asked for ``enough`` below
+    # P_m, the solve proves at least that much (and no plan); above P_m, it still finds the
+    # optimal plan and its price.
+    cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
+    bound = _bound(cl, specs, configs)
+    sub = bound._subproblems(z * 1.001)[0]
+    box, mu = (np.zeros(3), bound.N), 1000.0 / (3 * bound.N)
+    lb, u = bound._price(sub, mu, None, box)
+    for share in (0.9, 0.999):
+        got, plan = bound._price(sub, mu, None, box, known=float(u @ mu), enough=share * lb)
+        assert share * lb <= got <= lb * (1 + 1e-6)
+    got, plan = bound._price(sub, mu, None, box, known=float(u @ mu), enough=1.01 * lb)
+    assert got == pytest.approx(lb, rel=1e-6) and plan is not None
