@@ -90,6 +90,51 @@ def test_split_search_equals_brute_force_of_its_restriction(D, slo_ms):
         assert (use <= np.array(got.gpus[m])).all()
 
 
+def test_three_models_split_search_equals_brute_force_of_its_restriction():
+    # Three models: the last two are searched as pairs of minimal points (_last_pair).
+    counts = {"A": 2, "B": 3}
+    cl = cluster(counts, LEVELS)
+    models = [profile(n, lat, [200_000, 100_000], LEVELS) for n, lat in (("m1", LAT_1), ("m2", LAT_2), ("m3", LAT_3))]
+    w = [0.3, 0.33, 0.37]
+    _specs, configs = _specs_configs(models, cl, 25.0, 2, weights=w)
+    got = split_search(configs, w, np.array([2, 3]))
+    values = [_restricted_value(plain_configs(m, cl, 25.0, 0.2, 2, LEVELS), counts) for m in models]
+    want = 0.0
+    for r1 in values[0]:
+        for r2 in values[1]:
+            r3 = (counts["A"] - r1[0] - r2[0], counts["B"] - r1[1] - r2[1])
+            if min(r3) >= 0:
+                want = max(want, min(values[0][r1] / w[0], values[1][r2] / w[1], values[2][r3] / w[2]))
+    assert got is not None and want > 0
+    assert got.objective == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("n", [25, 70, 20000])
+def test_last_pair_finds_a_fitting_pair_exactly_when_one_exists(n):
+    # Random upward-closed sets on a 2-type grid, checked against all pairs; n picks the
+    # integer type of the scan (int8, int16, int64).
+    import ppipe.planner.split_search as ss
+
+    rng = np.random.default_rng(n)
+    counts = np.array([n, 3])
+    for _ in range(20):
+        sets = []
+        for _k in range(3):
+            s_ = np.zeros((n + 1, 4), bool)
+            for _p in range(3):
+                a, b = rng.integers(0, n + 1), rng.integers(0, 4)
+                s_[a:, b:] = True
+            sets.append(s_)
+        A, B, C = sets
+        got = ss._last_pair(A, B, C, counts)
+        pts = [(b, c) for b in ss.minimal_points(B) for c in ss.minimal_points(C)
+               if (counts - b - c >= 0).all() and A[tuple(counts - b - c)]]
+        assert (got is not None) == bool(pts)
+        if got is not None:
+            left = counts - got[0] - got[1]
+            assert B[tuple(got[0])] and C[tuple(got[1])] and (left >= 0).all() and A[tuple(left)]
+
+
 @pytest.mark.parametrize("gpu_rule,one", [("paper", True), ("physical", True), ("physical", False)])
 def test_split_search_never_beats_the_milp_and_its_start_is_feasible(gpu_rule, one):
     cl = cluster({"A": 4, "B": 4}, LEVELS, per_server=2)
@@ -158,9 +203,9 @@ def test_split_search_out_of_time_in_the_bisection_returns_its_best_level_so_far
             self.t += 1.0
             return self.t
 
-    # Readings: t0, one per model table, then one per halving: the budget allows 3 halvings.
+    # Readings: t0, one after the model tables, then one per halving: the budget allows 3 halvings.
     monkeypatch.setattr(ss, "time", Ticks())
-    cut = ss.split_search(configs, w, N, time_budget_s=len(configs) + 3.5)
+    cut = ss.split_search(configs, w, N, time_budget_s=1 + 3.5)
     assert cut is not None
     assert 0 < cut.objective <= full.objective * (1 + 1e-9)
     assert all(sum(g[k] for g in cut.gpus) <= N[k] for k in range(2))
