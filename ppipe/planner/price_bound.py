@@ -211,9 +211,11 @@ class PriceBound:
         # HiGHS's gap is |primal - dual| / max(1, |primal|) at most: the dual bound is at least this.
         lb = max(0.0, res.objective - gap * max(1.0, abs(res.objective)))
         if res.objective >= cutoff:
-            # Nothing below the cutoff (HiGHS keeps plans above it that it met before
-            # pruning): the known plan is optimal. Only tolerances get here.
-            return max(min(lb, known), floor), None
+            # No plan below the cutoff was found (HiGHS keeps plans above it that it met
+            # before pruning). A finished search proves there is none: every plan of the box
+            # is priced at least ``floor``. A search its time limit stopped proves only its
+            # dual bound.
+            return (max(min(lb, known), floor) if res.status == "optimal" else min(lb, known)), None
         u = np.array([round(float(res.x[c])) for c in cols], dtype=float)
         self._exact[m].append((u, extract(res.x, v, [self.specs[m]])[0]))
         return lb, u

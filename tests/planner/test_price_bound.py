@@ -321,3 +321,29 @@ def test_a_solve_asked_only_for_enough_bounds_by_it_and_never_above_the_truth():
         assert share * lb <= got <= lb * (1 + 1e-6)
     got, plan = bound._price(sub, mu, None, box, known=float(u @ mu), enough=1.01 * lb)
     assert got == pytest.approx(lb, rel=1e-6) and plan is not None
+
+
+def test_a_solve_stopped_by_its_time_limit_proves_only_its_dual_bound(monkeypatch):
+    # HiGHS stopped by the clock may hold a plan above the cutoff without having searched
+    # below it: the bound is then its dual bound, never the level the caller asked for.
+    import ppipe.planner.price_bound as pbm
+    from ppipe.planner.solvers import SolveResult
+
+    cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
+    bound = _bound(cl, specs, configs)
+    sub = bound._subproblems(z * 1.001)[0]
+    box, mu = (np.zeros(3), bound.N), 1000.0 / (3 * bound.N)
+    lb, u = bound._price(sub, mu, None, box)
+    x = np.zeros(sub[0].num_cols)
+    stopped = SolveResult("highs", "time_limit", x, 2.0 * lb, 0.9, 0.01)  # dual bound 0.2 lb
+
+    class Clocked:
+        def __init__(self, options):
+            pass
+
+        def solve(self, milp, **kw):
+            return stopped
+
+    monkeypatch.setattr(pbm, "HighsSolver", Clocked)
+    got, plan = bound._price(sub, mu, None, box, known=float(u @ mu), enough=0.99 * lb)
+    assert got <= 0.25 * lb and plan is None
