@@ -311,20 +311,17 @@ def kelley_lp(counts: np.ndarray, cuts: list[list[np.ndarray]], weights: bool = 
     import highspy
 
     K, M = counts.size, len(cuts)
-    rows, cols, vals = [], [], []
-    r = 0
-    for m, plans in enumerate(cuts):
-        for p in plans:
-            # theta_m - mu . p <= 0
-            nz = np.nonzero(p)[0]
-            rows += [r] * (nz.size + 1)
-            cols += list(nz) + [K + m]
-            vals += list(-p[nz]) + [1.0]
-            r += 1
+    # One row per cut, theta_m - mu . p <= 0, then mu . N = 1 (built as arrays: the price
+    # bound asks this with thousands of cuts at every node).
+    P = [np.asarray(plans, dtype=float).reshape(-1, K) for plans in cuts]
+    sizes = np.array([len(p) for p in P], dtype=np.int64)
+    allp = np.concatenate(P) if sizes.sum() else np.zeros((0, K))
+    r = int(sizes.sum())
+    pr, pc = np.nonzero(allp)
     nz = np.nonzero(counts)[0]
-    rows += [r] * nz.size
-    cols += list(nz)
-    vals += list(counts[nz])
+    rows = np.concatenate([pr, np.arange(r), np.full(nz.size, r)])
+    cols = np.concatenate([pc, K + np.repeat(np.arange(M), sizes), nz])
+    vals = np.concatenate([-allp[pr, pc], np.ones(r), np.asarray(counts, dtype=float)[nz]])
     n_rows = r + 1
     inf = highspy.kHighsInf
     h = new_highs()

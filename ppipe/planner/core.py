@@ -99,6 +99,8 @@ def infeasible_slo(spec: ModelSpec, cs: ConfigSet, margin: float, cluster: Clust
 
 
 # Solve time (s) before the cover bound is first asked: models HiGHS proves faster pay nothing.
+# Where the price bound serves (many types, many models, paper rule: branch and bound does
+# not close the gap within seconds), the prover is asked as soon as HiGHS's root bound exists.
 PROVER_AFTER_S = 0.2
 # Most seconds the split search may take before the solver starts (it gives up past it).
 SPLIT_SEARCH_BUDGET_S = 4.0
@@ -299,7 +301,8 @@ def milp_plan(
             return x if is_feasible(milp, x) else None
 
         prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns)
-        result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_s=PROVER_AFTER_S, **kw)
+        after = 0.0 if price is not None else PROVER_AFTER_S
+        result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_s=after, **kw)
         if result.status == "time_limit" and prover.weak is not None and result.objective > 0:
             # Stopped short of the requested gap, but a looser level was proven out of reach.
             level, how = prover.weak

@@ -424,8 +424,12 @@ def _box_value(known, lo, hi, N, mu) -> float:
     """Kelley's value over the known plans in a box (inf where a model has none): a score only,
     so each model keeps its STRONG_CUTS cheapest plans at the node's price ``mu``."""
     cuts = []
-    for c in _box_cuts(known, lo, hi):
-        if len(c) == 0:
+    for m, K in enumerate(known):
+        P = np.maximum(K, lo[m]) if len(K) else K
+        P = P[(P <= hi[m]).all(axis=1)] if len(P) else P
+        if len(P) == 0:
             return np.inf
-        cuts.append(list(c[np.argsort(c @ mu, kind="stable")[:STRONG_CUTS]]))
+        if len(P) > STRONG_CUTS:
+            P = P[np.argpartition(P @ mu, STRONG_CUTS)[:STRONG_CUTS]]
+        cuts.append(P)
     return kelley_lp(N, cuts)[0]

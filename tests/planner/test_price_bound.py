@@ -100,13 +100,25 @@ def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
             return False
 
     monkeypatch.setattr(core, "PriceBound", Spy)
+    # Where the price bound serves, the prover is asked from the root on; elsewhere easy
+    # models keep their head start.
+    after = []
+    from ppipe.planner.solvers import HighsSolver
+
+    real_solve = HighsSolver.solve
+
+    def solve(self, milp, **kw):
+        after.append(kw.get("prover_after_s"))
+        return real_solve(self, milp, **kw)
+
+    monkeypatch.setattr(HighsSolver, "solve", solve)
     cl = cluster({"A": 2, "B": 4, "C": 4}, LEVELS, per_server=2)
     models = [profile(f"m{i}", lat, [200_000, 100_000], LEVELS) for i, lat in enumerate(LATS)]
     kw = dict(weights=[0.3, 0.33, 0.37], slo_ms=25.0, max_partitions=2, margin=0.2, batch_build=False, time_limit_s=30)
     ppipe.plan(cl, models, gpu_rule="physical", **kw)
-    assert made == []
+    assert made == [] and after == [core.PROVER_AFTER_S]
     ppipe.plan(cl, models, gpu_rule="paper", configs_per_template="one", **kw)
-    assert made and made[-1]["gpu_rule"] == "paper"
+    assert made and made[-1]["gpu_rule"] == "paper" and after[-1] == 0.0
 
 
 def test_branching_splits_where_the_weaker_box_scores_highest(monkeypatch):
