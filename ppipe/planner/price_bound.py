@@ -44,28 +44,25 @@ four-type case G4, HiGHS still holds the split search's plan (4993.09) after 10 
 bound, asked about 4993.09 + 0.1 %, finds the 5000.28 plan in 4.4 s and then proves it
 within 0.1 % in 15 s more.
 
-Where it proves and where not (2026-11-26, the four-type case, ``T`` = incumbent + 0.1 %):
-at the root it refutes ``T`` for G2, G5 and G6 (their split-search plans are optimal within
-0.1 %), each with one round of exact solves at the restriction's best price. For G3 and
-G4 the restriction's dual already stays below the capacity (G4: 0.9995 of it): the best
-prices leave a fractional mix of per-model GPU vectors (e.g. G4: model 3 half at (17 L4,
-14 T4, 18 P4), half at (22 L4, 1 T4)); branching proves G3 in 20-22 s (9 solves, 5
-boxes) and G4 in 21 s (24 solves, 9 boxes) from its best known plan (5000.28, 0.14 %
-above the split search's, where sharing GPUs between pools pays; from the split search's
-plan ``T`` is reachable: the first solved plan completes a fitting combination, which is
-that better plan).
-G1: sharing pays at the root's price (two V100 pools of 22 + 5 vGPUs at level 3 fit 9
-GPUs, the restriction needs 10) and the search takes 17-18 s (9 solves). An exact solve
-takes 0.2-16 s (HiGHS's LP bound of the single-model MILP sits about 1.3 % low and
-only the finished tree closes it), so the planner asks this bound only on the
-many-type, many-model, paper-rule cases that the split search serves, after the cover
-bound has failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. Measured
-(``python scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``, four
-runs, and one more with the known-plan cutoff below): G2 4.7-6.8 s (then 4.1 s), G5
-6.4-9.5 s (4.9 s), G6 4.3-7.0 s (4.6 s) proven within 0.1 % (16-21 s with unseeded
-prices, which needed 5-7 rounds); G1, G3, G4 stop at 10 s (G4 with the 5000.28 plan).
-With the defaults (60 s, gap 1e-4): G5 proven in 4.1-6.0 s (4.6 s); the other five
-proven within 0.1 % (the planner's fallback gap, :data:`ppipe.planner.core.FALLBACK_GAP`).
+Where it proves and where not (2026-11-26, the four-type case, ``T`` = incumbent + 0.1 %,
+the bound alone): at the root it refutes ``T`` for G2, G5 and G6 (their split-search plans
+are optimal within 0.1 %) with one round of exact solves at the restriction's best price,
+in 1.4-2.4 s. For G3 and G4 the restriction's dual already stays below the capacity (G4:
+0.9995 of it): the best prices leave a fractional mix of per-model GPU vectors (e.g. G4:
+model 3 half at (17 L4, 14 T4, 18 P4), half at (22 L4, 1 T4)); branching proves G4 in 3.6 s
+(6 solves, 3 boxes) from its best known plan (5000.28, 0.14 % above the split search's,
+where sharing GPUs between pools pays; from the split search's plan ``T`` is reachable:
+a solved plan completes a fitting combination, which is that better plan, in 4 s), and
+G3 in 9.1-9.4 s (9 solves, 5 boxes; 4-5 s of it one solve of model 2 with at least 18
+P4: a lower bound on a model's GPUs makes its MILP several times harder, 0.8 s without
+it). G1: sharing pays at the root's price (two V100 pools of 22 + 5 vGPUs at level 3 fit
+9 GPUs, the restriction needs 10) and the search takes 6 s (7 solves). An exact solve
+takes 0.02-5 s (HiGHS's LP bound of the single-model MILP sits about 1-1.4 % low and only
+the finished tree closes it), so the planner asks this bound only on the many-type,
+many-model, paper-rule cases that the split search serves, after the cover bound has
+failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. In the planner
+(``python scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``): G1, G2,
+G4, G5, G6 proven within 0.1 % in 2.7-9.4 s; G3 needs 10.1-10.5 s and stops at 10 s.
 
 Each round stops early where it cannot prove: a model's solve stops at the first plan
 priced below what the round needs from it (HiGHS's ``objective_target``), and the round
@@ -77,9 +74,8 @@ above what the others left it (its target), so its cutoff sits there: on the slo
 of the 4-type case, 36.0 -> 27.8 s in all (seven solves, three HiGHS seeds each). A round solves the quickest models first (by
 the simplex iterations of their last solve, which unlike the clock are the same in every
 run; before any, by their number of configurations), so that one that falls short ends
-it before the slow ones run: G1's efficientnet-b8 (533 configurations)
-takes 5-16 s a solve, the other two 0.2-1.6 s, and two of G1's three rounds at incumbent
-+ 0.5 % end at a quick model (G1 at + 0.1 %: 50 s -> 22 s, 12 solves).
+it before the slow ones run, and the slow one gets the round's room (G1 at + 0.1 %, with
+the first of these: 50 s -> 22 s, 12 solves).
 """
 
 from __future__ import annotations
