@@ -305,14 +305,19 @@ def test_a_known_plan_prunes_the_solve_but_not_the_bound():
         assert u_known is not None and float(u_known @ mu) <= float(u @ mu) * (1 + 1e-9)
 
 
+def _one_subproblem():
+    """(bound, its first model's subproblem just above the optimum, the whole box, uniform prices)."""
+    cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
+    bound = _bound(cl, specs, configs)
+    sub = bound._subproblems(z * 1.001)[0]
+    return bound, sub, (np.zeros(3), bound.N), 1000.0 / (3 * bound.N)
+
+
 def test_a_known_price_set_too_low_only_weakens_the_bound():
     # The cutoff assumes the known plan is in the box; were its price too low, the solve
     # would find nothing below the cutoff, and the bound falls back to that price: lower
     # than the true one, never above it, never "infeasible".
-    cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
-    bound = _bound(cl, specs, configs)
-    sub = bound._subproblems(z * 1.001)[0]
-    box, mu = (np.zeros(3), bound.N), 1000.0 / (3 * bound.N)
+    bound, sub, box, mu = _one_subproblem()
     lb, _ = bound._price(sub, mu, None, box)
     for share in (0.5, 0.99):
         weak, _ = bound._price(sub, mu, None, box, known=share * lb)
@@ -321,12 +326,9 @@ def test_a_known_price_set_too_low_only_weakens_the_bound():
 
 def test_a_solve_asked_only_for_enough_bounds_by_it_and_never_above_the_truth():
     # The last solve of a round needs only P_m > its target: asked for ``enough`` below
-    # P_m, the solve proves at least that much (and no plan); above P_m, it still finds the
-    # optimal plan and its price.
-    cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
-    bound = _bound(cl, specs, configs)
-    sub = bound._subproblems(z * 1.001)[0]
-    box, mu = (np.zeros(3), bound.N), 1000.0 / (3 * bound.N)
+    # P_m, the solve proves at least that much (never more than the truth); above P_m, it
+    # still finds the optimal plan and its price.
+    bound, sub, box, mu = _one_subproblem()
     lb, u = bound._price(sub, mu, None, box)
     for share in (0.9, 0.999):
         got, plan = bound._price(sub, mu, None, box, known=float(u @ mu), enough=share * lb)
@@ -341,10 +343,7 @@ def test_a_solve_stopped_by_its_time_limit_proves_only_its_dual_bound(monkeypatc
     import ppipe.planner.price_bound as pbm
     from ppipe.planner.solvers import SolveResult
 
-    cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
-    bound = _bound(cl, specs, configs)
-    sub = bound._subproblems(z * 1.001)[0]
-    box, mu = (np.zeros(3), bound.N), 1000.0 / (3 * bound.N)
+    bound, sub, box, mu = _one_subproblem()
     lb, u = bound._price(sub, mu, None, box)
     x = np.zeros(sub[0].num_cols)
     stopped = SolveResult("highs", "time_limit", x, 2.0 * lb, 0.9, 0.01)  # dual bound 0.2 lb
