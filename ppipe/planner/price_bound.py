@@ -41,8 +41,8 @@ solved plan completes a combination of known plans that fits the cluster. Either
 combination is kept in ``found`` (per model, an exact solve's plan or the restriction's,
 rebuilt from its table), and the planner hands it to HiGHS as a better incumbent: on the
 four-type case G4, HiGHS still holds the split search's plan (4993.09) after 10 s, while the
-bound, asked about 4993.09 + 0.1 %, finds the 5000.28 plan in 4.4 s and then proves it
-within 0.1 % in 15 s more.
+bound, asked about 4993.09 + 0.1 %, finds the 5000.28 plan in about 4 s and then proves it
+within 0.1 % in about 4 s more.
 
 Where it proves and where not (2026-11-26, the four-type case, ``T`` = incumbent + 0.1 %,
 the bound alone): at the root it refutes ``T`` for G2, G5 and G6 (their split-search plans
@@ -72,7 +72,8 @@ model's cheapest known plan in the box as its incumbent (HiGHS's ``objective_bou
 above its price), which prunes from the start what cannot beat it: most solves prove that
 plan optimal or find one a little cheaper. The last solve of a round needs only a bound
 above what the others left it (its target), so its cutoff sits there: on the slow solves
-of the 4-type case, 36.0 -> 27.8 s in all (seven solves, three HiGHS seeds each). A round solves the quickest models first (by
+of the 4-type case, 36.0 -> 27.8 s in all (seven solves, three HiGHS seeds each). A round
+solves the quickest models first (by
 the simplex iterations of their last solve, which unlike the clock are the same in every
 run; before any, by their number of configurations), so that one that falls short ends
 it before the slow ones run, and the slow one gets the round's room (G1 at + 0.1 %, with
@@ -199,8 +200,8 @@ class PriceBound:
             self.seconds += time.perf_counter() - t0
         self._work[m] = max(res.lp_iterations, 1)
         if res.status == "infeasible":
-            # The model alone cannot reach its share of T in the box, or (with a known plan,
-            # only by tolerances) nothing lies below the cutoff: either way P_m >= known.
+            # The model alone cannot reach its share of T in the box, or nothing lies below
+            # the cutoff (the known plan's price, or ``enough``): either way P_m >= floor.
             return (np.inf if not np.isfinite(cutoff) else floor), None
         if res.x is None:
             return None, None

@@ -109,7 +109,7 @@ def test_three_models_split_search_equals_brute_force_of_its_restriction():
     assert got.objective == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("n", [25, 70, 20000])
+@pytest.mark.parametrize("n", [25, 127, 128, 40000])
 def test_last_pair_finds_a_fitting_pair_exactly_when_one_exists(n):
     # Random upward-closed sets on a 2-type grid, checked against all pairs; n picks the
     # integer type of the scan (int8, int16, int64).
