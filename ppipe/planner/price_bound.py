@@ -62,8 +62,8 @@ the finished tree closes it), so the planner asks this bound only on the many-ty
 many-model, paper-rule cases that the split search serves, after the cover bound has
 failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. In the planner
 (``python scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``): G1, G2,
-G5, G6 proven within 0.1 % in 2.7-8.3 s, G4 in 8.9-9.7 s (four runs of five; 10.02 s on
-the fifth); G3 needs 10.1-10.5 s and stops at 10 s.
+G5, G6 proven within 0.1 % in 2.7-8.5 s, G4 in 8.9-9.7 s (five runs of six; 10.02 s on
+the other); G3 needs 10.1-10.5 s and stops at 10 s.
 
 Each round stops early where it cannot prove: a model's solve stops at the first plan
 priced below what the round needs from it (HiGHS's ``objective_target``), and the round
