@@ -371,12 +371,14 @@ class PriceBound:
         self.found = plans
 
 
-def _box_cuts(known: list[np.ndarray], lo: np.ndarray, hi: np.ndarray) -> list[np.ndarray]:
-    """Per model, the known GPU vectors that fit its box [lo, hi] once padded with idle GPUs up to lo."""
+def _box_cuts(known: list[np.ndarray], lo: np.ndarray, hi: np.ndarray, unique: bool = True) -> list[np.ndarray]:
+    """Per model, the known GPU vectors that fit its box [lo, hi] once padded with idle GPUs
+    up to lo (``unique``: each once, sorted; else as they come, which is cheaper)."""
     cuts = []
     for m, K in enumerate(known):
         P = np.maximum(K, lo[m]) if len(K) else K
-        cuts.append(np.unique(P[(P <= hi[m]).all(axis=1)], axis=0) if len(P) else P)
+        P = P[(P <= hi[m]).all(axis=1)] if len(P) else P
+        cuts.append(np.unique(P, axis=0) if unique and len(P) else P)
     return cuts
 
 
@@ -421,13 +423,8 @@ STRONG_CUTS = 64  # per model, the known plans (cheapest at the node's price) th
 def _box_value(known, lo, hi, N, mu) -> float:
     """Kelley's value over the known plans in a box (inf where a model has none): a score only,
     so each model keeps its STRONG_CUTS cheapest plans at the node's price ``mu``."""
-    cuts = []
-    for m, K in enumerate(known):
-        P = np.maximum(K, lo[m]) if len(K) else K
-        P = P[(P <= hi[m]).all(axis=1)] if len(P) else P
-        if len(P) == 0:
-            return np.inf
-        if len(P) > STRONG_CUTS:
-            P = P[np.argpartition(P @ mu, STRONG_CUTS)[:STRONG_CUTS]]
-        cuts.append(P)
-    return kelley_lp(N, cuts)[0]
+    cuts = _box_cuts(known, lo, hi, unique=False)
+    if any(len(P) == 0 for P in cuts):
+        return np.inf
+    cheapest = [P[np.argpartition(P @ mu, STRONG_CUTS)[:STRONG_CUTS]] if len(P) > STRONG_CUTS else P for P in cuts]
+    return kelley_lp(N, cheapest)[0]
