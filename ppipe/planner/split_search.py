@@ -55,6 +55,7 @@ from ppipe.planner.formulation import pipeline_columns
 
 MAX_GRID = 2_000_000  # GPU vectors per model table (memory: one float32 table per template)
 MAX_PAIRS = 40_000_000  # minimal-point pairs per Minkowski sum
+NARROW = 1e-3  # bracket width (share of its top) below which the bisection tries the next level
 
 
 @dataclass(frozen=True)
@@ -345,27 +346,11 @@ def split_search(
     if time.perf_counter() - t0 > time_budget_s:
         return None
     tables = [m.table for m in models]
-    # Bisection on z between 0 (always reachable: empty plans) and the best any model
-    # reaches with the whole cluster.
-    lo, hi = 0.0, float(min(float(t[tuple(counts)]) / wm for t, wm in zip(tables, w)))
     try:
-        if hi > 0 and _reachable(tables, w, counts, hi):
-            lo = hi
-        # Reachability only changes where a threshold z w_m passes a table value: once no
-        # value lies strictly between the bracket's ends, lo is the optimum's level (4-type
-        # case: 27 -> 23-27 reachability checks).
-        while hi - lo > 1e-7 * max(hi, 1e-12) and _values_between(tables, w, lo, hi):
-            if time.perf_counter() - t0 > time_budget_s:
-                break  # anytime: lo is reachable, its plan is as good a start as we have
-            mid = 0.5 * (lo + hi)
-            if _reachable(tables, w, counts, mid):
-                lo = mid
-            else:
-                hi = mid
-        ok, split = _reachable(tables, w, counts, lo, keep=True)
+        lo, split = _best_level(tables, w, counts, deadline=t0 + time_budget_s)
     except _Budget:
         return None
-    if not ok or lo <= 0:
+    if split is None or lo <= 0:
         return None
     pipelines = [models[m].pipelines(split[m], configs[m]) for m in range(len(tables))]
     thr = [sum(p.throughput_rps for p in pl) for pl in pipelines]
@@ -377,6 +362,60 @@ def split_search(
         seconds=time.perf_counter() - t0,
         tables=tables,
     )
+
+
+def _best_level(tables: list[np.ndarray], w: np.ndarray, counts: np.ndarray, deadline: float = np.inf):
+    """(z_R, a split that reaches it) for the tables L_m: the highest level z at which
+    sum_m r_m <= N with L_m(r_m) >= z w_m; (lo, its split) if the deadline
+    (``time.perf_counter()``) ends the search first; (0, None) if no level above 0 is
+    reachable. Raises _Budget where a Minkowski sum is too big."""
+    # Bisection on z between 0 (always reachable: empty plans) and the best any model
+    # reaches with the whole cluster.
+    lo, hi = 0.0, float(min(float(t[tuple(counts)]) / wm for t, wm in zip(tables, w)))
+    split, reached = None, 0.0  # the split of the best reachable level found, and its level
+    if hi > 0:
+        ok, found = _reachable(tables, w, counts, hi, keep=True)
+        if ok:
+            lo, split, reached = hi, found, _level(tables, w, found)
+    # Reachability only changes where a threshold z w_m passes a table value: once no
+    # value lies strictly between the bracket's ends, lo is the optimum's level. A
+    # reachable level's split reaches the level of its own values, min_m L_m(r_m) / w_m,
+    # often the optimum's: the bracket's low end jumps there. Near the end, the next
+    # level above it is tried first: unreachable there, the split is optimal (4-type
+    # case, G3: 27 -> 14 reachability checks, the split search 1.24 -> 0.85 s).
+    while hi - lo > 1e-7 * max(hi, 1e-12) and _values_between(tables, w, lo, hi):
+        if time.perf_counter() > deadline:
+            break  # anytime: lo is reachable, its plan is as good a start as we have
+        mid, greedy = 0.5 * (lo + hi), False
+        if split is not None and hi - lo <= NARROW * hi:
+            # Just below that level, for the float32 thresholds.
+            z = _next_level(tables, w, reached * (1 + 1e-7)) * (1 - 1e-7)
+            if lo < z < mid:
+                mid, greedy = z, True
+        ok, found = _reachable(tables, w, counts, mid, keep=True)
+        if ok:
+            split, reached = found, _level(tables, w, found)
+            lo = max(mid, reached * (1 - 1e-9))
+        else:
+            hi = mid
+            if greedy:
+                break  # no split reaches past `reached` (by more than 1e-7): it is optimal
+    return lo, split
+
+
+def _level(tables: list[np.ndarray], weights: np.ndarray, split: list[np.ndarray]) -> float:
+    """The level a split reaches: min_m L_m(r_m) / w_m."""
+    return min(float(t[tuple(np.asarray(r, dtype=np.int64))]) / wm for t, wm, r in zip(tables, weights, split))
+
+
+def _next_level(tables: list[np.ndarray], weights: np.ndarray, z: float) -> float:
+    """The least level above ``z`` at which some model's threshold z w_m meets a table value."""
+    out = np.inf
+    for t, wm in zip(tables, weights):
+        above = t[t > np.float32(z * wm)]
+        if above.size:
+            out = min(out, float(above.min()) / wm)
+    return out
 
 
 def _values_between(tables: list[np.ndarray], weights: np.ndarray, lo: float, hi: float) -> bool:

@@ -258,3 +258,46 @@ def test_three_types_two_models_start_is_used_and_never_beats_the_milp():
     plan = ppipe.plan(cl, models, slo_ms=25.0, weights=w, max_partitions=2, batch_build=False, margin=0.2, gap=1e-9,
                       formulation="ppipe-atc25", place=False)
     assert plan.solver.status == "optimal" and plan.solver.objective == pytest.approx(exact.objective, rel=1e-7)
+
+
+@pytest.mark.parametrize("narrow", [None, 1.0])
+@pytest.mark.parametrize("seed", range(16))
+def test_best_level_equals_brute_force_over_every_split(seed, narrow, monkeypatch):
+    # The bisection (with its jump to a split's own level and its try of the next level
+    # above it) against every split of a small grid, on random monotone tables. Half of
+    # them hold values within 0.2 % of each other, where the bracket gets narrow while
+    # values still lie inside it: there the next level is tried, and its failure ends the
+    # search. With ``narrow`` = 1 the next level is tried from the first reachable level
+    # on, so that every step of that climb is checked too.
+    import ppipe.planner.split_search as ss
+    from ppipe.planner.split_search import _best_level
+
+    if narrow is not None:
+        monkeypatch.setattr(ss, "NARROW", narrow)
+
+    rng = np.random.default_rng(seed)
+    counts = np.array([3, 4, 2])
+    M = 2 + seed % 2
+    clustered = seed % 4 >= 2
+    w = np.full(M, rng.uniform(0.5, 1.0)) if clustered else rng.uniform(0.2, 1.0, M)
+    tables = []
+    for _ in range(M):
+        t = rng.uniform(0, 1 if clustered else 10, size=tuple(counts + 1))
+        for ax in range(3):
+            t = np.maximum.accumulate(t, axis=ax)
+        if clustered:
+            t = np.where(t > 0.3, 10 * (1 + 0.002 * t), 0.0)
+        t[0, 0, 0] = 0.0
+        tables.append(t.astype(np.float32))
+    grid = [np.array(r) for r in itertools.product(*[range(c + 1) for c in counts])]
+    want = 0.0
+    for rs in itertools.product(grid, repeat=M - 1):
+        last = counts - sum(rs)
+        if (last < 0).any():
+            continue
+        split = list(rs) + [last]
+        want = max(want, min(float(t[tuple(r)]) / wm for t, wm, r in zip(tables, w, split)))
+    lo, split = _best_level(tables, w, counts)
+    assert lo == pytest.approx(want, rel=1e-6)
+    assert split is not None and (sum(np.asarray(r) for r in split) <= counts).all()
+    assert min(float(t[tuple(np.asarray(r))]) / wm for t, wm, r in zip(tables, w, split)) == pytest.approx(want, rel=1e-6)
