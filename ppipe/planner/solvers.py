@@ -145,10 +145,13 @@ class HighsSolver(Solver):
             return self
         return HighsSolver({**self.options, **HIGHS_RULE_OPTIONS[gpu_rule]})
 
-    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2, start=None):
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2, start=None, stop=None):
         """Solve ``milp``.
 
         Args:
+            stop: optional ``stop() -> bool``, asked during branch and bound (without a
+                ``prover``): True interrupts the solve, which then ends as a time limit does
+                (the price bound's concurrent searches stop each other this way).
             start: optional column values of a feasible solution (a MIP start), e.g. the
                 split search's plan (:mod:`ppipe.planner.split_search`).
             prover: optional ``prover(T, bound) -> bool`` for a maximization: True means
@@ -180,7 +183,11 @@ class HighsSolver(Solver):
             sol.col_value = [float(a) for a in start]
             sol.value_valid = True
             h.setSolution(sol)
+        if prover is not None and stop is not None:
+            raise ValueError("HighsSolver.solve: give a prover or a stop, not both")
         proof = _attach_prover(h, prover, prover_after_s, gap, milp.sense) if (prover is not None and integ.any()) else None
+        if stop is not None and integ.any():
+            _attach_stop(h, stop)
         h.run()
         if proof is not None and proof["error"] is not None:
             raise proof["error"]
@@ -240,6 +247,20 @@ def _highs_lp(milp: Milp):
     lp.a_matrix_.num_row_ = milp.num_rows
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integ]
     return lp, integ
+
+
+def _attach_stop(h, stop) -> None:
+    """Register a HiGHS callback that interrupts the MIP solve once ``stop()`` is True."""
+    import highspy
+
+    cb = highspy.cb
+
+    def callback(kind, _msg, _out, inp, _data):
+        if kind == cb.HighsCallbackType.kCallbackMipInterrupt and stop():
+            inp.user_interrupt = True
+
+    h.setCallback(callback, None)
+    h.startCallback(cb.HighsCallbackType.kCallbackMipInterrupt)
 
 
 PROVER_MAX_GAP = 0.10  # ask the prover only about incumbents within 10 % of HiGHS's bound

@@ -174,12 +174,16 @@ def test_milp_column_bounds_can_be_changed_by_index():
     assert lb.tolist() == [0, 2, 1, 3, 1] and ub.tolist() == [5, 4, 7, 6, 7]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("above, refuted", [(1.001, True), (1.0, False)])
-def test_branching_keeps_every_plan_in_one_of_the_boxes(monkeypatch, above, refuted):
+def test_branching_keeps_every_plan_in_one_of_the_boxes(monkeypatch, above, refuted, workers):
     # Small cases are refuted at the root, so the root is told that no price refutes (a
     # mix of two of model 0's plans): the search must branch, refute both boxes above the
-    # optimum, and keep the box that holds the optimal plan's GPU vector at the optimum.
+    # optimum, and keep the box that holds the optimal plan's GPU vector at the optimum;
+    # with one worker as with two bounding boxes at once.
     import ppipe.planner.price_bound as pbm
+
+    monkeypatch.setattr(pbm, "WORKERS", workers)
 
     cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
     real = pbm.kelley_lp
@@ -247,12 +251,14 @@ def test_a_round_solves_the_quickest_model_first(monkeypatch, work, first):
 def test_the_search_does_not_depend_on_the_clock(monkeypatch):
     # The order of the solves (hence the search, and whether it ends in time) follows
     # HiGHS's work, not the wall clock: a clock that jumps at random changes nothing. (The
-    # second call's first round is ordered by the first call's solves.)
+    # second call's first round is ordered by the first call's solves.) With one worker:
+    # two at once share what they learn as it comes, and that order is the clock's.
     import random
     import types
 
     from ppipe.planner import price_bound
 
+    monkeypatch.setattr(price_bound, "WORKERS", 1)
     cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
     real = PriceBound._price
     runs = []
@@ -358,3 +364,74 @@ def test_a_solve_stopped_by_its_time_limit_proves_only_its_dual_bound(monkeypatc
     monkeypatch.setattr(pbm, "HighsSolver", Clocked)
     got, plan = bound._price(sub, mu, None, box, known=float(u @ mu), enough=0.99 * lb)
     assert got <= 0.25 * lb and plan is None
+
+
+def _two_workers(monkeypatch):
+    import ppipe.planner.price_bound as pbm
+
+    monkeypatch.setattr(pbm, "WORKERS", 2)
+    cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
+    bound = _bound(cl, specs, configs)
+    assert bound.workers == 2 or pytest.skip("one CPU core: the search runs one box at a time")
+    return bound, z
+
+
+def test_a_box_not_proven_stops_the_other_worker(monkeypatch):
+    # Two workers: the root splits; one worker's box waits, the other's is not proven. The
+    # search ends False, and the waiting worker is told to stop (a solve it runs would be
+    # interrupted) instead of running on to its deadline.
+    import threading
+
+    bound, z = _two_workers(monkeypatch)
+    calls, told, lock = [], threading.Event(), threading.Lock()
+
+    def node(self, lo, hi, known, subs, deadline, stopped):
+        with lock:
+            calls.append(1)
+            n = len(calls)
+        if n == 1:
+            return (0, 0, 0.0)  # the root: two boxes
+        if n == 3:
+            return False  # the second box: not proven
+        for _ in range(1000):  # the first box: bounded until told
+            if stopped():
+                told.set()
+                return False
+            threading.Event().wait(0.01)
+        return None
+
+    monkeypatch.setattr(PriceBound, "_node", node)
+    assert not bound.refutes(z * 1.001)
+    assert told.is_set(), "the worker still bounding a box was not told that the search ended"
+
+
+def test_an_error_in_a_worker_is_raised_to_the_caller(monkeypatch):
+    bound, z = _two_workers(monkeypatch)
+
+    def node(self, *args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(PriceBound, "_node", node)
+    with pytest.raises(RuntimeError, match="boom"):
+        bound.refutes(z * 1.001)
+
+
+def test_a_solve_told_to_stop_ends_as_a_time_limit():
+    # HighsSolver(stop=...): a branch-and-bound search interrupted at once, not run out.
+    from ppipe.planner.milp import Milp
+    from ppipe.planner.solvers import SolverTimeLimitError
+
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 100, size=(2, 16)).astype(float)
+    milp = Milp()
+    x = milp.add_cols(16, lb=0, ub=1, integer=True, name="x")
+    for r in range(2):  # market split: hundreds of nodes to find the one plan
+        milp.add_row({int(c): float(v) for c, v in zip(x, a[r])}, lb=float(a[r].sum() // 2), ub=float(a[r].sum() // 2))
+    milp.set_objective({int(c): 1.0 for c in x}, "max")
+    free = HighsSolver().solve(milp, time_limit_s=30)
+    assert free.status == "optimal" and free.nodes > 100
+    try:
+        told = HighsSolver().solve(milp, time_limit_s=30, stop=lambda: True)
+    except SolverTimeLimitError:  # stopped before any plan: as a time limit without one
+        return
+    assert told.status == "time_limit" and told.nodes < free.nodes
