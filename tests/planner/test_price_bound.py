@@ -248,6 +248,21 @@ def test_a_round_solves_the_quickest_model_first(monkeypatch, work, first):
     assert order[0] == first
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e6])
+def test_models_not_solved_yet_are_estimated_from_the_solved_ones(scale):
+    # A round that stopped early, or another worker, left some models solved and some not:
+    # those count as their size times the solved ones' median work per configuration, so
+    # the raw scale of HiGHS's work never decides (the size placeholders once put a 0.02 s
+    # model last behind two unsolved ones).
+    cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
+    bound = _bound(cl, specs, configs)
+    size = np.array([len(c) for c in configs], dtype=float)
+    bound._work = np.array([np.nan, scale * size[1], np.nan])  # one solved: all by size
+    assert list(bound._order()) == list(np.argsort(size, kind="stable"))
+    bound._work = np.array([0.5 * scale * size[0], np.nan, 4.0 * scale * size[2]])  # model 1: 2.25 per config
+    assert list(bound._order()) == [0, 1, 2]
+
+
 def test_the_search_does_not_depend_on_the_clock(monkeypatch):
     # The order of the solves (hence the search, and whether it ends in time) follows
     # HiGHS's work, not the wall clock: a clock that jumps at random changes nothing. (The
