@@ -155,9 +155,10 @@ class PriceBound:
         self.solves = 0
         self.seconds = 0.0
         self.nodes = 0
-        # Per model, the work of its last exact solve (HiGHS's simplex iterations: a measure of
-        # time that, unlike the clock, is the same in every run): a round solves the quick
-        # models first, so that one that falls short ends it before the slow ones run.
+        # Per model, the work of its last exact solve that ran to its end (HiGHS's simplex
+        # iterations: a measure of time that, unlike the clock, is the same in every run): a
+        # round solves the quick models first, so that one that falls short ends it before
+        # the slow ones run.
         self._work = np.full(len(configs), np.nan)  # NaN: not solved yet (see _order)
         # Per model, (GPU vector, plan) of every exact solve's plan; and the plans of the
         # last fitting combination found (a plan of the whole MILP that reaches the level).
@@ -220,7 +221,13 @@ class PriceBound:
                 self.solves += 1
                 self.seconds += time.perf_counter() - t0
         with self._lock:
-            self._work[m] = max(res.lp_iterations, 1)
+            # A solve stopped early at its target measures only part of a proof: it can
+            # raise the model's work, not lower it (4-type G4: a model whose proofs take
+            # 1.5-2.2 s looked quick after a 0.4 s solve that found a cheaper plan, and
+            # went before one that proves in 0.3-0.5 s: 7.3 -> 8.3 s).
+            work = max(res.lp_iterations, 1)
+            finished = res.status in ("optimal", "infeasible")
+            self._work[m] = work if finished or not np.isfinite(self._work[m]) else max(work, self._work[m])
         if res.status == "infeasible":
             # The model alone cannot reach its share of T in the box, or nothing lies below
             # the cutoff (the known plan's price, or ``enough``): either way P_m >= floor.

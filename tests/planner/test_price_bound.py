@@ -450,3 +450,29 @@ def test_a_solve_told_to_stop_ends_as_a_time_limit():
     except SolverTimeLimitError:  # stopped before any plan: as a time limit without one
         return
     assert told.status == "time_limit" and told.nodes < free.nodes
+
+
+def test_a_solve_stopped_at_its_target_only_raises_the_models_work(monkeypatch):
+    # The round order reads each model's work: a solve that stopped early at a cheap plan
+    # did only part of a proof, so it may raise the measure but never lower it; a solve
+    # that ran to its end sets it.
+    import ppipe.planner.price_bound as pbm
+    from ppipe.planner.solvers import SolveResult
+
+    bound, sub, box, mu = _one_subproblem()
+    x = np.zeros(sub[0].num_cols)
+    results = []
+
+    class Scripted:
+        def __init__(self, options):
+            pass
+
+        def solve(self, milp, **kw):
+            return results.pop(0)
+
+    monkeypatch.setattr(pbm, "HighsSolver", Scripted)
+    m = sub[2]
+    for status, its, want in [("optimal", 5000, 5000), ("time_limit", 300, 5000), ("time_limit", 9000, 9000), ("optimal", 200, 200)]:
+        results.append(SolveResult("highs", status, x, 1.0, 0.0, 0.01, nodes=1, lp_iterations=its))
+        bound._price(sub, mu, None, box)
+        assert bound._work[m] == want, (status, its)
