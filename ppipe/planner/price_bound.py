@@ -223,8 +223,7 @@ class PriceBound:
         with self._lock:
             # A solve stopped early at its target measures only part of a proof: it can
             # raise the model's work, not lower it (4-type G4: a model whose proofs take
-            # 1.5-2.2 s looked quick after a 0.4 s solve that found a cheaper plan, and
-            # went before one that proves in 0.3-0.5 s: 7.3 -> 8.3 s).
+            # 1.5-2.2 s looked quick after a 0.4 s solve that found a cheaper plan).
             work = max(res.lp_iterations, 1)
             finished = res.status in ("optimal", "infeasible")
             self._work[m] = work if finished or not np.isfinite(self._work[m]) else max(work, self._work[m])
