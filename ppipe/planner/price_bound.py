@@ -45,7 +45,7 @@ bound, asked about 4993.09 + 0.1 %, finds the 5000.28 plan in about 4 s and then
 within 0.1 % in about 4 s more.
 
 Where it proves and where not (2026-11-26, the four-type case, ``T`` = incumbent + 0.1 %,
-the bound alone): at the root it refutes ``T`` for G2, G5 and G6 (their split-search plans
+the bound alone, one worker): at the root it refutes ``T`` for G2, G5 and G6 (their split-search plans
 are optimal within 0.1 %) with one round of exact solves at the restriction's best price,
 in 1.4-2.4 s. For G3 and G4 the restriction's dual already stays below the capacity (G4:
 0.9995 of it): the best prices leave a fractional mix of per-model GPU vectors (e.g. G4:
@@ -60,10 +60,10 @@ it). G1: sharing pays at the root's price (two V100 pools of 22 + 5 vGPUs at lev
 takes 0.02-5 s (HiGHS's LP bound of the single-model MILP sits about 1-1.4 % low and only
 the finished tree closes it), so the planner asks this bound only on the many-type,
 many-model, paper-rule cases that the split search serves, after the cover bound has
-failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. In the planner
-(``python scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``): G1, G2,
-G5, G6 proven within 0.1 % in 2.7-8.5 s, G4 in 8.9-9.7 s (five runs of six; 10.02 s on
-the other); G3 needs 10.1-10.5 s and stops at 10 s.
+failed, with at least ``PRICE_BOUND_MIN_S`` of the budget left. With two workers (below)
+the bound alone takes G1 4.0-4.7 s, G3 8.4-8.8 s, G4 2.6-2.9 s. In the planner (``python
+scripts/bench_planner.py --suite four --time-limit-s 10 --gap 1e-3``) all six groups are
+proven within 0.1 % in 10 s, the slowest G3 in 8.8-9.5 s (five runs).
 
 Two boxes are bounded at once, each by a worker thread with its own subproblem MILPs
 (:data:`WORKERS`; HiGHS releases the GIL while it solves, and one solve keeps two cores
