@@ -45,9 +45,9 @@ bound, asked about 4993.09 + 0.1 %, finds the 5000.28 plan in about 4 s and then
 within 0.1 % in about 4 s more.
 
 Where it proves and where not (2026-11-26, the four-type case, ``T`` = incumbent + 0.1 %,
-the bound alone, one worker): at the root it refutes ``T`` for G2, G5 and G6 (their split-search plans
-are optimal within 0.1 %) with one round of exact solves at the restriction's best price,
-in 1.4-2.4 s. For G3 and G4 the restriction's dual already stays below the capacity (G4:
+the bound alone, one worker): at the root it refutes ``T`` for G2, G5 and G6 (their
+split-search plans are optimal within 0.1 %) with one round of exact solves at the
+restriction's best price, in 1.4-2.4 s. For G3 and G4 the restriction's dual already stays below the capacity (G4:
 0.9995 of it): the best prices leave a fractional mix of per-model GPU vectors (e.g. G4:
 model 3 half at (17 L4, 14 T4, 18 P4), half at (22 L4, 1 T4)); branching proves G4 in 3.6 s
 (6 solves, 3 boxes) from its best known plan (5000.28, 0.14 % above the split search's,

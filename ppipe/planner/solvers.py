@@ -149,9 +149,6 @@ class HighsSolver(Solver):
         """Solve ``milp``.
 
         Args:
-            stop: optional ``stop() -> bool``, asked during branch and bound (without a
-                ``prover``): True interrupts the solve, which then ends as a time limit does
-                (the price bound's concurrent searches stop each other this way).
             start: optional column values of a feasible solution (a MIP start), e.g. the
                 split search's plan (:mod:`ppipe.planner.split_search`).
             prover: optional ``prover(T, bound) -> bool`` for a maximization: True means
@@ -163,6 +160,9 @@ class HighsSolver(Solver):
                 in its ``solution`` attribute (a better plan it found instead of a proof)
                 are handed to HiGHS as a new incumbent, and the attribute is cleared.
             prover_after_s: solve time before the prover is first asked.
+            stop: optional ``stop() -> bool``, asked during branch and bound (without a
+                ``prover``): True interrupts the solve, which then ends as a time limit does
+                (the price bound's workers stop each other's solves this way).
         """
         import highspy
 
