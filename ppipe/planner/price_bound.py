@@ -207,6 +207,8 @@ class PriceBound:
         that a plan as cheap is still found), as if it held that plan as its incumbent.
         ``enough`` is a lower bound that is all the caller needs: the solve prunes from the
         start what cannot come below it, and where nothing does, it is the bound returned.
+        ``stopped() -> bool``, if given, interrupts the solve once True (the search ended in
+        another worker): it then proves only what a time-limited solve does.
         """
         milp, v, m = sub
         cols = [v.gpus[k] for k in self.types]
