@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ppipe.runtime.driver import DroppedError, Runtime
-from ppipe.runtime.protocol import DATATYPES, ProtocolError, encode_infer_response, parse_infer_request, HEADER_LENGTH
+from ppipe.runtime.protocol import DATATYPES, InferInput, ProtocolError, encode_infer_response, parse_infer_request, HEADER_LENGTH
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_SAMPLES_PER_REQUEST = 256
@@ -110,32 +110,8 @@ class Frontend:
 
     def _samples(self, name: str, body: bytes, header_length: str | None):
         req = parse_infer_request(body, header_length)
-        man = self.runtime.profiles[name].manifest
-        if len(req.inputs) != 1:
-            raise ProtocolError(400, f"model '{name}' takes 1 input tensor, got {len(req.inputs)}")
-        t = req.inputs[0]
-        arr = t.array
-        if man.input is not None:
-            spec = man.input
-            if t.name != spec.name:
-                raise ProtocolError(400, f"model '{name}' has input '{spec.name}', not '{t.name}'")
-            if np.dtype(spec.dtype) != arr.dtype:
-                want = {v: k for k, v in DATATYPES.items()}.get(np.dtype(spec.dtype).name, spec.dtype)
-                raise ProtocolError(400, f"input '{t.name}' must have datatype {want}, got {_dt(arr.dtype)}")
-            if list(arr.shape[1:]) != list(spec.shape) or arr.ndim != len(spec.shape) + 1:
-                raise ProtocolError(
-                    400, f"input '{t.name}' must have shape [N, {', '.join(map(str, spec.shape))}], got {list(arr.shape)}"
-                )
-        elif arr.ndim < 1:
-            raise ProtocolError(400, f"input '{t.name}' needs a leading batch axis")
-        n = arr.shape[0]
-        if not 1 <= n <= MAX_SAMPLES_PER_REQUEST:
-            raise ProtocolError(400, f"input '{t.name}' holds {n} samples; send 1..{MAX_SAMPLES_PER_REQUEST} per request")
-        known = [o.name for o in man.outputs]
-        for o in req.requested_outputs:
-            if known and o not in known:
-                raise ProtocolError(400, f"model '{name}' has no output '{o}' (outputs: {', '.join(known)})")
-        return req, t.name, arr
+        in_name, arr = check_infer_inputs(name, self.runtime.profiles[name].manifest, req.inputs, req.requested_outputs)
+        return req, in_name, arr
 
     # ---- endpoints -----------------------------------------------------------------------
     async def server_metadata(self, request: Request) -> Response:
@@ -276,12 +252,55 @@ class _InferFastPath:
         await send({"type": "http.response.body", "body": body})
 
 
+def check_infer_inputs(name: str, man, inputs: list[InferInput], requested_outputs: list[str]) -> tuple[str, np.ndarray]:
+    """Check a decoded infer request against model ``name``'s manifest ``man``: one input
+    of the manifest's name, datatype and shape [N, ...], 1..MAX_SAMPLES_PER_REQUEST samples,
+    only known outputs requested. The REST and the gRPC frontends both call it.
+
+    Returns:
+        (input name, its array of N samples).
+
+    Raises:
+        ProtocolError: 400, naming the field at fault and what it must be.
+    """
+    if len(inputs) != 1:
+        raise ProtocolError(400, f"model '{name}' takes 1 input tensor, got {len(inputs)}")
+    t = inputs[0]
+    arr = t.array
+    if man.input is not None:
+        spec = man.input
+        if t.name != spec.name:
+            raise ProtocolError(400, f"model '{name}' has input '{spec.name}', not '{t.name}'")
+        if np.dtype(spec.dtype) != arr.dtype:
+            want = {v: k for k, v in DATATYPES.items()}.get(np.dtype(spec.dtype).name, spec.dtype)
+            raise ProtocolError(400, f"input '{t.name}' must have datatype {want}, got {_dt(arr.dtype)}")
+        if list(arr.shape[1:]) != list(spec.shape) or arr.ndim != len(spec.shape) + 1:
+            raise ProtocolError(
+                400, f"input '{t.name}' must have shape [N, {', '.join(map(str, spec.shape))}], got {list(arr.shape)}"
+            )
+    elif arr.ndim < 1:
+        raise ProtocolError(400, f"input '{t.name}' needs a leading batch axis")
+    n = arr.shape[0]
+    if not 1 <= n <= MAX_SAMPLES_PER_REQUEST:
+        raise ProtocolError(400, f"input '{t.name}' holds {n} samples; send 1..{MAX_SAMPLES_PER_REQUEST} per request")
+    known = [o.name for o in man.outputs]
+    for o in requested_outputs:
+        if known and o not in known:
+            raise ProtocolError(400, f"model '{name}' has no output '{o}' (outputs: {', '.join(known)})")
+    return t.name, arr
+
+
 def _dt(dtype: np.dtype) -> str:
     return {v: k for k, v in DATATYPES.items()}.get(np.dtype(dtype).name, str(dtype))
 
 
-def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_shutdown=None):
+def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_shutdown=None,
+               companions=()):
     """The ASGI app; starts the runtime (clock, scheduler, health loop) on the server's loop.
+
+    ``companions`` are other frontends of the same runtime (the gRPC server): objects with
+    ``async start()`` and ``async stop()``, started after the runtime and stopped before it,
+    on this same loop, because the runtime's scheduler may only be called from its loop.
 
     Infer requests take a fast path around starlette (:class:`_InferFastPath`); the rest
     (health, metadata, metrics, lifespan) is a starlette app.
@@ -291,9 +310,15 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await runtime.start()
+        started = []
         try:
+            for c in companions:
+                await c.start()
+                started.append(c)
             yield
         finally:
+            for c in reversed(started):
+                await c.stop()
             await runtime.stop()
             if on_shutdown is not None:
                 on_shutdown()
