@@ -93,7 +93,7 @@ class EmulatedBackend:
         max_bytes_per_sample: cap on the size of the emitted feature maps (None: the
             profiled size). The detection models of the paper cut 2-13 MB feature maps per
             sample; a rehearsal of a 400 req/s plan on one small host cannot move GB/s
-            through its object store, so it caps them; the NIC time of a transfer is still
+            through its sockets, so it caps them; the NIC time of a transfer is still
             the planned one (the worker waits it out), only the bytes shrink.
     """
 

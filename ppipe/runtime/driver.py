@@ -1,20 +1,22 @@
-"""The runtime's driver: the data plane's scheduler under the wall clock, with Ray workers.
+"""The runtime's driver: the data plane's scheduler under the wall clock, with vGPU workers.
 
 :class:`Runtime` owns the scheduler (built by :func:`ppipe.dataplane.build_scheduler`, or
 any factory with its signature) and applies its decisions:
 
-- :class:`~ppipe.dataplane.api.Dispatch`: stack the requests' inputs into a batch, call
-  the first worker of the reserved path and walk the chain of stage results (each stage's
-  report goes to ``scheduler.report`` as soon as it arrives); split the outputs and answer
-  every request of the batch.
+- :class:`~ppipe.dataplane.api.Dispatch`: stack the requests' inputs into a batch and send
+  it, with the reserved route, to the first worker over the data path
+  (:mod:`ppipe.runtime.datapath`); the workers pass it along the route themselves. Each
+  worker's report goes to ``scheduler.report`` as it arrives; the last one carries the
+  outputs, whose rows answer the batch's requests.
 - :class:`~ppipe.dataplane.api.Drop`: answer the request with :class:`DroppedError`.
 - :class:`~ppipe.dataplane.api.WakeAt`: ``clock.call_at(t, scheduler.wake)``.
 
-A worker that dies (a call fails with ``RayActorError``, or the health loop's ping does)
-is given to ``scheduler.mark_failed`` once; the requests of its in-flight batches are
-answered with ``worker-failed``. Every request gets exactly one answer: its outputs, or an
-error; a request the scheduler neither dispatched nor dropped within SLO + ``answer_grace_s``
-is answered with a timeout error.
+Ray is the control path only: it places the workers, carries the start-up calls, and
+tells when a worker is gone (each worker's ``lifeline`` call fails when its actor dies).
+A gone worker is given to ``scheduler.mark_failed`` once, and the requests of the batches
+in flight whose remaining stages include it are answered with ``worker-failed``. Every
+request gets exactly one answer: its outputs, or an error; a request the scheduler neither
+dispatched nor dropped within SLO + ``answer_grace_s`` is answered with a timeout error.
 
 Everything runs on one asyncio loop (the HTTP server's), so the scheduler, which is not
 thread-safe, is only ever called from that loop.
@@ -33,6 +35,8 @@ import numpy as np
 from ppipe.errors import UserError
 from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, StageReport, WakeAt
 from ppipe.runtime.clock import WallClock, wall_us
+from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, node_host
+from ppipe.runtime.wire import pack, unpack
 from ppipe.runtime.metrics import RuntimeMetrics
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import Plan
@@ -111,23 +115,26 @@ class Runtime:
 
     Args:
         plan, profiles, cluster: what to serve (profiles by model name).
-        workers: {vGPU id: Ray actor handle} from :func:`ppipe.runtime.deploy.start_workers`.
+        workers: {vGPU id: Ray actor handle} from :func:`ppipe.runtime.deploy.start_workers`
+            (its methods ``open_data_path``, ``connect_peers``, ``lifeline``, ``drop_peer``
+            are called with ``.remote``).
         scheduler_factory: ``f(plan, profiles, cluster, clock, policy=..., **options)``;
             default :func:`ppipe.dataplane.build_scheduler`.
         policy, scheduler_options: passed to the factory.
-        health_interval_s: how often every live worker is pinged.
+        data_host: the address the frontend's report socket binds (default: the loopback
+            address when every Ray node is this host, else this node's address in Ray).
         answer_grace_s: a request still unanswered at deadline + this gets a timeout error.
         keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
         dispatch_lead_us: the scheduler plans each decision this far ahead of the wall clock,
-            the time an actor call takes to reach its worker (:class:`~ppipe.runtime.clock.WallClock`).
+            the time a dispatch takes to reach its first worker (:class:`~ppipe.runtime.clock.WallClock`).
         answer_budget_us: the deadline the scheduler gets is ``arrival + SLO - answer_budget``:
             a batch must end this long before the SLO, which is the time its answer still
             needs (the last report reaching the frontend, the HTTP reply). Without it, a
             batch the scheduler fits just inside the deadline is answered late. Lateness
             (metrics, the answer) is still judged against ``arrival + SLO``.
         edges: the transport of each (sender, receiver) vGPU pair, from
-            :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "object-store"}``
-            or ``{edge: (transport, reason)}``); edges not named use the object store.
+            :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "zmq"}``
+            or ``{edge: (transport, reason)}``); edges not named go over the data path's sockets.
     """
 
     def __init__(
@@ -141,7 +148,7 @@ class Runtime:
         policy: str = "reservation",
         scheduler_options: dict[str, Any] | None = None,
         metrics: RuntimeMetrics | None = None,
-        health_interval_s: float = 0.5,
+        data_host: str | None = None,
         answer_grace_s: float = 30.0,
         keep_traces: int = 0,
         edges: dict[tuple[str, str], Any] | None = None,
@@ -152,7 +159,7 @@ class Runtime:
         self._factory = scheduler_factory or default_scheduler_factory
         self._policy, self._options = policy, dict(scheduler_options or {})
         self.metrics = metrics or RuntimeMetrics()
-        self.health_interval_s, self.answer_grace_s = health_interval_s, answer_grace_s
+        self.data_host, self.answer_grace_s = data_host, answer_grace_s
         self.keep_traces = keep_traces
         self.dispatch_lead_us = dispatch_lead_us
         if answer_budget_us < 0:
@@ -165,30 +172,50 @@ class Runtime:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count()
         self._wakes: set[float] = set()
-        self._tasks: set[asyncio.Task] = set()
-        self._health: asyncio.Task | None = None
+        self._inflight: dict[int, _InFlight] = {}  # batch id -> the batch, until its last report
+        self._inbox: Inbox | None = None
+        self._outbox = Outbox()
+        self.addresses: dict[str, str] = {}  # vGPU id -> its worker's data-path address
+        self._placement = {p.vgpu_id: p for p in plan.placement}
+        self._lifelines: list[asyncio.Task] = []
         self._queued: dict[str, int] = {m.name: 0 for m in plan.models}
         # NCCL edges and the number of the next message on each (see ppipe.runtime.transport)
         self.nccl_edges = {e for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) == "nccl"}
         self._edge_seq: dict[tuple[str, str], int] = {e: 0 for e in self.nccl_edges}
-        self._heard: dict[str, float] = {}  # vGPU id -> loop time of its last report
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
-        """Make the clock and the scheduler on the running loop; start the health loop."""
-        self.clock = WallClock(asyncio.get_running_loop(), lead_us=self.dispatch_lead_us)
+        """Make the clock and the scheduler on the running loop, open the data path to every
+        worker, and watch each worker's life."""
+        loop = asyncio.get_running_loop()
+        self.clock = WallClock(loop, lead_us=self.dispatch_lead_us)
         self.scheduler = self._factory(self.plan, self.profiles, self.cluster, self.clock, policy=self._policy, **self._options)
         check_whole_paths(self.scheduler, self._policy)
+        self._inbox = Inbox(self._on_report, self.data_host or node_host())
+        vgpus = list(self.workers)
+        addrs = await asyncio.gather(*(self.workers[v].open_data_path.remote(self._inbox.address) for v in vgpus))
+        self.addresses = dict(zip(vgpus, addrs))
+        await asyncio.gather(*(self.workers[v].connect_peers.remote(self._next_stage_addresses(v)) for v in vgpus))
+        for a in addrs:
+            self._outbox.connect(a)
         freeze_startup_objects()
-        self._health = asyncio.get_running_loop().create_task(self._health_loop())
+        self._lifelines = [loop.create_task(self._watch(v, h)) for v, h in self.workers.items()]
+
+    def _next_stage_addresses(self, vgpu_id: str) -> list[str]:
+        """The data-path addresses of the vGPUs a worker may forward to (its pipeline's next pool)."""
+        p = self._placement[vgpu_id]
+        return [self.addresses[q.vgpu_id] for q in self.plan.placements_of(p.model, p.pipeline, p.partition + 1) if q.vgpu_id in self.addresses]
 
     async def stop(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
+        """Answer what is pending with ``shutdown`` and close the data path (the workers are the caller's)."""
+        for t in self._lifelines:
+            t.cancel()
         for p in list(self._pending.values()):
             self._answer_error(p.request.id, DroppedError("shutdown", "the server is shutting down"))
-        for t in list(self._tasks):
-            t.cancel()
+        self._inflight.clear()
+        if self._inbox is not None:
+            self._inbox.close()
+        self._outbox.close()
 
     @property
     def started(self) -> bool:
@@ -205,8 +232,14 @@ class Runtime:
         return False
 
     # ---- requests ---------------------------------------------------------------------
-    async def infer(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None = None) -> dict[str, np.ndarray]:
         """Serve one sample (arrays without the batch axis); returns its outputs.
+
+        Args:
+            arrival_us: when the request arrived, on the true timeline
+                (``clock.true_now_us()``; default: now). A frontend that spent time
+                reading and decoding the request passes the time it began, so that its
+                deadline and lateness count from then.
 
         Raises:
             DroppedError: the scheduler dropped it, a worker on its path failed, or no answer came.
@@ -214,7 +247,8 @@ class Runtime:
         if self.scheduler is None:
             raise RuntimeError("Runtime.start() has not run")
         mp = self.plan.model(model)
-        now = self.clock.true_now_us()  # arrival and deadline on the true timeline, never the lead's
+        # arrival and deadline on the true timeline, never the lead's
+        now = self.clock.true_now_us() if arrival_us is None else arrival_us
         slo_us = mp.slo_ms * 1e3
         # the scheduler must leave the answer its time (answer_budget_us, at most half the SLO)
         budget = min(self.answer_budget_us, 0.5 * slo_us)
@@ -297,27 +331,26 @@ class Runtime:
         for r in d.requests:
             self._mark_dispatched(r)
         self.metrics.bound(self.metrics.batch, d.model).observe(d.batch)
-        # submit the stage calls now, not in the task: a task starts on a later turn of the
-        # loop, which on a busy frontend is ms later, and the reservation is already running
-        try:
-            sub: Any = self._submit(d)
-        except Exception as exc:  # answered by the task, like a failure while running
-            sub = exc
-        task = asyncio.get_running_loop().create_task(self._run_batch(d, sub))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _submit(self, d: Dispatch) -> tuple[BatchTrace, list[Any], Any]:
-        """Submit every stage of a batch; returns (trace, report refs, the last stage's output ref)."""
         route = [s.vgpu_id for s in d.stages]
         trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us(),
                            reserved_us=[(s.start_us, s.start_us + s.infer_us) for s in d.stages])
         if self.keep_traces:
             self.traces.append(trace)
             del self.traces[: -self.keep_traces]
-        for j, vgpu in enumerate(route):
-            if vgpu not in self.workers or vgpu in self.failed:
-                raise _StageFailed(j, "worker was marked failed before the batch was sent", trace)
+        batch = _InFlight(d, trace, route)
+        gone = next((v for v in route if v not in self.addresses or v in self.failed), None)
+        if gone is not None:
+            self._fail(batch, DropReason.WORKER_FAILED.value, f"vGPU {gone} was marked failed before the batch was sent")
+            return
+        self._inflight[d.batch_id] = batch
+        try:
+            self._send_stages(d, route)
+        except DataPathFull as exc:
+            self._fail(batch, DropReason.WORKER_FAILED.value, str(exc))
+
+    def _send_stages(self, d: Dispatch, route: list[str]) -> None:
+        """Send stage 0's message (the batch's inputs) and, for every stage that receives over
+        NCCL, its message without tensors (both ends of an NCCL edge are posted at once)."""
         names = list(d.requests[0].payload)
         inputs = {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
         to_wall = self.clock.to_wall_us
@@ -325,7 +358,18 @@ class Runtime:
             (None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us, to_wall(s.start_us))
             for s in d.stages
         ]
-        # NCCL edges of this path: both ends learn the edge's next message number now
+        links = self._links(route)
+        addrs = [self.addresses[v] for v in route]
+        header = {"b": d.batch_id, "k": 0, "route": route, "addr": addrs, "n": d.batch, "timing": timing, "links": links, "sent": wall_us()}
+        self._outbox.send(addrs[0], pack(header, inputs))
+        for j in range(1, len(route)):
+            if links is not None and links[j] and "recv" in links[j]:
+                self._outbox.send(addrs[j], pack({**header, "k": j, "sent": None}))
+
+    def _links(self, route: list[str]) -> list[dict[str, Any] | None] | None:
+        """The NCCL edges of a route, each numbered with its edge's next message (None: no NCCL edge)."""
+        if not self.nccl_edges:
+            return None
         links: list[dict[str, Any]] = [{} for _ in route]
         for j in range(1, len(route)):
             e = (route[j - 1], route[j])
@@ -334,63 +378,46 @@ class Runtime:
                 self._edge_seq[e] = seq + 1
                 links[j - 1]["send"] = {"peer": route[j], "seq": seq}
                 links[j]["recv"] = {"peer": route[j - 1], "seq": seq}
-        # submit every stage now; over the object store stage k+1 takes stage k's output
-        # ObjectRef, so Ray moves the feature map worker to worker and the frontend only
-        # holds references; over NCCL it takes nothing and receives from its peer
-        reports = []
-        payload: Any = {"tensors": inputs, "sent_wall_us": wall_us()}
-        for j, vgpu in enumerate(route):
-            arg = {"tensors": None, "sent_wall_us": None} if "recv" in links[j] else payload
-            meta = (d.batch_id, j, vgpu, d.batch, timing, links[j] or None)
-            rep_ref, payload = self.workers[vgpu].run_stage.remote(arg, meta)
-            reports.append(rep_ref)
-        return trace, reports, payload
+        return [x or None for x in links]
 
-    async def _run_batch(self, d: Dispatch, sub: Any) -> None:
-        import ray
+    def _on_report(self, frames: list[Any]) -> None:
+        """A worker's report (the data path's callback): feed the scheduler; the last stage's
+        report answers every request of the batch with its row of the outputs.
 
-        route = [s.vgpu_id for s in d.stages]
-        trace = sub[0] if isinstance(sub, tuple) else getattr(sub, "trace", None) or BatchTrace(
-            d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us()
-        )
-        k = 0
-        try:
-            if isinstance(sub, BaseException):
-                raise sub
-            _, reports, payload = sub
-            for k, rep_ref in enumerate(reports):
-                try:
-                    report = await rep_ref
-                except ray.exceptions.RayActorError as exc:
-                    raise _StageFailed(k, str(exc).splitlines()[0]) from None
-                outputs = report.pop("outputs", None)  # the last stage's (see VgpuWorker.run_stage)
-                trace.reports.append(report)
-                self._report(d, k, report)
-            k = len(route) - 1
-            if outputs is None:  # a worker that returns them apart
-                try:
-                    outputs = (await payload)["tensors"]
-                except ray.exceptions.RayActorError as exc:
-                    raise _StageFailed(k, str(exc).splitlines()[0]) from None
-        except _StageFailed as exc:
-            vgpu = route[exc.stage]
-            trace.error = f"worker-failed: {vgpu}: {exc.detail}"
-            self.mark_failed(vgpu)
-            for r in d.requests:
-                self.metrics.drops.labels(d.model, DropReason.WORKER_FAILED.value).inc()
-                self._answer_error(r.id, DroppedError(DropReason.WORKER_FAILED.value, f"vGPU {vgpu} failed while running the batch"))
+        Reports of one batch come from different workers over different connections, so
+        they may arrive in any order: stage k+1's before stage k's. The batch is answered by
+        the last stage's report and forgotten once every stage has reported.
+        """
+        rep, outputs = unpack(frames)
+        batch = self._inflight.get(rep.get("batch_id"))
+        if batch is None:  # a batch already failed (a worker on its route died)
             return
-        except Exception as exc:  # a backend error inside a live worker: answer, keep serving
-            log.exception("batch %s failed", d.batch_id)
-            trace.error = f"worker-error: {exc}"
-            for r in d.requests:
-                self._answer_error(r.id, DroppedError("worker-error", str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+        k = rep["partition"]
+        if "err" in rep:
+            log.warning("batch %s failed on %s: %s", batch.d.batch_id, rep.get("vgpu_id"), rep["err"])
+            self._fail(batch, "worker-error", rep["err"].splitlines()[0] if rep["err"] else "error")
             return
-        for i, r in enumerate(d.requests):
-            self._answer(r.id, {n: a[i] for n, a in outputs.items()})
+        batch.unreported.discard(k)
+        batch.next_stage = max(batch.next_stage, k + 1)
+        batch.trace.reports.append(rep)
+        batch.trace.reports.sort(key=lambda r: r["partition"])
+        self._report(batch.d, k, rep)
+        if k == len(batch.route) - 1:
+            for i, r in enumerate(batch.d.requests):
+                self._answer(r.id, {n: a[i] for n, a in outputs.items()})
+        if not batch.unreported:
+            del self._inflight[batch.d.batch_id]
+
+    def _fail(self, batch: "_InFlight", reason: str, detail: str) -> None:
+        """Answer every request of a batch with an error and forget the batch."""
+        self._inflight.pop(batch.d.batch_id, None)
+        batch.trace.error = f"{reason}: {detail}"
+        for r in batch.d.requests:
+            if reason == DropReason.WORKER_FAILED.value:
+                self.metrics.drops.labels(batch.d.model, reason).inc()
+            self._answer_error(r.id, DroppedError(reason, detail))
 
     def _report(self, d: Dispatch, k: int, rep: dict[str, Any]) -> None:
-        self._heard[rep["vgpu_id"]] = asyncio.get_running_loop().time()
         c = self.clock
         self.metrics.bound(self.metrics.busy, rep["vgpu_id"]).inc(max(0.0, rep["end_us"] - rep["start_us"]) / 1e6)
         sr = StageReport(
@@ -406,43 +433,53 @@ class Runtime:
 
     # ---- failures ------------------------------------------------------------------------------
     def mark_failed(self, vgpu_id: str) -> None:
-        """Tell the scheduler (once) that a vGPU is gone; it stops routing to it."""
+        """Tell the scheduler (once) that a vGPU is gone; it stops routing to it. The batches
+        in flight whose remaining stages include it are answered with ``worker-failed``."""
         if vgpu_id in self.failed:
             return
         self.failed[vgpu_id] = self.clock.true_now_us()
         self.metrics.failed.labels(vgpu_id).set(1)
         log.warning("vGPU %s failed; the scheduler stops routing to it", vgpu_id)
         self._apply(self.scheduler.mark_failed(vgpu_id))
+        for batch in list(self._inflight.values()):
+            if vgpu_id in batch.route[batch.next_stage :]:
+                self._fail(batch, DropReason.WORKER_FAILED.value, f"vGPU {vgpu_id} failed while running the batch")
+            else:  # its stage ran (a later stage has reported): its own report may never come
+                batch.unreported -= {j for j, v in enumerate(batch.route) if v == vgpu_id}
+                if not batch.unreported:
+                    del self._inflight[batch.d.batch_id]
         # its NCCL peers abort their edges with it: a receive from it would never complete
         for a, b in self.nccl_edges:
             other = b if a == vgpu_id else a if b == vgpu_id else None
             if other is not None and other not in self.failed and other in self.workers:
                 try:
                     self.workers[other].drop_peer.remote(vgpu_id)
-                except Exception:  # pragma: no cover - best effort; the health loop finds a dead peer
+                except Exception:  # pragma: no cover - best effort; the peer's lifeline says if it is gone
                     log.exception("could not tell %s to drop its edge with %s", other, vgpu_id)
 
-    async def _health_loop(self) -> None:
+    async def _watch(self, vgpu_id: str, handle: Any) -> None:
+        """Await the worker's ``lifeline`` call, which returns or fails only when the worker
+        stops: Ray fails it as soon as the actor's process or node is gone."""
         import ray
 
-        async def probe(vgpu: str, h: Any) -> None:
-            try:
-                await asyncio.wait_for(h.ping.remote(), timeout=max(1.0, 4 * self.health_interval_s))
-            except ray.exceptions.RayActorError:
-                self.mark_failed(vgpu)
-            except asyncio.TimeoutError:
-                pass  # slow is not dead (a loaded machine); a dead actor fails fast
-
-        loop = asyncio.get_running_loop()
-        while True:
-            # a worker that reported within the interval is alive: ping only the quiet ones
-            # (a busy worker that dies fails its in-flight calls, which marks it at once)
-            fresh = loop.time() - self.health_interval_s
-            live = [(v, h) for v, h in self.workers.items() if v not in self.failed and self._heard.get(v, -1e18) < fresh]
-            await asyncio.gather(*(probe(v, h) for v, h in live))
-            await asyncio.sleep(self.health_interval_s)
+        try:
+            await handle.lifeline.remote()
+            detail = "its lifeline returned"
+        except ray.exceptions.RayActorError as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.debug("vGPU %s is gone: %s", vgpu_id, detail)
+        self.mark_failed(vgpu_id)
 
 
-class _StageFailed(Exception):
-    def __init__(self, stage: int, detail: str, trace: BatchTrace | None = None):
-        self.stage, self.detail, self.trace = stage, detail, trace
+@dataclass
+class _InFlight:
+    """A dispatched batch until its last report or its failure."""
+
+    d: Dispatch
+    trace: BatchTrace
+    route: list[str]
+    next_stage: int = 0  # every stage before it has ended (its report, or a later stage's, arrived)
+    unreported: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.unreported = set(range(len(self.route)))

@@ -1,22 +1,18 @@
 """One Ray actor per vGPU: runs its partition; feature maps go worker to worker.
 
-A batch travels along its reserved path without its data going back through the
-frontend. Between GPU workers the feature maps go over NCCL (:mod:`ppipe.runtime.transport`:
-both stages' calls are posted at dispatch, the sender's says "send to P as message n", the
-receiver's "receive message n from P"); otherwise through Ray's object store, as follows. At dispatch the frontend submits every stage at once, each to its vGPU's actor,
-passing stage i's *output ObjectRef* as stage i+1's argument: Ray starts stage i+1 when
-stage i's output exists and worker i+1 fetches it from worker i's object store (on its own
-node, or over the network from the other node). Feature maps are cast to fp16 before they
-leave a worker. Each stage returns two objects: a small report (when it really ran, in
-wall-clock stamps), which the frontend awaits and feeds to the scheduler as soon as the
-stage ends, and its output, which only the next worker (or, for the last stage, the
-frontend) reads. The frontend owns every object, so a worker's death loses only the
-batches it touches. (Worker-to-worker calls with nested ObjectRefs were tried first: every
-object was then owned by the worker that made the call, the frontend had to borrow each of
-them, and killing a worker also lost the results its successors had produced.)
+Ray places the actor (custom resources), starts it and tells the frontend when it dies;
+the batches themselves come over the data path (:mod:`ppipe.runtime.datapath`): the
+worker's inbox receives a stage message (the batch's tensors, the reserved route and its
+workers' addresses), :meth:`VgpuWorker.run_stage` waits for the reserved start and runs the
+partition, and the output goes straight to the next stage's worker while a small report
+(when the stage really ran, in wall-clock stamps) goes to the frontend. The last stage's
+report carries the model's outputs. Between GPU workers that can, the feature maps go over
+NCCL instead (:mod:`ppipe.runtime.transport`: the frontend posts both stages of an edge
+at once, the sender's "send your output to P as message n", the receiver's "receive
+message n from P"). Feature maps are cast to fp16 before they leave a worker.
 
-The actor is asynchronous so that ``ping`` answers while a batch runs; an asyncio lock
-makes batches on one vGPU run one at a time, in arrival order.
+The actor is asynchronous so that its control calls (``ping``, ``lifeline``) answer while a
+batch runs; an asyncio lock makes batches on one vGPU run one at a time, in arrival order.
 """
 
 from __future__ import annotations
@@ -77,6 +73,7 @@ class VgpuWorker:
         self._lock: asyncio.Lock | None = None
         self.batches = 0
         self.channels: dict[tuple[str, str], Any] = {}  # (send|recv, peer vGPU) -> EdgeChannel
+        self.data_path: Any = None  # the StageServer, once the frontend opens the data path
         self._node: str | None = None
         from ppipe.runtime.driver import freeze_startup_objects
 
@@ -95,6 +92,23 @@ class VgpuWorker:
             # NCCL edges and how many messages each has carried
             "edges": {f"{role}:{peer}": ch.next_seq for (role, peer), ch in self.channels.items()},
         }
+
+    # ---- data path (see ppipe.runtime.datapath) ------------------------------------------------------
+    async def open_data_path(self, frontend: str) -> str:
+        """Bind this worker's inbox and connect to the frontend's; returns the inbox's address."""
+        from ppipe.runtime.datapath import StageServer
+
+        if self.data_path is None:
+            self.data_path = StageServer(self.spec.vgpu_id, self.run_stage)
+        return self.data_path.open(frontend)
+
+    async def connect_peers(self, peers: list[str]) -> None:
+        """Connect to the next stage's workers (by data-path address) before the first batch."""
+        self.data_path.connect(peers)
+
+    async def lifeline(self) -> None:
+        """Never returns: the frontend awaits it, and Ray fails the call when this actor dies."""
+        await asyncio.Event().wait()
 
     # ---- transport (NCCL edges; see ppipe.runtime.transport) -------------------------------------
     async def transport_caps(self) -> dict[str, Any]:
@@ -155,13 +169,13 @@ class VgpuWorker:
         timing: list[tuple[float | None, float, float]] | None = None,
         link: dict[str, dict[str, Any]] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Run stage ``index`` of a batch on ``payload``; called with ``num_returns=2``.
+        """Run stage ``index`` of a batch on ``payload`` (the data path calls it per stage message).
 
         Args:
             payload: ``{"tensors": {name: array}, "sent_wall_us": t}``: the batch's inputs
-                (first stage) or the previous stage's output object, which Ray fetched from
-                the previous worker's node (the frontend passed only its ObjectRef). With an
-                NCCL ``recv`` link the tensors come over NCCL instead and ``payload`` is empty.
+                (first stage) or the previous stage's fp16 output, with the wall-clock time
+                it left the previous worker. With an NCCL ``recv`` link the tensors come
+                over NCCL instead and ``payload`` holds none.
             timing: per stage, the reservation in wall-clock us: ``(transfer_start,
                 transfer_us, start)``. A stage does not start before its reserved start
                 (as in the simulator): running a batch early could push an earlier-reserved
@@ -170,13 +184,13 @@ class VgpuWorker:
                 also "arrives" no sooner than ``max(sent, transfer_start) + transfer_us``.
             link: NCCL edges of this stage: ``{"recv": {"peer": vgpu, "seq": n}}`` (take the
                 input from message n of the edge from ``peer``) and/or ``{"send": {...}}``
-                (send the output as message n of the edge to ``peer``, not as a Ray object).
+                (send the output as message n of the edge to ``peer``, not on the data path).
 
         Returns:
-            ``(report, output)``, two Ray objects: ``report`` (small; the frontend awaits
-            it) with wall-clock ``start_us``/``end_us`` and, after the first stage, the
-            transfer's ``transfer_start_us``/``transfer_end_us``, and for the last stage of
-            the path the model's ``outputs``; ``output`` (the next stage's payload: fp16
+            ``(report, output)``: ``report`` with wall-clock ``start_us``/``end_us``,
+            ``received_us`` (when the stage message arrived) and, after the first stage,
+            the transfer's ``transfer_start_us``/``transfer_end_us``, and for the last stage
+            of the path the model's ``outputs``; ``output``, the next stage's payload (fp16
             feature maps; ``tensors`` is None when they went over NCCL; None after the last
             stage).
         """
@@ -228,7 +242,7 @@ class VgpuWorker:
                 "end_us": end,
                 "transfer_start_us": t_xfer_start,
                 "transfer_end_us": t_xfer_end,
-                "received_us": received,  # when the call reached this worker (control-path delay)
+                "received_us": received,  # when the stage message reached this worker
                 "node_id": self._node_id(),
             }
             if send is not None:
@@ -238,9 +252,7 @@ class VgpuWorker:
                 sent = True
                 return report, {"tensors": None, "sent_wall_us": end, "transport": "nccl"}
             if timing is not None and index + 1 == len(timing):
-                # the last stage's outputs ride in its report: the frontend awaits one object
-                # per stage, not one more for the answer (each await of a Ray object costs the
-                # frontend's loop a turn and, on a busy host, ms)
+                # the last stage's outputs ride in its report: one message to the frontend
                 report["outputs"] = outputs
                 return report, None
             return report, {"tensors": to_wire(outputs), "sent_wall_us": end}
@@ -299,21 +311,7 @@ def _to_host(arr: Any) -> np.ndarray:
 
 
 def actor_class():
-    """The Ray actor class of a vGPU worker.
-
-    Its ``run_stage(payload, meta)`` takes two arguments: ``payload`` (the previous
-    stage's output ObjectRef, which Ray resolves, or the batch's inputs) and ``meta``, one
-    tuple ``(batch_id, index, vgpu_id, batch, timing, link)`` of the rest of
-    :meth:`VgpuWorker.run_stage`'s arguments: Ray serializes every argument on its own, and
-    one tuple instead of six cut the caller's CPU per call by ~0.2 ms (of ~1.9) here. It
-    returns two objects (report, output).
-    """
+    """The Ray actor class of a vGPU worker (:class:`VgpuWorker`)."""
     import ray
 
-    class VgpuActor(VgpuWorker):
-        @ray.method(num_returns=2)
-        async def run_stage(self, payload, meta):
-            batch_id, index, vgpu_id, batch, timing, link = meta
-            return await VgpuWorker.run_stage(self, batch_id, index, vgpu_id, payload, batch, timing, link)
-
-    return ray.remote(VgpuActor)
+    return ray.remote(VgpuWorker)

@@ -12,6 +12,7 @@ from ppipe.dataplane.api import Dispatch, Drop, DropReason, Stage, WakeAt
 from ppipe.errors import NotAvailableError, UserError
 from ppipe.runtime.backends import EmulatedBackend, OrtBackend, interpolated_latency_us, make_backend
 from ppipe.runtime.clock import WallClock, wall_us
+from ppipe.runtime.datapath import StageServer
 from ppipe.runtime.deploy import Deployment, node_resources_for, worker_env, worker_specs
 from ppipe.runtime.driver import DroppedError, Runtime
 from ppipe.runtime.worker import WorkerSpec, to_wire
@@ -160,77 +161,67 @@ def test_worker_specs_follow_the_placement_and_reject_a_plan_without_one(tinynet
 
 
 # ---- the driver with fake workers (no Ray) ---------------------------------------------------------------------
-class _Ref:
-    """Stands in for an ObjectRef: awaitable (several times)."""
+class _Method:
+    """Stands in for an actor method: ``.remote(*args)`` runs it on the loop; the result is awaitable."""
 
-    def __init__(self, fut):
-        self.fut = fut
+    def __init__(self, fn):
+        self.fn = fn
 
-    def __await__(self):
-        return asyncio.shield(self.fut).__await__()
+    def remote(self, *args):
+        fut = asyncio.ensure_future(self.fn(*args))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception was never retrieved"
+        return fut
 
 
 class FakeWorker:
-    """The worker protocol in-process (two returns per stage, ObjectRef-like arguments);
-    ``dead`` makes calls fail like a killed actor."""
+    """A worker in-process: the real data path (:class:`StageServer`, ZeroMQ on 127.0.0.1)
+    around a fake stage (x + 1, then y = 2x). ``kill()`` stops it like a dead actor: its
+    inbox closes and its lifeline call fails; ``die_on_next_stage`` kills it while it holds a batch."""
 
-    def __init__(self, vgpu_id, mailbox=None, outputs_in_report=True):
-        self.vgpu_id, self.dead = vgpu_id, False
-        self.outputs_in_report = outputs_in_report  # as VgpuWorker does for the last stage
+    def __init__(self, vgpu_id, mailbox=None):
+        self.vgpu_id, self.dead, self.die_on_next_stage = vgpu_id, False, False
         self.mailbox = {} if mailbox is None else mailbox  # (sender, receiver, seq) -> future: a fake NCCL edge
         self.links, self.dropped = [], []
-        self.pings = 0
-        outer = self
+        self.server = StageServer(vgpu_id, self._run)
+        self._gone: asyncio.Event | None = None
+        self.open_data_path = _Method(self._open)
+        self.connect_peers = _Method(self._connect)
+        self.lifeline = _Method(self._lifeline)
+        self.drop_peer = _Method(self._drop)
 
-        class _RunStage:
-            @staticmethod
-            def remote(payload, meta):  # the actor's signature (see ppipe.runtime.worker.actor_class)
-                batch_id, index, vgpu_id, batch, timing, link = meta
-                task = asyncio.ensure_future(outer._run(batch_id, index, vgpu_id, payload, batch, timing, link))
-                rep = asyncio.ensure_future(_part(task, 0))
-                out = asyncio.ensure_future(_part(task, 1))
-                for f in (task, rep, out):
-                    # a failed stage's output is never awaited; retrieve its exception now, or
-                    # the task's __del__ logs it with a traceback whose caret-finding runs
-                    # ast.parse, which, when GC fires inside another ast.parse, breaks that one
-                    # (CPython 3.11: "AST constructor recursion depth mismatch")
-                    f.add_done_callback(lambda f: f.cancelled() or f.exception())
-                return _Ref(rep), _Ref(out)
+    async def _open(self, frontend):
+        return self.server.open(frontend)
 
-        class _Ping:
-            @staticmethod
-            def remote():
-                return _Ref(asyncio.ensure_future(outer._ping()))
+    async def _connect(self, peers):
+        self.server.connect(peers)
 
-        class _DropPeer:
-            @staticmethod
-            def remote(peer):
-                outer.dropped.append(peer)
+    async def _drop(self, peer):
+        self.dropped.append(peer)
 
-        self.run_stage, self.ping, self.drop_peer = _RunStage, _Ping, _DropPeer
+    async def _lifeline(self):
+        self._gone = self._gone or asyncio.Event()
+        await self._gone.wait()
+        import ray
 
-    async def _ping(self):
-        self.pings += 1
-        await self._alive()
+        raise ray.exceptions.RayActorError()
 
-    async def _alive(self):
-        if self.dead:
-            import ray
-
-            raise ray.exceptions.RayActorError()
-        return {}
+    def kill(self):
+        self.dead = True
+        self.server.close()
+        self._gone = self._gone or asyncio.Event()
+        self._gone.set()
 
     def _box(self, key):
         return self.mailbox.setdefault(key, asyncio.get_running_loop().create_future())
 
     async def _run(self, batch_id, index, vgpu_id, payload, batch, timing, link=None):
         self.links.append((batch_id, link))
-        if isinstance(payload, _Ref):  # Ray resolves an ObjectRef argument before the call
-            payload = await payload
+        if self.die_on_next_stage:
+            self.kill()
+            await asyncio.Event().wait()  # the stage never ends
         if link and "recv" in link:
             assert payload["tensors"] is None  # nothing came through the frontend
             payload = await self._box((link["recv"]["peer"], self.vgpu_id, link["recv"]["seq"]))
-        await self._alive()
         t = wall_us()
         rep = {"batch_id": batch_id, "partition": index, "vgpu_id": self.vgpu_id, "start_us": t, "end_us": t + 1,
                "transfer_start_us": None, "transfer_end_us": None}
@@ -240,14 +231,10 @@ class FakeWorker:
         if link and "send" in link:
             self._box((self.vgpu_id, link["send"]["peer"], link["send"]["seq"])).set_result({"tensors": out, "sent_wall_us": t + 1})
             return rep, {"tensors": None, "sent_wall_us": t + 1}
-        if self.outputs_in_report and index + 1 == len(timing):
+        if index + 1 == len(timing):
             rep["outputs"] = out
             return rep, None
         return rep, {"tensors": out, "sent_wall_us": t + 1}
-
-
-async def _part(task, i):
-    return (await task)[i]
 
 
 def _runtime(tinynet, edges=None, counts=(1, 1), **sched):
@@ -258,7 +245,7 @@ def _runtime(tinynet, edges=None, counts=(1, 1), **sched):
     mailbox: dict = {}
     peers = {p.vgpu_id: FakeWorker(p.vgpu_id, mailbox) for p in plan.placement}
     rt = Runtime(plan, {"tinynet": tinynet}, cluster, peers, scheduler_factory=functools.partial(FifoScheduler, **sched),
-                 health_interval_s=0.05, keep_traces=100, edges=edges)
+                 keep_traces=100, edges=edges)
     return rt, peers
 
 
@@ -277,20 +264,18 @@ def test_driver_batches_answers_each_request_with_its_own_row(tinynet):
     assert rt.scheduler.wakes >= 1 and len(rt.scheduler.reports) == 4
 
 
-def test_driver_takes_outputs_from_the_last_report_or_from_the_output_object(tinynet):
-    for in_report in (True, False):
-        rt, peers = _runtime(tinynet, max_batch=1)
-        for w in peers.values():
-            w.outputs_in_report = in_report
+def test_driver_takes_outputs_from_the_last_report_and_keeps_them_out_of_traces(tinynet):
+    rt, peers = _runtime(tinynet, max_batch=1)
 
-        async def main():
-            await rt.start()
-            out = await rt.infer("tinynet", {"x": np.full(2, 3, np.float32)})
-            await rt.stop()
-            return out
+    async def main():
+        await rt.start()
+        out = await rt.infer("tinynet", {"x": np.full(2, 3, np.float32)})
+        await rt.stop()
+        return out
 
-        assert asyncio.run(main())["y"].tolist() == [8.0, 8.0]
-        assert all("outputs" not in rep for t in rt.traces for rep in t.reports)  # not kept in traces
+    assert asyncio.run(main())["y"].tolist() == [8.0, 8.0]
+    assert len(rt.traces) == 1 and len(rt.traces[0].reports) == 2
+    assert all("outputs" not in rep for t in rt.traces for rep in t.reports)  # not kept in traces
     import gc
 
     assert gc.get_freeze_count() > 0  # Runtime.start froze the start-up objects
@@ -317,28 +302,32 @@ def test_driver_marks_a_dead_worker_failed_and_fails_its_batch(tinynet):
 
     async def main():
         await rt.start()
-        peers[victim].dead = True
-        with pytest.raises(DroppedError, match="worker-failed"):
+        peers[victim].die_on_next_stage = True
+        with pytest.raises(DroppedError, match=f"worker-failed: vGPU {victim} failed while running the batch"):
             await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
         await rt.stop()
 
     asyncio.run(main())
     assert victim in rt.failed and victim in rt.scheduler.failed
     assert not rt.model_ready("tinynet")
+    assert rt.traces[0].error.startswith("worker-failed") and len(rt.traces[0].reports) == 1  # stage 0 had reported
 
 
-def test_health_loop_finds_an_idle_dead_worker(tinynet):
+def test_a_worker_that_dies_idle_is_marked_failed(tinynet):
     rt, peers = _runtime(tinynet)
     victim = rt.plan.placements_of("tinynet", 0, 0)[0].vgpu_id
 
     async def main():
         await rt.start()
-        peers[victim].dead = True
-        await asyncio.sleep(0.3)
+        peers[victim].kill()
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if victim in rt.scheduler.failed:
+                break
         await rt.stop()
 
     asyncio.run(main())
-    assert victim in rt.scheduler.failed
+    assert victim in rt.scheduler.failed and list(rt.failed) == [victim]
 
 
 def test_early_timer_is_re_armed_not_delivered(tinynet):
@@ -375,13 +364,13 @@ def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinyn
     rt, peers = _runtime(tinynet, counts=(2, 1), max_batch=1)
     ups = [p.vgpu_id for p in rt.plan.placements_of("tinynet", 0, 0)]
     down = rt.plan.placements_of("tinynet", 0, 1)[0].vgpu_id
-    # one edge over (fake) NCCL, the other over the object store
-    rt, peers = _runtime(tinynet, edges={(ups[0], down): ("nccl", ""), (ups[1], down): ("object-store", "")}, counts=(2, 1), max_batch=1)
+    # one edge over (fake) NCCL, the other over the data path's sockets
+    rt, peers = _runtime(tinynet, edges={(ups[0], down): ("nccl", ""), (ups[1], down): ("zmq", "")}, counts=(2, 1), max_batch=1)
 
     async def main():
         await rt.start()
         outs = [await rt.infer("tinynet", {"x": np.full(1, float(i), np.float32)}) for i in range(6)]
-        peers[down].dead = True
+        peers[down].die_on_next_stage = True
         try:
             await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
         except DroppedError as exc:
@@ -401,8 +390,8 @@ def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinyn
     assert sends == [{"peer": down, "seq": k} for k in range(n)]
     assert recvs[:n] == [{"peer": ups[0], "seq": k} for k in range(n)]
     other = [link for _, link in peers[ups[1]].links]
-    assert other == [None] * len(other)  # the object-store edge carries no link
-    # the dead receiver's NCCL peer is told to abort the edge; the object-store peer is not
+    assert other == [None] * len(other)  # the zmq edge carries no link
+    # the dead receiver's NCCL peer is told to abort the edge; the zmq peer is not
     assert peers[ups[0]].dropped == [down]
     assert peers[ups[1]].dropped == []
 
@@ -468,7 +457,7 @@ def test_answer_budget_shortens_the_schedulers_deadline_not_the_slo(tinynet):
     slo_us = rt.plan.model("tinynet").slo_ms * 1e3
     rt.answer_budget_us = 0.1 * slo_us
 
-    async def main():
+    async def main(rt=rt):
         await rt.start()
         await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
         p_deadline = {}
@@ -488,8 +477,9 @@ def test_answer_budget_shortens_the_schedulers_deadline_not_the_slo(tinynet):
     r = d.requests[0]
     assert r.deadline_us == pytest.approx(r.arrival_us + 0.9 * slo_us)  # the scheduler plans for the answer's time
     assert p_deadline[r.id] == pytest.approx(r.arrival_us + slo_us)  # lateness is judged at the SLO
+    rt, _ = _runtime(tinynet, max_batch=1)
     rt.answer_budget_us = 10 * slo_us  # never more than half the SLO
-    asyncio.run(main())
+    asyncio.run(main(rt))
     r = rt.scheduler.dispatched[-1].requests[0]
     assert r.deadline_us == pytest.approx(r.arrival_us + 0.5 * slo_us)
     with pytest.raises(ValueError, match="answer_budget_us must be >= 0"):
@@ -535,26 +525,6 @@ def test_infer_fast_path_answers_like_the_routes_and_leaves_the_rest_to_them(tin
     assert too_big.status_code == 413 and "exceeds the limit of 4096 bytes" in too_big.json()["error"]
     assert nested.status_code == 404
     assert meta.status_code == 200 and meta.json()["name"] == "tinynet"
-
-
-def test_health_loop_pings_only_workers_that_have_not_reported_lately(tinynet):
-    rt, peers = _runtime(tinynet, max_batch=1)
-    rt.health_interval_s = 0.3
-    busy = rt.plan.placements_of("tinynet", 0, 0)[0].vgpu_id
-
-    async def main():
-        await rt.start()
-        await asyncio.sleep(0.05)  # the first round pings everyone
-        before = {v: w.pings for v, w in peers.items()}
-        for _ in range(15):  # both workers report every ~20 ms, well within the 0.3 s interval
-            await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
-            await asyncio.sleep(0.02)
-        await rt.stop()
-        return before
-
-    before = asyncio.run(main())
-    assert all(n >= 1 for n in before.values())
-    assert peers[busy].pings == before[busy]  # it kept reporting: no health ping needed
 
 
 def test_tensorrt_precision_follows_the_profiles_provenance():
