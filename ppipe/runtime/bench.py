@@ -8,7 +8,9 @@ as latency rather than as a lower offered rate. A request attains its SLO when i
 answered 200 within the model's SLO (from its metadata, or ``--slo-ms``).
 
 Requests go out through :class:`ppipe.runtime.httpclient.RawHttpClient` (default; see
-there why) or httpx (``client="httpx"``).
+there why) or httpx (``client="httpx"``), or with ``grpc="HOST:PORT"`` over the KServe v2
+gRPC API (``ppipe serve --grpc-port``; :class:`GrpcInferClient`). The model's metadata
+(input, SLO) always comes from the REST URL: the v2 gRPC metadata has no SLO.
 """
 
 from __future__ import annotations
@@ -68,6 +70,62 @@ def sample_input(meta: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
     return {spec["name"]: x}
 
 
+def encode_grpc_request(model: str, inputs: dict[str, np.ndarray], raw: bool = True) -> bytes:
+    """A serialized ``ModelInferRequest``: the tensors in raw_input_contents (``raw``) or
+    as typed contents (not for FP16, which has no typed field)."""
+    from ppipe.runtime import proto as pb
+    from ppipe.runtime.grpc_server import CONTENTS_FIELD
+    from ppipe.runtime.protocol import datatype_of
+
+    req = pb.ModelInferRequest(model_name=model)
+    for name, arr in inputs.items():
+        dt = datatype_of(arr.dtype)
+        t = req.inputs.add(name=name, datatype=dt, shape=arr.shape)
+        if raw:
+            req.raw_input_contents.append(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
+        elif dt in CONTENTS_FIELD:
+            getattr(t.contents, CONTENTS_FIELD[dt]).extend(arr.ravel().tolist())
+        else:
+            raise UserError(f"{dt} input '{name}' has no typed gRPC contents", fix="use --binary (raw_input_contents)")
+    return req.SerializeToString()
+
+
+class GrpcInferClient:
+    """ModelInfer calls of one pre-serialized request over one grpc.aio channel (HTTP/2
+    multiplexes the calls in flight; the answers are not decoded, as the HTTP clients'
+    are not).
+
+    Args:
+        address: ``host:port`` of the gRPC frontend.
+        token: sent as ``authorization: Bearer <token>`` metadata.
+    """
+
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 60.0):
+        import grpc
+
+        from ppipe.runtime import proto as pb
+
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        )
+        self.call = self.channel.unary_unary(pb.METHODS["ModelInfer"][0])  # bytes in, bytes out
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.timeout_s = timeout_s
+
+    async def infer(self, body: bytes) -> tuple[int | str, dict[str, str]]:
+        """One call; returns (200, {}) or (the gRPC status name, its trailing metadata)."""
+        import grpc
+
+        try:
+            await self.call(body, metadata=self.metadata, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, {k: v for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)}
+        return 200, {}
+
+    async def aclose(self) -> None:
+        await self.channel.close()
+
+
 def arrival_times_us(kind: str, rate_rps: float, duration_s: float, seed: int, trace: str | None = None, cv: float = 2.0) -> np.ndarray:
     from ppipe.sim.arrivals import make_arrivals, read_trace
 
@@ -92,8 +150,10 @@ async def run_bench(
     input_shape: list[int] | None = None,
     timeout_s: float = 60.0,
     client: str = "raw",
+    grpc: str | None = None,
 ) -> BenchResult:
-    """Drive ``url`` open loop; returns the figures (see :class:`BenchResult`)."""
+    """Drive ``url`` open loop (or, with ``grpc``, that gRPC address); returns the figures
+    (see :class:`BenchResult`). ``binary``: REST's binary extension, gRPC's raw_input_contents."""
     import httpx
 
     from ppipe.runtime.httpclient import HttpError, RawHttpClient
@@ -122,7 +182,16 @@ async def run_bench(
     drops: dict[str, int] = {}
     on_time = ok = 0
 
-    if client == "httpx":
+    if grpc:
+        gc = GrpcInferClient(grpc, token=token, timeout_s=timeout_s)
+        grpc_body = encode_grpc_request(model, sample_input(meta, seed), raw=binary)
+
+        async def post() -> tuple[int | str, dict[str, str]]:
+            return await gc.infer(grpc_body)
+
+        close = gc.aclose
+        errors: tuple[type[BaseException], ...] = ()
+    elif client == "httpx":
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         hx = httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout_s, limits=limits)
 
@@ -131,7 +200,7 @@ async def run_bench(
             return resp.status_code, resp.headers
 
         close = hx.aclose
-        errors: tuple[type[BaseException], ...] = (httpx.HTTPError,)
+        errors = (httpx.HTTPError,)
     elif client == "raw":
         raw = RawHttpClient(base, headers=headers, timeout_s=timeout_s)
 
@@ -162,7 +231,7 @@ async def run_bench(
             reason = hdrs["ppipe-drop-reason"]
             drops[reason] = drops.get(reason, 0) + 1
         else:
-            key = f"HTTP {status}"
+            key = f"HTTP {status}" if isinstance(status, int) else f"gRPC {status}"
             codes[key] = codes.get(key, 0) + 1
 
     tasks = []

@@ -66,12 +66,15 @@ class _NullClock:
               "the client (last report to the frontend, HTTP reply). Lateness is still judged at arrival + SLO (runtime option; no YAML field).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; use 0.0.0.0 to expose (with --token).")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")
+@click.option("--grpc-port", default=None, type=int,
+              help="Also serve the KServe v2 gRPC API (tritonclient.grpc, KServe clients) on this port of --host, with the "
+              "same token and size limit; Triton's is 8001. Default: off (no YAML field).")
 @click.option("--token", default=None, envvar="PPIPE_TOKEN", help="Bearer token required on every endpoint but health (env PPIPE_TOKEN).")
 @click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest request body accepted (413 above).")
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
-def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, host, port, token, max_body_mb, num_cpus, emulated_max_bytes):
+def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, host, port, grpc_port, token, max_body_mb, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API."""
     import uvicorn
 
@@ -93,6 +96,14 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     # build the scheduler once before starting anything: a bad policy, option or a plan
     # that does not fit its profiles is a UserError now, not after the workers are up
     check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
+    if grpc_port is not None:
+        from ppipe.runtime.grpc_server import check_port_free
+
+        if grpc_port == port or not 0 < grpc_port < 65536:
+            raise UserError(f"--grpc-port {grpc_port} must be a free port other than --port {port}", fix="e.g. --grpc-port 8001")
+        why = check_port_free(host, grpc_port)
+        if why:
+            raise UserError(f"cannot bind the gRPC frontend to {host}:{grpc_port}: {why}", fix="choose another --grpc-port")
     if not _is_loopback(host) and not token:
         click.echo(f"warning: serving on {host} without --token: anyone who reaches this port can use it", err=True)
     import ray
@@ -117,10 +128,17 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         for h in workers.values():
             ray.kill(h)
 
-    app = create_app(rt, token=token, max_body_bytes=int(max_body_mb * 1024 * 1024), on_shutdown=shutdown)
+    companions = []
+    if grpc_port is not None:
+        from ppipe.runtime.grpc_server import GrpcServer
+
+        # started by the app's lifespan on uvicorn's loop, the runtime's (see create_app)
+        companions.append(GrpcServer(rt, host=host, port=grpc_port, token=token, max_message_bytes=int(max_body_mb * 1024 * 1024)))
+    app = create_app(rt, token=token, max_body_bytes=int(max_body_mb * 1024 * 1024), on_shutdown=shutdown, companions=companions)
     click.echo(
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
-        f"({len(workers)} vGPU workers, backend {backend}, policy {policy}, "
+        + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
+        + f"({len(workers)} vGPU workers, backend {backend}, policy {policy}, "
         f"{sum(t == 'nccl' for t, _ in edges.values())} of {len(edges)} worker pairs over NCCL)"
     )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
@@ -142,7 +160,10 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
 @click.option("--client", type=click.Choice(["raw", "httpx"]), default="raw", show_default=True,
               help="HTTP client: a minimal asyncio HTTP/1.1 client, or httpx (slower under high concurrency).")
 @click.option("--input-shape", default=None, help="Per-sample input shape, e.g. 3,224,224, for models whose metadata has none.")
-def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape):
+@click.option("--grpc", "grpc_address", default=None, metavar="HOST:PORT",
+              help="Send the requests over the KServe v2 gRPC API to HOST:PORT (`ppipe serve --grpc-port`) instead of REST; "
+              "--binary sends raw_input_contents, --json typed contents. The model's metadata still comes from URL.")
+def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape, grpc_address):
     """Open-loop load against URL (a `ppipe serve`): SLO attainment, goodput, p50/p99, drops."""
     from ppipe.runtime.bench import format_table, run_bench, to_json
 
@@ -156,7 +177,7 @@ def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms,
             raise UserError(f"--input-shape '{input_shape}' is not a comma-separated list of integers", fix="e.g. --input-shape 3,224,224") from None
     res = asyncio.run(
         run_bench(url, model, rate_rps, duration_s, arrivals=arrivals, trace=trace, binary=binary, seed=seed, slo_ms=slo_ms, token=token, cv=cv,
-                  client=client, input_shape=shape)
+                  client=client, input_shape=shape, grpc=grpc_address)
     )
     click.echo(format_table(res))
     text = to_json(res)

@@ -1,0 +1,337 @@
+"""The gRPC frontend: the KServe v2 (Open Inference Protocol) gRPC API on grpc.aio.
+
+Service ``inference.GRPCInferenceService`` (messages: :mod:`ppipe.runtime.proto`), beside
+the REST frontend (:mod:`ppipe.runtime.server`) and over the same :class:`Runtime`::
+
+    ServerLive       live: true while the process serves
+    ServerReady      ready: every model is ready
+    ModelReady       ready of one model                         NOT_FOUND unknown model
+    ServerMetadata   name, version, extensions
+    ModelMetadata    inputs, outputs (shape [-1, ...])          NOT_FOUND unknown model
+    ModelInfer       inference; inputs as raw_input_contents or typed contents, outputs
+                     always as raw_output_contents
+
+Status codes of ``ModelInfer`` (REST's status in brackets; both count in
+``ppipe_requests_total`` under the REST status):
+
+    OK                  the outputs                                                  [200]
+    INVALID_ARGUMENT    wrong tensor name, datatype, shape or size; the message says
+                        which field and what it must be                             [400]
+    UNAUTHENTICATED     missing or wrong ``authorization: Bearer <token>`` metadata  [401]
+    NOT_FOUND           unknown model                                                [404]
+    RESOURCE_EXHAUSTED  message larger than the limit (grpc's own check)             [413]
+    UNAVAILABLE         dropped by the data plane: "dropped: <reason>: <detail>"     [503]
+    INTERNAL            worker-error, or a bug in the server                         [500]
+    DEADLINE_EXCEEDED   timeout: no decision within SLO + grace (a bug)              [504]
+
+Every drop (UNAVAILABLE, INTERNAL worker-error, DEADLINE_EXCEEDED timeout) carries the
+reason in the trailing metadata ``ppipe-drop-reason``, as REST's header does.
+
+The server runs on the asyncio loop of the Runtime (the scheduler may only be called from
+that loop): ``ppipe serve`` passes a :class:`GrpcServer` to
+:func:`ppipe.runtime.server.create_app` as a companion, which the app's lifespan starts
+after the runtime and stops before it, on uvicorn's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import socket
+
+import grpc
+import numpy as np
+
+from ppipe.runtime import proto as pb
+from ppipe.runtime.driver import DroppedError, Runtime
+from ppipe.runtime.protocol import DATATYPES, InferInput, ProtocolError, datatype_of
+from ppipe.runtime.server import DEFAULT_MAX_BODY_BYTES, Frontend, check_infer_inputs
+
+log = logging.getLogger(__name__)
+
+DROP_HEADER = "ppipe-drop-reason"
+
+# REST status -> gRPC status, for the errors both frontends share
+STATUS_CODE = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+# drop reason -> REST status (the rest are 503), as ppipe.runtime.server.DROP_STATUS
+DROP_STATUS = {"timeout": 504, "worker-error": 500}
+
+# datatype -> the InferTensorContents field that carries it (FP16 has none: raw only)
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+_TOKEN_HELP = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
+
+
+class _Refused(Exception):
+    """An RPC to answer with a non-OK status (``status`` is REST's equivalent)."""
+
+    def __init__(self, status: int, message: str, drop_reason: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.drop_reason = status, message, drop_reason
+
+
+def decode_inputs(request) -> list[InferInput]:
+    """The input tensors of a ``ModelInferRequest`` as arrays, raw or typed contents.
+
+    Raises:
+        ProtocolError: 400 with a message naming the field at fault.
+    """
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise ProtocolError(
+            400, f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; send one per input, in order"
+        )
+    out: list[InferInput] = []
+    for i, t in enumerate(request.inputs):
+        where = f"inputs[{i}] ('{t.name}')"
+        if t.datatype not in DATATYPES:
+            raise ProtocolError(400, f"{where}.datatype {t.datatype!r} is not supported; use one of {', '.join(DATATYPES)}")
+        shape = list(t.shape)
+        if any(d < 0 for d in shape):
+            raise ProtocolError(400, f"{where}.shape must be non-negative integers, got {shape}")
+        count = math.prod(shape)
+        dtype = np.dtype(DATATYPES[t.datatype]).newbyteorder("<")
+        if raw:
+            if t.HasField("contents"):
+                raise ProtocolError(400, f"{where} has typed contents and raw_input_contents; send one or the other")
+            data = raw[i]
+            if len(data) != count * dtype.itemsize:
+                raise ProtocolError(
+                    400, f"{where}: raw_input_contents[{i}] has {len(data)} bytes; shape {shape} of {t.datatype} needs "
+                    f"{count} x {dtype.itemsize} = {count * dtype.itemsize}"
+                )
+            arr = np.frombuffer(data, dtype=dtype).reshape(shape)
+        else:
+            field = CONTENTS_FIELD.get(t.datatype)
+            if field is None:
+                raise ProtocolError(400, f"{where}: {t.datatype} has no typed contents field; send it in raw_input_contents")
+            values = getattr(t.contents, field)
+            if len(values) != count:
+                raise ProtocolError(400, f"{where}.contents.{field} has {len(values)} elements, shape {shape} needs {count}")
+            try:
+                arr = np.array(values, dtype=dtype).reshape(shape)
+            except (OverflowError, ValueError) as exc:
+                raise ProtocolError(400, f"{where}.contents.{field} cannot be read as {t.datatype}: {exc}") from None
+        out.append(InferInput(name=t.name, array=arr))
+    return out
+
+
+def encode_outputs(response, outputs: dict[str, np.ndarray]) -> None:
+    """Append ``outputs`` to a ``ModelInferResponse`` as tensors with raw_output_contents."""
+    for name, arr in outputs.items():
+        arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+        t = response.outputs.add()
+        t.name, t.datatype = name, datatype_of(arr.dtype)
+        t.shape.extend(arr.shape)
+        response.raw_output_contents.append(arr.tobytes())
+
+
+class GrpcFrontend:
+    """The RPC handlers around a :class:`Runtime`; same checks and answers as the REST
+    :class:`~ppipe.runtime.server.Frontend` (whose metadata and token check it reuses)."""
+
+    def __init__(self, runtime: Runtime, token: str | None = None):
+        self.runtime = runtime
+        self.rest = Frontend(runtime, token=token)
+        self.models = self.rest.models
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _check_token(self, context) -> None:
+        if not self.rest.token:
+            return
+        auth = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                auth = value
+                break
+        if not self.rest._token_ok(auth):
+            raise _Refused(401, _TOKEN_HELP)
+
+    def _model(self, name: str) -> str:
+        if name not in self.models:
+            raise _Refused(404, f"unknown model '{name}'; this server has: {', '.join(self.models)}")
+        return name
+
+    @staticmethod
+    async def _abort(context, exc: _Refused):
+        meta = ((DROP_HEADER, exc.drop_reason),) if exc.drop_reason else ()
+        await context.abort(STATUS_CODE.get(exc.status, grpc.StatusCode.INTERNAL), exc.message, trailing_metadata=meta)
+
+    # ---- RPCs ---------------------------------------------------------------------------
+    async def server_live(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, request, context):
+        ok = self.runtime.started and all(self.runtime.model_ready(m) for m in self.models)
+        return pb.ServerReadyResponse(ready=ok)
+
+    async def model_ready(self, request, context):
+        try:
+            name = self._model(request.name)
+        except _Refused as exc:
+            await self._abort(context, exc)
+        return pb.ModelReadyResponse(ready=self.runtime.started and self.runtime.model_ready(name))
+
+    async def server_metadata(self, request, context):
+        from ppipe import __version__
+
+        return pb.ServerMetadataResponse(name="ppipe", version=__version__)
+
+    async def model_metadata(self, request, context):
+        try:
+            self._check_token(context)
+            meta = self.rest._metadata(self._model(request.name))
+        except _Refused as exc:
+            await self._abort(context, exc)
+        resp = pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"])
+        for key in ("inputs", "outputs"):
+            for t in meta[key]:
+                getattr(resp, key).add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+        return resp
+
+    async def model_infer(self, request, context):
+        m = self.runtime.metrics
+        name = request.model_name
+        try:
+            self._check_token(context)
+            self._model(name)
+        except _Refused as exc:
+            await self._abort(context, exc)
+        t0 = asyncio.get_running_loop().time()
+        try:
+            try:
+                inputs = decode_inputs(request)
+                requested = [o.name for o in request.outputs]
+                in_name, arr = check_infer_inputs(name, self.runtime.profiles[name].manifest, inputs, requested)
+            except ProtocolError as exc:
+                raise _Refused(exc.status, exc.message) from None
+            try:
+                if arr.shape[0] == 1:
+                    results = [await self.runtime.infer(name, {in_name: arr[0]})]
+                else:
+                    results = await asyncio.gather(*(self.runtime.infer(name, {in_name: s}) for s in arr))
+            except DroppedError as exc:
+                raise _Refused(DROP_STATUS.get(exc.reason, 503), str(exc), drop_reason=exc.reason) from None
+            outputs = {k: np.stack([r[k] for r in results]) for k in results[0]}
+            if requested:
+                outputs = {k: v for k, v in outputs.items() if k in requested}
+            resp = pb.ModelInferResponse(model_name=name, model_version="1", id=request.id)
+            encode_outputs(resp, outputs)
+        except _Refused as exc:
+            m.requests.labels(name, str(exc.status)).inc()
+            await self._abort(context, exc)
+        except Exception:  # never a traceback to the client; the log has it
+            log.exception("gRPC ModelInfer of model '%s' failed", name)
+            m.requests.labels(name, "500").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error in the server (its log has the details)")
+        m.bound(m.requests, name, "200").inc()
+        m.bound(m.latency, name).observe(asyncio.get_running_loop().time() - t0)
+        return resp
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's handler for ``grpc.aio.Server.add_generic_rpc_handlers``."""
+        fns = {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ModelReady": self.model_ready,
+            "ServerMetadata": self.server_metadata,
+            "ModelMetadata": self.model_metadata,
+            "ModelInfer": self.model_infer,
+        }
+        return grpc.method_handlers_generic_handler(
+            pb.SERVICE,
+            {
+                rpc: grpc.unary_unary_rpc_method_handler(
+                    fns[rpc], request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+                )
+                for rpc, (_, req, resp) in pb.METHODS.items()
+            },
+        )
+
+
+def grpc_address(host: str, port: int) -> str:
+    """``host:port`` as grpc takes it (IPv6 literals in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def check_port_free(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now, or None. A check before the slow start-up
+    (Ray workers), so that a busy port is a clear error, not a failed app start-up."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+class GrpcServer:
+    """A grpc.aio server of :class:`GrpcFrontend`, started on the running loop.
+
+    Args:
+        runtime: the runtime to serve (already started, on this loop, when :meth:`start` runs).
+        host, port: where to bind; port 0 picks a free port (see :attr:`port` after start).
+        token: bearer token required on ModelMetadata and ModelInfer, as on REST.
+        max_message_bytes: largest request accepted (RESOURCE_EXHAUSTED above), REST's body limit.
+        grace_s: on stop, how long in-flight RPCs may still finish.
+    """
+
+    def __init__(self, runtime: Runtime, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_BODY_BYTES, grace_s: float = 5.0):
+        self.frontend = GrpcFrontend(runtime, token=token)
+        self.host, self.port = host, port
+        self.max_message_bytes, self.grace_s = max_message_bytes, grace_s
+        self.server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return grpc_address(self.host, self.port)
+
+    async def start(self) -> None:
+        """Bind and serve. Raises RuntimeError, naming the address, when it cannot bind."""
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", -1),
+                ("grpc.so_reuseport", 0),  # a second `ppipe serve` on the same port fails instead of sharing it
+            ]
+        )
+        server.add_generic_rpc_handlers((self.frontend.handler(),))
+        try:
+            bound = server.add_insecure_port(grpc_address(self.host, self.port))
+        except RuntimeError as exc:
+            raise RuntimeError(f"gRPC frontend cannot bind {self.address}: {exc}; choose another --grpc-port") from None
+        if bound == 0:
+            raise RuntimeError(f"gRPC frontend cannot bind {self.address}; choose another --grpc-port")
+        self.port = bound
+        await server.start()
+        self.server = server
+
+    async def stop(self) -> None:
+        """Stop taking RPCs; those in flight get ``grace_s`` to finish."""
+        if self.server is not None:
+            await self.server.stop(self.grace_s)
+            self.server = None
