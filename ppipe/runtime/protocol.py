@@ -8,13 +8,15 @@ it (``parameters.binary_data_output: true``, or ``parameters.binary_data: true``
 requested output) and JSON otherwise.
 
 Every malformed request raises :class:`ProtocolError` with the HTTP status to answer
-and a message that says what is wrong and how to fix it.
+and a message that says what is wrong and how to fix it; no input makes the parser raise
+anything else. Its work is bounded by the body's size: a shape is checked (at most
+:data:`MAX_DIMS` dimensions, no more elements than the body has bytes) before anything is
+allocated for it, so a small body cannot make it compute or allocate a lot.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,15 @@ DATATYPES: dict[str, str] = {
 }
 NUMPY_TO_DATATYPE = {v: k for k, v in DATATYPES.items()}
 
+MAX_DIMS = 32
+"""The most dimensions a tensor may have: numpy 1.x's own limit (numpy 2 allows 64); a CNN's
+input has 4."""
+
+# what JSON ``data`` of each datatype may hold, as numpy dtype kinds (np.asarray of the list):
+# numbers for numbers, booleans for BOOL; never strings ("1.5"), nulls or objects
+_DATA_KINDS = {k: ("b" if k == "BOOL" else "iu" if k[0] in "IU" else "iuf") for k in DATATYPES}
+_KIND_WORDS = {"b": "true/false values", "iu": "integers", "iuf": "numbers"}
+
 
 class ProtocolError(Exception):
     """A request the server refuses; ``status`` is the HTTP status code to answer with."""
@@ -47,6 +58,54 @@ class ProtocolError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+    def __reduce__(self):  # survives pickling (a decode in a worker process raises it there)
+        return (type(self), (self.status, self.message))
+
+
+def brief(value: Any, items: int = 8) -> str:
+    """A short repr of a value taken from a request, for an error message: lists cut after
+    ``items`` entries, huge integers as their size (an attacker's shape must not make the
+    error message itself large or slow)."""
+    if isinstance(value, list):
+        inner = ", ".join(brief(v, items) for v in value[:items])
+        return f"[{inner}{', ...' if len(value) > items else ''}] ({len(value)} entries)" if len(value) > items else f"[{inner}]"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<{value.bit_length()}-bit integer>"
+    r = repr(value) if isinstance(value, (int, float, str, bool, type(None))) else f"<{type(value).__name__}>"
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def shape_elements(shape: Any, where: str, max_elements: int) -> int:
+    """Check a requested shape and return its element count, in constant time.
+
+    Args:
+        shape: the shape as sent (anything JSON can hold).
+        where: the field's path for the message (``inputs[0]``).
+        max_elements: the most elements the request can carry (its body's size in bytes:
+            every element costs at least one byte in either encoding).
+
+    Raises:
+        ProtocolError: 400 when the shape is not a list of at most :data:`MAX_DIMS`
+            non-negative integers, or holds more than ``max_elements`` elements (or a
+            dimension larger than that, which with a 0 elsewhere would still overflow numpy).
+    """
+    if not isinstance(shape, list):
+        raise ProtocolError(400, f"{where}.shape must be a list of non-negative integers, got {brief(shape)}")
+    if len(shape) > MAX_DIMS:
+        raise ProtocolError(400, f"{where}.shape has {len(shape)} dimensions; at most {MAX_DIMS} are accepted")
+    count = 1
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ProtocolError(400, f"{where}.shape must be a list of non-negative integers, got {brief(shape)}")
+        if d > max_elements:
+            raise ProtocolError(
+                400, f"{where}.shape {brief(shape)} has a dimension of {brief(d)}, more elements than this {max_elements}-byte body can hold"
+            )
+        count *= d  # at most MAX_DIMS factors each <= max_elements: cheap
+    if count > max_elements:
+        raise ProtocolError(400, f"{where}.shape {brief(shape)} has {brief(count)} elements, more than this {max_elements}-byte body can hold")
+    return count
 
 
 @dataclass
@@ -81,13 +140,15 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
         header_length: value of the ``Inference-Header-Content-Length`` header, if any.
 
     Raises:
-        ProtocolError: 400 with a message naming the field at fault.
+        ProtocolError: 400 with a message naming the field at fault, for any malformed body.
     """
     if header_length is not None:
         try:
-            n = int(header_length)
+            n = int(header_length) if len(header_length) <= 20 else None
         except ValueError:
-            raise ProtocolError(400, f"Inference-Header-Content-Length '{header_length}' is not an integer") from None
+            n = None
+        if n is None:
+            raise ProtocolError(400, f"Inference-Header-Content-Length {brief(header_length)} is not an integer of at most 20 digits")
         if not 0 < n <= len(body):
             raise ProtocolError(
                 400, f"Inference-Header-Content-Length {n} is outside the body's {len(body)} bytes"
@@ -97,9 +158,11 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
         head_bytes, tail = body, memoryview(b"")
     try:
         head = json.loads(head_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise ProtocolError(400, "request body is nested too deeply to decode; a tensor's data is a flat or shape-nested list") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
         hint = " (binary tensors need the Inference-Header-Content-Length header)" if header_length is None else ""
-        raise ProtocolError(400, f"request body is not valid JSON: {exc}{hint}") from None
+        raise ProtocolError(400, f"request body is not valid JSON: {brief(str(exc))}{hint}") from None
     if not isinstance(head, dict):
         raise ProtocolError(400, "request body must be a JSON object with an 'inputs' list")
     raw_inputs = head.get("inputs")
@@ -114,18 +177,16 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
         name, shape, datatype = t.get("name"), t.get("shape"), t.get("datatype")
         if not isinstance(name, str):
             raise ProtocolError(400, f"{where}.name must be a string")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise ProtocolError(400, f"{where}.shape must be a list of non-negative integers, got {shape!r}")
-        if datatype not in DATATYPES:
-            raise ProtocolError(400, f"{where}.datatype {datatype!r} is not supported; use one of {', '.join(DATATYPES)}")
+        count = shape_elements(shape, where, len(body))
+        if not isinstance(datatype, str) or datatype not in DATATYPES:
+            raise ProtocolError(400, f"{where}.datatype {brief(datatype)} is not supported; use one of {', '.join(DATATYPES)}")
         dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
-        count = math.prod(shape)  # python ints: no overflow, and much cheaper than np.prod per request
         params = t.get("parameters") or {}
         if not isinstance(params, dict):
             raise ProtocolError(400, f"{where}.parameters must be an object")
         if "binary_data_size" in params:
             size = params["binary_data_size"]
-            if not isinstance(size, int) or size < 0:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise ProtocolError(400, f"{where}.parameters.binary_data_size must be a non-negative integer")
             if size != count * dtype.itemsize:
                 raise ProtocolError(
@@ -138,12 +199,9 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
         else:
             if "data" not in t:
                 raise ProtocolError(400, f"{where} has no 'data' (and no parameters.binary_data_size)")
-            try:
-                arr = np.asarray(t["data"], dtype=dtype)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise ProtocolError(400, f"{where}.data cannot be read as {datatype}: {exc}") from None
+            arr = _json_data(t["data"], where, datatype, dtype)
             if arr.size != count:
-                raise ProtocolError(400, f"{where}.data has {arr.size} elements, shape {shape} needs {count}")
+                raise ProtocolError(400, f"{where}.data has {arr.size} elements, shape {brief(shape)} needs {count}")
             arr = arr.reshape(shape)
         inputs.append(InferInput(name=name, array=arr))
     if offset != len(tail):
@@ -160,10 +218,36 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
         if not isinstance(o, dict) or not isinstance(o.get("name"), str):
             raise ProtocolError(400, f"outputs[{j}] must be an object with a 'name'")
         requested.append(o["name"])
-        if (o.get("parameters") or {}).get("binary_data"):
+        oparams = o.get("parameters") or {}
+        if not isinstance(oparams, dict):
+            raise ProtocolError(400, f"outputs[{j}].parameters must be an object, e.g. {{\"binary_data\": true}}")
+        if oparams.get("binary_data"):
             binary = True
     rid = head.get("id")
+    if rid is not None and (not isinstance(rid, (str, int, float)) or isinstance(rid, bool)):
+        raise ProtocolError(400, f"'id' must be a string, got {brief(rid)}")
     return InferRequest(id=None if rid is None else str(rid), inputs=inputs, binary_output=binary, requested_outputs=requested)
+
+
+def _json_data(data: Any, where: str, datatype: str, dtype: np.dtype) -> np.ndarray:
+    """A tensor's JSON ``data`` as an array of ``dtype``: numbers only (no strings, nulls or
+    objects, which numpy would otherwise convert or wrap), integers within the datatype's range."""
+    try:
+        raw = np.asarray(data)
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise ProtocolError(400, f"{where}.data cannot be read as {datatype}: {brief(str(exc))}") from None
+    kinds = _DATA_KINDS[datatype]
+    if raw.size and raw.dtype.kind not in kinds:
+        got = {"U": "strings", "S": "strings", "O": "nulls, objects or integers beyond 64 bits", "f": "fractional numbers", "b": "true/false values"}
+        raise ProtocolError(
+            400, f"{where}.data must hold {_KIND_WORDS[kinds]} for {datatype}, got {got.get(raw.dtype.kind, raw.dtype.name)}"
+        )
+    if dtype.kind in "iu" and raw.size:
+        info = np.iinfo(dtype)
+        lo, hi = raw.min(), raw.max()
+        if lo < info.min or hi > info.max:
+            raise ProtocolError(400, f"{where}.data has values outside {datatype}'s range [{info.min}, {info.max}]")
+    return raw.astype(dtype, copy=False)
 
 
 def _encode_body(head: dict[str, Any], key: str, tensors: dict[str, np.ndarray], binary: bool) -> tuple[bytes, dict[str, str]]:

@@ -1,11 +1,14 @@
 """KServe v2 encoding: JSON and binary tensors, and the errors of malformed requests."""
 
 import json
+import pickle
+import time
 
 import numpy as np
 import pytest
 
 from ppipe.runtime.protocol import (
+    MAX_DIMS,
     ProtocolError,
     decode_infer_response,
     encode_infer_request,
@@ -49,7 +52,7 @@ def test_binary_output_requested_by_parameter():
         (b'{"inputs": [{"name": "a", "shape": [1], "datatype": "STRING", "data": [1]}]}', "not supported"),
         (b'{"inputs": [{"name": "a", "shape": [-1], "datatype": "FP32", "data": [1]}]}', "non-negative integers"),
         (b'{"inputs": [{"name": "a", "shape": [1], "datatype": "FP32"}]}', "no 'data'"),
-        (b'{"inputs": [{"name": "a", "shape": [1], "datatype": "INT32", "data": ["x"]}]}', "cannot be read"),
+        (b'{"inputs": [{"name": "a", "shape": [1], "datatype": "INT32", "data": ["x"]}]}', "must hold integers for INT32, got strings"),
     ],
 )
 def test_malformed_requests_are_400(body, match):
@@ -74,3 +77,73 @@ def test_trailing_binary_bytes_are_refused():
     body, headers = encode_infer_request({"a": x}, binary=True)
     with pytest.raises(ProtocolError, match="not claimed"):
         parse_infer_request(body + b"xx", headers["inference-header-content-length"])
+
+
+def _one(**tensor) -> bytes:
+    t = {"name": "a", "shape": [1], "datatype": "FP32", "data": [1.0], **tensor}
+    return json.dumps({"inputs": [t]}).encode()
+
+
+HOSTILE = [
+    # the bodies that got a 500 with a traceback (issue 20)
+    ("datatype a list", _one(datatype=["FP32"]), r"datatype \['FP32'\] is not supported"),
+    ("datatype an object", _one(datatype={"a": 1}), "datatype <dict> is not supported"),
+    ("outputs[].parameters a list", json.dumps({"inputs": [json.loads(_one())["inputs"][0]], "outputs": [{"name": "y", "parameters": [1]}]}).encode(),
+     r"outputs\[0\]\.parameters must be an object"),
+    ("nested 100,000 deep", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("id of 5,000 digits", b'{"id": ' + b"7" * 5000 + b', "inputs": []}', "not valid JSON.*4300"),
+    ("shape dim of 5,000 digits", b'{"inputs": [{"name": "a", "datatype": "FP32", "data": [], "shape": [' + b"7" * 5000 + b"]}]}", "not valid JSON"),
+    ("65 dims", _one(shape=[1] * 65), f"65 dimensions; at most {MAX_DIMS}"),
+    ("shape [0, 10**30]", _one(shape=[0, 10**30], data=[]), "dimension of <100-bit integer>, more elements than this"),
+    ("shape [10**3000, 10**3000]", _one(shape=[10**3000, 10**3000], data=[]), r"dimension of <9966-bit integer>"),
+    ("60,000 dims of 2**62", _one(shape=[2**62] * 60_000, data=[]), "60000 dimensions"),
+    ("more elements than bytes", _one(shape=[64, 64], data=[]), "has 4096 elements, more than this"),
+    ("binary of 65 dims", None, "65 dimensions"),
+    # values numpy would silently convert or wrap
+    ("a string as FP32", _one(data=["1.5"]), "must hold numbers for FP32, got strings"),
+    ("null as FP32", _one(data=[None]), "must hold numbers for FP32, got nulls"),
+    ("300 as INT8", _one(datatype="INT8", data=[300]), r"outside INT8's range \[-128, 127\]"),
+    ("1.5 as INT32", _one(datatype="INT32", data=[1.5]), "must hold integers for INT32, got fractional"),
+    ("an id that is a list", json.dumps({"id": [1], "inputs": json.loads(_one())["inputs"]}).encode(), "'id' must be a string"),
+    ("a bool binary_data_size", _one(parameters={"binary_data_size": True}), "binary_data_size must be a non-negative integer"),
+]
+
+
+@pytest.mark.parametrize("label,body,match", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_bodies_are_400_fast_and_short(label, body, match):
+    header = None
+    if body is None:  # the binary extension: a JSON header, then the raw bytes
+        head = json.dumps({"inputs": [{"name": "a", "shape": [1] * 65, "datatype": "FP32", "parameters": {"binary_data_size": 4}}]}).encode()
+        body, header = head + b"\0" * 4, str(len(head))
+    t = time.perf_counter()
+    with pytest.raises(ProtocolError, match=match) as exc:
+        parse_infer_request(body, header)
+    assert time.perf_counter() - t < 1.0  # the 60,000-dim shape took 11 s when the product came first
+    assert exc.value.status == 400
+    assert len(exc.value.message) < 400  # no echo of a 1 MB shape
+
+
+def test_protocol_error_survives_pickling():
+    err = pickle.loads(pickle.dumps(ProtocolError(413, "too big")))
+    assert (err.status, err.message) == (413, "too big")
+
+
+@pytest.mark.parametrize("header", ["x", "1" * 25, "\u00b2"])
+def test_header_length_must_be_a_short_integer(header):
+    with pytest.raises(ProtocolError, match="not an integer of at most 20 digits"):
+        parse_infer_request(b"{}", header)
+
+
+def test_data_of_the_right_kind_still_converts():
+    body = json.dumps({"inputs": [
+        {"name": "f", "shape": [2, 2], "datatype": "FP16", "data": [[1, 2.5], [3, 4]]},  # ints are numbers too
+        {"name": "b", "shape": [2], "datatype": "BOOL", "data": [True, False]},
+        {"name": "u", "shape": [1], "datatype": "UINT64", "data": [2**64 - 1]},
+        {"name": "e", "shape": [0, 3], "datatype": "INT8", "data": []},
+    ]}).encode()
+    req = parse_infer_request(body)
+    got = {t.name: t.array for t in req.inputs}
+    assert got["f"].dtype == np.float16 and got["f"].tolist() == [[1, 2.5], [3, 4]]
+    assert got["b"].tolist() == [True, False]
+    assert int(got["u"][0]) == 2**64 - 1
+    assert got["e"].shape == (0, 3)
