@@ -138,6 +138,7 @@ def _bad(**fields):
         (_bad(fp32=[0.0] * 10), r"contents.fp32_contents has 10 elements, shape \[1, 3, 8, 8\] needs 192"),
         (_bad(datatype="FP16", shape=[1]), "FP16 has no typed contents field; send it in raw_input_contents"),
         (_bad(datatype="BYTES"), "datatype 'BYTES' is not supported"),
+        (_bad(shape=[1] * 40, raw=[b"\0" * 4]), "shape has 40 dimensions; at most 32"),
         (_bad(datatype="INT8", shape=[1], int=[300]), "cannot be read as INT8"),
     ],
 )
