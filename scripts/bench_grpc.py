@@ -7,7 +7,7 @@ so that the frontend (protocol, decoding, scheduler, data path) is the bottlenec
 `ppipe serve`-like process serves it over REST and gRPC at once (the gRPC server on the
 runtime's loop, as `ppipe serve --grpc-port` does); `ppipe bench` in a subprocess offers
 Poisson load at rising rates, REST (binary tensors) and gRPC (raw_input_contents)
-alternating at each rate so that both see the same host load. A frontend's ceiling is the
+one after the other at each rate (in turns first), so that both see the same host load. A frontend's ceiling is the
 highest offered rate it serves at >= 99 % attainment. CPU per request of the server
 process and of the load generator are printed too: on a shared host they say more than
 req/s do.
@@ -105,8 +105,8 @@ def main() -> None:
         try:
             with BackgroundServer(create_app(rt, companions=[g])) as srv:
                 alive = {"rest": True, "grpc": True}
-                for rate in [float(r) for r in args.rates.split(",")]:
-                    for kind in ("rest", "grpc"):
+                for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+                    for kind in (("rest", "grpc"), ("grpc", "rest"))[i % 2]:  # neither always runs on the host the other warmed
                         if not alive[kind]:
                             continue
                         r = bench(srv.url, g.address if kind == "grpc" else None, rate, args.duration_s, args.seed)

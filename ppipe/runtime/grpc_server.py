@@ -46,7 +46,7 @@ import numpy as np
 from ppipe.runtime import proto as pb
 from ppipe.runtime.driver import DroppedError, Runtime
 from ppipe.runtime.protocol import DATATYPES, MAX_DIMS, InferInput, ProtocolError, datatype_of
-from ppipe.runtime.server import DEFAULT_MAX_BODY_BYTES, Frontend, check_infer_inputs
+from ppipe.runtime.server import DEFAULT_MAX_BODY_BYTES, DROP_STATUS, Frontend, check_infer_inputs
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,6 @@ STATUS_CODE = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-# drop reason -> REST status (the rest are 503), as ppipe.runtime.server.DROP_STATUS
-DROP_STATUS = {"timeout": 504, "worker-error": 500}
 
 # datatype -> the InferTensorContents field that carries it (FP16 has none: raw only)
 CONTENTS_FIELD = {
