@@ -487,3 +487,50 @@ def test_token_guards_every_endpoint_but_health(tinynet):
     assert out["live"][0].status_code == 200 and out["ready"][0].status_code == 200
     miss = out["no route"][0]
     assert miss.status_code == 404 and "tinynet" not in miss.text and miss.json()["error"].startswith("Not Found")
+
+
+# ---- `ppipe serve`: what --help promises, its defaults, and where its Ray listens -------------------------
+def test_serve_help_says_what_the_token_guards_and_the_timeouts():
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+
+    text = " ".join(CliRunner().invoke(main, ["serve", "--help"], terminal_width=200).output.split())
+    assert "required on every HTTP endpoint except GET /v2/health/live and /v2/health/ready" in text
+    assert "/v2, /v2/models/NAME, /v2/models/NAME/ready and /metrics" in text
+    for flag in ("--header-timeout-s", "--body-timeout-s", "--shutdown-timeout-s", "--decode-workers"):
+        assert flag in text
+
+
+def test_serve_defaults_are_the_servers():
+    from ppipe.runtime import cli, server
+
+    for name in ("DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_BODY_TIMEOUT_S", "DEFAULT_SHUTDOWN_TIMEOUT_S"):
+        assert getattr(cli, name) == getattr(server, name), name
+
+
+def test_serve_refuses_a_zero_timeout_before_loading_anything(tmp_path):
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--body-timeout-s", "0"])
+    assert r.exit_code != 0 and "--body-timeout-s must be > 0" in r.output
+
+
+@pytest.mark.parametrize("address,loopback,single_host", [(None, True, True), (None, False, False), ("auto", True, False)])
+def test_a_loopback_server_starts_its_ray_on_loopback(monkeypatch, address, loopback, single_host):
+    """Ray picks the node's IP (and so where its GCS and raylet listen: 127.0.0.1 or all
+    interfaces) from its single-host switch; this checks the switch as ray.init sees it.
+    (Measured with `ss -ltnp`: with it, every Ray process listens on 127.0.0.1 only.)"""
+    ray = pytest.importorskip("ray")
+    from ray._private import ray_constants
+
+    from ppipe.runtime.cli import init_ray
+
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    seen = {}
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw, single_host=not ray_constants.ENABLE_RAY_CLUSTER))
+    init_ray(address, 2, loopback_only=loopback)
+    assert seen["single_host"] == single_host
+    assert seen.get("address") == address and seen["include_dashboard"] is False
