@@ -10,9 +10,12 @@ Defaults, and where they come from:
   model.yaml when present, else the sum of the profiled block latencies.
 * ``formulation="ppipe"`` (default): physical GPU packing, several configurations per
   template, margin 0.4, batch-build estimate from the NP plan.
-  ``formulation="ppipe-atc25"``: the paper's choices all at once (paper GPU rule, one
-  configuration per template, margin 0.4, batch-build estimate from the NP plan, SLO =
-  5 x the L4 batch-1 latency, model.yaml's slo_ms ignored). Explicit arguments still win.
+  ``formulation="ppipe-atc25"``: the authors' model (``ilp_v4.py`` of their artifact) all
+  at once: paper GPU rule, one configuration per template of theirs, margin 0.4 rounded
+  to whole microseconds, a missing NIC side as a 1 us transfer, SLO = 5 x the L4 batch-1
+  latency (model.yaml's slo_ms ignored), and the batch-build estimate of their scripts:
+  the NP plan for several models, their whole-GPU estimate for one
+  (:func:`~ppipe.planner.baselines.whole_gpu_estimate`). Explicit arguments still win.
 * A profile must time every GPU type of the cluster (at some level); GPU types the
   cluster lacks are ignored (the PPipe artifact times four types for every model).
 * Headroom (:mod:`ppipe.planner.headroom`): GPUs the plan leaves idle become extra vGPUs
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence, Union
 
 from ppipe.errors import InfeasibleError, UserError
-from ppipe.planner.baselines import dart_r, np_levels
+from ppipe.planner.baselines import dart_r, np_levels, whole_gpu_estimate
 from ppipe.planner.configs import ModelSpec
 from ppipe.planner.core import milp_plan
 from ppipe.planner.objectives import ObjectiveLike, get_objective
@@ -50,9 +53,9 @@ ModelRef = Union[ModelProfile, str, Path]
 
 def _formulation_defaults(formulation: str) -> dict:
     if formulation == "ppipe":
-        return dict(gpu_rule="physical", configs_per_template="many", margin=0.4, batch_build=True, paper_slo=False)
+        return dict(gpu_rule="physical", configs_per_template="many", margin=0.4, batch_build=True, paper_slo=False, authors=False)
     if formulation == "ppipe-atc25":
-        return dict(gpu_rule="paper", configs_per_template="one", margin=0.4, batch_build=True, paper_slo=True)
+        return dict(gpu_rule="paper", configs_per_template="one", margin=0.4, batch_build=True, paper_slo=True, authors=True)
     raise UserError(f"unknown formulation '{formulation}'", fix=f"use one of: {', '.join(FORMULATIONS)} (option --formulation)")
 
 
@@ -272,7 +275,7 @@ def plan(
             raise UserError(f"weight of model '{n}' must be positive, got {v}", fix="pass positive --weights")
     files = [_model_file(p) for p in profiles]
     specs = [ModelSpec(profile=p, slo_ms=slos[p.name], weight=w[p.name], profile_ref=profile_ref(p)) for p in profiles]
-    solve_kw = dict(solver=slv, margin=margin, gap=gap, files=files)
+    solve_kw = dict(solver=slv, margin=margin, gap=gap, files=files, authors_arithmetic=fd["authors"])
 
     # time_limit_s bounds the whole call: a solve gets what the earlier steps left.
     deadline = None if time_limit_s is None else t0 + time_limit_s
@@ -292,7 +295,11 @@ def plan(
         )
 
     np_out = None
-    if planner in ("dart-r",) or (planner == "ppipe" and batch_build):
+    if planner == "ppipe" and batch_build and fd["authors"] and len(specs) == 1:
+        # The authors' single-model runs estimate x_hat from whole GPUs, not the NP MILP.
+        xhat1 = whole_gpu_estimate(specs[0], spec, margin)
+        specs = [ModelSpec(specs[0].profile, specs[0].slo_ms, specs[0].weight, xhat1 if xhat1 > 0 else None, specs[0].profile_ref)]
+    elif planner in ("dart-r",) or (planner == "ppipe" and batch_build):
         try:
             np_out = run_np(get_objective("max-min"))
         except InfeasibleError:

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from ppipe.errors import UserError
@@ -22,6 +24,29 @@ from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan
 def np_levels(levels: list[dict[str, list[int]]]) -> list[dict[str, list[int]]]:
     """Level 1 only (no MPS)."""
     return [{k: [v for v in lv if v == 1] for k, lv in per_model.items()} for per_model in levels]
+
+
+def whole_gpu_estimate(spec: ModelSpec, cluster: ClusterSpec, margin: float) -> float:
+    """The authors' single-model batch-build estimate x_hat (``get_baseline_plan`` of their
+    ``run_ilp_v4_in_batch.py``, which their single-model runs use instead of the NP MILP).
+
+    Every GPU of type k runs the whole model at level 1 with the largest batch b_k whose
+    latency L_k(b) = sum_i L[k, 1, b, i] (not clipped to 1 us) plus the margin
+    round(margin T) stays below the SLO T (``bisect_left`` over the batches in order:
+    the number of batches whose latency is < T); x_hat = sum_k N_k b_k 1e6 / L_k(b_k),
+    over the types where b_k >= 1 (0 if none).
+    """
+    slo_us = spec.slo_ms * 1000.0
+    margin_us = round(margin * slo_us)
+    prof = spec.profile
+    total = 0.0
+    for g in cluster.gpu_types:
+        batches = sorted(prof.batches(g.name, 1))
+        lat = [sum(prof.table[(g.name, 1, b, i)] for i in range(prof.num_blocks)) for b in batches]
+        bs = bisect.bisect_left([t + margin_us for t in lat], slo_us)
+        if bs > 0:
+            total += cluster.gpu_counts[g.name] * batches[bs - 1] * 1e6 / lat[bs - 1]
+    return total
 
 
 def high_low(cluster: ClusterSpec, specs: list[ModelSpec]) -> tuple[str, str]:
@@ -95,7 +120,8 @@ def dart_r(
         )
         a, b = share[(spec.name, hi)], share[(spec.name, lo)]
         pipes: list[PipelinePlan] = []
-        pair = np.nonzero(cs.nparts == 2)[0]
+        # 1 high + 1 low (either order): templates of one type twice are not DART's.
+        pair = np.nonzero((cs.nparts == 2) & (cs.gpu[:, 0] != cs.gpu[:, 1]))[0]
         r = 0
         if len(pair) and min(a, b) > 0:
             thr = cs.X[pair, :2].min(axis=1)

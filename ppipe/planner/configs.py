@@ -1,6 +1,7 @@
 """Column generation for the planner: every SLO-feasible pipeline configuration.
 
-A *template* is an ordered tuple of GPU types, one per partition slot (length 1..D). A
+A *template* is an ordered tuple of GPU types, one per partition slot (length 1..D; one
+type may fill consecutive slots, see :func:`templates_for`). A
 *configuration* of a template fixes the cut points (contiguous block ranges covering
 all blocks), the vGPU level of every partition and the pipeline's unified batch size.
 Constraint (1) of the MILP (the latency SLO, see :mod:`ppipe.planner.milp`) involves a
@@ -13,10 +14,13 @@ once (prefix sums of block latencies give every partition latency by one subtrac
 Two configurations with the same template and the same level per slot use the same
 resources per vGPU; if one's per-vGPU throughput is at least the other's in every slot it
 *dominates*: any plan using the weaker one stays feasible, with no less throughput, when
-it uses the stronger one with the same vGPU counts. Dominated configurations are dropped
-(exactly, so the optimum is unchanged). Under the physical GPU rule resources depend only
-on the multiset of (type, level) of the partitions, not their order, so the comparison
-then runs across templates with the same multiset.
+it uses the stronger one with the same vGPU counts (where the plan holds both, under one
+configuration per template, the two pipelines merge into one of the stronger configuration
+with the summed pools: min_d X_d g_d + min_d X_d h_d <= min_d X_d (g_d + h_d), and one
+template fewer). Dominated configurations are dropped (exactly, so the optimum is
+unchanged). Under the physical GPU rule resources depend only on the multiset of (type,
+level) of the partitions, not their order, so the comparison then runs across templates
+with the same multiset.
 
 Under the paper's GPU rule a pool's resources are its *share* g/v of its (model, slot,
 type), whatever its level, so the comparison also runs across levels: a pool of g vGPUs
@@ -92,17 +96,43 @@ class ConfigSet:
 
 
 def templates_for(num_types: int, max_partitions: int) -> list[tuple[int, ...]]:
-    """Ordered tuples of type indices, length 1..D, no two consecutive slots of one type.
+    """Every ordered tuple of type indices of length 1..D: the GPU types of a pipeline's slots.
 
-    A cut between two partitions of the same type only adds a transfer; it could help
-    only by mixing vGPU levels of one type, which ppipe does not consider (the paper's
-    templates pair different GPU classes).
+    Consecutive slots of one type are kept: such a pipeline can mix vGPU levels of that
+    type (googlenet-v3 on HC2-L carries 41 % of its optimum on T4 level 1 -> T4 level 2
+    pipelines), and the authors' model (``ilp_v4.py``, ``itertools.product`` over all types)
+    has them. Where they cannot help (physical packing, the same level in both slots),
+    :func:`enumerate_configs` drops their configurations instead.
     """
     out: list[tuple[int, ...]] = []
     for n in range(1, max_partitions + 1):
-        for t in itertools.product(range(num_types), repeat=n):
-            if all(a != b for a, b in zip(t, t[1:])):
-                out.append(t)
+        out.extend(itertools.product(range(num_types), repeat=n))
+    return out
+
+
+def paper_template_rows(cs: "ConfigSet", num_types: int) -> list[tuple[np.ndarray, int]]:
+    """Rows of constraint (6a), the authors' one configuration per template, as (configurations, cap).
+
+    The authors' templates are the K^D tuples of D GPU types; a template's one pipeline
+    uses its first n <= D slots (the rest are left empty at the end). So an n-partition
+    configuration of types p can take any template that starts with p, and a set of
+    configurations fits (one per template) iff, for every prefix q of length l = 1..D,
+    at most K^(D - l) of them have types that start with q: the templates starting with
+    q form a subtree of K^(D - l) leaves, subtrees are nested or disjoint, and for such
+    (laminar) neighbourhoods Hall's condition on the subtrees alone is sufficient.
+    Rows that no choice can break (fewer configurations than the cap) are left out.
+    """
+    D = cs.gpu.shape[1]
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for c in range(len(cs)):
+        types = tuple(int(k) for k in cs.gpu[c, : int(cs.nparts[c])])
+        for length in range(1, len(types) + 1):
+            rows.setdefault(types[:length], []).append(c)
+    out = []
+    for q in sorted(rows):
+        cap = num_types ** (D - len(q))
+        if len(rows[q]) > cap:
+            out.append((np.array(rows[q], dtype=int), cap))
     return out
 
 
@@ -135,6 +165,7 @@ def enumerate_configs(
     group_by_multiset: bool,
     prune: bool = True,
     across_levels: bool = False,
+    authors_arithmetic: bool = False,
 ) -> ConfigSet:
     """All SLO-feasible configurations of one model (constraint 1), dominated ones pruned.
 
@@ -146,10 +177,23 @@ def enumerate_configs(
         margin: share of the SLO kept free.
         levels: usable vGPU levels per GPU type (cluster levels that the profile has).
         group_by_multiset: compare configurations across templates with the same
-            multiset of (type, level) (exact under the physical GPU rule only).
+            multiset of (type, level), and (with ``prune``) drop those with two
+            consecutive slots of one (type, level) (both exact under the physical GPU
+            rule with several configurations per template only, see below).
         prune: drop dominated configurations.
         across_levels: compare configurations of one template across vGPU levels, a
             level r v standing for r vGPUs of level v (exact under the paper's GPU rule only).
+        authors_arithmetic: the arithmetic of the authors' ``ilp_v4.py`` where it differs
+            from PLANNING_MODEL.md: the margin is rounded to whole microseconds
+            (``round(margin * T)``), and a partition's missing NIC side (the first one's
+            input, the last one's output) counts as a 1 us transfer, capping X at
+            1e6 / (v s_k) instead of not at all.
+
+    Two consecutive slots of one type at one level, with pools g_1, g_2, carry at most
+    min(g_1 b / C_1, g_2 b / C_2) <= (g_1 + g_2) b / (C_1 + C_2) (the mediant), which one
+    slot running both block ranges on g_1 + g_2 vGPUs of that (type, level) carries, with
+    no transfer between them, hence a smaller latency and no NIC cap at the removed cut;
+    under physical packing it uses the same vGPUs. So those configurations are dominated.
     """
     prof = spec.profile
     M = prof.num_blocks
@@ -164,7 +208,10 @@ def enumerate_configs(
     cut_bits = np.array([prof.cut_bytes(j) * 8.0 for j in range(M)], dtype=float)
     bw = np.array([cluster.effective_bandwidth_gbps(k) for k in types]) * 1e9
     spp = np.array([cluster.gpus_per_server(k) for k in types], dtype=float)
-    budget_us = spec.slo_ms * 1000.0 * (1.0 - margin)
+    slo_us = spec.slo_ms * 1000.0
+    budget_us = slo_us - round(margin * slo_us) if authors_arithmetic else slo_us * (1.0 - margin)
+    # ilp_v4.py: a missing NIC side is a transfer of 1 us (1e6 / 1 / v / s_k req/s).
+    no_cut_us = 1.0 if authors_arithmetic else np.inf
     beta = np.zeros(Bn)
     if spec.batch_build_rps:
         beta = BATCH_BUILD_FACTOR * 1e6 * (bvec - 1.0) / spec.batch_build_rps
@@ -210,6 +257,13 @@ def enumerate_configs(
                 min_lat_b1 = min(min_lat_b1, float(np.nanmin(lb1)))
         with np.errstate(invalid="ignore"):
             ok = np.isfinite(lat) & (lat + beta.reshape([1] * n + [Bn, 1]) <= budget_us)
+        if prune and group_by_multiset:
+            for d in range(n - 1):
+                if tmpl[d] == tmpl[d + 1]:  # dominated where both slots have one level
+                    same = np.equal.outer(np.arange(shape[d]), np.arange(shape[d + 1]))
+                    view = [1] * (n + 2)
+                    view[d], view[d + 1] = shape[d], shape[d + 1]
+                    ok &= ~same.reshape(view)
         idx = np.nonzero(ok)
         if idx[0].size == 0:
             continue
@@ -235,14 +289,11 @@ def enumerate_configs(
             x = 1e6 * bsz / inf[:, d]
             # NIC caps: a server's link is shared by its s_k GPUs and their v vGPUs.
             share = v * spp[k]
-            if d > 0:
-                t_in = cut_bits[bnd[qi, d] - 1] / bw[k] * 1e6
-                with np.errstate(divide="ignore"):
-                    x = np.minimum(x, np.where(t_in > 0, 1e6 / (t_in * share), np.inf))
-            if d < n - 1:
-                t_out = cut_bits[bnd[qi, d + 1] - 1] / bw[k] * 1e6
-                with np.errstate(divide="ignore"):
-                    x = np.minimum(x, np.where(t_out > 0, 1e6 / (t_out * share), np.inf))
+            t_in = cut_bits[bnd[qi, d] - 1] / bw[k] * 1e6 if d > 0 else np.full(C, no_cut_us)
+            t_out = cut_bits[bnd[qi, d + 1] - 1] / bw[k] * 1e6 if d < n - 1 else np.full(C, no_cut_us)
+            with np.errstate(divide="ignore"):
+                for t in (t_in, t_out):  # no cap where nothing is sent (t = 0 or inf)
+                    x = np.minimum(x, np.where(np.isfinite(t) & (t > 0), 1e6 / (t * share), np.inf))
             X[:, d] = x
         cols["tmpl"].append(np.full(C, ti))
         cols["n"].append(np.full(C, n))

@@ -58,6 +58,7 @@ def model_configs(
     margin: float,
     group_by_multiset: bool,
     across_levels: bool = False,
+    authors_arithmetic: bool = False,
     files: list[str | None] | None = None,
 ) -> list[ConfigSet]:
     """Configurations of every model; a model with none is an InfeasibleError naming the smallest SLO."""
@@ -72,6 +73,7 @@ def model_configs(
             levels=levels[mi],
             group_by_multiset=group_by_multiset,
             across_levels=across_levels,
+            authors_arithmetic=authors_arithmetic,
         )
         if len(cs) == 0:
             raise infeasible_slo(spec, cs, margin, cluster, (files or [None] * len(specs))[mi])
@@ -211,15 +213,19 @@ def wants_split_start(objective, solver, specs, cluster) -> bool:
     )
 
 
-def split_start(configs, specs, cluster, milp, variables, time_limit_s) -> tuple[np.ndarray | None, SplitPlan | None]:
+def split_start(
+    configs, specs, cluster, milp, variables, time_limit_s, paper_templates: bool = False
+) -> tuple[np.ndarray | None, SplitPlan | None]:
     """(a MIP start from :func:`~ppipe.planner.split_search.split_search` (max-min) or None, its plan or None).
+
+    ``paper_templates``: the MILP has constraint (6), so the restriction keeps it too.
 
     The start is checked against every row and bound of ``milp`` before it is handed over,
     so that a wrong start can never reach the solver.
     """
     counts = np.array([cluster.gpu_counts[g.name] for g in cluster.gpu_types])
     budget = SPLIT_SEARCH_BUDGET_S if time_limit_s is None else min(SPLIT_SEARCH_BUDGET_S, 0.25 * time_limit_s)
-    plan = split_search(configs, [s.weight for s in specs], counts, time_budget_s=budget)
+    plan = split_search(configs, [s.weight for s in specs], counts, time_budget_s=budget, paper_templates=paper_templates)
     if plan is None:
         return None, None
     x = start_vector(plan, variables, milp.num_cols, variables.extra.get("z"))
@@ -252,8 +258,13 @@ def milp_plan(
     time_limit_s: float | None,
     gap: float,
     files: list[str | None] | None = None,
+    authors_arithmetic: bool = False,
 ) -> MilpOutcome:
-    """Build, solve and extract one MILP plan (no placement)."""
+    """Build, solve and extract one MILP plan (no placement).
+
+    ``authors_arithmetic``: the margin and NIC-cap arithmetic of the authors' ``ilp_v4.py``
+    (:func:`~ppipe.planner.configs.enumerate_configs`).
+    """
     t0 = time.perf_counter()
     configs = model_configs(
         specs,
@@ -265,18 +276,21 @@ def milp_plan(
         group_by_multiset=(gpu_rule == "physical" and not one_config_per_template),
         # Across vGPU levels only where a pool's resources are its share g/v (paper rule).
         across_levels=(gpu_rule == "paper"),
+        authors_arithmetic=authors_arithmetic,
         files=files,
     )
     milp, variables = build(specs, configs, cluster, gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
     objective.apply(milp, variables)
     # time_limit_s covers building and the split search too: the solver gets the rest.
     deadline = None if time_limit_s is None else t0 + time_limit_s
-    solver = solver.tuned_for(gpu_rule) if hasattr(solver, "tuned_for") else solver
+    solver = solver.tuned_for(gpu_rule, single_model=len(specs) == 1) if hasattr(solver, "tuned_for") else solver
 
     kw = {}
     restricted = None
     if wants_split_start(objective, solver, specs, cluster):
-        kw["start"], restricted = split_start(configs, specs, cluster, milp, variables, time_limit_s)
+        kw["start"], restricted = split_start(
+            configs, specs, cluster, milp, variables, time_limit_s, paper_templates=one_config_per_template
+        )
     if isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_prover", False):
         # The cover bound proves HiGHS's incumbents optimal where branch and bound is slow
         # (it is only asked after prover_after_s, so easy models pay nothing). Gurobi takes it

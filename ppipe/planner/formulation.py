@@ -6,7 +6,8 @@ pipeline configuration, :mod:`ppipe.planner.configs`). Names in the code follow 
 Sets
     K           GPU types of the cluster (k), with vGPU levels V_k.
     M           models (m).
-    T_m         templates of model m: ordered tuples of GPU types, length 1..D.
+    T_m         templates of model m: ordered tuples of GPU types, length 1..D (a type may
+                fill consecutive slots).
     C_m         configurations of model m (c): a template t(c), cut points, a level v_{c,d}
                 and a type k_{c,d} per partition slot d = 1..n_c, and one batch b_c.
 
@@ -48,8 +49,13 @@ Constraints
     (3)  objective rows, e.g. max-min: w_m z - x_m <= 0                           "c3_maxmin"
     (4)  pipeline throughput is its slowest pool's:  x_c <= X_{c,d} g_{c,d}       "c4_pipeline"
     (5)  model throughput:  x_m = sum_{c: n_c>=2} x_c + sum_{c: n_c=1} X_{c,1} g_{c,1}   "c5_model"
-    (6)  one configuration per template (the paper's formulation only):
-         (6a) sum_{c in C_m: t(c)=t} y_c <= 1                                     "c6a_one_config"
+    (6)  one configuration per template (the paper's formulation only). The authors'
+         templates (``ilp_v4.py``) are the K^D tuples of exactly D types, each with one
+         pipeline that uses its first n_c <= D slots; so c may take any of the K^(D-n_c)
+         templates that start with its types, and the chosen set fits iff every prefix q
+         (length l = 1..D) starts the types of at most K^(D-l) chosen configurations
+         (:func:`~ppipe.planner.configs.paper_template_rows`, Hall's condition):
+         (6a) sum_{c in C_m: types of c start with q} y_c <= K^(D-l)              "c6a_one_config"
          (6b) g_{c,d} <= U_{c,d} y_c                                              "c6b_link"
 """
 
@@ -60,7 +66,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ppipe.planner.configs import ConfigSet, ModelSpec
+from ppipe.planner.configs import ConfigSet, ModelSpec, paper_template_rows
 from ppipe.planner.milp import Milp
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan
@@ -188,8 +194,16 @@ def build(
         if one_config_per_template and C:
             y = milp.add_cols(C, lb=0, ub=1, integer=True, name="y")
             v.y[-1] = y
-            tmpl_ids, tmpl_row = np.unique(cs.template, return_inverse=True)
-            milp.add_rows(tmpl_ids.size, tmpl_row, y, np.ones(C), ub=1.0, name="c6a_one_config")
+            rows6 = paper_template_rows(cs, len(types))
+            if rows6:
+                milp.add_rows(
+                    len(rows6),
+                    np.concatenate([np.full(m.size, i) for i, (m, _cap) in enumerate(rows6)]),
+                    np.concatenate([y[m] for m, _cap in rows6]),
+                    np.ones(sum(m.size for m, _cap in rows6)),
+                    ub=np.array([float(cap) for _m, cap in rows6]),
+                    name="c6a_one_config",
+                )
             lc, ld = np.nonzero(mask)
             L = lc.size
             r = np.arange(L)

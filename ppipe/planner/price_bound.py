@@ -443,7 +443,7 @@ class PriceBound:
             plan = next((p for u, p in self._exact[m] if (u <= r).all()), None)
             if plan is None:
                 cs, (milp, v, _) = self.configs[m], subs[m]
-                pipes = restricted_pipelines(cs, self.N.astype(np.int64), r)
+                pipes = restricted_pipelines(cs, self.N.astype(np.int64), r, bool(self.build_kw.get("one_config_per_template")))
                 x = pipeline_columns(v, milp.num_cols, [[(q.config, q.vgpus, q.throughput_rps) for q in pipes]])
                 plan = extract(x, v, [self.specs[m]])[0]
             plans.append(plan)

@@ -21,7 +21,7 @@ Sets and parameters (as in :mod:`ppipe.planner.formulation`)
     Y_{c,d}     X_{c,d} v_{c,d}: req/s of slot d of c per whole GPU.
 
 Tables
-    h_t(u)      = max_{c in C_t} min_d Y_{c,d} u_d: template t's throughput with u_d GPUs
+    h_t(u)      = max_{c in C_t} min_{d < n_c} Y_{c,d} u_d: template t's throughput with u_d GPUs
                 in slot d (one configuration: the paper's rule (6)), kept as a function of
                 the GPUs per *type* of t (slots of one type add up).
     L_m(r)      = max sum_t h_t(u_t) s.t. sum_t (GPUs of u_t per type) <= r, for every r in
@@ -43,6 +43,7 @@ plan found so far).
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -85,16 +86,22 @@ class SplitPlan:
 
 
 class _Template:
-    """h_t of one template: its types, staircase corners and, per corner, how to build it."""
+    """h_t of one template: its types, staircase corners and, per corner, how to build it.
+
+    ``rows`` are the configurations the template may take. Under the authors' templates
+    (``paper_templates`` of :func:`split_search`) they include shorter configurations whose
+    types start the template's: those leave its last slots empty (no GPUs).
+    """
 
     def __init__(self, cs: ConfigSet, rows: np.ndarray, counts: np.ndarray):
-        n = int(cs.nparts[rows[0]])
-        slot_type = [int(k) for k in cs.gpu[rows[0], :n]]
+        n = int(cs.nparts[rows].max())
+        slot_type = [int(k) for k in cs.gpu[rows[np.argmax(cs.nparts[rows])], :n]]
         self.types = list(dict.fromkeys(slot_type))  # distinct, in slot order
         self.slot_axis = [self.types.index(k) for k in slot_type]
         dims = [int(counts[k]) + 1 for k in slot_type]
         Y = cs.X[rows, :n] * cs.level[rows, :n]  # (C, n) req/s per whole GPU
-        # H[u_0, ..., u_{n-1}] = max_c min_d Y_{c,d} u_d and the configuration attaining it.
+        used = np.arange(n)[None, :] < cs.nparts[rows][:, None]
+        # H[u_0, ..., u_{n-1}] = max_c min_{d < n_c} Y_{c,d} u_d and the configuration attaining it.
         H = np.zeros(dims)
         arg = np.full(dims, -1, dtype=np.int64)
         grids = np.meshgrid(*[np.arange(s, dtype=float) for s in dims], indexing="ij")
@@ -102,7 +109,9 @@ class _Template:
             chunk = Y[lo : lo + 64]
             val = np.full((chunk.shape[0],) + tuple(dims), np.inf)
             for d in range(n):
-                np.minimum(val, chunk[:, d].reshape((-1,) + (1,) * n) * grids[d][None], out=val)
+                term = chunk[:, d].reshape((-1,) + (1,) * n) * grids[d][None]
+                on = used[lo : lo + 64, d].reshape((-1,) + (1,) * n)
+                np.minimum(val, np.where(on, term, np.inf), out=val)
             best = val.argmax(axis=0)
             bval = np.take_along_axis(val, best[None], axis=0)[0]
             better = bval > H
@@ -141,9 +150,9 @@ class _Template:
         """A pipeline of this template with at most ``p`` GPUs per type and throughput >= value."""
         ok = self._fits & (self._tidx <= p[:, None]).all(axis=0) & (self._H.reshape(-1) >= np.float32(value) * (1 - 1e-6))
         flat = int(np.nonzero(ok)[0][np.argmin(self._tidx[:, ok].sum(axis=0))])
-        u = np.unravel_index(flat, self._dims)
         c = int(self._arg.reshape(-1)[flat])
-        n = self._n
+        n = int(cs.nparts[c])  # the fewest GPUs leave the slots c does not use empty
+        u = np.unravel_index(flat, self._dims)[:n]
         X = cs.X[c, :n]
         thr = float((X * cs.level[c, :n] * np.array(u)).min())
         vg = np.ceil(thr / X - 1e-9).astype(int)
@@ -151,12 +160,26 @@ class _Template:
 
 
 class _ModelTable:
-    """L_m on the grid, and the tables after each template (to read a plan back)."""
+    """L_m on the grid, and the tables after each template (to read a plan back).
 
-    def __init__(self, cs: ConfigSet, counts: np.ndarray):
+    Templates are the configurations' type tuples, or with ``paper_templates`` the
+    authors' K^D tuples of D types, each open to the configurations whose types start it.
+    """
+
+    def __init__(self, cs: ConfigSet, counts: np.ndarray, paper_templates: bool = False):
         self.counts = counts
         dims = tuple(int(n) + 1 for n in counts)
-        self.templates = [_Template(cs, np.nonzero(cs.template == t)[0], counts) for t in np.unique(cs.template)]
+        if paper_templates:
+            D = cs.gpu.shape[1]
+            types = [tuple(int(k) for k in cs.gpu[c, : int(cs.nparts[c])]) for c in range(len(cs))]
+            groups = []
+            for t in itertools.product(range(len(counts)), repeat=D):
+                rows = np.array([c for c, p in enumerate(types) if t[: len(p)] == p], dtype=np.int64)
+                if rows.size:
+                    groups.append(rows)
+        else:
+            groups = [np.nonzero(cs.template == t)[0] for t in np.unique(cs.template)]
+        self.templates = [_Template(cs, rows, counts) for rows in groups]
         V = np.zeros(dims, dtype=np.float32)
         self.steps = [V]
         K = len(dims)
@@ -194,10 +217,11 @@ class _ModelTable:
         return out
 
 
-def restricted_pipelines(cs: ConfigSet, counts: np.ndarray, r: np.ndarray) -> list[Pipeline]:
+def restricted_pipelines(cs: ConfigSet, counts: np.ndarray, r: np.ndarray, paper_templates: bool = False) -> list[Pipeline]:
     """The pipelines of one model's best restricted plan within GPU vector ``r`` (its
     throughput is the model's L_m(r); the table is rebuilt, 0.15-0.4 s on 4 types of 25)."""
-    return _ModelTable(cs, np.asarray(counts, dtype=np.int64)).pipelines(np.asarray(r, dtype=np.int64), cs)
+    table = _ModelTable(cs, np.asarray(counts, dtype=np.int64), paper_templates)
+    return table.pipelines(np.asarray(r, dtype=np.int64), cs)
 
 
 def minimal_points(B: np.ndarray) -> np.ndarray:
@@ -318,6 +342,7 @@ def split_search(
     counts: np.ndarray,
     *,
     time_budget_s: float = 5.0,
+    paper_templates: bool = False,
 ) -> SplitPlan | None:
     """The best max-min plan of the restriction R (module docstring), or None.
 
@@ -332,6 +357,9 @@ def split_search(
         weights: per model, w_m.
         counts: N_k per GPU type, cluster order.
         time_budget_s: give up after about this many seconds.
+        paper_templates: one configuration per template of the authors (constraint 6 of
+            :mod:`ppipe.planner.formulation`), so that R's plans are the MILP's; else
+            one per type tuple (a restriction of the MILP without constraint 6).
     """
     t0 = time.perf_counter()
     counts = np.asarray(counts, dtype=np.int64)
@@ -342,7 +370,7 @@ def split_search(
     # numpy releases the GIL in the tables' array work: two threads build them in 0.43-0.47 s
     # instead of 0.55-0.76 s (4-type case, three models).
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1, len(configs)))) as pool:
-        models = list(pool.map(lambda cs: _ModelTable(cs, counts), configs))
+        models = list(pool.map(lambda cs: _ModelTable(cs, counts, paper_templates), configs))
     if time.perf_counter() - t0 > time_budget_s:
         return None
     tables = [m.table for m in models]

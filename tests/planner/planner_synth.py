@@ -40,14 +40,14 @@ def profile(name: str, lat: dict[str, list[float]], cut_bytes: list[int], levels
 
 
 def plain_configs(prof: ModelProfile, cl: ClusterSpec, slo_ms: float, margin: float, D: int, levels: dict[str, list[int]]):
-    """[(template types, ((type, level, X), ...))] of every SLO-feasible configuration (no beta)."""
+    """[(template types, ((type, level, X), ...))] of every SLO-feasible configuration (no beta).
+
+    Templates are all tuples of 1..D types, consecutive slots of one type included."""
     M = prof.num_blocks
     types = [g.name for g in cl.gpu_types]
     out = []
     for n in range(1, D + 1):
         for tmpl in itertools.product(types, repeat=n):
-            if any(a == b for a, b in zip(tmpl, tmpl[1:])):
-                continue
             for cuts in itertools.combinations(range(1, M), n - 1):
                 bnd = (0,) + cuts + (M,)
                 for lv in itertools.product(*[levels[k] for k in tmpl]):
@@ -136,30 +136,34 @@ def brute_force_physical(models_configs, weights, counts, levels) -> float:
     return best
 
 
-def brute_force_paper(configs, counts) -> float:
-    """Best throughput of ONE model under the paper's formulation: one configuration (or
-    none) per template, and per (slot, type) ceil(sum g / v) GPUs."""
-    by_t: dict[tuple, list] = {}
-    for t, slots in configs:
-        by_t.setdefault(t, []).append(slots)
-    templates = sorted(by_t)
-    best = 0.0
-    choices = [[None] + by_t[t] for t in templates]
-    for pick in itertools.product(*choices):
-        chosen = [s for s in pick if s is not None]
-        ranges = []
-        for slots in chosen:
-            ranges.append(list(itertools.product(*[range(1, counts[k] * v + 1) for k, v, _x in slots])))
-        for gs in itertools.product(*ranges):
-            share: dict[tuple[int, str], float] = {}
-            for slots, g in zip(chosen, gs):
-                for d, ((k, v, _x), gd) in enumerate(zip(slots, g)):
-                    share[(d, k)] = share.get((d, k), 0.0) + gd / v
-            need: dict[str, int] = {}
-            for (d, k), s in share.items():
-                need[k] = need.get(k, 0) + math.ceil(s - 1e-9)
-            if any(need[k] > counts[k] for k in need):
-                continue
-            thr = sum(min(x * gd for (_k, _v, x), gd in zip(slots, g)) for slots, g in zip(chosen, gs))
-            best = max(best, thr)
-    return best
+def brute_force_paper(configs, counts, D: int) -> float:
+    """Best throughput of ONE model under the authors' formulation (ilp_v4.py), exhaustively.
+
+    Their templates are the tuples of exactly D types; each holds one pipeline (or none),
+    a configuration whose types are the template's first n <= D; per (slot, type) the GPUs
+    are ceil(sum g / v). Templates are taken one by one, keeping for every reachable vector
+    of shares per (slot, type) (in twelfths of a GPU: levels 1..4) the best throughput.
+    """
+    types = list(counts)
+    keys = [(d, k) for d in range(D) for k in types]
+
+    def fits(share) -> bool:
+        return all(sum(-(-share[keys.index((d, k))] // 12) for d in range(D)) <= counts[k] for k in types)
+
+    states = {tuple([0] * len(keys)): 0.0}
+    for tmpl in itertools.product(types, repeat=D):
+        options = [slots for t, slots in configs if tuple(tmpl[: len(t)]) == tuple(t)]
+        new = dict(states)  # the template left empty
+        for share, thr0 in states.items():
+            for slots in options:
+                for g in itertools.product(*[range(1, counts[k] * v + 1) for k, v, _x in slots]):
+                    s = list(share)
+                    for d, ((k, v, _x), gd) in enumerate(zip(slots, g)):
+                        s[keys.index((d, k))] += gd * 12 // v
+                    if not fits(s):
+                        continue
+                    thr = thr0 + min(x * gd for (_k, _v, x), gd in zip(slots, g))
+                    if thr > new.get(tuple(s), -1.0):
+                        new[tuple(s)] = thr
+        states = new
+    return max(states.values())

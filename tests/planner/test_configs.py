@@ -56,5 +56,50 @@ def test_paper_optimum_with_levels_1_to_3_matches_brute_force(slo_ms):
     m = profile("m1", LAT, [200_000, 100_000], LEVELS)
     plan = ppipe.plan(cl, [m], slo_ms=slo_ms, max_partitions=2, formulation="ppipe-atc25", gap=1e-9,
                       batch_build=False, margin=0.2, time_limit_s=60)
-    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts)
+    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts, 2)
     assert plan.solver.objective == pytest.approx(want, rel=1e-6)
+
+
+def _one_type(slo_ms: float, lat_us: list[float], authors: bool, margin: float = 0.5, per_server: int = 1):
+    levels = {"A": [1, 2]}
+    cl = cluster({"A": 2}, levels, per_server=per_server)
+    spec = ModelSpec(profile=profile("m1", {"A": lat_us}, [1000] * (len(lat_us) - 1), levels, batches=(1,)), slo_ms=slo_ms)
+    return enumerate_configs(
+        0, spec, cl, max_partitions=1, margin=margin, levels=levels, group_by_multiset=False, prune=False,
+        authors_arithmetic=authors,
+    )
+
+
+def test_authors_arithmetic_rounds_the_margin_to_whole_microseconds():
+    # T = 10001 us, margin 0.5: the authors keep round(5000.5) = 5000 us (Python rounds
+    # half to even), so 5001 us fit; T (1 - margin) = 5000.5 us does not.
+    fits = _one_type(10.001, [2000.0, 3001.0], authors=True)
+    plain = _one_type(10.001, [2000.0, 3001.0], authors=False)
+    assert list(fits.level[:, 0]) == [1] and len(plain) == 0
+
+
+def test_authors_arithmetic_caps_a_missing_nic_side_at_a_1_us_transfer():
+    # Blocks of 1 us: one vGPU would run 500 k req/s at level 1; ilp_v4.py caps it at
+    # 1e6 / (1 us * v * s_k) req/s (the first partition's input, the last one's output).
+    authors = _one_type(1000.0, [1.0, 1.0], authors=True, per_server=2)
+    plain = _one_type(1000.0, [1.0, 1.0], authors=False, per_server=2)
+    for cs in (authors, plain):
+        assert sorted(cs.level[:, 0]) == [1, 2]
+    cap = {int(v): 1e6 / (1.0 * v * 2) for v in authors.level[:, 0]}
+    assert all(x == pytest.approx(min(cap[int(v)], xp)) for x, v, xp in zip(authors.X[:, 0], authors.level[:, 0], plain.X[:, 0]))
+    assert (authors.X[:, 0] < plain.X[:, 0]).any()
+
+
+def test_whole_gpu_estimate_is_the_authors_single_model_formula():
+    # Per type: the largest batch whose whole-model latency + round(margin T) < T, on every
+    # GPU of the type; x_hat = sum_k N_k b_k 1e6 / L_k(b_k).
+    from ppipe.planner.baselines import whole_gpu_estimate
+
+    levels = {"A": [1], "B": [1]}
+    cl = cluster({"A": 2, "B": 3}, levels)
+    m = profile("m1", {"A": [1000.0, 1000.0], "B": [4000.0, 4000.0]}, [1000], levels, batches=(1, 2, 3))
+    # Latency of batch b: 2000 (0.6 + 0.4 b) us on A, 8000 (0.6 + 0.4 b) us on B. T = 10 ms,
+    # margin 0.2 (2000 us): A's batches 1..3 (2000, 2800, 3600 us) stay below T, B's batch 1
+    # reaches it (8000 + 2000 us), so B adds nothing.
+    got = whole_gpu_estimate(ModelSpec(profile=m, slo_ms=10.0), cl, 0.2)
+    assert got == pytest.approx(2 * 3 * 1e6 / 3600.0)

@@ -119,7 +119,7 @@ def test_bound_never_refutes_the_physical_optimum(slo_ms):
 def test_bound_never_refutes_the_paper_optimum(slo_ms, counts):
     cl = cluster(counts, LEVELS)
     m = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
-    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts)
+    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts, 2)
     make = _bound([(m, slo_ms)], [1.0], cl, gpu_rule="paper", one=True, D=2)
     assert not make(want * 2).refutes(want)
 

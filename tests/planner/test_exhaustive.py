@@ -51,7 +51,7 @@ def test_paper_formulation_matches_brute_force(slo_ms):
     cl = cluster(counts, LEVELS)
     m = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
     paper = ppipe.plan(cl, [m], slo_ms=slo_ms, max_partitions=2, formulation="ppipe-atc25", **_opts())
-    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts)
+    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts, 2)
     assert paper.settings.gpu_rule == "paper" and paper.settings.configs_per_template == "one"
     assert paper.solver.objective == pytest.approx(want, rel=1e-6)
     # The general formulation can only do at least as well on the same instance.
@@ -66,3 +66,18 @@ def test_nic_cap_binds_in_brute_force_and_milp():
     plan = ppipe.plan(cl, [m], slo_ms=400.0, max_partitions=2, **_opts())
     want = brute_force_physical([plain_configs(m, cl, 400.0, 0.2, 2, LEVELS)], [1.0], {"A": 2, "B": 2}, LEVELS)
     assert plan.solver.objective == pytest.approx(want, rel=1e-6)
+
+
+def test_paper_formulation_pipelines_with_one_type_in_two_slots_match_brute_force():
+    # Here the authors' optimum runs A at level 1 and then A at level 2 in one pipeline:
+    # without templates (A, A) the best plan is 490.48 req/s, with them 500.
+    counts = {"A": 2, "B": 1}
+    cl = cluster(counts, LEVELS)
+    m = profile("m1", {"A": [1000.0, 6000.0, 500.0], "B": [3000.0, 1000.0, 3000.0]}, [50_000, 50_000], LEVELS)
+    cfgs = plain_configs(m, cl, 10.0, 0.2, 2, LEVELS)
+    want = brute_force_paper(cfgs, counts, 2)
+    without = brute_force_paper([c for c in cfgs if c[0][0] != c[0][-1] or len(c[0]) == 1], counts, 2)
+    assert want > without * (1 + 1e-3)
+    plan = ppipe.plan(cl, [m], slo_ms=10.0, max_partitions=2, formulation="ppipe-atc25", **_opts())
+    assert plan.solver.objective == pytest.approx(want, rel=1e-6)
+    assert any(len({p.gpu for p in pipe.partitions}) < len(pipe.partitions) for pipe in plan.models[0].pipelines)

@@ -42,6 +42,9 @@ def test_highs_runs_rens_under_physical_packing_only_and_keeps_options_it_was_gi
     default = get_solver("highs")
     assert default.tuned_for("physical").options == {**HIGHS_MIP_OPTIONS, "mip_heuristic_run_rens": True}
     assert default.tuned_for("paper").options == HIGHS_MIP_OPTIONS
+    # One model alone under the paper's rule (the ablation): presolve on.
+    assert default.tuned_for("paper", single_model=True).options == {**HIGHS_MIP_OPTIONS, "presolve": "on"}
+    assert default.tuned_for("physical", single_model=True).options == default.tuned_for("physical").options
     mine = HighsSolver({"presolve": "on"})
     assert mine.tuned_for("physical").options == {"presolve": "on"}
     assert get_solver("cbc").tuned_for("physical").name == "cbc"
@@ -70,7 +73,7 @@ def test_the_planner_solves_with_the_options_of_its_gpu_rule(monkeypatch):
 def test_paper_formulation_with_tuned_options_matches_brute_force(counts, slo_ms):
     cl = cluster(counts, LEVELS)
     m = profile("m1", LAT_1, [200_000, 100_000], LEVELS)
-    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts)
+    want = brute_force_paper(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts, 2)
     out = _solve(HighsSolver(), [ModelSpec(profile=m, slo_ms=slo_ms)], cl)
     assert out.result.status == "optimal"
     assert out.result.objective == pytest.approx(want, rel=1e-6)
@@ -101,8 +104,9 @@ def test_highs_reports_its_work():
 
 
 def test_time_limit_is_a_budget_for_the_whole_plan_call(monkeypatch):
-    # The paper formulation solves twice (the NP plan for the batch-build estimate, then
-    # PPipe's MILP): the second solve gets what the first left, never the whole limit again.
+    # A plan solves twice (the NP plan for the batch-build estimate, then PPipe's MILP):
+    # the second solve gets what the first left, never the whole limit again. (ppipe-atc25
+    # estimates a single model's batch build without the NP plan, as the authors did.)
     import ppipe
 
     seen = []
@@ -116,10 +120,10 @@ def test_time_limit_is_a_budget_for_the_whole_plan_call(monkeypatch):
     levels = {"A": [1, 2], "B": [1]}
     cl = cluster({"A": 2, "B": 4}, levels)
     prof = profile("m", {"A": [1000.0, 2000.0, 1500.0], "B": [3000.0, 5000.0, 4000.0]}, [100_000, 50_000], levels, slo_ms=40.0)
-    ppipe.plan(cl, [prof], formulation="ppipe-atc25", slo_ms=40.0, max_partitions=2, time_limit_s=5.0)
+    ppipe.plan(cl, [prof], formulation="ppipe", slo_ms=40.0, max_partitions=2, time_limit_s=5.0)
     assert len(seen) == 2
     assert seen[0] < 5.0 and seen[1] < seen[0]
-    ppipe.plan(cl, [prof], formulation="ppipe-atc25", slo_ms=40.0, max_partitions=2, time_limit_s=None)
+    ppipe.plan(cl, [prof], formulation="ppipe", slo_ms=40.0, max_partitions=2, time_limit_s=None)
     assert seen[2:] == [None, None]
 
 

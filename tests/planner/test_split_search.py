@@ -24,34 +24,47 @@ LAT_2 = {"A": [1500.0, 1000.0, 2500.0], "B": [2500.0, 2000.0, 8000.0]}
 LAT_3 = {"A": [900.0, 4000.0, 700.0], "B": [1200.0, 2500.0, 3000.0]}
 
 
-def _restricted_value(cfgs, counts: dict[str, int]) -> dict[tuple[int, ...], float]:
+def _restricted_value(cfgs, counts: dict[str, int], authors_D: int | None = None) -> dict[tuple[int, ...], float]:
     """Brute force of the restriction for ONE model: every template gets at most one
-    configuration and whole GPUs per slot, no GPU shared; value per GPU vector (A, B)."""
+    configuration and whole GPUs per slot, no GPU shared; value per GPU vector (A, B).
+    Templates are the configurations' type tuples, or with ``authors_D`` the authors'
+    tuples of D types, each open to the configurations whose types start it."""
     types = list(counts)
     per_t: dict[tuple, dict[tuple[int, ...], float]] = {}
     for tmpl, slots in cfgs:
-        best = per_t.setdefault(tmpl, {})
-        for u in itertools.product(*[range(1, counts[k] + 1) for k, _v, _x in slots]):
-            use = [0] * len(types)
-            for (k, _v, _x), ud in zip(slots, u):
-                use[types.index(k)] += ud
-            if any(a > counts[k] for a, k in zip(use, types)):
-                continue
-            thr = min(x * v * ud for (_k, v, x), ud in zip(slots, u))
-            key = tuple(use)
-            best[key] = max(best.get(key, 0.0), thr)
-    grid = list(itertools.product(*[range(counts[k] + 1) for k in types]))
-    value = {r: 0.0 for r in grid}
-    options = [[(tuple([0] * len(types)), 0.0)] + list(b.items()) for b in per_t.values()]
-    for pick in itertools.product(*options):
-        use = tuple(sum(p[0][i] for p in pick) for i in range(len(types)))
+        homes = [tmpl] if authors_D is None else [t for t in itertools.product(types, repeat=authors_D) if t[: len(tmpl)] == tmpl]
+        for home in homes:
+            _best_of(per_t.setdefault(home, {}), slots, counts, types)
+    return _knapsack(per_t, counts, types)
+
+
+def _best_of(best, slots, counts, types) -> None:
+    """Record in ``best`` (GPUs per type -> req/s) one configuration on whole GPUs per slot."""
+    for u in itertools.product(*[range(1, counts[k] + 1) for k, _v, _x in slots]):
+        use = [0] * len(types)
+        for (k, _v, _x), ud in zip(slots, u):
+            use[types.index(k)] += ud
         if any(a > counts[k] for a, k in zip(use, types)):
             continue
-        thr = sum(p[1] for p in pick)
-        for r in grid:
-            if all(a <= b for a, b in zip(use, r)) and thr > value[r]:
-                value[r] = thr
-    return value
+        thr = min(x * v * ud for (_k, v, x), ud in zip(slots, u))
+        key = tuple(use)
+        best[key] = max(best.get(key, 0.0), thr)
+
+
+def _knapsack(per_t, counts, types):
+    """Value per GPU vector of at most one option per template (a group knapsack)."""
+    grid = list(itertools.product(*[range(counts[k] + 1) for k in types]))
+    # Templates one by one: best[use] = the best throughput with exactly `use` GPUs.
+    best_use = {tuple([0] * len(types)): 0.0}
+    for options in per_t.values():
+        new = dict(best_use)
+        for use0, thr0 in best_use.items():
+            for use1, thr1 in options.items():
+                use = tuple(a + b for a, b in zip(use0, use1))
+                if all(a <= counts[k] for a, k in zip(use, types)) and thr0 + thr1 > new.get(use, -1.0):
+                    new[use] = thr0 + thr1
+        best_use = new
+    return {r: max(t for u, t in best_use.items() if all(a <= b for a, b in zip(u, r))) for r in grid}
 
 
 def _specs_configs(models, cl, slo_ms, D, *, gpu_rule="paper", one=True, weights=None):
@@ -88,6 +101,25 @@ def test_split_search_equals_brute_force_of_its_restriction(D, slo_ms):
             for d, u in enumerate(p.gpus):
                 use[cs.gpu[p.config, d]] += u
         assert (use <= np.array(got.gpus[m])).all()
+
+
+@pytest.mark.parametrize("slo_ms", [15.0, 30.0])
+def test_split_search_with_the_authors_templates_equals_brute_force_of_its_restriction(slo_ms):
+    # One configuration per template of D types: a single-partition one competes with the
+    # two-partition ones for the templates that start with its type. m2 is too slow on B
+    # for its SLO: it runs on A alone, single-partition or A -> A.
+    counts = {"A": 2, "B": 3}
+    cl = cluster(counts, LEVELS)
+    slow_b = {"A": LAT_2["A"], "B": [40_000.0, 40_000.0, 40_000.0]}
+    models = [profile("m1", LAT_1, [200_000, 100_000], LEVELS), profile("m2", slow_b, [50_000, 300_000], LEVELS)]
+    w = [1.0, 1.7]
+    _specs, configs = _specs_configs(models, cl, slo_ms, 2, weights=w)
+    got = split_search(configs, w, np.array([2, 3]), paper_templates=True)
+    values = [_restricted_value(plain_configs(m, cl, slo_ms, 0.2, 2, LEVELS), counts, authors_D=2) for m in models]
+    want = max(
+        min(values[0][r1] / w[0], values[1][(counts["A"] - r1[0], counts["B"] - r1[1])] / w[1]) for r1 in values[0]
+    )
+    assert got is not None and got.objective == pytest.approx(want, rel=1e-6)
 
 
 def test_three_models_split_search_equals_brute_force_of_its_restriction():
