@@ -42,6 +42,7 @@ from ppipe.runtime.wire import WireError, pack, unpack
 log = logging.getLogger("ppipe.runtime")
 
 HWM = 100_000  # messages queued per peer before a send fails
+ZERO_COPY_BYTES = 65536  # frames at least this large are sent without a copy
 LOOPBACK = "127.0.0.1"
 
 
@@ -137,8 +138,10 @@ class Outbox:
         Raises:
             DataPathFull: ``HWM`` messages already wait for that peer.
         """
+        # small frames are cheaper copied than wrapped (zero-copy frames carry a free callback)
+        copy = all(len(f) < ZERO_COPY_BYTES if isinstance(f, bytes) else f.nbytes < ZERO_COPY_BYTES for f in frames)
         try:
-            self.connect(addr).send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self.connect(addr).send_multipart(frames, zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             raise DataPathFull(f"{HWM} messages already wait for {addr}") from None
 

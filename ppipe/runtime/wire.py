@@ -37,7 +37,9 @@ def pack(header: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -
     """The frames of a message: ``header`` (with the tensor list added) and the tensors' buffers."""
     specs, bufs = [], []
     for name, arr in (tensors or {}).items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
         specs.append((name, arr.dtype.str, arr.shape))
         bufs.append(arr.data if arr.size else b"")
     return [msgpack.packb({**header, TENSORS: specs}), *bufs]
