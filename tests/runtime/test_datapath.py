@@ -1,4 +1,4 @@
-"""The data path without Ray: the wire format, and StageServers on ZeroMQ sockets on 127.0.0.1."""
+"""The data path without Ray: the wire format, and StageServers on TCP connections on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -12,6 +12,15 @@ from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, StageServer, is_
 from ppipe.runtime.wire import WireError, pack, unpack
 
 
+def _message(header, tensors=None) -> bytes:
+    """One packed message without its length prefix (what a receiver hands to unpack)."""
+    return b"".join(bytes(p) for p in pack(header, tensors))[4:]
+
+
+def _raw(header_bytes: bytes, body: bytes = b"") -> bytes:
+    return len(header_bytes).to_bytes(4, "little") + header_bytes + body
+
+
 # ---- wire format -----------------------------------------------------------------------------------
 def test_a_message_round_trips_header_and_tensors_of_any_dtype_and_shape():
     tensors = {
@@ -20,8 +29,7 @@ def test_a_message_round_trips_header_and_tensors_of_any_dtype_and_shape():
         "c": np.zeros((0, 5), np.int64),
         "d": np.array(7, np.uint8),
     }
-    frames = pack({"b": 3, "route": ["x", "y"]}, tensors)
-    header, got = unpack([bytes(f) for f in frames])
+    header, got = unpack(_message({"b": 3, "route": ["x", "y"]}, tensors))
     assert header == {"b": 3, "route": ["x", "y"]}
     assert list(got) == list(tensors)
     for k, v in tensors.items():
@@ -29,23 +37,25 @@ def test_a_message_round_trips_header_and_tensors_of_any_dtype_and_shape():
 
 
 @pytest.mark.parametrize(
-    "frames, match",
+    "message, match",
     [
-        ([], "empty message"),
-        ([b"\xc1"], "not msgpack"),
-        ([msgpack.packb([1, 2])], "not a map"),
-        ([msgpack.packb({"t": [["a", "<f4", [2]]]})], "lists 1 tensors, message has 0"),
-        ([msgpack.packb({"t": [["a", "<f4", [2]]]}), b"\0" * 7], "7 bytes for <f4 \\[2\\]"),
-        ([msgpack.packb({"t": [["a", "O", [1]]]}), b"\0" * 8], "bad dtype or shape"),
-        ([msgpack.packb({"t": [["a", "nope", [1]]]}), b"\0"], "unknown dtype"),
-        ([msgpack.packb({"t": [["a", "<f4", [-1]]]}), b""], "bad dtype or shape"),
-        ([msgpack.packb({"t": [["a", "<f4", [2**40] * 2]]}), b""], "bad dtype or shape"),
-        ([msgpack.packb({"t": [[1, "<f4", [1]]]}), b"\0" * 4], "not \\[name, dtype, shape\\]"),
+        (b"", "has no header"),
+        (b"\x09\0\0\0" + b"\0" * 4, "overruns"),
+        (_raw(b"\xc1"), "not msgpack"),
+        (_raw(msgpack.packb([1, 2])), "not a map"),
+        (_raw(msgpack.packb({"t": 5})), "not a list"),
+        (_raw(msgpack.packb({"t": [["a", "<f4", [2]]]})), "needs 8 bytes, the message has 0 left"),
+        (_raw(msgpack.packb({"t": [["a", "<f4", [2]]]}), b"\0" * 9), "1 bytes after its tensors"),
+        (_raw(msgpack.packb({"t": [["a", "O", [1]]]}), b"\0" * 8), "bad dtype or shape"),
+        (_raw(msgpack.packb({"t": [["a", "nope", [1]]]}), b"\0"), "unknown dtype"),
+        (_raw(msgpack.packb({"t": [["a", "<f4", [-1]]]})), "bad dtype or shape"),
+        (_raw(msgpack.packb({"t": [["a", "<f4", [2**40] * 2]]})), "bad dtype or shape"),
+        (_raw(msgpack.packb({"t": [[1, "<f4", [1]]]}), b"\0" * 4), "not \\[name, dtype, shape\\]"),
     ],
 )
-def test_malformed_messages_raise_wire_errors(frames, match):
+def test_malformed_messages_raise_wire_errors(message, match):
     with pytest.raises(WireError, match=match):
-        unpack(frames)
+        unpack(message)
 
 
 def test_loopback_addresses():
@@ -61,8 +71,8 @@ def _three_stage_route():
         reports = []
         done = asyncio.Event()
 
-        def on_report(frames):
-            reports.append(unpack(frames))
+        def on_report(message):
+            reports.append(unpack(message))
             if len(reports) == 3 * 4:
                 done.set()
 
@@ -90,7 +100,7 @@ def _three_stage_route():
             header = {"b": b, "k": 0, "route": ["v0", "v1", "v2"], "addr": addrs, "n": 2, "timing": None, "links": None, "sent": 0.0}
             out.send(addrs[0], pack(header, {"x": np.full(2, 10.0 * b, np.float32)}))
         # a malformed message is dropped by the worker, which keeps serving
-        out.send(addrs[0], [b"\xc1"])
+        out.send(addrs[0], [(5).to_bytes(4, "little"), b"\1\0\0\0\xc1"])
         await asyncio.wait_for(done.wait(), 10)
         for s in servers:
             s.close()
@@ -117,13 +127,13 @@ def test_a_batch_travels_the_route_worker_to_worker_and_every_stage_reports():
 def test_a_failing_stage_reports_its_error_and_forwards_nothing():
     async def main():
         got = []
-        inbox = Inbox(lambda frames: got.append(unpack(frames)[0]))
+        inbox = Inbox(lambda message: got.append(unpack(message)[0]))
 
         async def boom(*args):
             raise ValueError("bad input")
 
         forwarded = []
-        nxt = Inbox(lambda frames: forwarded.append(frames))
+        nxt = Inbox(lambda message: forwarded.append(message))
         s = StageServer("v0", boom)
         addr = s.open(inbox.address)
         header = {"b": 9, "k": 0, "route": ["v0", "v1"], "addr": [addr, nxt.address], "n": 1, "timing": None, "links": None, "sent": 0.0}
@@ -142,14 +152,49 @@ def test_a_failing_stage_reports_its_error_and_forwards_nothing():
     assert forwarded == []
 
 
-def test_a_peer_that_stopped_reading_fails_the_send_instead_of_blocking(monkeypatch):
-    monkeypatch.setattr("ppipe.runtime.datapath.HWM", 5)
+def test_a_peer_that_is_not_reading_fails_the_send_instead_of_blocking(monkeypatch):
+    monkeypatch.setattr("ppipe.runtime.datapath.MAX_BUFFERED_BYTES", 1000)
 
     async def main():
         box = Outbox()
-        with pytest.raises(DataPathFull, match="5 messages already wait for tcp://127.0.0.1:9"):
-            for _ in range(10_000):  # nobody listens on port 9: the queue fills and the send says so
-                box.send("tcp://127.0.0.1:9", [b"x"])
+        with pytest.raises(DataPathFull, match="bytes already wait for tcp://127.0.0.1:9, which is not connected"):
+            for _ in range(100):  # nobody listens on port 9: the queue fills and the send says so
+                box.send("tcp://127.0.0.1:9", pack({"b": 1}, {"x": np.zeros(100)}))
         box.close()
 
     asyncio.run(main())
+
+
+def test_messages_split_and_merged_by_the_stream_arrive_whole_and_in_order():
+    """Large messages span many reads and small ones share a read: the receiver cuts the
+    stream at the length prefixes either way."""
+
+    async def main():
+        got = []
+        done = asyncio.Event()
+        inbox = Inbox(lambda m: (got.append(unpack(m)), len(got) == 60 and done.set()))
+        out = Outbox()
+        for i in range(60):
+            n = 300_000 if i % 10 == 0 else 3
+            out.send(inbox.address, pack({"i": i}, {"x": np.full(n, i, np.float32)}))
+        await asyncio.wait_for(done.wait(), 20)
+        out.close(), inbox.close()
+        return got
+
+    got = asyncio.run(main())
+    assert [h["i"] for h, _ in got] == list(range(60))
+    assert all(t["x"].size == (300_000 if h["i"] % 10 == 0 else 3) and np.all(t["x"] == h["i"]) for h, t in got)
+
+
+def test_a_receiver_closes_a_connection_whose_length_prefix_is_impossible():
+    async def main():
+        got = []
+        inbox = Inbox(got.append)
+        reader, writer = await asyncio.open_connection(*inbox.address[len("tcp://"):].split(":"))
+        writer.write((2).to_bytes(4, "little") + b"xx")  # shorter than a header length field
+        closed = await asyncio.wait_for(reader.read(), 5)
+        inbox.close()
+        return got, closed
+
+    got, closed = asyncio.run(main())
+    assert got == [] and closed == b""

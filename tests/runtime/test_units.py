@@ -174,7 +174,7 @@ class _Method:
 
 
 class FakeWorker:
-    """A worker in-process: the real data path (:class:`StageServer`, ZeroMQ on 127.0.0.1)
+    """A worker in-process: the real data path (:class:`StageServer`, TCP on 127.0.0.1)
     around a fake stage (x + 1, then y = 2x). ``kill()`` stops it like a dead actor: its
     inbox closes and its lifeline call fails; ``die_on_next_stage`` kills it while it holds a batch."""
 
@@ -388,8 +388,8 @@ def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinyn
     rt, peers = _runtime(tinynet, counts=(2, 1), max_batch=1)
     ups = [p.vgpu_id for p in rt.plan.placements_of("tinynet", 0, 0)]
     down = rt.plan.placements_of("tinynet", 0, 1)[0].vgpu_id
-    # one edge over (fake) NCCL, the other over the data path's sockets
-    rt, peers = _runtime(tinynet, edges={(ups[0], down): ("nccl", ""), (ups[1], down): ("zmq", "")}, counts=(2, 1), max_batch=1)
+    # one edge over (fake) NCCL, the other over the data path's connections
+    rt, peers = _runtime(tinynet, edges={(ups[0], down): ("nccl", ""), (ups[1], down): ("tcp", "")}, counts=(2, 1), max_batch=1)
 
     async def main():
         await rt.start()
@@ -414,8 +414,8 @@ def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinyn
     assert sends == [{"peer": down, "seq": k} for k in range(n)]
     assert recvs[:n] == [{"peer": ups[0], "seq": k} for k in range(n)]
     other = [link for _, link in peers[ups[1]].links]
-    assert other == [None] * len(other)  # the zmq edge carries no link
-    # the dead receiver's NCCL peer is told to abort the edge; the zmq peer is not
+    assert other == [None] * len(other)  # the tcp edge carries no link
+    # the dead receiver's NCCL peer is told to abort the edge; the tcp peer is not
     assert peers[ups[0]].dropped == [down]
     assert peers[ups[1]].dropped == []
 
