@@ -16,6 +16,11 @@ from ppipe.errors import UserError
 DEFAULT_WAKE_LEAD_MS = 2.0
 DEFAULT_DISPATCH_LEAD_MS = 3.0
 DEFAULT_ANSWER_BUDGET_MS = 3.0
+# Slow clients: the same values as ppipe.runtime.server's defaults (a test checks), written
+# out here so that the CLI does not import the server (and the driver) to show its help.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def _is_loopback(host: str) -> bool:
@@ -23,6 +28,33 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def init_ray(ray_address: str | None, num_cpus: int | None, loopback_only: bool) -> None:
+    """Join the Ray cluster at ``ray_address``, or start a local Ray instance.
+
+    With ``loopback_only`` (``ppipe serve --host`` is a loopback address), the local
+    instance's GCS, raylet and workers listen on 127.0.0.1 only: a server that is not
+    exposed must not expose its Ray instance either. ``ray.init(_node_ip_address=
+    "127.0.0.1")`` does not do it (Ray replaces a loopback address with the host's
+    reachable IP); Ray's single-host mode, the one it uses on macOS and Windows, does.
+    A joined cluster (``ray_address``) keeps its own addresses.
+    """
+    import ray
+
+    if ray_address:
+        ray.init(address=ray_address, include_dashboard=False)
+        return
+    if loopback_only:
+        from ray._private import ray_constants
+
+        if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+            raise UserError(
+                f"this Ray ({ray.__version__}) has no single-host mode to keep it on loopback",
+                fix="install the Ray version of setup.cfg, or pass --ray-address of a Ray you started with --node-ip-address",
+            )
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read when ray.init picks the node's IP: 127.0.0.1
+    ray.init(num_cpus=num_cpus, include_dashboard=False)
 
 
 class _NullClock:
@@ -64,23 +96,42 @@ class _NullClock:
 @click.option("--answer-budget-ms", default=DEFAULT_ANSWER_BUDGET_MS, show_default=True, type=float,
               help="The scheduler must end every batch this long before the SLO: the time its answer still needs to reach "
               "the client (last report to the frontend, HTTP reply). Lateness is still judged at arrival + SLO (runtime option; no YAML field).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; use 0.0.0.0 to expose (with --token).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; use 0.0.0.0 to expose (with --token). On a loopback address the local Ray instance "
+              "listens on loopback only, too.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")
 @click.option("--grpc-port", default=None, type=int,
               help="Also serve the KServe v2 gRPC API (tritonclient.grpc, KServe clients) on this port of --host, with the "
               "same token and size limit; Triton's is 8001. Default: off (no YAML field).")
-@click.option("--token", default=None, envvar="PPIPE_TOKEN", help="Bearer token required on every endpoint but health (env PPIPE_TOKEN).")
+@click.option("--token", default=None, envvar="PPIPE_TOKEN",
+              help="Bearer token (Authorization: Bearer TOKEN) required on every HTTP endpoint except GET /v2/health/live and "
+              "/v2/health/ready: infer, /v2, /v2/models/NAME, /v2/models/NAME/ready and /metrics (env PPIPE_TOKEN).")
 @click.option("--max-body-mb", default=64.0, show_default=True, type=float, help="Largest request body accepted (413 above).")
+@click.option("--header-timeout-s", default=DEFAULT_HEADER_TIMEOUT_S, show_default=True, type=float,
+              help="A connection must send its request line and headers within this (from connecting, or from its previous "
+              "answer); else 408 and closed (slow or idle clients; no YAML field).")
+@click.option("--body-timeout-s", default=DEFAULT_BODY_TIMEOUT_S, show_default=True, type=float,
+              help="An infer request's body must arrive within this after its headers; else 408 and closed (no YAML field).")
+@click.option("--shutdown-timeout-s", default=DEFAULT_SHUTDOWN_TIMEOUT_S, show_default=True, type=float,
+              help="On SIGTERM/Ctrl-C, requests in flight get this long to be answered; then they are cut and the server "
+              "stops (no YAML field).")
+@click.option("--decode-workers", default=None, type=click.IntRange(min=0),
+              help="Processes that decode large JSON infer bodies off the event loop (0: decode on the loop). "
+              "Default: a quarter of the CPUs, 1 to 4 (no YAML field).")
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
-def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, host, port, grpc_port, token, max_body_mb, num_cpus, emulated_max_bytes):
-    """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API."""
+def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, host, port, grpc_port, token, max_body_mb,
+          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, num_cpus, emulated_max_bytes):
+    """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API.
+
+    Without --ray-address, the local Ray instance it starts listens on loopback only when
+    --host is a loopback address (the default), on all interfaces otherwise.
+    """
     import uvicorn
 
     from ppipe.runtime.deploy import load_deployment, setup_transport, start_workers
     from ppipe.runtime.driver import Runtime, check_whole_paths, default_scheduler_factory
-    from ppipe.runtime.server import create_app
+    from ppipe.runtime.server import create_app, uvicorn_config
 
     if transport == "nccl" and backend == "emulated":
         raise UserError("--transport nccl needs GPU workers; emulated workers have no GPU tensors",
@@ -89,6 +140,9 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         raise UserError(f"--dispatch-lead-ms must be >= 0, got {dispatch_lead_ms}", fix="use 0 (no lead) or a few ms")
     if answer_budget_ms < 0:
         raise UserError(f"--answer-budget-ms must be >= 0, got {answer_budget_ms}", fix="use 0 (none) or a few ms")
+    for flag, value in (("--header-timeout-s", header_timeout_s), ("--body-timeout-s", body_timeout_s), ("--shutdown-timeout-s", shutdown_timeout_s)):
+        if not value > 0:
+            raise UserError(f"{flag} must be > 0, got {value}", fix="use a few seconds; a slow client is cut after it")
     dep = load_deployment(plan_file, cluster)
     options: dict = {} if max_queue is None else {"max_queue": max_queue}
     if wake_lead_ms:
@@ -108,10 +162,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         click.echo(f"warning: serving on {host} without --token: anyone who reaches this port can use it", err=True)
     import ray
 
-    if ray_address:
-        ray.init(address=ray_address, include_dashboard=False)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+    init_ray(ray_address, num_cpus, loopback_only=_is_loopback(host))
     if emulated_max_bytes is not None and backend != "emulated":
         raise UserError("--emulated-max-bytes applies to --backend emulated only")
     opts = {} if emulated_max_bytes is None else {"max_bytes_per_sample": emulated_max_bytes}
@@ -134,14 +185,15 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
 
         # started by the app's lifespan on uvicorn's loop, the runtime's (see create_app)
         companions.append(GrpcServer(rt, host=host, port=grpc_port, token=token, max_message_bytes=int(max_body_mb * 1024 * 1024)))
-    app = create_app(rt, token=token, max_body_bytes=int(max_body_mb * 1024 * 1024), on_shutdown=shutdown, companions=companions)
+    app = create_app(rt, token=token, max_body_bytes=int(max_body_mb * 1024 * 1024), on_shutdown=shutdown, companions=companions,
+                     body_timeout_s=body_timeout_s, decode_workers=decode_workers)
     click.echo(
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
         + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
         + f"({len(workers)} vGPU workers, backend {backend}, policy {policy}, "
         f"{sum(t == 'nccl' for t, _ in edges.values())} of {len(edges)} worker pairs over NCCL)"
     )
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run()
 
 
 @click.command("bench")

@@ -45,8 +45,8 @@ import numpy as np
 
 from ppipe.runtime import proto as pb
 from ppipe.runtime.driver import DroppedError, Runtime
-from ppipe.runtime.protocol import DATATYPES, InferInput, ProtocolError, datatype_of
-from ppipe.runtime.server import DEFAULT_MAX_BODY_BYTES, Frontend, check_infer_inputs
+from ppipe.runtime.protocol import DATATYPES, MAX_DIMS, InferInput, ProtocolError, datatype_of
+from ppipe.runtime.server import DEFAULT_MAX_BODY_BYTES, DROP_STATUS, Frontend, check_infer_inputs
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,6 @@ STATUS_CODE = {
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
-# drop reason -> REST status (the rest are 503), as ppipe.runtime.server.DROP_STATUS
-DROP_STATUS = {"timeout": 504, "worker-error": 500}
 
 # datatype -> the InferTensorContents field that carries it (FP16 has none: raw only)
 CONTENTS_FIELD = {
@@ -108,9 +106,11 @@ def decode_inputs(request) -> list[InferInput]:
         if t.datatype not in DATATYPES:
             raise ProtocolError(400, f"{where}.datatype {t.datatype!r} is not supported; use one of {', '.join(DATATYPES)}")
         shape = list(t.shape)
+        if len(shape) > MAX_DIMS:
+            raise ProtocolError(400, f"{where}.shape has {len(shape)} dimensions; at most {MAX_DIMS} are accepted")
         if any(d < 0 for d in shape):
             raise ProtocolError(400, f"{where}.shape must be non-negative integers, got {shape}")
-        count = math.prod(shape)
+        count = math.prod(shape)  # at most MAX_DIMS int64 factors: cheap; compared with the data before numpy sees it
         dtype = np.dtype(DATATYPES[t.datatype]).newbyteorder("<")
         if raw:
             if t.HasField("contents"):

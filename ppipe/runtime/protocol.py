@@ -17,6 +17,7 @@ allocated for it, so a small body cannot make it compute or allocate a lot.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,6 +228,17 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
     if rid is not None and (not isinstance(rid, (str, int, float)) or isinstance(rid, bool)):
         raise ProtocolError(400, f"'id' must be a string, got {brief(rid)}")
     return InferRequest(id=None if rid is None else str(rid), inputs=inputs, binary_output=binary, requested_outputs=requested)
+
+
+def decode_job(body: bytes, header_length: str | None) -> tuple["InferRequest | ProtocolError", float]:
+    """:func:`parse_infer_request` as a job for a worker process (the frontend's decode
+    pool): returns the request or its :class:`ProtocolError`, and the seconds it took."""
+    t = time.perf_counter()
+    try:
+        out: InferRequest | ProtocolError = parse_infer_request(body, header_length)
+    except ProtocolError as exc:
+        out = exc
+    return out, time.perf_counter() - t
 
 
 def _json_data(data: Any, where: str, datatype: str, dtype: np.dtype) -> np.ndarray:

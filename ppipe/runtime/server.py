@@ -3,8 +3,8 @@
 Endpoints::
 
     GET  /v2                        server metadata
-    GET  /v2/health/live            200 while the process serves
-    GET  /v2/health/ready           200 when every model is ready, else 503
+    GET  /v2/health/live            200 while the process serves              (no token needed)
+    GET  /v2/health/ready           200 when every model is ready, else 503   (no token needed)
     GET  /v2/models/{name}          model metadata (inputs, outputs, SLO)      404 unknown model
     GET  /v2/models/{name}/ready    200 / 503
     POST /v2/models/{name}/infer    inference (JSON tensors or the binary extension)
@@ -16,36 +16,183 @@ Status codes of ``infer`` (the body is always ``{"error": "..."}`` on failure):
     400  malformed request: bad JSON, wrong tensor name, shape, datatype or size
     401  missing or wrong bearer token (only when the server has a token)
     404  unknown model
+    408  the body did not arrive within the body timeout (the connection is closed)
     413  body larger than the limit
-    503  dropped by the data plane: "dropped: <reason>: <detail>" with reason one of
-         deadline-unreachable, queue-full, no-pipeline, worker-failed (a worker on the
-         request's path died); header ``Ppipe-Drop-Reason`` repeats the reason
-    500  worker-error: the backend raised inside a live worker
+    503  dropped: "dropped: <reason>: <detail>" with reason one of deadline-unreachable
+         (by the data plane, or by the frontend when decoding the JSON body cannot end in
+         time), queue-full (also: too many JSON bodies waiting to be decoded),
+         no-pipeline, worker-failed (a worker on the request's path died);
+         header ``Ppipe-Drop-Reason`` repeats the reason
+    500  worker-error: the backend raised inside a live worker (or a bug; never a traceback)
     504  timeout: no decision for the request within SLO + grace (a bug; never silent)
 
 A request may carry a batch of N samples (shape ``[N, ...]``); each sample is one request
 to the scheduler and the answer holds all N, or the first error.
+
+**Arrival and decoding.** A request arrives when its headers have been read; its deadline
+and the latency metric count from then. Binary bodies and small JSON ones are decoded on
+the event loop; large JSON bodies (over :data:`INLINE_DECODE_BYTES`) in a bounded pool of
+worker processes (:class:`BodyDecoder`), because ``json.loads`` of a ResNet-50 input is
+tens of ms in one C call that holds the GIL (a thread would stall the loop all the same).
+A JSON body whose decode would end too late for its deadline, by the pool's queue and
+its measured speed, is dropped at once with a 503, so that JSON overload gives fast 503s
+instead of an endless queue.
+
+**Slow clients.** The request line and headers must arrive within a header timeout, the
+body within a body timeout (408), an idle keep-alive connection is closed after a few
+seconds, and a graceful shutdown waits for in-flight requests only so long
+(:func:`uvicorn_config`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
+import logging
+import multiprocessing
+import os
 from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ppipe.runtime.driver import DroppedError, Runtime
-from ppipe.runtime.protocol import DATATYPES, InferInput, ProtocolError, encode_infer_response, parse_infer_request, HEADER_LENGTH
+from ppipe.runtime.protocol import (
+    DATATYPES,
+    HEADER_LENGTH,
+    InferInput,
+    InferRequest,
+    ProtocolError,
+    brief,
+    decode_job,
+    encode_infer_response,
+    parse_infer_request,
+)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_SAMPLES_PER_REQUEST = 256
+
+# Slow clients (see uvicorn_config and Frontend): what a connection may take.
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # connection made (or last response sent) -> request line and headers read
+DEFAULT_BODY_TIMEOUT_S = 30.0  # headers read -> whole body read (a 64 MB body at ~20 Mbit/s)
+DEFAULT_KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # graceful shutdown: in-flight requests get this long, then are cancelled
+MAX_HEADER_BYTES = 64 * 1024  # request line + headers; more is a 431
+
+INLINE_DECODE_BYTES = 64 * 1024
+"""JSON bodies (or binary requests' JSON headers) up to this size are decoded on the event
+loop (about 2 ms at the ~30 ns per byte measured here); larger ones in the decode pool,
+whose round trip costs about 1 ms."""
+MAX_QUEUED_DECODES = 256  # JSON bodies waiting for the pool; more are 503 queue-full
+DECODE_S_PER_BYTE_PRIOR = 50e-9  # json.loads + np.asarray of numbers, before the first measurement
+
+_UNAUTHORIZED = "missing or wrong bearer token (Authorization: Bearer <token>)"
+
+
+def default_decode_workers() -> int:
+    """Processes of the JSON decode pool: a quarter of the CPUs, 1 to 4 (the rest serve
+    the event loop, the workers and Ray)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _process_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    # spawn, never fork: the server process runs Ray's and uvicorn's threads. (So a script
+    # that serves must guard its main code with `if __name__ == "__main__"`.)
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+class BodyDecoder:
+    """Decodes infer request bodies: small and binary ones on the event loop, large JSON
+    ones in a bounded pool of worker processes, with admission control.
+
+    Admission: a decode in the pool is expected to end ``(queued + own bytes) x
+    seconds-per-byte / workers`` from now, where seconds-per-byte is a moving average of
+    the pool's measured decodes. :meth:`expected_end_s` gives it; the frontend drops a
+    request whose decode would end after its deadline before queueing it.
+
+    Args:
+        workers: processes of the pool; 0 decodes everything on the event loop.
+        inline_bytes: JSON parts up to this size are decoded on the loop.
+        max_queued: bodies waiting in (or for) the pool; more raise ``DroppedError("queue-full")``.
+        executor: ``f(workers) -> Executor`` of the pool; default a process pool (tests
+            pass a thread pool and a ``job`` of known duration).
+        job: what the pool runs, ``job(body, header_length) -> (request or ProtocolError, seconds)``.
+    """
+
+    def __init__(self, workers: int, inline_bytes: int = INLINE_DECODE_BYTES, max_queued: int = MAX_QUEUED_DECODES,
+                 executor=None, job=decode_job):
+        if workers < 0:
+            raise ValueError(f"decode workers must be >= 0, got {workers}")
+        self.workers, self.inline_bytes, self.max_queued = workers, inline_bytes, max_queued
+        self.s_per_byte = DECODE_S_PER_BYTE_PRIOR
+        self.queued, self.queued_bytes = 0, 0
+        self._make_executor = executor or _process_pool
+        self._job = job
+        self._pool: concurrent.futures.Executor | None = None
+
+    def in_pool(self, body: bytes, header_length: str | None) -> bool:
+        """Whether this body is decoded in the pool (its JSON part is large)."""
+        if self.workers == 0:
+            return False
+        json_bytes = len(body)
+        if header_length is not None and header_length.isdigit() and len(header_length) <= 20:
+            json_bytes = min(json_bytes, int(header_length))
+        return json_bytes > self.inline_bytes
+
+    def expected_end_s(self, nbytes: int) -> float:
+        """Seconds from now until a pool decode of ``nbytes`` submitted now would end."""
+        return (self.queued_bytes / max(1, self.workers) + nbytes) * self.s_per_byte
+
+    async def start(self) -> None:
+        """Start the pool's processes now (each imports numpy: ~1 s), not on the first request."""
+        if self.workers:
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self._executor(), self._job, b"{}", None) for _ in range(self.workers)))
+
+    def stop(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _executor(self) -> concurrent.futures.Executor:
+        if self._pool is None:
+            self._pool = self._make_executor(self.workers)
+        return self._pool
+
+    async def decode(self, body: bytes, header_length: str | None) -> InferRequest:
+        """Decode a body (on the loop or in the pool, see :meth:`in_pool`).
+
+        Raises:
+            ProtocolError: the body is malformed.
+            DroppedError: queue-full (too many bodies waiting), worker-failed (a decode process died).
+        """
+        if not self.in_pool(body, header_length):
+            return parse_infer_request(body, header_length)
+        if self.queued >= self.max_queued:
+            raise DroppedError("queue-full", f"{self.queued} JSON bodies are waiting to be decoded; send the binary tensor extension, or fewer requests")
+        self.queued += 1
+        self.queued_bytes += len(body)
+        try:
+            out, took_s = await asyncio.get_running_loop().run_in_executor(self._executor(), self._job, body, header_length)
+        except concurrent.futures.process.BrokenProcessPool:
+            self.stop()  # the next decode starts a new pool
+            raise DroppedError("worker-failed", "a JSON decoding process died; retry the request") from None
+        finally:
+            self.queued -= 1
+            self.queued_bytes -= len(body)
+        self.s_per_byte = 0.8 * self.s_per_byte + 0.2 * took_s / max(1, len(body))
+        if isinstance(out, ProtocolError):
+            raise out
+        return out
 
 DROP_STATUS = {"timeout": 504, "worker-error": 500}
 
@@ -55,11 +202,36 @@ def _error(status: int, message: str, **headers: str) -> JSONResponse:
 
 
 class Frontend:
-    """The request handlers around a :class:`Runtime`."""
+    """The request handlers around a :class:`Runtime`.
 
-    def __init__(self, runtime: Runtime, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    Args:
+        runtime: what serves the requests.
+        token: the bearer token every endpoint but ``/v2/health/live|ready`` needs; None: no token.
+        max_body_bytes: larger bodies get a 413.
+        body_timeout_s: a body not read within this after the headers gets a 408.
+        decode_workers: processes of the JSON decode pool (:class:`BodyDecoder`); default
+            :func:`default_decode_workers`; 0 decodes on the event loop.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        token: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        decode_workers: int | None = None,
+    ):
         self.runtime, self.token, self.max_body_bytes = runtime, token, max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.models = {m.name: m for m in runtime.plan.models}
+        self.decoder = BodyDecoder(default_decode_workers() if decode_workers is None else decode_workers)
+        # the latest a JSON decode may end, from arrival: the SLO less the fastest pipeline
+        # and the answer's budget (later, no schedule can meet the deadline)
+        budget_us = getattr(runtime, "answer_budget_us", 0.0)
+        self._decode_slack_us = {
+            m.name: m.slo_ms * 1e3 - min((p.latency_us for p in m.pipelines), default=0.0) - min(budget_us, 0.5 * m.slo_ms * 1e3)
+            for m in runtime.plan.models
+        }
 
     # ---- helpers ----------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -71,20 +243,28 @@ class Frontend:
         return hmac.compare_digest((authorization or "").encode(), f"Bearer {self.token}".encode())
 
     async def _body(self, length: str | None, stream) -> bytes:
-        declared = int(length) if length is not None and length.isdigit() else None
+        """The whole body, within the size limit (413) and the body timeout (408)."""
+        declared = int(length) if length is not None and length.isascii() and length.isdigit() and len(length) <= 20 else None
         chunks, size = [], 0
         too_big = declared is not None and declared > self.max_body_bytes
-        async for chunk in stream:
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                too_big = True
-            if too_big:
-                # read the rest and drop it (up to 8x the limit) so that the client, still
-                # sending, reads our 413 instead of a reset connection
-                if size > 8 * self.max_body_bytes:
-                    break
-                continue
-            chunks.append(chunk)
+        try:
+            async with _timeout(self.body_timeout_s):
+                async for chunk in stream:
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        too_big = True
+                    if too_big:
+                        # read the rest and drop it (up to 8x the limit) so that the client, still
+                        # sending, reads our 413 instead of a reset connection
+                        if size > 8 * self.max_body_bytes:
+                            break
+                        continue
+                    chunks.append(chunk)
+        except TimeoutError:
+            of = f" of the {declared} announced" if declared is not None else ""
+            raise ProtocolError(
+                408, f"the request body did not arrive within {self.body_timeout_s:g} s ({size} bytes{of} came); send the whole body at once"
+            ) from None
         if too_big:
             raise ProtocolError(413, f"body of {declared or size} bytes exceeds the limit of {self.max_body_bytes} bytes")
         return b"".join(chunks)
@@ -113,10 +293,37 @@ class Frontend:
         in_name, arr = check_infer_inputs(name, self.runtime.profiles[name].manifest, req.inputs, req.requested_outputs)
         return req, in_name, arr
 
+    async def _decode(self, name: str, body: bytes, header_length: str | None, arrival_us: float) -> InferRequest:
+        """Decode a body, dropping it (``DroppedError``, deadline-unreachable) when its
+        decode in the pool cannot end in time for its deadline: before queueing it, by the
+        pool's estimate, and after, by the clock."""
+        dec = self.decoder
+        if not dec.in_pool(body, header_length):
+            return await dec.decode(body, header_length)
+        latest_us = arrival_us + self._decode_slack_us[name]
+        try:
+            end_us = self.runtime.clock.true_now_us() + dec.expected_end_s(len(body)) * 1e6
+            if end_us > latest_us:
+                raise DroppedError(
+                    "deadline-unreachable",
+                    f"decoding this {len(body)}-byte JSON body would end {(end_us - latest_us) / 1e3:.0f} ms too late for the SLO "
+                    f"({dec.queued} JSON bodies are decoding ahead of it); the binary tensor extension needs no decoding",
+                )
+            req = await dec.decode(body, header_length)
+            late_us = self.runtime.clock.true_now_us() - latest_us
+            if late_us > 0:
+                raise DroppedError("deadline-unreachable", f"decoding the JSON body ended {late_us / 1e3:.0f} ms too late for the SLO")
+        except DroppedError as exc:  # the data plane's drops are counted by the runtime; these here
+            self.runtime.metrics.drops.labels(name, exc.reason).inc()
+            raise
+        return req
+
     # ---- endpoints -----------------------------------------------------------------------
     async def server_metadata(self, request: Request) -> Response:
         from ppipe import __version__
 
+        if not self._authorized(request):
+            return _error(401, _UNAUTHORIZED)
         return JSONResponse({"name": "ppipe", "version": __version__, "extensions": ["binary_tensor_data"]})
 
     async def live(self, request: Request) -> Response:
@@ -128,13 +335,15 @@ class Frontend:
 
     async def model_metadata(self, request: Request) -> Response:
         if not self._authorized(request):
-            return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+            return _error(401, _UNAUTHORIZED)
         name = request.path_params["name"]
         if name not in self.models:
             return _error(404, f"unknown model '{name}'; this server has: {', '.join(self.models)}")
         return JSONResponse(self._metadata(name))
 
     async def model_ready(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _error(401, _UNAUTHORIZED)
         name = request.path_params["name"]
         if name not in self.models:
             return _error(404, f"unknown model '{name}'; this server has: {', '.join(self.models)}")
@@ -153,28 +362,45 @@ class Frontend:
     async def handle_infer(
         self, name: str, authorization: str | None, content_length: str | None, header_length: str | None, stream
     ) -> tuple[int, bytes, dict[str, str]]:
-        """Serve one infer request; returns (status, body, headers). ``stream`` yields the body's chunks."""
+        """Serve one infer request; returns (status, body, headers). ``stream`` yields the body's chunks.
+
+        The request arrives now (headers read): its deadline and the latency metric count
+        from here, through the body's reading and decoding. Every answer but 401 and 404
+        (which name no served model) is counted in ``ppipe_requests_total``.
+        """
         if not self._token_ok(authorization):
-            return _error_body(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+            return _error_body(401, _UNAUTHORIZED)
         m = self.runtime.metrics
         if name not in self.models:
             return _error_body(404, f"unknown model '{name}'; this server has: {', '.join(self.models)}")
+        if not self.runtime.started:
+            m.requests.labels(name, "503").inc()
+            return _error_body(503, "the server is starting; retry shortly")
         t0 = asyncio.get_running_loop().time()
+        arrival_us = self.runtime.clock.true_now_us()
         try:
-            body = await self._body(content_length, stream)
-            req, in_name, arr = self._samples(name, body, header_length)
-        except ProtocolError as exc:
-            m.requests.labels(name, str(exc.status)).inc()
-            return _error_body(exc.status, exc.message)
-        try:
+            try:
+                body = await self._body(content_length, stream)
+                req = await self._decode(name, body, header_length, arrival_us)
+                in_name, arr = check_infer_inputs(name, self.runtime.profiles[name].manifest, req.inputs, req.requested_outputs)
+            except ProtocolError as exc:
+                m.requests.labels(name, str(exc.status)).inc()
+                extra = {"connection": "close"} if exc.status == 408 else {}  # the rest of the body may still come
+                return _error_body(exc.status, exc.message, **extra)
             if arr.shape[0] == 1:
-                results = [await self.runtime.infer(name, {in_name: arr[0]})]
+                results = [await self.runtime.infer(name, {in_name: arr[0]}, arrival_us=arrival_us)]
             else:
-                results = await asyncio.gather(*(self.runtime.infer(name, {in_name: s}) for s in arr))
+                results = await asyncio.gather(*(self.runtime.infer(name, {in_name: s}, arrival_us=arrival_us) for s in arr))
         except DroppedError as exc:
             status = DROP_STATUS.get(exc.reason, 503)
             m.requests.labels(name, str(status)).inc()
             return _error_body(status, str(exc), **{"ppipe-drop-reason": exc.reason})
+        except (_ClientGone, ClientDisconnect):
+            raise
+        except Exception:  # a bug: never a traceback to the client, always counted; the log has it
+            log.exception("infer of model '%s' failed", name)
+            m.requests.labels(name, "500").inc()
+            return _error_body(500, "internal error in the server (its log has the details)")
         outputs = {k: np.stack([r[k] for r in results]) for k in results[0]}
         if req.requested_outputs:
             outputs = {k: v for k, v in outputs.items() if k in req.requested_outputs}
@@ -185,12 +411,30 @@ class Frontend:
 
     async def metrics(self, request: Request) -> Response:
         if not self._authorized(request):
-            return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+            return _error(401, _UNAUTHORIZED)
         return Response(self.runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 def _error_body(status: int, message: str, **headers: str) -> tuple[int, bytes, dict[str, str]]:
     return status, json.dumps({"error": message}).encode(), {"content-type": "application/json", **headers}
+
+
+@contextlib.asynccontextmanager
+async def _timeout_compat(seconds: float):
+    """``asyncio.timeout`` for Python 3.10: cancel the current task after ``seconds``, as TimeoutError."""
+    task, fired = asyncio.current_task(), []
+    handle = asyncio.get_running_loop().call_later(seconds, lambda: (fired.append(1), task.cancel()))
+    try:
+        yield
+    except asyncio.CancelledError:
+        if fired:
+            raise TimeoutError from None
+        raise
+    finally:
+        handle.cancel()
+
+
+_timeout = getattr(asyncio, "timeout", _timeout_compat)
 
 
 class _ClientGone(Exception):
@@ -294,9 +538,26 @@ def _dt(dtype: np.dtype) -> str:
     return {v: k for k, v in DATATYPES.items()}.get(np.dtype(dtype).name, str(dtype))
 
 
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own errors (no such path: 404, wrong method: 405) as ``{"error": ...}``;
+    they name no model, so they need no token check."""
+    hint = f"; this server answers {_ENDPOINTS}" if exc.status_code in (404, 405) else ""
+    return _error(exc.status_code, f"{exc.detail}: {request.method} {brief(request.url.path)}{hint}", **(exc.headers or {}))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return _error(500, "internal error in the server (its log has the details)")
+
+
+_ENDPOINTS = "GET /v2, /v2/health/live, /v2/health/ready, /v2/models/NAME, /v2/models/NAME/ready, /metrics; POST /v2/models/NAME/infer"
+
+
 def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_shutdown=None,
-               companions=()):
-    """The ASGI app; starts the runtime (clock, scheduler, health loop) on the server's loop.
+               companions=(), body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, decode_workers: int | None = None):
+    """The ASGI app; starts the runtime (clock, scheduler, health loop) and the JSON decode
+    pool on the server's loop. ``token``, ``max_body_bytes``, ``body_timeout_s`` and
+    ``decode_workers``: see :class:`Frontend`.
 
     ``companions`` are other frontends of the same runtime (the gRPC server): objects with
     ``async start()`` and ``async stop()``, started after the runtime and stopped before it,
@@ -305,13 +566,14 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
     Infer requests take a fast path around starlette (:class:`_InferFastPath`); the rest
     (health, metadata, metrics, lifespan) is a starlette app.
     """
-    fe = Frontend(runtime, token=token, max_body_bytes=max_body_bytes)
+    fe = Frontend(runtime, token=token, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, decode_workers=decode_workers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await runtime.start()
         started = []
         try:
+            await fe.decoder.start()
             for c in companions:
                 await c.start()
                 started.append(c)
@@ -319,6 +581,7 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
         finally:
             for c in reversed(started):
                 await c.stop()
+            fe.decoder.stop()
             await runtime.stop()
             if on_shutdown is not None:
                 on_shutdown()
@@ -332,9 +595,121 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
         Route("/v2/models/{name}/ready", fe.model_ready, methods=["GET"]),
         Route("/metrics", fe.metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.frontend = fe
     return _InferFastPath(app, fe)
+
+
+def uvicorn_config(
+    app,
+    host: str,
+    port: int,
+    *,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    log_level: str = "warning",
+):
+    """uvicorn's settings for ``ppipe serve`` (and :class:`BackgroundServer`): no slow client
+    holds a connection or the shutdown for long.
+
+    Args:
+        header_timeout_s: from the connection (or its last response) to the end of the next
+            request's headers; an idle or slowloris connection is closed with a 408.
+        keep_alive_s: an idle keep-alive connection is closed after this (uvicorn's ``timeout_keep_alive``).
+        shutdown_timeout_s: on SIGTERM, requests in flight get this long to finish; then
+            they are cancelled and the server stops (uvicorn's ``timeout_graceful_shutdown``).
+    """
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        access_log=False,
+        http=timed_http_protocol(header_timeout_s),
+        timeout_keep_alive=keep_alive_s,
+        timeout_graceful_shutdown=shutdown_timeout_s,
+    )
+
+
+def timed_http_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES):
+    """uvicorn's httptools protocol with what it lacks against slow clients: a deadline for
+    the request line and headers (from the connection, or from the previous response), and
+    a bound on their size. uvicorn arms its keep-alive timer only after a response, so a
+    connection that never completes its headers would otherwise stay open for good."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class TimedHttpToolsProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _header_bytes = 0
+        _too_large = False
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            self._header_bytes = 0
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self._reject(408, f"no complete request line and headers within {header_timeout_s:g} s; the connection is closed")
+
+        def _reject(self, status: int, message: str) -> None:
+            body = json.dumps({"error": message}).encode()
+            phrase = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}[status]
+            self.transport.write(
+                f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                f"connection: close\r\n\r\n".encode() + body
+            )
+            self.transport.close()
+
+        def _count(self, n: int) -> None:
+            self._header_bytes += n
+            if self._header_bytes > max_header_bytes:
+                self._too_large = True
+                raise ValueError("headers too large")  # httptools stops parsing; uvicorn calls send_400_response
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._cancel_header_timer()
+            super().on_headers_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            if self._too_large:
+                self._reject(431, f"the request line and headers exceed {max_header_bytes} bytes")
+            else:
+                self._reject(400, f"{msg.rstrip('.')}: not an HTTP/1.1 request")
+
+        def on_response_complete(self) -> None:
+            pipelined = bool(self.pipeline)
+            super().on_response_complete()
+            if not pipelined and not self.transport.is_closing():
+                self._arm_header_timer()  # the next request's headers (uvicorn's keep-alive timer closes an idle one sooner)
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+    return TimedHttpToolsProtocol
 
 
 class BackgroundServer:
@@ -345,10 +720,10 @@ class BackgroundServer:
         host, port: where to bind; port 0 picks a free port (see :attr:`url`).
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **timeouts: float):
         import uvicorn
 
-        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False)
+        self.config = uvicorn_config(app, host, port, log_level=log_level, **timeouts)
         self.server = uvicorn.Server(self.config)
         self.thread = None
         self.url = ""

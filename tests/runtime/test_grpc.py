@@ -26,9 +26,9 @@ TOKEN = "s3cret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
-def _serve(tinynet, token=None, **sched):
+def _serve(tinynet, token=None, max_message_bytes=1 << 20, **sched):
     rt, _ = _runtime(tinynet, **sched)
-    g = GrpcServer(rt, host="127.0.0.1", port=0, token=token)
+    g = GrpcServer(rt, host="127.0.0.1", port=0, token=token, max_message_bytes=max_message_bytes)
     srv = BackgroundServer(create_app(rt, token=token, companions=[g]))
     return rt, g, srv
 
@@ -138,6 +138,7 @@ def _bad(**fields):
         (_bad(fp32=[0.0] * 10), r"contents.fp32_contents has 10 elements, shape \[1, 3, 8, 8\] needs 192"),
         (_bad(datatype="FP16", shape=[1]), "FP16 has no typed contents field; send it in raw_input_contents"),
         (_bad(datatype="BYTES"), "datatype 'BYTES' is not supported"),
+        (_bad(shape=[1] * 40, raw=[b"\0" * 4]), "shape has 40 dimensions; at most 32"),
         (_bad(datatype="INT8", shape=[1], int=[300]), "cannot be read as INT8"),
     ],
 )
@@ -167,16 +168,20 @@ def test_grpc_requests_count_in_the_metrics(served, client):
     assert rt.metrics.requests.labels("tinynet", "200")._value.get() == before + 1
 
 
-def test_a_drop_is_unavailable_with_its_reason_in_the_trailers(tinynet):
-    rt, g, srv = _serve(tinynet, drop_all=True)
+def test_a_drop_is_unavailable_with_its_reason_and_a_big_message_resource_exhausted(tinynet):
+    rt, g, srv = _serve(tinynet, drop_all=True, max_message_bytes=4096)
     with srv:
+        big = np.zeros((8, 3, 8, 8), np.float32)  # 6 KiB of tensor: over the limit, refused before the scheduler
+        c = tg.InferenceServerClient(f"127.0.0.1:{g.port}")
+        with pytest.raises(InferenceServerException, match="larger than max") as too_big:
+            c.infer("tinynet", [_input(big)])
+        assert too_big.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
         channel, call = _raw_call(g, "ModelInfer")
         req = pb.ModelInferRequest(model_name="tinynet")
         req.inputs.add(name="input", datatype="FP32", shape=[1, 3, 8, 8])
         req.raw_input_contents.append(np.zeros(192, "<f4").tobytes())
         with channel, pytest.raises(grpc.RpcError) as exc:
             call(req, timeout=30)
-        c = tg.InferenceServerClient(f"127.0.0.1:{g.port}")
         with pytest.raises(InferenceServerException, match="dropped: deadline-unreachable: test scheduler drops everything"):
             c.infer("tinynet", [_input(np.zeros((1, 3, 8, 8), np.float32))])
         c.close()
