@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+#!/usr/bin/env python
 """Benchmarks of `ppipe serve` on this machine (emulated workers; no GPU needed).
 
 Two figures:
@@ -13,50 +14,31 @@ Two figures:
    answer budget).
 
    Default: atss_r101_fpn_1x_coco, whose HC1-S plan has 16 vGPUs (4 P4 -> 4 L4 -> 8 P4,
-   batch 1, 399 req/s), rehearsed 4x slowed down (``--dilation 4``: latencies x 4, NIC
-   bandwidths / 4, so SLO x 4 and rates / 4; the same pipelines, partitions and batches).
-   Why slowed down: every stage is a Ray actor call, ~1 ms of CPU in the frontend and
-   ~1-1.5 ms in the worker (Ray's floor, measured here), and 399 req/s x 3 stages at full
-   speed needs more than this host's 2 cores, which also run the load generator, 16
-   workers and Ray's daemons. rtmdet_x_8xb32-300e_coco (11 vGPUs, 159 req/s x 2 stages)
-   is the heaviest plan this host carries at full speed (``--model
-   rtmdet_x_8xb32-300e_coco --dilation 1``).
+   batch 1, 399 req/s), at full speed. ``--dilation k`` rehearses the same plan k times
+   slower (latencies x k, NIC bandwidths / k, so SLO x k and rates / k; the same
+   pipelines, partitions and batches), for hosts too small for the real rate.
 
-   The runtime points also print how much later than reserved the stages started (p50 and
-   p99, from the workers' reports), and the dispatch -> worker delay of the actor calls.
+   Each runtime point also prints the CPU it cost: the frontend's per request (this
+   process: HTTP, decoding, scheduler, data path), the workers' per stage (every worker
+   process, all threads; emulated stages compute nothing, so this is the data path's and
+   the worker's own cost), how much later than reserved the stages started (p50 and p99,
+   from the workers' reports), and the dispatch -> first worker delay. From the frontend's
+   cost per request it prints the cores a head node needs for the paper's largest
+   per-group rate (HC1-L G2, 4,285 req/s).
 2. **Frontend ceiling.** A one-block model with 1 us emulated latency and a 16-float
    input, batch 16 on 2 vGPUs, so that the frontend (HTTP, JSON/binary decoding,
-   scheduler, actor calls) is the bottleneck: the highest offered rate it serves at
+   scheduler, data path) is the bottleneck: the highest offered rate it serves at
    >= 99 % attainment, JSON and binary.
 
 The load generator runs in its own process (`ppipe bench`), the server (uvicorn + Ray
 driver) in this one, the workers in Ray's; all share this machine's cores, so the figures
 are a lower bound of what the runtime does on a dedicated host. Traffic goes to 127.0.0.1.
-
-Measured 2026-11-24 on this 2-core host, quiet (nothing else running; load average < 2
-from the benchmark itself), 10 s points (ceiling 5 s), seed 0, `ppipe serve`'s defaults
-(dispatch lead 3 ms, wake lead 2 ms, answer budget 3 ms):
-
-- atss_r101_fpn_1x_coco (16 vGPUs), dilation 4: simulator 0.95, runtime 0.95 (0 points);
-  dilation 8: simulator 1.10, runtime 1.05 (-5 points; 98.8 % at 1.10).
-- rtmdet_x (11 vGPUs), dilation 2: simulator 0.90, runtime 0.90 in two runs (0 points).
-  At full speed: simulator 0.85, runtime 0.80 in three quiet runs and 0.75 in a fourth
-  (-5 / -10 points; 0.75 before the GC freeze and the single answer await). Its misses
-  at full speed: a few ms of runtime overhead per request (stage starts p50 0.5 / p99
-  ~8 ms after their reservation, the answer 1.8 / 9 ms after the last stage ends),
-  against SLO slack that the reservation scheduler packs down to 0-3 ms in bursts. Runs
-  with another job on the host (even at nice 10) fell to 0.45-0.65.
-- ceiling: JSON 3000 req/s and binary 3000 req/s (the highest rate tried; 100 % attainment,
-  p99 77-100 ms at 3000), frontend CPU 0.24-0.37 ms per request.
-
-Earlier figures (2026-11-22, load average 7-11 from other jobs): rtmdet_x simulator 0.85,
-runtime 0.35-0.45; atss dilation 8 simulator 1.10, runtime 1.00; ceiling binary 1500, JSON
-500-1000 req/s: the runtime's figures depend on a quiet host far more than the simulator's.
+Measured figures, with the host line and the command, are in docs/benchmarks.md.
 
     python scripts/bench_serve.py                 # both parts
     python scripts/bench_serve.py --part ceiling  # one part
-    python scripts/bench_serve.py --part rehearsal                                  # atss, 16 vGPUs, 4x slowed down
-    python scripts/bench_serve.py --part rehearsal --model rtmdet_x_8xb32-300e_coco --dilation 1   # full speed
+    python scripts/bench_serve.py --part rehearsal                                  # atss, 16 vGPUs, full speed
+    python scripts/bench_serve.py --part rehearsal --model rtmdet_x_8xb32-300e_coco
 """
 
 from __future__ import annotations
@@ -70,16 +52,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# The paper's largest planned rate of one group (HC1-L, G2), for the head-node sizing line.
+HC1_L_G2_RPS = 4285.0
 # The ceiling measures throughput: a long SLO keeps the data plane's wait-to-the-last-moment
 # (which a late timer turns into a drop, see the report) out of the figure.
 CEILING_SLO_MS = 500.0
 ARTIFACT = Path(os.environ.get("PPIPE_ARTIFACT", REPO.parent / "shared" / "data" / "ppipe-artifact"))
 
 
-def bench(url: str, model: str, rate: float, duration_s: float, seed: int, binary: bool = False, input_shape: str | None = None) -> dict:
-    """One `ppipe bench` run in a subprocess; returns its JSON figures."""
+def bench(url: str, model: str, rate: float, duration_s: float, seed: int, binary: bool = False, input_shape: str | None = None,
+          worker_pids: list[int] = ()) -> dict:
+    """One `ppipe bench` run in a subprocess; returns its JSON figures, with the CPU time
+    the frontend (this process), the client and the workers spent in it."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = fh.name
     cmd = [sys.executable, "-m", "ppipe.cli", "bench", url, "--model", model, "--rate", f"{rate:.3f}",
@@ -89,16 +77,36 @@ def bench(url: str, model: str, rate: float, duration_s: float, seed: int, binar
     import resource
 
     self0, kids0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    workers0 = sum(process_cpu_s(p) for p in worker_pids)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     self1, kids1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    workers1 = sum(process_cpu_s(p) for p in worker_pids)
     with open(out) as fh:
         res = json.load(fh)
-    # CPU time per request: this process is the frontend (uvicorn + scheduler + Ray driver),
-    # the child is the load generator. On a shared machine these say more than req/s do.
+    # CPU time per request: this process is the frontend (uvicorn + scheduler + data path +
+    # Ray driver), the child is the load generator. On a shared machine these say more
+    # than req/s do.
     n = max(1, res["sent"])
     res["frontend_cpu_ms_per_request"] = 1e3 * ((self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime)) / n
     res["client_cpu_ms_per_request"] = 1e3 * ((kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)) / n
+    res["workers_cpu_s"] = workers1 - workers0
     return res
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and all its threads (Linux /proc); 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_pids(workers) -> list[int]:
+    import ray
+
+    return [p["pid"] for p in ray.get([h.ping.remote() for h in workers.values()])]
 
 
 def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lead_ms=None, keep_traces=0, answer_budget_ms=None):
@@ -145,14 +153,12 @@ def dilate(profile, cluster, k: float, out_dir: Path):
 
 def lateness(rt, since: int) -> dict[str, float]:
     """How much later than reserved the stages of the batches traced since ``since`` started (ms)."""
-    import numpy as np
-
     late: dict[int, list[float]] = {}
-    call: list[float] = []  # dispatch -> the first stage's call reaching its worker
+    call: list[float] = []  # dispatch -> the first stage's message reaching its worker
     for t in rt.traces[since:]:
         for k, (rep, (start, _)) in enumerate(zip(t.reports, t.reserved_us)):
             late.setdefault(k, []).append((rt.clock.from_wall_us(rep["start_us"]) - start) / 1e3)
-        if t.reports:
+        if t.reports and t.reports[0]["partition"] == 0:
             call.append((rt.clock.from_wall_us(t.reports[0]["received_us"]) - t.dispatched_us) / 1e3)
     out = {}
     if call:
@@ -225,20 +231,23 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
     # feature maps capped at 4 KiB per sample (the plan cuts 2-13 MB ones; this host cannot
     # move that many bytes per second); each transfer still waits its planned NIC time
     srv, workers, rt = serve_in_process(plan, profiles, cluster, {"max_bytes_per_sample": 4096}, dispatch_lead_ms, keep_traces=10**6)
+    pids = worker_pids(workers)
     points: dict[str, dict] = {}
 
     def rt_attainment(load: float) -> float:
         # artifact profiles carry no input spec; emulated workers ignore input values and
         # the first stage has no transfer, so a 16-float input stands in for the image
         since = len(rt.traces)
-        r = bench(srv.url, model, load * mp.throughput_rps, duration_s, seed, input_shape="16")
+        r = bench(srv.url, model, load * mp.throughput_rps, duration_s, seed, input_shape="16", worker_pids=pids)
         r.update(lateness(rt, since))
+        stages = sum(len(t.reports) for t in rt.traces[since:])
+        r["worker_cpu_ms_per_stage"] = 1e3 * r["workers_cpu_s"] / max(1, stages)
         points[f"{load:.2f}"] = r
         late = "  ".join(f"stage {k[5]} starts late p50/p99 {r[k]:.1f}/{r[k.replace('p50', 'p99')]:.1f} ms"
                          for k in r if k.startswith("stage") and k.endswith("p50_ms"))
         print(f"   runtime   load {load:.2f}: goodput {r['goodput_rps']:.1f} req/s  p50 {r['p50_ms'] or 0:.1f} ms  "
               f"p99 {r['p99_ms'] or 0:.1f} ms  drops {r['drops']}  client lag p99 {r['client_lag_p99_ms']:.1f} ms  "
-              f"CPU/request: frontend {r['frontend_cpu_ms_per_request']:.2f} ms  "
+              f"CPU: frontend {r['frontend_cpu_ms_per_request']:.2f} ms/request, workers {r['worker_cpu_ms_per_stage']:.2f} ms/stage  "
               f"dispatch->worker p50/p99 {r.get('call_delay_p50_ms', 0):.1f}/{r.get('call_delay_p99_ms', 0):.1f} ms  {late}")
         return r["slo_attainment"]
 
@@ -248,7 +257,14 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
         stop(srv, workers)
     print(f"   runtime:   max load factor at 99 % = {best}")
     if best is not None and sim_best is not None:
-        print(f"   difference: {100 * (best - sim_best):+.0f} points (target: within 5)")
+        print(f"   difference: {100 * (best - sim_best):+.0f} points (target: within 5 for atss, 2 for rtmdet_x)")
+    if points:
+        fe = float(np.median([p["frontend_cpu_ms_per_request"] for p in points.values()]))
+        wk = float(np.median([p["worker_cpu_ms_per_stage"] for p in points.values()]))
+        print(f"   CPU, median over the points: frontend {fe:.3f} ms per request (target <= 0.25), "
+              f"workers {wk:.3f} ms per stage (target <= 0.25 beyond the compute, which emulated stages do not spend)")
+        print(f"   a head node at this cost needs {HC1_L_G2_RPS * fe / 1e3:.1f} cores for HC1-L G2's {HC1_L_G2_RPS:.0f} req/s "
+              f"(the frontend alone; target <= 2)")
     return {"model": model, "vgpus": len(plan.placement), "planned_rps": mp.throughput_rps, "slo_ms": mp.slo_ms, "dilation": dilation,
             "duration_s": duration_s, "sim_max_load": sim_best, "sim_attainment": sim_points,
             "runtime_max_load": best, "runtime_points": points}
@@ -306,10 +322,9 @@ def main() -> None:
     ap.add_argument("--model", default="atss_r101_fpn_1x_coco", help="PPipe-artifact model for the rehearsal (see above)")
     ap.add_argument("--duration-s", type=float, default=10.0, help="arrival window per load point (the paper: 30)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dilation", type=float, default=4.0,
-                    help="rehearse the plan k times slower (latencies x k, NICs / k, rates / k): Ray costs ~2-3 ms of "
-                         "CPU per stage call here, so atss's 400 req/s x 3 stages needs more than 2 cores (default 4; "
-                         "rtmdet_x runs at 1)")
+    ap.add_argument("--dilation", type=float, default=1.0,
+                    help="rehearse the plan k times slower (latencies x k, NICs / k, rates / k), for a host too small "
+                         "for the plan's real rate (default 1: full speed)")
     ap.add_argument("--dispatch-lead-ms", type=float, default=None, help="the runtime's dispatch lead (default: ppipe serve's)")
     ap.add_argument("--rates", default="500,1000,1500,2000,3000", help="offered rates of the ceiling part")
     ap.add_argument("--json-out", default=None, help="write all figures to this JSON file")

@@ -13,10 +13,10 @@ Pieces (each a module):
   A batch goes worker to worker along its reserved path (fp16 feature maps); only the last
   stage's output goes back to the frontend.
 - :mod:`~ppipe.runtime.transport`: how feature maps cross: NCCL (CuPy) between GPU workers
-  on distinct GPUs, with both ends posted at dispatch; otherwise the data path's sockets.
-  Chosen per worker pair (``ppipe serve --transport auto|zmq|nccl``).
+  on distinct GPUs, with both ends posted at dispatch; otherwise the data path's connections.
+  Chosen per worker pair (``ppipe serve --transport auto|tcp|nccl``).
 - :mod:`~ppipe.runtime.wire`, :mod:`~ppipe.runtime.datapath`: the per-batch data path,
-  ZeroMQ sockets from the frontend along each batch's reserved route and reports back
+  TCP connections from the frontend along each batch's reserved route and reports back
   (Ray places the workers and watches their lives; it carries no batch).
 - :mod:`~ppipe.runtime.deploy`: placing the workers on the Ray nodes the plan names.
 - :mod:`~ppipe.runtime.driver`: :class:`Runtime`, which runs the data plane's scheduler

@@ -80,10 +80,10 @@ class _NullClock:
 )
 @click.option(
     "--transport",
-    type=click.Choice(["auto", "zmq", "nccl"]),
+    type=click.Choice(["auto", "tcp", "nccl"]),
     default="auto",
     show_default=True,
-    help="How feature maps go between workers: NCCL between GPU workers when both can (auto), always the data path's ZeroMQ sockets, "
+    help="How feature maps go between workers: NCCL between GPU workers when both can (auto), always the data path's TCP connections, "
     "or NCCL required (an error if some worker cannot).",
 )
 @click.option("--policy", default="reservation", show_default=True, help="Data-plane policy (reservation | reactive).")

@@ -1,31 +1,32 @@
-"""The per-batch data path: ZeroMQ sockets between the frontend and the vGPU workers.
+"""The per-batch data path: TCP connections between the frontend and the vGPU workers.
 
 Ray places the workers, watches their lives and carries the start-up calls; batches travel
-on plain sockets, one message per stage::
+on plain connections, one message per stage (:mod:`ppipe.runtime.wire` gives the format)::
 
     frontend --stage 0--> worker(route[0]) --stage 1--> worker(route[1]) --> ...
        ^                        |                           |
        +------- report ---------+---------- report ---------+   (the last report carries the outputs)
 
-Every worker binds one PULL socket (:class:`Inbox`), and so does the frontend, for the
-reports. A sender keeps one PUSH socket per peer address (:class:`Outbox`). A stage
-message names the whole reserved route and its workers' addresses (:mod:`ppipe.runtime.wire`
-gives the format), so a worker forwards its output to the next stage without asking
-anyone, and reports to the frontend when the stage is done. Feature maps between two
-workers therefore never pass through the frontend, and the frontend's cost per batch is
-one message out and one report in per stage, a few tens of microseconds each, instead of
-a Ray actor call (about 1 ms of CPU on each side).
+Every worker listens on one port (:class:`Inbox`), and so does the frontend, for the
+reports. A sender keeps one connection per peer address (:class:`Outbox`). A stage message
+names the whole reserved route and its workers' addresses, so a worker forwards its output
+to the next stage without asking anyone, and reports to the frontend when the stage is
+done. Feature maps between two workers therefore never pass through the frontend, and the
+frontend's cost per batch is one message out and one report in per stage instead of a Ray
+actor call (about 1 ms of CPU on each side).
 
-Reading: a socket's file descriptor is registered with the asyncio loop
-(``loop.add_reader``). ZeroMQ signals it edge-triggered, so each wake-up drains every
-queued message with non-blocking reads and hands each to a plain callback on the loop: no
-task, no future per message. Sending is non-blocking too: a PUSH socket queues up to
-``HWM`` messages for a peer that is slow or reconnecting; past that the send raises
-:class:`DataPathFull` and the caller fails that batch instead of blocking the loop.
+Both ends are asyncio protocols on the process's event loop: a message is one ``send``
+system call from the loop's thread and one read where the loop already waits. There is
+no transport thread on purpose: a messaging library with an I/O thread of its own
+(ZeroMQ's) pays a cross-thread wake-up per message, which on small VMs costs several times
+the send itself. Sending never blocks: a connection that is not
+up yet queues its messages, and a peer that stops reading fills the transport's buffer up
+to ``MAX_BUFFERED_BYTES``, past which the send raises :class:`DataPathFull` and the caller
+fails that batch.
 
-The sockets carry data only (msgpack and raw tensors, never pickle). They bind the node's
-address that Ray uses (the loopback address when every node is this host), so they are
-as exposed as Ray's own ports: run the cluster on a private network.
+Connections carry data only (msgpack and raw tensors, never pickle). They listen on the
+node's address that Ray uses (the loopback address when every node is this host), so they
+are as exposed as Ray's own ports: run the cluster on a private network.
 """
 
 from __future__ import annotations
@@ -33,29 +34,30 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import socket
 from typing import Any, Awaitable, Callable, Iterable
 
-import zmq
-
-from ppipe.runtime.wire import WireError, pack, unpack
+from ppipe.runtime.wire import LENGTH, MAX_MESSAGE_BYTES, WireError, pack, unpack
 
 log = logging.getLogger("ppipe.runtime")
 
-HWM = 100_000  # messages queued per peer before a send fails
+MAX_BUFFERED_BYTES = 1 << 30  # bytes queued for one peer before a send fails
 LOOPBACK = "127.0.0.1"
 
 
 class DataPathFull(RuntimeError):
-    """A peer's queue is full (it stopped reading); the message was not sent."""
+    """A peer's queue is full (it stopped reading, or cannot be reached); nothing was sent."""
 
 
-def _context() -> zmq.Context:
-    return zmq.Context.instance()
+def split_address(addr: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> ``(host, port)``."""
+    host, _, port = addr.split("://", 1)[-1].rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def is_loopback_address(addr: str) -> bool:
     """Whether a ``tcp://host:port`` address is on the loopback interface."""
-    host = addr.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    host = split_address(addr)[0]
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -76,79 +78,163 @@ def node_host() -> str:
     return LOOPBACK if nodes <= {here} else here
 
 
+class _Receiver(asyncio.Protocol):
+    """One accepted connection: cuts the byte stream into messages for ``on_message``."""
+
+    def __init__(self, inbox: "Inbox"):
+        self.inbox = inbox
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.inbox.conns.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.inbox.conns.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.buf:
+            self.buf += data
+            data = self.buf
+        view, pos, end = memoryview(data), 0, len(data)
+        while end - pos >= LENGTH:
+            n = int.from_bytes(view[pos : pos + LENGTH], "little")
+            if n > MAX_MESSAGE_BYTES or n < LENGTH:
+                log.warning("data path: a message of %d bytes to %s is malformed; closing its connection", n, self.inbox.address)
+                self.transport.close()
+                self.buf = bytearray()
+                return
+            if end - pos - LENGTH < n:
+                break
+            message = view[pos + LENGTH : pos + LENGTH + n]
+            # a bytearray is reused below, so its message is copied; bytes stay alive in the views
+            self.inbox.deliver(bytes(message) if data is self.buf else message)
+            pos += LENGTH + n
+        self.buf = bytearray(view[pos:]) if pos < end else bytearray()
+
+
 class Inbox:
-    """A bound PULL socket whose messages go to ``on_message(frames)`` on the running loop.
+    """A listening port whose messages go to ``on_message(message)`` on the running loop.
 
     Args:
-        on_message: called once per message with its frames (``zmq.Frame``); an exception
-            it raises is logged, and the next messages are still read.
-        host: the address to bind; the port is picked by the system.
+        on_message: called once per message with its bytes (without the length prefix);
+            an exception it raises is logged, and the next messages are still read.
+        host: the address to listen on; the port is picked by the system.
     """
 
-    def __init__(self, on_message: Callable[[list[Any]], None], host: str = LOOPBACK):
+    def __init__(self, on_message: Callable[[memoryview | bytes], None], host: str = LOOPBACK):
         self.on_message = on_message
-        self.sock = _context().socket(zmq.PULL)
-        self.sock.setsockopt(zmq.RCVHWM, HWM)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
-        self._loop = asyncio.get_running_loop()
-        self._fd = self.sock.getsockopt(zmq.FD)
-        self._loop.add_reader(self._fd, self._drain)
-        self._loop.call_soon(self._drain)  # messages queued before the reader was registered
+        self.conns: set[_Receiver] = set()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.address = f"tcp://{host}:{sock.getsockname()[1]}"
+        loop = asyncio.get_running_loop()
+        # the port listens from here on; peers that connect before the server runs wait in the backlog
+        self._server = loop.create_task(loop.create_server(lambda: _Receiver(self), sock=sock))
 
-    def _drain(self) -> None:
-        sock = self.sock
-        while not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                self.on_message(frames)
-            except Exception:
-                log.exception("data path: a message to %s could not be handled", self.address)
+    def deliver(self, message: memoryview | bytes) -> None:
+        try:
+            self.on_message(message)
+        except Exception:
+            log.exception("data path: a message to %s could not be handled", self.address)
 
     def close(self) -> None:
-        if not self.sock.closed:
-            self._loop.remove_reader(self._fd)
-            self.sock.close(linger=0)
+        """Stop listening and drop every connection (as a process that died would)."""
+        if self._server.done() and not self._server.cancelled() and self._server.exception() is None:
+            self._server.result().close()
+        else:
+            self._server.cancel()
+        for r in list(self.conns):
+            r.transport.abort()
+        self.conns.clear()
+
+
+class _Sender(asyncio.Protocol):
+    """One outgoing connection; queues messages until it is up."""
+
+    def __init__(self, outbox: "Outbox", addr: str):
+        self.outbox, self.addr = outbox, addr
+        self.transport: asyncio.Transport | None = None
+        self.pending: list[Any] = []
+        self.pending_bytes = 0
+        self.lost = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        if self.pending:
+            transport.writelines(self.pending)
+            self.pending, self.pending_bytes = [], 0
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        self.outbox.forget(self)
+
+    def send(self, pieces: list[Any]) -> None:
+        t = self.transport
+        if t is None:
+            size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
+            if self.pending_bytes + size > MAX_BUFFERED_BYTES:
+                raise DataPathFull(f"{self.pending_bytes} bytes already wait for {self.addr}, which is not connected")
+            self.pending.extend(pieces)
+            self.pending_bytes += size
+            return
+        if t.get_write_buffer_size() > MAX_BUFFERED_BYTES:
+            raise DataPathFull(f"{t.get_write_buffer_size()} bytes already wait for {self.addr}, which stopped reading")
+        t.writelines(pieces)
 
 
 class Outbox:
-    """PUSH sockets to peers by address; ``send`` never blocks."""
+    """Connections to peers by address; ``send`` never blocks (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self.socks: dict[str, zmq.Socket] = {}
+        self.peers: dict[str, _Sender] = {}
+        self._connecting: set[asyncio.Task] = set()
 
-    def connect(self, addr: str) -> zmq.Socket:
-        sock = self.socks.get(addr)
-        if sock is None:
-            sock = _context().socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, HWM)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(addr)
-            self.socks[addr] = sock
-        return sock
+    def connect(self, addr: str) -> _Sender:
+        """The connection to ``addr``, opened (asynchronously) on first use."""
+        peer = self.peers.get(addr)
+        if peer is None:
+            peer = self.peers[addr] = _Sender(self, addr)
+            host, port = split_address(addr)
+            loop = asyncio.get_running_loop()
+            task = loop.create_task(loop.create_connection(lambda: peer, host, port))
+            self._connecting.add(task)
+            task.add_done_callback(lambda t: self._connected(t, peer))
+        return peer
 
-    def send(self, addr: str, frames: list[Any]) -> None:
-        """Queue a message to ``addr`` (connecting on first use).
+    def _connected(self, task: asyncio.Task, peer: _Sender) -> None:
+        self._connecting.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            why = "cancelled" if task.cancelled() else task.exception()
+            log.warning("data path: cannot connect to %s (%s); %d queued bytes dropped", peer.addr, why, peer.pending_bytes)
+            peer.lost = True
+            self.forget(peer)
+
+    def forget(self, peer: _Sender) -> None:
+        """A lost connection: the next send to its address connects anew."""
+        if self.peers.get(peer.addr) is peer:
+            del self.peers[peer.addr]
+
+    def send(self, addr: str, pieces: list[Any]) -> None:
+        """Queue a message (:func:`ppipe.runtime.wire.pack`'s pieces) to ``addr``.
 
         Raises:
-            DataPathFull: ``HWM`` messages already wait for that peer.
+            DataPathFull: ``MAX_BUFFERED_BYTES`` already wait for that peer.
         """
-        try:
-            self.connect(addr).send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            raise DataPathFull(f"{HWM} messages already wait for {addr}") from None
+        self.connect(addr).send(pieces)
 
     def drop(self, addr: str) -> None:
-        sock = self.socks.pop(addr, None)
-        if sock is not None:
-            sock.close(linger=0)
+        peer = self.peers.pop(addr, None)
+        if peer is not None and peer.transport is not None:
+            peer.transport.abort()
 
     def close(self) -> None:
-        for addr in list(self.socks):
+        for t in list(self._connecting):
+            t.cancel()
+        for addr in list(self.peers):
             self.drop(addr)
 
 
@@ -201,9 +287,9 @@ class StageServer:
         for t in list(self._tasks):
             t.cancel()
 
-    def _on_message(self, frames: list[Any]) -> None:
+    def _on_message(self, message: memoryview | bytes) -> None:
         try:
-            header, tensors = unpack(frames)
+            header, tensors = unpack(message)
             k = header["k"]
             header["route"][k], header["addr"], header["b"]  # noqa: B018 - the fields every stage needs
         except (WireError, KeyError, IndexError, TypeError) as exc:

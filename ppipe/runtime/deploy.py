@@ -272,6 +272,6 @@ def setup_transport(
         raise UserError(
             f"opening the NCCL communicators of {len(nccl_edges)} worker pair(s) failed: {first}",
             fix="check that NCCL can reach between the GPU servers (run with NCCL_DEBUG=INFO), "
-            "or serve with --transport zmq",
+            "or serve with --transport tcp",
         ) from None
     return choice

@@ -133,8 +133,8 @@ class Runtime:
             batch the scheduler fits just inside the deadline is answered late. Lateness
             (metrics, the answer) is still judged against ``arrival + SLO``.
         edges: the transport of each (sender, receiver) vGPU pair, from
-            :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "zmq"}``
-            or ``{edge: (transport, reason)}``); edges not named go over the data path's sockets.
+            :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "tcp"}``
+            or ``{edge: (transport, reason)}``); edges not named go over the data path's connections.
     """
 
     def __init__(
@@ -380,7 +380,7 @@ class Runtime:
                 links[j]["recv"] = {"peer": route[j - 1], "seq": seq}
         return [x or None for x in links]
 
-    def _on_report(self, frames: list[Any]) -> None:
+    def _on_report(self, message: memoryview | bytes) -> None:
         """A worker's report (the data path's callback): feed the scheduler; the last stage's
         report answers every request of the batch with its row of the outputs.
 
@@ -388,7 +388,7 @@ class Runtime:
         they may arrive in any order: stage k+1's before stage k's. The batch is answered by
         the last stage's report and forgotten once every stage has reported.
         """
-        rep, outputs = unpack(frames)
+        rep, outputs = unpack(message)
         batch = self._inflight.get(rep.get("batch_id"))
         if batch is None:  # a batch already failed (a worker on its route died)
             return

@@ -1,10 +1,10 @@
-"""How feature maps go from worker i to worker i+1: NCCL between GPU workers, else the data path's sockets.
+"""How feature maps go from worker i to worker i+1: NCCL between GPU workers, else the data path's connections.
 
 Two transports, chosen per *edge* (an ordered pair of vGPUs of consecutive pools of one
 pipeline, the sender upstream):
 
-- ``zmq``: worker i sends its output to worker i+1 as stage i+1's message over the data
-  path's ZeroMQ sockets (:mod:`ppipe.runtime.datapath`), host memory to host memory.
+- ``tcp``: worker i sends its output to worker i+1 as stage i+1's message over the data
+  path's TCP connections (:mod:`ppipe.runtime.datapath`), host memory to host memory.
 - ``nccl``: a dedicated two-rank NCCL communicator per edge (rank 0 the sender, rank 1 the
   receiver; :class:`cupy.cuda.nccl.NcclCommunicator`, its unique id made by the sender and
   handed to the receiver through Ray at start-up). At dispatch the frontend posts *both*
@@ -41,7 +41,7 @@ edges (e.g. 3 x 8 = 24 for rtmdet_x); a 100-GPU plan can have hundreds, which is
 ``NCCL_BUFFSIZE`` is worth lowering.
 
 Edges whose two vGPUs share one physical GPU (two MPS shares of one card in consecutive
-pools) use the data path's sockets: NCCL refuses two ranks on one device.
+pools) use the data path's connections: NCCL refuses two ranks on one device.
 
 Everything here except :class:`NcclLink` and :func:`nccl_capability` is plain Python and is
 tested on the CPU with a fake link injected explicitly by the tests; CuPy is imported
@@ -60,8 +60,8 @@ import numpy as np
 
 from ppipe.errors import UserError
 
-TRANSPORTS = ("auto", "zmq", "nccl")
-SOCKET, NCCL = "zmq", "nccl"
+TRANSPORTS = ("auto", "tcp", "nccl")
+SOCKET, NCCL = "tcp", "nccl"
 HEADER_BYTES = 4096  # one message header; a cut with dozens of named tensors still fits
 
 Edge = tuple[str, str]  # (sender vGPU id, receiver vGPU id)
@@ -116,7 +116,7 @@ def choose_edge(requested: str, up: Any, down: Any, cap_up: Capability, cap_down
     """The transport of one edge; returns ``(transport, reason)``.
 
     Args:
-        requested: ``auto``, ``zmq`` or ``nccl`` (``ppipe serve --transport``).
+        requested: ``auto``, ``tcp`` or ``nccl`` (``ppipe serve --transport``).
         up, down: the sender's and receiver's :class:`~ppipe.runtime.worker.WorkerSpec`.
         cap_up, cap_down: their capabilities.
 
@@ -133,7 +133,7 @@ def choose_edge(requested: str, up: Any, down: Any, cap_up: Capability, cap_down
                 raise UserError(
                     f"--transport nccl: worker {spec.vgpu_id} ({spec.gpu}) cannot use NCCL: {cap.reason}",
                     fix="serve GPU pools with --backend tensorrt (or ort with the CUDA execution provider) and "
-                    "`pip install 'ppipe[gpu]'` on the GPU servers, or use --transport auto / zmq",
+                    "`pip install 'ppipe[gpu]'` on the GPU servers, or use --transport auto / tcp",
                 )
             return SOCKET, f"{spec.vgpu_id}: {cap.reason}"
     if up.server == down.server and up.gpu_index == down.gpu_index:

@@ -44,12 +44,12 @@ def test_auto_uses_nccl_only_between_two_capable_workers_on_distinct_gpus():
     a, b = _spec("s-0/gpu0/s0"), _spec("s-1/gpu0/s0", server="s-1", partition=1)
     assert choose_edge("auto", a, b, OK, OK) == ("nccl", "")
     t, why = choose_edge("auto", a, b, OK, CPU)
-    assert t == "zmq" and "CPUs" in why
-    assert choose_edge("zmq", a, b, OK, OK)[0] == "zmq"
+    assert t == "tcp" and "CPUs" in why
+    assert choose_edge("tcp", a, b, OK, OK)[0] == "tcp"
     same = _spec("s-0/gpu0/s1", partition=1)  # another MPS share of the same card
     t, why = choose_edge("auto", a, same, OK, OK)
-    assert t == "zmq" and "one GPU" in why
-    assert choose_edge("nccl", a, same, OK, OK)[0] == "zmq"  # NCCL cannot; not the user's fault
+    assert t == "tcp" and "one GPU" in why
+    assert choose_edge("nccl", a, same, OK, OK)[0] == "tcp"  # NCCL cannot; not the user's fault
 
 
 def test_nccl_requested_but_unavailable_is_a_user_error_naming_the_worker():
@@ -66,7 +66,7 @@ def test_edges_join_consecutive_pools_of_one_pipeline_only():
     caps = {s.vgpu_id: OK for s in specs} | {"p2a": CPU}
     specs = [s if s.vgpu_id == "p0a" else _spec(s.vgpu_id, server=f"x{i}", partition=s.partition, pipeline=s.pipeline) for i, s in enumerate(specs)]
     got = select_transports("auto", specs, caps)
-    assert {e: t for e, (t, _) in got.items()} == {("p0a", "p1a"): "nccl", ("p0b", "p1a"): "nccl", ("p1a", "p2a"): "zmq"}
+    assert {e: t for e, (t, _) in got.items()} == {("p0a", "p1a"): "nccl", ("p0b", "p1a"): "nccl", ("p1a", "p2a"): "tcp"}
 
 
 def test_capability_is_refused_for_cpu_emulated_and_host_only_backends():
@@ -258,7 +258,7 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
     (up,), (down,) = ([p.vgpu_id for p in plan.placements_of("tinynet", 0, j)] for j in (0, 1))
     try:
         # what the workers report decides: CPU workers get the sockets, and NCCL on demand is refused
-        assert setup_transport(dep, workers, "auto") == {(up, down): ("zmq", f"{up}: the pool runs on CPUs")}
+        assert setup_transport(dep, workers, "auto") == {(up, down): ("tcp", f"{up}: the pool runs on CPUs")}
         with pytest.raises(UserError, match=f"--transport nccl: worker {up} \\(cpu\\) cannot use NCCL: the pool runs on CPUs"):
             setup_transport(dep, workers, "nccl")
         # a pair that cannot open its communicator (no CuPy here) is a UserError, not a hang

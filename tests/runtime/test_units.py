@@ -174,7 +174,7 @@ class _Method:
 
 
 class FakeWorker:
-    """A worker in-process: the real data path (:class:`StageServer`, ZeroMQ on 127.0.0.1)
+    """A worker in-process: the real data path (:class:`StageServer`, TCP on 127.0.0.1)
     around a fake stage (x + 1, then y = 2x). ``kill()`` stops it like a dead actor: its
     inbox closes and its lifeline call fails; ``die_on_next_stage`` kills it while it holds a batch."""
 
@@ -281,6 +281,30 @@ def test_driver_takes_outputs_from_the_last_report_and_keeps_them_out_of_traces(
     assert gc.get_freeze_count() > 0  # Runtime.start froze the start-up objects
 
 
+def test_reports_that_arrive_out_of_order_all_reach_the_scheduler_and_answer_once(tinynet):
+    rt, peers = _runtime(tinynet, max_batch=1)
+    first = rt.plan.placements_of("tinynet", 0, 0)[0].vgpu_id
+    server = peers[first].server
+    send_report = server._report
+    # stage 0's report reaches the frontend 50 ms after stage 1's (another worker, another connection)
+    server._report = lambda rep, out=None: asyncio.get_running_loop().call_later(0.05, send_report, rep, out)
+
+    async def main():
+        await rt.start()
+        outs = await asyncio.gather(*(rt.infer("tinynet", {"x": np.full(2, i, np.float32)}) for i in range(3)))
+        await asyncio.sleep(0.2)
+        await rt.stop()
+        return outs
+
+    outs = asyncio.run(main())
+    assert [o["y"].tolist() for o in outs] == [[2 * i + 2] * 2 for i in range(3)]
+    got = [(r.batch_id, r.partition) for r in rt.scheduler.reports]
+    assert sorted(got) == [(b, k) for b in range(3) for k in (0, 1)]
+    assert got.index((0, 1)) < got.index((0, 0))  # really out of order
+    assert not rt._inflight  # every batch forgotten once both stages reported
+    assert all([r["partition"] for r in t.reports] == [0, 1] for t in rt.traces)
+
+
 def test_driver_answers_drops_with_their_reason(tinynet):
     rt, _ = _runtime(tinynet, drop_all=True)
 
@@ -364,8 +388,8 @@ def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinyn
     rt, peers = _runtime(tinynet, counts=(2, 1), max_batch=1)
     ups = [p.vgpu_id for p in rt.plan.placements_of("tinynet", 0, 0)]
     down = rt.plan.placements_of("tinynet", 0, 1)[0].vgpu_id
-    # one edge over (fake) NCCL, the other over the data path's sockets
-    rt, peers = _runtime(tinynet, edges={(ups[0], down): ("nccl", ""), (ups[1], down): ("zmq", "")}, counts=(2, 1), max_batch=1)
+    # one edge over (fake) NCCL, the other over the data path's connections
+    rt, peers = _runtime(tinynet, edges={(ups[0], down): ("nccl", ""), (ups[1], down): ("tcp", "")}, counts=(2, 1), max_batch=1)
 
     async def main():
         await rt.start()
@@ -390,8 +414,8 @@ def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinyn
     assert sends == [{"peer": down, "seq": k} for k in range(n)]
     assert recvs[:n] == [{"peer": ups[0], "seq": k} for k in range(n)]
     other = [link for _, link in peers[ups[1]].links]
-    assert other == [None] * len(other)  # the zmq edge carries no link
-    # the dead receiver's NCCL peer is told to abort the edge; the zmq peer is not
+    assert other == [None] * len(other)  # the tcp edge carries no link
+    # the dead receiver's NCCL peer is told to abort the edge; the tcp peer is not
     assert peers[ups[0]].dropped == [down]
     assert peers[ups[1]].dropped == []
 
