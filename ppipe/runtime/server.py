@@ -288,18 +288,22 @@ class Frontend:
             "parameters": {"slo_ms": mp.slo_ms, "pipelines": len(mp.pipelines), "planned_throughput_rps": mp.throughput_rps},
         }
 
-    def _samples(self, name: str, body: bytes, header_length: str | None):
-        req = parse_infer_request(body, header_length)
-        in_name, arr = check_infer_inputs(name, self.runtime.profiles[name].manifest, req.inputs, req.requested_outputs)
-        return req, in_name, arr
+    async def _samples(self, name: str, body: bytes, header_length: str | None, arrival_us: float) -> tuple[InferRequest, str, np.ndarray]:
+        """Decode a body and check it against the model: (request, input name, samples).
 
-    async def _decode(self, name: str, body: bytes, header_length: str | None, arrival_us: float) -> InferRequest:
-        """Decode a body, dropping it (``DroppedError``, deadline-unreachable) when its
-        decode in the pool cannot end in time for its deadline: before queueing it, by the
-        pool's estimate, and after, by the clock."""
-        dec = self.decoder
+        A body decoded in the pool is dropped (``DroppedError``, deadline-unreachable) when
+        its decode cannot end in time for its deadline: before it is queued, by the pool's
+        estimate, and after, by the clock (once it is known to be well-formed: a malformed
+        body gets its 400 whatever the time).
+
+        Raises:
+            ProtocolError: the body is malformed or does not fit the model.
+            DroppedError: as above, or the decoder's queue-full / worker-failed.
+        """
+        dec, man = self.decoder, self.runtime.profiles[name].manifest
         if not dec.in_pool(body, header_length):
-            return await dec.decode(body, header_length)
+            req = await dec.decode(body, header_length)
+            return (req, *check_infer_inputs(name, man, req.inputs, req.requested_outputs))
         latest_us = arrival_us + self._decode_slack_us[name]
         try:
             end_us = self.runtime.clock.true_now_us() + dec.expected_end_s(len(body)) * 1e6
@@ -310,13 +314,14 @@ class Frontend:
                     f"({dec.queued} JSON bodies are decoding ahead of it); the binary tensor extension needs no decoding",
                 )
             req = await dec.decode(body, header_length)
+            in_name, arr = check_infer_inputs(name, man, req.inputs, req.requested_outputs)
             late_us = self.runtime.clock.true_now_us() - latest_us
             if late_us > 0:
                 raise DroppedError("deadline-unreachable", f"decoding the JSON body ended {late_us / 1e3:.0f} ms too late for the SLO")
         except DroppedError as exc:  # the data plane's drops are counted by the runtime; these here
             self.runtime.metrics.drops.labels(name, exc.reason).inc()
             raise
-        return req
+        return req, in_name, arr
 
     # ---- endpoints -----------------------------------------------------------------------
     async def server_metadata(self, request: Request) -> Response:
@@ -381,8 +386,7 @@ class Frontend:
         try:
             try:
                 body = await self._body(content_length, stream)
-                req = await self._decode(name, body, header_length, arrival_us)
-                in_name, arr = check_infer_inputs(name, self.runtime.profiles[name].manifest, req.inputs, req.requested_outputs)
+                req, in_name, arr = await self._samples(name, body, header_length, arrival_us)
             except ProtocolError as exc:
                 m.requests.labels(name, str(exc.status)).inc()
                 extra = {"connection": "close"} if exc.status == 408 else {}  # the rest of the body may still come

@@ -340,11 +340,13 @@ def test_a_decode_that_ends_too_late_is_dropped_not_served(tinynet):
     body = _tinynet_json()
     h.app.fe.decoder = _thread_decoder(1, 0.3, len(body))
     h.app.fe.decoder.s_per_byte = 1e-9  # the estimate is wrong: the decode takes 0.3 s
+    wrong = encode_infer_request({"input": np.ones((1, 3, 8, 7), np.float32)})[0]
     try:
-        r = h.post(body)
+        r, r_wrong = h.post(body), h.post(wrong)
     finally:
         h.close()
     assert r.status_code == 503 and "ended" in r.json()["error"] and not h.rt.arrivals
+    assert r_wrong.status_code == 400 and "shape [N, 3, 8, 8]" in r_wrong.json()["error"]  # malformed: a 400 whatever the time
 
 
 def test_too_many_queued_decodes_is_queue_full(tinynet):
