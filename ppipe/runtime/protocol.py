@@ -17,6 +17,7 @@ allocated for it, so a small body cannot make it compute or allocate a lot.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -276,7 +277,7 @@ def _encode_body(head: dict[str, Any], key: str, tensors: dict[str, np.ndarray],
             entry["parameters"] = {"binary_data_size": len(data)}
             blobs.append(data)
         else:
-            entry["data"] = arr.reshape(-1).tolist()
+            entry["data"] = _json_numbers(arr)
         entries.append(entry)
     head_bytes = json.dumps(head, separators=(",", ":")).encode()
     if not binary:
@@ -287,10 +288,22 @@ def _encode_body(head: dict[str, Any], key: str, tensors: dict[str, np.ndarray],
     }
 
 
+def _json_numbers(arr: np.ndarray) -> list:
+    """A tensor's values as a flat JSON list. JSON has no NaN or infinity (``json.dumps``
+    would write bare ``NaN``, which strict parsers refuse), so non-finite floats are written
+    as the strings "NaN", "Infinity" and "-Infinity", which ``float()`` and numpy read back."""
+    flat = arr.reshape(-1)
+    values = flat.tolist()
+    if arr.dtype.kind == "f" and not np.isfinite(flat).all():
+        values = [v if math.isfinite(v) else ("NaN" if v != v else "Infinity" if v > 0 else "-Infinity") for v in values]
+    return values
+
+
 def encode_infer_response(
     model: str, outputs: dict[str, np.ndarray], request_id: str | None, binary: bool
 ) -> tuple[bytes, dict[str, str]]:
-    """Encode outputs as a KServe v2 response body; returns (body, extra HTTP headers)."""
+    """Encode outputs as a KServe v2 response body; returns (body, extra HTTP headers).
+    In JSON, non-finite floats are the strings "NaN", "Infinity", "-Infinity"."""
     head: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": []}
     if request_id is not None:
         head["id"] = request_id

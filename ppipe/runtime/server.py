@@ -494,6 +494,12 @@ class _InferFastPath:
             )
         except _ClientGone:
             return
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running when the graceful shutdown's time
+            # is up: the client gets an answer that says so, not a silently closed connection
+            if name in self.fe.models:
+                self.fe.runtime.metrics.requests.labels(name, "503").inc()
+            status, body, headers = _error_body(503, "the server shut down before this request was answered; retry", connection="close")
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         raw.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": raw})

@@ -460,6 +460,10 @@ def test_shutdown_is_not_held_up_by_a_slow_client(tinynet):
         srv.server.should_exit = True
         srv.thread.join(timeout=10)
         assert not srv.thread.is_alive() and time.perf_counter() - t < 3.0
+        s.settimeout(2.0)
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 503") and b"shut down before this request was answered" in answer  # told, not cut silently
+    assert counted(rt, "503") == 1
 
 
 # ---- the token guards everything but health -------------------------------------------------------------

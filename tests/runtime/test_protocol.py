@@ -147,3 +147,16 @@ def test_data_of_the_right_kind_still_converts():
     assert got["b"].tolist() == [True, False]
     assert int(got["u"][0]) == 2**64 - 1
     assert got["e"].shape == (0, 3)
+
+
+def test_non_finite_outputs_are_valid_json_and_read_back():
+    out = {"y": np.array([[1.5, np.nan, np.inf, -np.inf]], dtype=np.float32)}
+    body, headers = encode_infer_response("m", out, None, binary=False)
+
+    def refuse(name):
+        raise ValueError(f"bare {name} is not JSON")
+
+    head = json.loads(body, parse_constant=refuse)  # strict JSON: no bare NaN / Infinity
+    assert head["outputs"][0]["data"] == [1.5, "NaN", "Infinity", "-Infinity"]
+    got = decode_infer_response(body)["y"]
+    assert got.dtype == np.float32 and got[0, 0] == 1.5 and np.isnan(got[0, 1]) and got[0, 2] == np.inf and got[0, 3] == -np.inf
