@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 
 import click
 
@@ -117,11 +118,14 @@ class _NullClock:
 @click.option("--decode-workers", default=None, type=click.IntRange(min=0),
               help="Processes that decode large JSON infer bodies off the event loop (0: decode on the loop). "
               "Default: a quarter of the CPUs, 1 to 4 (no YAML field).")
+@click.option("--shards", "shards", default="auto", show_default=True,
+              help="Frontend processes on the port, each scheduling its own models (groups of models that share no NIC): "
+              "a count, or auto (as many as the plan's planned rate needs, at most the cores but one). No YAML field.")
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
 def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, host, port, grpc_port, token, max_body_mb,
-          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, num_cpus, emulated_max_bytes):
+          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API.
 
     Without --ray-address, the local Ray instance it starts listens on loopback only when
@@ -130,8 +134,11 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     import uvicorn
 
     from ppipe.runtime.deploy import load_deployment, setup_transport, start_workers
-    from ppipe.runtime.driver import Runtime, check_whole_paths, default_scheduler_factory
-    from ppipe.runtime.server import create_app, uvicorn_config
+    from ppipe.runtime.driver import check_whole_paths, default_scheduler_factory
+    from ppipe.runtime.server import uvicorn_config
+    from ppipe.runtime.shards import (
+        PeerExchange, ServeSettings, assign_shards, build_shard, here_strategy, parse_shards, reuseport_socket, shard_actor_class,
+    )
 
     if transport == "nccl" and backend == "emulated":
         raise UserError("--transport nccl needs GPU workers; emulated workers have no GPU tensors",
@@ -150,6 +157,10 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     # build the scheduler once before starting anything: a bad policy, option or a plan
     # that does not fit its profiles is a UserError now, not after the workers are up
     check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
+    n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
+    if grpc_port is not None and n_shards > 1:
+        raise UserError("--grpc-port serves one shard's models only; it does not pass requests between shards yet",
+                        fix="use --shards 1 with --grpc-port")
     if grpc_port is not None:
         from ppipe.runtime.grpc_server import check_port_free
 
@@ -173,27 +184,49 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         for h in workers.values():
             ray.kill(h)
         raise
-    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, policy=policy, scheduler_options=options, edges=edges,
-                 dispatch_lead_us=dispatch_lead_ms * 1000.0, answer_budget_us=answer_budget_ms * 1000.0)
+    settings = ServeSettings(
+        runtime={"policy": policy, "scheduler_options": options, "dispatch_lead_us": dispatch_lead_ms * 1000.0,
+                 "answer_budget_us": answer_budget_ms * 1000.0},
+        app={"token": token, "max_body_bytes": int(max_body_mb * 1024 * 1024), "body_timeout_s": body_timeout_s,
+             "decode_workers": decode_workers},
+        server={"header_timeout_s": header_timeout_s, "shutdown_timeout_s": shutdown_timeout_s},
+    )
+    parts = assign_shards(dep.plan, n_shards)
+    owner = {m: i for i, ms in enumerate(parts) for m in ms}
+    sock = reuseport_socket(host, port)
+    actors = [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, dep, ms, workers, edges, settings, owner, host, port)
+              for i, ms in enumerate(parts) if i > 0]
+
     def shutdown():
+        for a in actors:
+            ray.kill(a)
         for h in workers.values():
             ray.kill(h)
 
-    companions = []
-    if grpc_port is not None:
-        from ppipe.runtime.grpc_server import GrpcServer
+    try:
+        addresses = ray.get([a.start.remote() for a in actors], timeout=300)
+    except BaseException:
+        shutdown()
+        raise
 
-        # started by the app's lifespan on uvicorn's loop, the runtime's (see create_app)
-        companions.append(GrpcServer(rt, host=host, port=grpc_port, token=token, max_message_bytes=int(max_body_mb * 1024 * 1024)))
-    app = create_app(rt, token=token, max_body_bytes=int(max_body_mb * 1024 * 1024), on_shutdown=shutdown, companions=companions,
-                     body_timeout_s=body_timeout_s, decode_workers=decode_workers)
+    def companions(rt, router):
+        out = [] if router is None else [PeerExchange(router, actors, addresses)]
+        if grpc_port is not None:
+            from ppipe.runtime.grpc_server import GrpcServer
+
+            # started by the app's lifespan on uvicorn's loop, the runtime's (see create_app)
+            out.append(GrpcServer(rt, host=host, port=grpc_port, token=token, max_message_bytes=int(max_body_mb * 1024 * 1024)))
+        return out
+
+    app, _, _ = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
     click.echo(
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
         + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
         + f"({len(workers)} vGPU workers, backend {backend}, policy {policy}, "
-        f"{sum(t == 'nccl' for t, _ in edges.values())} of {len(edges)} worker pairs over NCCL)"
+        f"{sum(t == 'nccl' for t, _ in edges.values())} of {len(edges)} worker pairs over NCCL"
+        + (f"; {len(parts)} shards: " + ", ".join("+".join(ms) for ms in parts) if len(parts) > 1 else "") + ")"
     )
-    uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run()
+    uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
 
 
 @click.command("bench")

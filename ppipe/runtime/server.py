@@ -730,19 +730,29 @@ class BackgroundServer:
         host, port: where to bind; port 0 picks a free port (see :attr:`url`).
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **timeouts: float):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", sockets=None, **timeouts: float):
         import uvicorn
 
         self.config = uvicorn_config(app, host, port, log_level=log_level, **timeouts)
         self.server = uvicorn.Server(self.config)
+        self.sockets = sockets  # already bound and listening (e.g. a shard's SO_REUSEPORT socket)
         self.thread = None
+        self.loop = None
         self.url = ""
 
     def __enter__(self) -> "BackgroundServer":
         import threading
         import time
 
-        self.thread = threading.Thread(target=self.server.run, name="ppipe-frontend", daemon=True)
+        def run() -> None:
+            factory = self.config.get_loop_factory()  # uvloop's where installed, as uvicorn.run would
+            self.loop = factory() if factory else asyncio.new_event_loop()
+            try:
+                self.loop.run_until_complete(self.server.serve(sockets=self.sockets))
+            finally:
+                self.loop.close()
+
+        self.thread = threading.Thread(target=run, name="ppipe-frontend", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:

@@ -1,0 +1,462 @@
+"""Frontend shards: several processes serve one port, each scheduling its own models.
+
+One frontend process (HTTP, decoding, the scheduler, the data path) uses one core, so its
+CPU per request bounds the rate one process serves. ``ppipe serve --shards N`` runs N
+frontend processes on the same port (``SO_REUSEPORT``: the kernel spreads connections
+over them); shard 0 is the ``ppipe serve`` process, the others are Ray actors on the same
+node (:class:`ShardServer`). Each shard owns some models: its scheduler, runtime and
+workers serve only those. A request that reaches a shard for a model it does not own is
+passed to the owner as it came (method, path, headers, body) over a data-path connection
+(:class:`ShardRouter`) and answered from there, so every check, drop and metric happens
+in the owner exactly as if the client had reached it directly.
+
+Which models share a shard. A model's scheduling state is independent of another's
+except for the NICs of the servers both send feature maps through. Shards are therefore
+built from *NIC components* (:func:`nic_components`): models are joined when a server
+hosts vGPUs of both in pipelines of two or more partitions (the only pipelines that
+transfer). Shards never share a vGPU or a NIC, so the scheduler of the whole plan, the
+one ``ppipe simulate`` runs, makes the same reservations as the shards' schedulers each
+over its part: the simulator still predicts the sharded server, with no rule for sharing
+a NIC at all. The components are packed into at most N shards by their planned load
+(largest first, each to the least loaded shard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ppipe.spec.plan import Plan
+
+log = logging.getLogger("ppipe.runtime")
+
+# Frontend CPU per request used to size the default shard count (scripts/bench_serve.py
+# measures it; a shard is sized to stay below TARGET_BUSY of its core at the planned rate).
+FRONTEND_CPU_S_PER_REQUEST = 1.5e-3
+TARGET_BUSY = 0.7
+
+
+# ---- which models each shard owns (pure) ------------------------------------------------------
+def nic_components(plan: Plan) -> list[list[str]]:
+    """The plan's models grouped so that no two groups share a vGPU or a transferring NIC.
+
+    Two models are in one group when some server hosts vGPUs of both in pipelines of two
+    or more partitions. Groups are sorted, and each group's models in plan order.
+    """
+    order = [m.name for m in plan.models]
+    parent = {m: m for m in order}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    multi = {(m.name, i) for m in plan.models for i, pl in enumerate(m.pipelines) if len(pl.partitions) > 1}
+    first_on: dict[str, str] = {}
+    for p in plan.placement:
+        if (p.model, p.pipeline) not in multi:
+            continue
+        other = first_on.setdefault(p.server, p.model)
+        parent[find(p.model)] = find(other)
+    groups: dict[str, list[str]] = {}
+    for m in order:
+        groups.setdefault(find(m), []).append(m)
+    return sorted(groups.values(), key=lambda g: order.index(g[0]))
+
+
+def model_load(plan: Plan, model: str) -> float:
+    """A model's frontend work at its planned rate: requests plus stage reports per second."""
+    mp = plan.model(model)
+    total = sum(pl.throughput_rps for pl in mp.pipelines) or mp.throughput_rps
+    stages = sum(pl.throughput_rps * len(pl.partitions) for pl in mp.pipelines) / total if total else 1.0
+    return mp.throughput_rps * (1.0 + stages / max(1, min(pl.batch for pl in mp.pipelines)))
+
+
+def assign_shards(plan: Plan, n: int) -> list[list[str]]:
+    """Split the plan's models into at most ``n`` shards of whole NIC components, balancing
+    their planned load (largest component first, to the least loaded shard; ties by index)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    comps = nic_components(plan)
+    comps.sort(key=lambda g: -sum(model_load(plan, m) for m in g))
+    shards: list[list[str]] = [[] for _ in range(min(n, len(comps)))]
+    load = [0.0] * len(shards)
+    for g in comps:
+        k = min(range(len(shards)), key=lambda i: (load[i], i))
+        shards[k].extend(g)
+        load[k] += sum(model_load(plan, m) for m in g)
+    order = [m.name for m in plan.models]
+    for s in shards:
+        s.sort(key=order.index)
+    return sorted(shards, key=lambda s: order.index(s[0]))
+
+
+def auto_shards(plan: Plan, cores: int) -> int:
+    """The default shard count: what the planned rate needs at ``FRONTEND_CPU_S_PER_REQUEST``
+    (each shard at most ``TARGET_BUSY`` busy), no more than the NIC components, and no more
+    than the cores but one (the workers and Ray's daemons need CPU too)."""
+    rate = sum(m.throughput_rps for m in plan.models)
+    need = math.ceil(rate * FRONTEND_CPU_S_PER_REQUEST / TARGET_BUSY)
+    return max(1, min(need, len(nic_components(plan)), cores - 1))
+
+
+def sub_plan(plan: Plan, models: list[str]) -> Plan:
+    """The plan restricted to ``models`` (their pipelines and their vGPUs' placement)."""
+    keep = set(models)
+    return plan.model_copy(update={
+        "models": [m for m in plan.models if m.name in keep],
+        "placement": [p for p in plan.placement if p.model in keep],
+    })
+
+
+def merge_metrics(texts: list[bytes]) -> bytes:
+    """Prometheus text expositions of several shards as one: each family once, with the
+    samples of every shard (the shards' label sets are disjoint: models, vGPUs)."""
+    families: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for text in texts:
+        current = None
+        for line in text.decode().splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                current = line.split()[2]
+                head = families.setdefault(current, [])
+                if line not in head:
+                    head.append(line)
+                samples.setdefault(current, [])
+            elif line.strip():
+                samples.setdefault(current or "", []).append(line)
+    out = []
+    for name, head in families.items():
+        out += head + samples.pop(name, [])
+    for rest in samples.values():
+        out += rest
+    return ("\n".join(out) + "\n").encode()
+
+
+# ---- passing requests between shards ------------------------------------------------------------------
+class ShardRouter:
+    """ASGI: serves the models this shard owns with ``app``; passes the others to their owners.
+
+    Args:
+        app: this shard's app (:func:`ppipe.runtime.server.create_app`).
+        index: this shard's number.
+        owner: model name -> the shard that owns it (every model of the plan).
+
+    Requests under ``/v2/models/{name}`` go to the owner of ``name`` (names no shard owns
+    stay here, for the 404). ``/v2/health/ready`` and ``/metrics`` ask every shard and
+    combine the answers; everything else is answered here. Between shards, a request is one
+    data-path message (header: method, path, query, headers; the body as bytes), and so is
+    its answer; the owner replays it into its own app.
+    """
+
+    def __init__(self, app: Any, index: int, owner: dict[str, int]):
+        self.app, self.index, self.owner = app, index, dict(owner)
+        self.peers: list[str] | None = None  # every shard's router address, by index
+        self.address: str | None = None
+        self._inbox = None
+        self._outbox = None
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future] = {}
+
+    # lifecycle (a companion of the app: started and stopped on the server's loop)
+    async def start(self) -> None:
+        from ppipe.runtime.datapath import Inbox, LOOPBACK, Outbox
+
+        self._inbox, self._outbox = Inbox(self._on_message, LOOPBACK), Outbox()
+        self.address = self._inbox.address
+
+    async def stop(self) -> None:
+        for f in self._waiting.values():
+            if not f.done():
+                f.set_exception(ConnectionError("the shard is stopping"))
+        if self._inbox is not None:
+            self._inbox.close()
+            self._outbox.close()
+
+    def set_peers(self, addresses: list[str]) -> None:
+        self.peers = list(addresses)
+
+    # ASGI
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if path.startswith("/v2/models/"):
+            name = path[len("/v2/models/"):].split("/", 1)[0]
+            target = self.owner.get(name, self.index)
+            if target != self.index:
+                return await self._pass(target, scope, receive, send)
+        elif path in ("/v2/health/ready", "/metrics") and len(set(self.owner.values())) > 1:
+            return await self._gather(path, scope, receive, send)
+        await self.app(scope, receive, send)
+
+    async def _pass(self, target: int, scope, receive, send) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client left
+        status, headers, out = await self._ask(target, scope, body)
+        await _respond(send, status, headers, out)
+
+    async def _gather(self, path: str, scope, receive, send) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            return
+        shards = sorted(set(self.owner.values()))
+        answers = await asyncio.gather(*(self._ask(i, scope, body) for i in shards))
+        bad = [a for a in answers if a[0] != 200]
+        if path == "/metrics" and not bad:
+            merged = merge_metrics([a[2] for a in answers])
+            await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")], merged)
+        else:  # readiness: ready when every shard is; an error (401) as the first shard that gave it
+            status, headers, out = bad[0] if bad else answers[0]
+            await _respond(send, status, headers, out)
+
+    async def _ask(self, target: int, scope, body: bytes) -> tuple[int, list, bytes]:
+        """Answer of shard ``target`` (this one in-process) to the request ``scope`` + ``body``."""
+        if target == self.index:
+            return await _replay(self.app, _wire_scope(scope), body)
+        if self.peers is None:
+            return 503, [(b"content-type", b"application/json")], b'{"error": "the server is starting; retry shortly"}'
+        from ppipe.runtime.wire import pack
+
+        rid = next(self._ids)
+        fut = self._waiting[rid] = asyncio.get_running_loop().create_future()
+        head = {"op": "request", "id": rid, "from": self.address, **_wire_scope(scope)}
+        try:
+            self._outbox.send(self.peers[target], pack(head, {"body": _bytes_array(body)}))
+            return await fut
+        except Exception as exc:
+            log.warning("shard %d could not reach shard %d: %s", self.index, target, exc)
+            return 503, [(b"content-type", b"application/json")], b'{"error": "a shard of this server did not answer"}'
+        finally:
+            self._waiting.pop(rid, None)
+
+    def _on_message(self, message) -> None:
+        from ppipe.runtime.wire import unpack
+
+        head, tensors = unpack(message)
+        body = tensors["body"].tobytes() if "body" in tensors else b""
+        if head.get("op") == "request":
+            task = asyncio.get_running_loop().create_task(self._serve_peer(head, body))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        elif head.get("op") == "answer":
+            fut = self._waiting.get(head["id"])
+            if fut is not None and not fut.done():
+                fut.set_result((head["status"], [tuple(h) for h in head["headers"]], body))
+
+    async def _serve_peer(self, head: dict[str, Any], body: bytes) -> None:
+        from ppipe.runtime.wire import pack
+
+        try:
+            status, headers, out = await _replay(self.app, head, body)
+        except Exception:
+            log.exception("shard %d: a passed request failed", self.index)
+            status, headers, out = 500, [(b"content-type", b"application/json")], b'{"error": "internal error in a shard"}'
+        self._outbox.send(head["from"], pack({"op": "answer", "id": head["id"], "status": status, "headers": headers},
+                                             {"body": _bytes_array(out)}))
+
+
+def _wire_scope(scope) -> dict[str, Any]:
+    """What of an ASGI scope travels to another shard."""
+    return {
+        "method": scope["method"], "path": scope["path"], "query": scope.get("query_string", b""),
+        "headers": [[k, v] for k, v in scope["headers"] if k != b"content-length"],
+        "http_version": scope.get("http_version", "1.1"), "client": list(scope.get("client") or ("", 0)),
+    }
+
+
+async def _replay(app: Any, head: dict[str, Any], body: bytes) -> tuple[int, list, bytes]:
+    """Run one request (as :func:`_wire_scope` describes it) through ``app``; returns its answer."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": head["http_version"], "method": head["method"],
+        "scheme": "http", "path": head["path"], "raw_path": head["path"].encode(), "query_string": head["query"],
+        "root_path": "", "headers": [(bytes(k), bytes(v)) for k, v in head["headers"]] + [(b"content-length", str(len(body)).encode())],
+        "client": tuple(head["client"]), "server": None,
+    }
+    sent = False
+    done = asyncio.Event()
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    answer: dict[str, Any] = {"status": 500, "headers": [], "body": []}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            answer["status"], answer["headers"] = msg["status"], [(bytes(k), bytes(v)) for k, v in msg.get("headers", [])]
+        elif msg["type"] == "http.response.body":
+            answer["body"].append(msg.get("body", b""))
+
+    try:
+        await app(scope, receive, send)
+    finally:
+        done.set()
+    headers = [(k, v) for k, v in answer["headers"] if k.lower() != b"content-length"]
+    return answer["status"], headers, b"".join(answer["body"])
+
+
+async def _read_body(receive) -> bytes | None:
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _respond(send, status: int, headers: list, body: bytes) -> None:
+    raw = [(bytes(k), bytes(v)) for k, v in headers] + [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _bytes_array(data: bytes):
+    import numpy as np
+
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` that other shards may bind too (``SO_REUSEPORT``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+
+# ---- a shard's server ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServeSettings:
+    """How every shard serves (the flags of ``ppipe serve``).
+
+    Attributes:
+        runtime: keyword arguments of :class:`ppipe.runtime.driver.Runtime` (policy,
+            scheduler options, dispatch lead, answer budget).
+        app: keyword arguments of :func:`ppipe.runtime.server.create_app` (token, body
+            limits and timeouts, decode workers).
+        server: keyword arguments of :func:`ppipe.runtime.server.uvicorn_config` (timeouts).
+    """
+
+    runtime: dict[str, Any] = field(default_factory=dict)
+    app: dict[str, Any] = field(default_factory=dict)
+    server: dict[str, Any] = field(default_factory=dict)
+
+
+def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings, index: int,
+                owner: dict[str, int], companions: Callable[[Any, "ShardRouter | None"], list[Any]] | None = None,
+                on_shutdown: Callable[[], None] | None = None):
+    """One shard's runtime and app: the plan restricted to ``models``, their workers and
+    edges; returns ``(asgi_app, runtime, router)`` (``router`` None for a single shard).
+
+    ``companions(runtime, router)`` gives more frontends of the shard's runtime (gRPC, the
+    peer exchange), started after the router on the app's loop."""
+    from ppipe.runtime.driver import Runtime
+    from ppipe.runtime.server import create_app
+
+    plan = sub_plan(dep.plan, models)
+    mine = {p.vgpu_id for p in plan.placement}
+    rt = Runtime(plan, {m: dep.profiles[m] for m in models}, dep.cluster, {v: h for v, h in workers.items() if v in mine},
+                 edges={e: t for e, t in edges.items() if e[0] in mine}, **settings.runtime)
+    router = ShardRouter(None, index, owner) if len(set(owner.values())) > 1 else None
+    extra = list(companions(rt, router)) if companions else []
+    app = create_app(rt, companions=([router] if router else []) + extra, on_shutdown=on_shutdown, **settings.app)
+    if router is None:
+        return app, rt, None
+    router.app = app
+    return router, rt, router
+
+
+class ShardServer:
+    """Shard ``index`` (> 0) of ``ppipe serve --shards``, as a Ray actor on the head node:
+    its runtime and app served by uvicorn on its own thread and loop, on the shared port."""
+
+    def __init__(self, index: int, dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings,
+                 owner: dict[str, int], host: str, port: int):
+        from ppipe.runtime.worker import _undo_ray_niceness
+
+        _undo_ray_niceness()  # on every request's path, like the workers
+        self.index, self.host, self.port = index, host, port
+        self._args = (dep, models, workers, edges, settings, index, owner)
+        self.server = None
+        self.router: ShardRouter | None = None
+
+    async def start(self) -> str:
+        """Start serving; returns this shard's router address (for :meth:`set_peers`)."""
+        from ppipe.runtime.server import BackgroundServer
+
+        app, _, self.router = build_shard(*self._args)
+        settings = self._args[4]
+        self.server = BackgroundServer(app, sockets=[reuseport_socket(self.host, self.port)], **settings.server)
+        await asyncio.get_running_loop().run_in_executor(None, self.server.__enter__)
+        return self.router.address
+
+    async def set_peers(self, addresses: list[str]) -> None:
+        self.server.loop.call_soon_threadsafe(self.router.set_peers, addresses)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.server.__exit__, None, None, None)
+
+
+def here_strategy():
+    """Ray scheduling on this process's node (shards share its port)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def parse_shards(value: str, plan: Plan, cores: int) -> int:
+    """``--shards``: ``auto`` (:func:`auto_shards`) or a count >= 1 (capped by the plan's
+    NIC components when it is packed)."""
+    if value == "auto":
+        return auto_shards(plan, cores)
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        from ppipe.errors import UserError
+
+        raise UserError(f"--shards must be 'auto' or a count >= 1, got '{value}'", fix="e.g. --shards 2, or leave it at auto")
+    return n
+
+
+def shard_actor_class():
+    """:class:`ShardServer` as a Ray actor class."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=16)(ShardServer)
+
+
+class PeerExchange:
+    """A companion of shard 0's app: once its router listens, tells every shard where all
+    routers are (the shard actors' addresses came back from their ``start``)."""
+
+    def __init__(self, router: ShardRouter, actors: list[Any], addresses: list[str]):
+        self.router, self.actors, self.addresses = router, actors, addresses
+
+    async def start(self) -> None:
+        everyone = [self.router.address, *self.addresses]
+        self.router.set_peers(everyone)
+        await asyncio.gather(*(a.set_peers.remote(everyone) for a in self.actors))
+
+    async def stop(self) -> None:
+        return None

@@ -1,0 +1,163 @@
+"""Frontend shards: which models each owns, the simulator's equivalence, and requests passed between shards."""
+
+from __future__ import annotations
+
+import functools
+
+import httpx
+import numpy as np
+import pytest
+
+from ppipe.planner.placement import place
+from ppipe.runtime.shards import ShardRouter, assign_shards, auto_shards, merge_metrics, nic_components, parse_shards, sub_plan
+from ppipe.spec.cluster import load_cluster
+from ppipe.errors import UserError
+from .conftest import make_plan
+from .tinynet import write_tinynet
+
+
+def _two_model_plan(tmp_path, split_a, split_b, servers=2, gpus_per_server=2):
+    """Models a and b (tinynet profiles) on `servers` CPU servers; split_x: the partitions
+    [(first, last, gpu, vgpu, count)] of model x's one pipeline, placed by the planner's placer."""
+    base = load_cluster("local-cpu")
+    cluster = base.model_copy(update={"servers": [base.servers[0].model_copy(update={"count": servers, "gpus_per_server": gpus_per_server})]})
+    models = []
+    for name, split in (("a", split_a), ("b", split_b)):
+        prof = write_tinynet(tmp_path / name, name=name)
+        models.append(make_plan(prof, cluster, split).models[0])
+    plan = make_plan(write_tinynet(tmp_path / "a2", name="a"), cluster, split_a)
+    return plan.model_copy(update={"models": models, "placement": place(models, cluster)}), cluster
+
+
+ONE = [(0, 2, "cpu", 1, 1)]  # one partition: no transfer, no NIC
+
+
+def test_models_that_transfer_through_a_shared_server_are_one_component(tmp_path):
+    two = [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)]
+    plan, _ = _two_model_plan(tmp_path, two, two, servers=1)  # both pipelines transfer through the one server's NIC
+    assert nic_components(plan) == [["a", "b"]]
+    assert assign_shards(plan, 4) == [["a", "b"]]
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)  # nothing transfers: no NIC is shared
+    assert nic_components(plan) == [["a"], ["b"]]
+    assert assign_shards(plan, 2) == [["a"], ["b"]] and assign_shards(plan, 1) == [["a", "b"]]
+    plan, _ = _two_model_plan(tmp_path, two, ONE, servers=1)  # only a transfers
+    assert nic_components(plan) == [["a"], ["b"]]
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        assign_shards(plan, 0)
+
+
+def test_shards_balance_the_planned_load_and_a_sub_plan_keeps_only_its_models(tmp_path):
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    heavy = plan.models[1].model_copy(update={"throughput_rps": 10 * plan.models[0].throughput_rps, "name": "c"})
+    three = plan.model_copy(update={"models": [*plan.models, heavy],
+                                    "placement": [*plan.placement] + [p.model_copy(update={"model": "c", "vgpu_id": p.vgpu_id + "c"})
+                                                                      for p in plan.placement if p.model == "b"]})
+    assert assign_shards(three, 2) == [["a", "b"], ["c"]]  # the heavy model alone, the two light ones together
+    sub = sub_plan(three, ["c"])
+    assert [m.name for m in sub.models] == ["c"] and {p.model for p in sub.placement} == {"c"}
+    assert [m.name for m in three.models] == ["a", "b", "c"]  # the plan itself is unchanged
+
+
+def test_auto_shards_follow_the_planned_rate_the_components_and_the_cores(tmp_path):
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    slow = plan.model_copy(update={"models": [m.model_copy(update={"throughput_rps": 10.0}) for m in plan.models]})
+    fast = plan.model_copy(update={"models": [m.model_copy(update={"throughput_rps": 5000.0}) for m in plan.models]})
+    assert auto_shards(slow, cores=16) == 1  # one process carries 20 req/s
+    assert auto_shards(fast, cores=16) == 2  # 10,000 req/s needs many, but there are two components
+    assert auto_shards(fast, cores=2) == 1  # one core stays for the workers
+    assert parse_shards("3", plan, 2) == 3 and parse_shards("auto", slow, 16) == 1
+    with pytest.raises(UserError, match="--shards must be 'auto' or a count >= 1, got 'x'"):
+        parse_shards("x", plan, 2)
+
+
+def test_metrics_of_several_shards_merge_into_one_family_each():
+    a = b'# HELP ppipe_requests_total n\n# TYPE ppipe_requests_total counter\nppipe_requests_total{model="a"} 1.0\n'
+    b = b'# HELP ppipe_requests_total n\n# TYPE ppipe_requests_total counter\nppipe_requests_total{model="b"} 2.0\n# TYPE x gauge\nx 1\n'
+    text = merge_metrics([a, b]).decode()
+    assert text.count("# TYPE ppipe_requests_total") == 1 and text.count("# HELP ppipe_requests_total") == 1
+    assert 'ppipe_requests_total{model="a"} 1.0' in text and 'ppipe_requests_total{model="b"} 2.0' in text
+    assert text.index('model="b"') < text.index("# TYPE x gauge")  # a family's samples stay under its header
+
+
+def test_the_whole_plans_scheduler_decides_as_the_shards_schedulers_do(tmp_path):
+    """Shards share no resource, so simulating the whole plan gives each request the same
+    fate and latency as simulating each shard's sub-plan with its models' arrivals."""
+    from ppipe.sim.arrivals import model_rng
+    from ppipe.sim.simulator import SimConfig, Simulator
+
+    two = [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)]
+    plan, cluster = _two_model_plan(tmp_path, two, two, servers=2, gpus_per_server=1)
+    parts = assign_shards(plan, 2)
+    assert parts == [["a"], ["b"]]  # a on one server, b on the other: no shared NIC
+    profiles = {m: write_tinynet(tmp_path / f"p{m}", name=m) for m in ("a", "b")}
+    arrivals = {}
+    for i, m in enumerate(("a", "b")):
+        rate = 0.9 * plan.model(m).throughput_rps
+        arrivals[m] = np.cumsum(model_rng(7, i).exponential(1e6 / rate, size=300))
+    cfg = SimConfig(seed=1)
+
+    def outcomes(p, arr):
+        sim = Simulator(p, {m.name: profiles[m.name] for m in p.models}, cluster, cfg).run(arr)
+        return sorted((r.model, r.arrival_us, r.dispatch_us, r.completion_us, r.drop_reason) for r in sim.records)
+
+    whole = outcomes(plan, arrivals)
+    sharded = sorted(sum((outcomes(sub_plan(plan, ms), {m: arrivals[m] for m in ms}) for ms in parts), []))
+    assert len(whole) == 600 and whole == sharded
+
+
+# ---- passing requests between shards (in-process: two routers, fake workers, real HTTP) -----------------
+def _shard_server(plan, tinynet_dir, models, index, owner):
+    from ppipe.runtime.driver import Runtime
+    from ppipe.runtime.server import BackgroundServer, create_app
+    from ppipe.spec.profile import load_profile
+    from .fakes import FifoScheduler
+    from .test_units import FakeWorker
+
+    part = sub_plan(plan, models)
+    profiles = {m: load_profile(tinynet_dir / m) for m in models}
+    workers = {p.vgpu_id: FakeWorker(p.vgpu_id) for p in part.placement}
+    rt = Runtime(part, profiles, load_cluster("local-cpu"), workers, scheduler_factory=functools.partial(FifoScheduler, max_batch=1))
+    router = ShardRouter(None, index, owner)
+    router.app = create_app(rt, token="t0k", companions=[router])
+    return BackgroundServer(router), router
+
+
+def test_a_shard_passes_other_models_requests_to_their_owner_and_answers_for_all(tmp_path):
+    from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
+
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    for m in ("a", "b"):
+        write_tinynet(tmp_path / m, name=m)
+    owner = {"a": 0, "b": 1}
+    srv0, r0 = _shard_server(plan, tmp_path, ["a"], 0, owner)
+    srv1, r1 = _shard_server(plan, tmp_path, ["b"], 1, owner)
+    auth = {"authorization": "Bearer t0k"}
+    with srv0, srv1:
+        with httpx.Client(base_url=srv0.url, timeout=30) as c:
+            starting = c.get("/v2/models/b", headers=auth)
+            r0.set_peers([r0.address, r1.address])
+            r1.set_peers([r0.address, r1.address])
+            body, headers = encode_infer_request({"input": np.full((1, 3, 8, 8), 3.0, np.float32)}, binary=True)
+            answers = {m: c.post(f"/v2/models/{m}/infer", content=body, headers={**headers, **auth}) for m in ("a", "b")}
+            meta_b = c.get("/v2/models/b", headers=auth)
+            no_token = c.post("/v2/models/b/infer", content=body, headers=headers)
+            ready = c.get("/v2/health/ready")
+            metrics = c.get("/metrics", headers=auth)
+            metrics_no_token = c.get("/metrics")
+            unknown = c.get("/v2/models/zzz", headers=auth)
+        with httpx.Client(base_url=srv1.url, timeout=30) as c:  # the other shard answers for a as well
+            a_via_1 = c.post("/v2/models/a/infer", content=body, headers={**headers, **auth})
+    assert starting.status_code == 503 and "starting" in starting.json()["error"]
+    for m, r in answers.items():
+        assert r.status_code == 200, r.text
+        out = decode_infer_response(r.content, r.headers.get("inference-header-content-length"))
+        assert np.all(out["y"] == 6.0)  # the fake one-stage pipeline: 3 * 2
+    assert a_via_1.status_code == 200
+    assert meta_b.status_code == 200 and meta_b.json()["name"] == "b"
+    assert no_token.status_code == 401  # the owner checks the token, as if reached directly
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    text = metrics.text
+    assert metrics.status_code == 200 and text.count("# TYPE ppipe_requests_total counter") == 1
+    assert 'ppipe_requests_total{code="200",model="a"} 1.0' in text and 'ppipe_requests_total{code="200",model="b"} 1.0' in text
+    assert metrics_no_token.status_code == 401
+    assert unknown.status_code == 404
