@@ -161,3 +161,67 @@ def test_a_shard_passes_other_models_requests_to_their_owner_and_answers_for_all
     assert 'ppipe_requests_total{code="200",model="a"} 1.0' in text and 'ppipe_requests_total{code="200",model="b"} 1.0' in text
     assert metrics_no_token.status_code == 401
     assert unknown.status_code == 404
+
+
+def test_serve_refuses_bad_shard_counts_and_grpc_with_shards_before_starting_ray(tmp_path):
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    plan.save(tmp_path / "plan.yaml")
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--shards", "0"])
+    assert r.exit_code == 2 and "--shards must be 'auto' or a count >= 1, got '0'" in r.output
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--shards", "2", "--grpc-port", "8001"])
+    assert r.exit_code == 2 and "use --shards 1 with --grpc-port" in r.output
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
+    """The command a user runs: two shards (one a Ray actor), requests on fresh connections
+    (the kernel spreads them over the shards), merged metrics, a clean stop on SIGINT."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
+
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    plan.save(tmp_path / "plan.yaml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(tmp_path / "plan.yaml"), "--backend", "emulated",
+                             "--shards", "2", "--port", str(port), "--num-cpus", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "ppipe serve did not become ready"
+            time.sleep(0.5)
+        codes = {}
+        body, headers = encode_infer_request({"input": np.zeros((1, 3, 8, 8), np.float32)}, binary=True)
+        for m in ("a", "b"):
+            for _ in range(6):
+                r = httpx.post(f"{url}/v2/models/{m}/infer", content=body, headers=headers, timeout=30)  # a new connection each
+                codes.setdefault(m, []).append(r.status_code)
+                assert decode_infer_response(r.content, r.headers.get("inference-header-content-length"))["logits"].shape == (1, 5)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert codes == {"a": [200] * 6, "b": [200] * 6}
+    assert 'ppipe_requests_total{code="200",model="a"} 6.0' in metrics and 'ppipe_requests_total{code="200",model="b"} 6.0' in metrics
+    assert "2 shards: a, b" in out
+    assert "Traceback" not in out
