@@ -2,7 +2,7 @@
 #!/usr/bin/env python
 """Benchmarks of `ppipe serve` on this machine (emulated workers; no GPU needed).
 
-Two figures:
+Three figures:
 
 1. **Rehearsal vs simulation.** A PPipe plan for the paper's HC1-S (4 L4 + 12 P4, 16 GPUs)
    of one PPipe-artifact model, served by emulated workers (one Ray actor per vGPU, each
@@ -29,6 +29,9 @@ Two figures:
    input, batch 16 on 2 vGPUs, so that the frontend (HTTP, JSON/binary decoding,
    scheduler, data path) is the bottleneck: the highest offered rate it serves at
    >= 99 % attainment, JSON and binary.
+3. **Scale-out.** Two such models at batch 1 behind `ppipe serve --shards N` (started as a
+   user starts it), one `ppipe bench` per model: the highest total rate at >= 99 %
+   attainment with 1 and with 2 shards.
 
 The load generator runs in its own process (`ppipe bench`), the server (uvicorn + Ray
 driver) in this one, the workers in Ray's; all share this machine's cores, so the figures
@@ -39,6 +42,7 @@ Measured figures, with the host line and the command, are in docs/benchmarks.md.
     python scripts/bench_serve.py --part ceiling  # one part
     python scripts/bench_serve.py --part rehearsal                                  # atss, 16 vGPUs, full speed
     python scripts/bench_serve.py --part rehearsal --model rtmdet_x_8xb32-300e_coco
+    python scripts/bench_serve.py --part scaleout # 1 vs 2 frontend shards
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -329,9 +334,106 @@ def ceiling(duration_s: float, seed: int, tmp: Path, rates: list[float]) -> dict
     return out
 
 
+# ---- part 3: scale-out over frontend shards ------------------------------------------------------------------
+def null_model(tmp: Path, name: str, batch: int, vgpus: int):
+    """A one-block model with 1 us emulated latency and a 16-float input, on ``vgpus`` CPU vGPUs."""
+    from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan
+    from ppipe.spec.profile import BlockSpec, ModelManifest, ModelProfile, SourceSpec, TensorSpec
+
+    manifest = ModelManifest(
+        name=name, source=SourceSpec(kind="synthetic", note="frontend benchmark: 1 us per batch"),
+        input=TensorSpec(name="input", shape=[16]), outputs=[TensorSpec(name="output", shape=[4])],
+        blocks=[BlockSpec(index=0, out_bytes_per_sample=16)], slo_ms=CEILING_SLO_MS,
+    )
+    table = {("cpu", v, b, 0): 1.0 for v in (1, 2) for b in (1, 2, 4, 8, 16, 32)}
+    ModelProfile(manifest=manifest, table=table, directory=tmp / name).save(tmp / name)
+    part = PartitionPlan(first_block=0, last_block=0, gpu="cpu", vgpu=2, count=vgpus, infer_us=1.0, throughput_rps=1e6)
+    return ModelPlan(name=name, profile=str(tmp / name), slo_ms=CEILING_SLO_MS, weight=1.0, throughput_rps=1e6,
+                     pipelines=[PipelinePlan(batch=batch, throughput_rps=1e6, latency_us=1.0, partitions=[part])])
+
+
+def scaleout(duration_s: float, seed: int, tmp: Path, rates: list[float], shard_counts: tuple[int, ...] = (1, 2)) -> dict:
+    """The highest total rate two batch-1 models (1 us emulated stages) get at >= 99 %
+    attainment from `ppipe serve --shards N`, as a user runs it, for each N: the frontend is
+    the bottleneck, so this is what sharding buys. Each model has its own `ppipe bench`."""
+    import httpx
+
+    from ppipe.planner.placement import place
+    from ppipe.spec.base import dump_yaml
+    from ppipe.spec.cluster import load_cluster
+    from ppipe.spec.plan import Plan, PlanSettings, SolverReport
+
+    base = load_cluster("local-cpu")
+    cluster = base.model_copy(update={"servers": [base.servers[0].model_copy(update={"gpus_per_server": 2})]})
+    cluster_file = tmp / "local-cpu-2.yaml"
+    dump_yaml(cluster.model_dump(mode="json", exclude_none=True), cluster_file)
+    models = [null_model(tmp, n, batch=1, vgpus=2) for n in ("null-a", "null-b")]
+    plan = Plan(cluster=cluster.name, cluster_file=str(cluster_file),
+                settings=PlanSettings(planner="hand", formulation="ppipe", gpu_rule="physical", objective="none", margin=0.0, max_partitions=1),
+                solver=SolverReport(name="none", status="heuristic", seconds=0, objective=0), models=models, placement=place(models, cluster))
+    plan.save(tmp / "scaleout.yaml")
+    print(f"\n== scale-out: two models (batch 1, 1 us emulated stages, SLO {CEILING_SLO_MS:g} ms), `ppipe serve --shards N`, "
+          f"half the rate to each model")
+    out: dict[str, dict] = {}
+    for n in shard_counts:
+        port = 18000 + n
+        proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(tmp / "scaleout.yaml"), "--backend", "emulated",
+                                 "--shards", str(n), "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "RAY_ADDRESS": ""})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    if httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"ppipe serve --shards {n} did not start")
+                time.sleep(0.5)
+            best, points = None, {}
+            for rate in rates:
+                results = parallel_bench(url, [m.name for m in models], rate / len(models), duration_s, seed)
+                att = min(r["slo_attainment"] for r in results)
+                good = sum(r["goodput_rps"] for r in results)
+                points[str(rate)] = {"attainment": att, "goodput_rps": good}
+                print(f"   {n} shard(s): {rate:6.0f} req/s offered: attainment {100 * att:.2f} % (worse model)  goodput {good:.0f} req/s")
+                if att < 0.99:
+                    break
+                best = rate
+            out[str(n)] = {"max_rps": best, "points": points}
+            print(f"   {n} shard(s): highest total rate at >= 99 %: {best} req/s")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    one, two = out.get("1", {}).get("max_rps"), out.get("2", {}).get("max_rps")
+    if one and two:
+        print(f"   2 shards / 1 shard: {two / one:.2f}x (target >= 1.7 on a host whose cores are not also the load generator's)")
+    return out
+
+
+def parallel_bench(url: str, models: list[str], rate_each: float, duration_s: float, seed: int) -> list[dict]:
+    """One `ppipe bench` per model, at once; their JSON figures."""
+    procs, files = [], []
+    for i, m in enumerate(models):
+        fh = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
+        fh.close()
+        files.append(fh.name)
+        procs.append(subprocess.Popen([sys.executable, "-m", "ppipe.cli", "bench", url, "--model", m, "--rate", f"{rate_each:.3f}",
+                                       "--duration-s", str(duration_s), "--seed", str(seed + i), "--json-out", fh.name, "--binary"],
+                                      stdout=subprocess.DEVNULL))
+    for p in procs:
+        p.wait()
+    return [json.loads(Path(f).read_text()) for f in files]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["all", "rehearsal", "ceiling"], default="all")
+    ap.add_argument("--part", choices=["all", "rehearsal", "ceiling", "scaleout"], default="all")
     ap.add_argument("--model", default="atss_r101_fpn_1x_coco", help="PPipe-artifact model for the rehearsal (see above)")
     ap.add_argument("--duration-s", type=float, default=10.0, help="arrival window per load point (the paper: 30)")
     ap.add_argument("--seed", type=int, default=0)
@@ -340,6 +442,7 @@ def main() -> None:
                          "for the plan's real rate (default 1: full speed)")
     ap.add_argument("--dispatch-lead-ms", type=float, default=None, help="the runtime's dispatch lead (default: ppipe serve's)")
     ap.add_argument("--rates", default="500,1000,1500,2000,3000", help="offered rates of the ceiling part")
+    ap.add_argument("--scaleout-rates", default="300,450,600,800,1000,1200,1500,1800,2200", help="total offered rates of the scale-out part")
     ap.add_argument("--json-out", default=None, help="write all figures to this JSON file")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
@@ -354,12 +457,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("all", "ceiling"):
             results["ceiling"] = ceiling(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.rates.split(",")])
+        if args.part in ("all", "scaleout"):
+            results["scaleout"] = scaleout(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.scaleout_rates.split(",")])
         if args.part in ("all", "rehearsal"):
             results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), args.dilation, args.dispatch_lead_ms)
     ray.shutdown()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     print("\n" + json.dumps({k: ({kk: vv.get("ceiling_rps") for kk, vv in v.items()} if k == "ceiling" else
+                                 {kk: vv.get("max_rps") for kk, vv in v.items()} if k == "scaleout" else
                                  {kk: v.get(kk) for kk in ("model", "vgpus", "dilation", "planned_rps", "sim_max_load", "runtime_max_load")})
                              for k, v in results.items()}, indent=2))
 
