@@ -90,8 +90,8 @@ MAX_HEADER_BYTES = 64 * 1024  # request line + headers; more is a 431
 
 INLINE_DECODE_BYTES = 64 * 1024
 """JSON bodies (or binary requests' JSON headers) up to this size are decoded on the event
-loop (about 2 ms at the ~30 ns per byte measured here); larger ones in the decode pool,
-whose round trip costs about 1 ms."""
+loop (a few ms at most: ~40 ns per byte measured here), where the pool's round trip would
+add about as much again; larger ones go to the decode pool."""
 MAX_QUEUED_DECODES = 256  # JSON bodies waiting for the pool; more are 503 queue-full
 DECODE_S_PER_BYTE_PRIOR = 50e-9  # json.loads + np.asarray of numbers, before the first measurement
 
@@ -115,9 +115,10 @@ class BodyDecoder:
     ones in a bounded pool of worker processes, with admission control.
 
     Admission: a decode in the pool is expected to end ``(queued bytes / workers + own
-    bytes) x seconds-per-byte`` from now, where seconds-per-byte is a moving average of the
-    decodes' own times in the pool (without the ~1 ms of moving the body there and back). :meth:`expected_end_s` gives it; the frontend drops a
-    request whose decode would end after its deadline before queueing it.
+    bytes) x seconds-per-byte`` from now (:meth:`expected_end_s`), where seconds-per-byte is
+    a moving average of the decodes' own times in the pool (not counting the time of moving
+    the body there and the request back). The frontend drops a request whose decode would
+    end after its deadline before queueing it.
 
     Args:
         workers: processes of the pool; 0 decodes everything on the event loop.
@@ -193,6 +194,7 @@ class BodyDecoder:
         if isinstance(out, ProtocolError):
             raise out
         return out
+
 
 DROP_STATUS = {"timeout": 504, "worker-error": 500}
 
