@@ -90,8 +90,8 @@ MAX_HEADER_BYTES = 64 * 1024  # request line + headers; more is a 431
 
 INLINE_DECODE_BYTES = 64 * 1024
 """JSON bodies (or binary requests' JSON headers) up to this size are decoded on the event
-loop (about 2 ms at the ~30 ns per byte measured here); larger ones in the decode pool,
-whose round trip costs about 1 ms."""
+loop (a few ms at most: ~40 ns per byte measured here), where the pool's round trip would
+add about as much again; larger ones go to the decode pool."""
 MAX_QUEUED_DECODES = 256  # JSON bodies waiting for the pool; more are 503 queue-full
 DECODE_S_PER_BYTE_PRIOR = 50e-9  # json.loads + np.asarray of numbers, before the first measurement
 
@@ -114,10 +114,11 @@ class BodyDecoder:
     """Decodes infer request bodies: small and binary ones on the event loop, large JSON
     ones in a bounded pool of worker processes, with admission control.
 
-    Admission: a decode in the pool is expected to end ``(queued + own bytes) x
-    seconds-per-byte / workers`` from now, where seconds-per-byte is a moving average of
-    the pool's measured decodes. :meth:`expected_end_s` gives it; the frontend drops a
-    request whose decode would end after its deadline before queueing it.
+    Admission: a decode in the pool is expected to end ``(queued bytes / workers + own
+    bytes) x seconds-per-byte`` from now (:meth:`expected_end_s`), where seconds-per-byte is
+    a moving average of the decodes' own times in the pool (not counting the time of moving
+    the body there and the request back). The frontend drops a request whose decode would
+    end after its deadline before queueing it.
 
     Args:
         workers: processes of the pool; 0 decodes everything on the event loop.
@@ -193,6 +194,7 @@ class BodyDecoder:
         if isinstance(out, ProtocolError):
             raise out
         return out
+
 
 DROP_STATUS = {"timeout": 504, "worker-error": 500}
 
@@ -649,13 +651,18 @@ def timed_http_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEA
     """uvicorn's httptools protocol with what it lacks against slow clients: a deadline for
     the request line and headers (from the connection, or from the previous response), and
     a bound on their size. uvicorn arms its keep-alive timer only after a response, so a
-    connection that never completes its headers would otherwise stay open for good."""
+    connection that never completes its headers would otherwise stay open for good.
+
+    At the deadline, a connection that has sent part of a request gets a 408 and is closed;
+    one that has sent nothing is closed silently (a client's pooled connection must not
+    read a 408 as the answer to the request it sends next)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class TimedHttpToolsProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
         _header_bytes = 0
         _too_large = False
+        _begun = False  # a byte of the next request has come
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -663,7 +670,7 @@ def timed_http_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEA
 
         def _arm_header_timer(self) -> None:
             self._cancel_header_timer()
-            self._header_bytes = 0
+            self._header_bytes, self._begun = 0, False
             self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
 
         def _cancel_header_timer(self) -> None:
@@ -673,8 +680,16 @@ def timed_http_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEA
 
         def _header_timeout(self) -> None:
             self._header_timer = None
-            if not self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            if self._begun:  # a slow (slowloris) request: say why
                 self._reject(408, f"no complete request line and headers within {header_timeout_s:g} s; the connection is closed")
+            else:  # an idle connection: closed silently, as uvicorn closes an idle keep-alive one
+                self.transport.close()
+
+        def on_message_begin(self) -> None:
+            self._begun = True
+            super().on_message_begin()
 
         def _reject(self, status: int, message: str) -> None:
             body = json.dumps({"error": message}).encode()
@@ -728,6 +743,7 @@ class BackgroundServer:
     Args:
         app: the app (its lifespan runs on the thread's loop).
         host, port: where to bind; port 0 picks a free port (see :attr:`url`).
+        timeouts: ``header_timeout_s``, ``keep_alive_s``, ``shutdown_timeout_s`` of :func:`uvicorn_config`.
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", sockets=None, **timeouts: float):

@@ -42,8 +42,10 @@ def test_highs_runs_rens_under_physical_packing_only_and_keeps_options_it_was_gi
     default = get_solver("highs")
     assert default.tuned_for("physical").options == {**HIGHS_MIP_OPTIONS, "mip_heuristic_run_rens": True}
     assert default.tuned_for("paper").options == HIGHS_MIP_OPTIONS
-    # One model alone under the paper's rule (the ablation): presolve on.
-    assert default.tuned_for("paper", single_model=True).options == {**HIGHS_MIP_OPTIONS, "presolve": "on"}
+    # One model alone under the paper's rule (the ablation): HiGHS's own presolve and sub-MIPs.
+    assert default.tuned_for("paper", single_model=True).options == {
+        **HIGHS_MIP_OPTIONS, "presolve": "on", "mip_heuristic_run_rins": True, "mip_heuristic_run_rens": True
+    }
     assert default.tuned_for("physical", single_model=True).options == default.tuned_for("physical").options
     mine = HighsSolver({"presolve": "on"})
     assert mine.tuned_for("physical").options == {"presolve": "on"}
@@ -62,10 +64,15 @@ def test_the_planner_solves_with_the_options_of_its_gpu_rule(monkeypatch):
 
     monkeypatch.setattr(HighsSolver, "solve", recording)
     cl = cluster({"A": 2, "B": 2}, LEVELS)
-    specs = [ModelSpec(profile=profile("m1", LAT_1, [200_000, 100_000], LEVELS), slo_ms=30.0)]
+    specs = [ModelSpec(profile=profile(f"m{i}", lat, [200_000, 100_000], LEVELS), slo_ms=30.0) for i, lat in enumerate((LAT_1, LAT_2))]
     _solve(HighsSolver(), specs, cl, gpu_rule="physical", one=False)
+    assert seen == [True]
+    # The paper's rule: its MIP start (distinct types in consecutive slots), then the MILP.
     _solve(HighsSolver(), specs, cl, gpu_rule="paper")
-    assert seen == [True, False]
+    assert seen[1:] == [False, False]
+    # One model alone under the paper's rule: HiGHS's sub-MIPs (and presolve) on.
+    _solve(HighsSolver(), specs[:1], cl, gpu_rule="paper")
+    assert seen[3:] == [True, True]
 
 
 @pytest.mark.parametrize("counts", [{"A": 1, "B": 2}, {"A": 2, "B": 1}, {"A": 2, "B": 2}])
