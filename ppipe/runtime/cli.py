@@ -55,7 +55,9 @@ def init_ray(ray_address: str | None, num_cpus: int | None, loopback_only: bool)
                 fix="install the Ray version of setup.cfg, or pass --ray-address of a Ray you started with --node-ip-address",
             )
         ray_constants.ENABLE_RAY_CLUSTER = False  # read when ray.init picks the node's IP: 127.0.0.1
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    # address="local": a new instance even when another Ray runs on this machine (without it,
+    # ray.init joins that one, and ignores or refuses --num-cpus)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
 class _NullClock:

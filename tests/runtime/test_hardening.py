@@ -540,4 +540,5 @@ def test_a_loopback_server_starts_its_ray_on_loopback(monkeypatch, address, loop
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw, single_host=not ray_constants.ENABLE_RAY_CLUSTER))
     init_ray(address, 2, loopback_only=loopback)
     assert seen["single_host"] == single_host
-    assert seen.get("address") == address and seen["include_dashboard"] is False
+    # no --ray-address: a new local instance ("local"), never a Ray that already runs here
+    assert seen.get("address") == (address or "local") and seen["include_dashboard"] is False

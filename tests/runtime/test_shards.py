@@ -208,7 +208,9 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
                     break
             except httpx.HTTPError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, "ppipe serve did not become ready"
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError("ppipe serve did not become ready:\n" + proc.communicate()[0][-3000:])
             time.sleep(0.5)
         codes = {}
         body, headers = encode_infer_request({"input": np.zeros((1, 3, 8, 8), np.float32)}, binary=True)
