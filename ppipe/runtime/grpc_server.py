@@ -5,8 +5,8 @@ the REST frontend (:mod:`ppipe.runtime.server`) and over the same :class:`Runtim
 
     ServerLive       live: true while the process serves
     ServerReady      ready: every model is ready
-    ModelReady       ready of one model                         NOT_FOUND unknown model
-    ServerMetadata   name, version, extensions
+    ModelReady       ready of one model (token)                 NOT_FOUND unknown model
+    ServerMetadata   name, version, extensions (token)
     ModelMetadata    inputs, outputs (shape [-1, ...])          NOT_FOUND unknown model
     ModelInfer       inference; inputs as raw_input_contents or typed contents, outputs
                      always as raw_output_contents
@@ -121,7 +121,10 @@ def decode_inputs(request) -> list[InferInput]:
                     400, f"{where}: raw_input_contents[{i}] has {len(data)} bytes; shape {shape} of {t.datatype} needs "
                     f"{count} x {dtype.itemsize} = {count * dtype.itemsize}"
                 )
-            arr = np.frombuffer(data, dtype=dtype).reshape(shape)
+            try:
+                arr = np.frombuffer(data, dtype=dtype).reshape(shape)
+            except ValueError as exc:  # e.g. an empty tensor with a dimension numpy cannot hold
+                raise ProtocolError(400, f"{where}.shape {shape} cannot be read as {t.datatype}: {exc}") from None
         else:
             field = CONTENTS_FIELD.get(t.datatype)
             if field is None:
@@ -188,6 +191,7 @@ class GrpcFrontend:
 
     async def model_ready(self, request, context):
         try:
+            self._check_token(context)
             name = self._model(request.name)
         except _Refused as exc:
             await self._abort(context, exc)
@@ -196,6 +200,10 @@ class GrpcFrontend:
     async def server_metadata(self, request, context):
         from ppipe import __version__
 
+        try:
+            self._check_token(context)
+        except _Refused as exc:
+            await self._abort(context, exc)
         return pb.ServerMetadataResponse(name="ppipe", version=__version__)
 
     async def model_metadata(self, request, context):

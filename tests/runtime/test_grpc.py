@@ -89,8 +89,8 @@ def test_typed_contents_are_accepted_like_raw_ones(served):
 
 def test_health_and_metadata(client):
     assert client.is_server_live() and client.is_server_ready()
-    assert client.is_model_ready("tinynet")
-    meta = client.get_server_metadata()
+    assert client.is_model_ready("tinynet", headers=AUTH)
+    meta = client.get_server_metadata(headers=AUTH)
     assert meta.name == "ppipe" and meta.version
     m = client.get_model_metadata("tinynet", headers=AUTH)
     assert [(t.name, t.datatype, list(t.shape)) for t in m.inputs] == [("input", "FP32", [-1, 3, 8, 8])]
@@ -140,6 +140,7 @@ def _bad(**fields):
         (_bad(datatype="BYTES"), "datatype 'BYTES' is not supported"),
         (_bad(shape=[1] * 40, raw=[b"\0" * 4]), "shape has 40 dimensions; at most 32"),
         (_bad(datatype="INT8", shape=[1], int=[300]), "cannot be read as INT8"),
+        (_bad(shape=[0, 2**62], raw=[b""]), r"shape \[0, 4611686018427387904\] cannot be read as FP32"),
     ],
 )
 def test_malformed_tensors_name_the_field(served, req, match):
@@ -151,14 +152,16 @@ def test_malformed_tensors_name_the_field(served, req, match):
     assert __import__("re").search(match, exc.value.details()), exc.value.details()
 
 
-def test_the_token_is_required_on_infer_and_metadata_only(client):
+def test_the_token_is_required_on_every_call_but_server_health_as_on_rest(client):
     x = np.zeros((1, 3, 8, 8), np.float32)
     for call in (lambda: client.infer("tinynet", [_input(x)]), lambda: client.get_model_metadata("tinynet"),
-                 lambda: client.infer("tinynet", [_input(x)], headers={"authorization": "Bearer wrong"})):
+                 lambda: client.infer("tinynet", [_input(x)], headers={"authorization": "Bearer wrong"}),
+                 lambda: client.get_server_metadata(), lambda: client.is_model_ready("tinynet")):
         with pytest.raises(InferenceServerException, match="missing or wrong bearer token") as exc:
             call()
         assert exc.value.status() == "StatusCode.UNAUTHENTICATED"
-    assert client.is_server_live() and client.is_model_ready("tinynet")  # health needs no token, as on REST
+    assert client.is_server_live() and client.is_server_ready()  # health needs no token, as on REST
+    assert client.is_model_ready("tinynet", headers=AUTH)
 
 
 def test_grpc_requests_count_in_the_metrics(served, client):
