@@ -184,7 +184,8 @@ def lateness(rt, since: int) -> dict[str, float]:
     return out
 
 
-def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: float, dispatch_lead_ms: float | None = None) -> dict:
+def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: float, dispatch_lead_ms: float | None = None,
+              answer_budget_ms: float | None = None) -> dict:
     from ppipe.planner.api import plan as make_plan
     from ppipe.sim.simulator import SimConfig
     from ppipe.sim.sweep import run_point
@@ -244,7 +245,8 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
 
     # feature maps capped at 4 KiB per sample (the plan cuts 2-13 MB ones; this host cannot
     # move that many bytes per second); each transfer still waits its planned NIC time
-    srv, workers, rt = serve_in_process(plan, profiles, cluster, {"max_bytes_per_sample": 4096}, dispatch_lead_ms, keep_traces=10**6)
+    srv, workers, rt = serve_in_process(plan, profiles, cluster, {"max_bytes_per_sample": 4096}, dispatch_lead_ms, keep_traces=10**6,
+                                        answer_budget_ms=answer_budget_ms)
     pids = worker_pids(workers)
     idle_rate = idle_cpu_rate(pids)
     print(f"   runtime idle: the {len(pids)} workers spend {idle_rate:.3f} CPU-s per s with nothing to serve (Ray's threads; "
@@ -441,6 +443,7 @@ def main() -> None:
                     help="rehearse the plan k times slower (latencies x k, NICs / k, rates / k), for a host too small "
                          "for the plan's real rate (default 1: full speed)")
     ap.add_argument("--dispatch-lead-ms", type=float, default=None, help="the runtime's dispatch lead (default: ppipe serve's)")
+    ap.add_argument("--answer-budget-ms", type=float, default=None, help="the runtime's answer budget (default: ppipe serve's)")
     ap.add_argument("--rates", default="500,1000,1500,2000,3000", help="offered rates of the ceiling part")
     ap.add_argument("--scaleout-rates", default="300,450,600,800,1000,1200,1500,1800,2200", help="total offered rates of the scale-out part")
     ap.add_argument("--json-out", default=None, help="write all figures to this JSON file")
@@ -460,7 +463,8 @@ def main() -> None:
         if args.part in ("all", "scaleout"):
             results["scaleout"] = scaleout(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.scaleout_rates.split(",")])
         if args.part in ("all", "rehearsal"):
-            results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), args.dilation, args.dispatch_lead_ms)
+            results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), args.dilation, args.dispatch_lead_ms,
+                                             args.answer_budget_ms)
     ray.shutdown()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
