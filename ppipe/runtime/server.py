@@ -66,6 +66,7 @@ from starlette.routing import Route
 from ppipe.runtime.driver import DroppedError, Runtime
 from ppipe.runtime.protocol import (
     DATATYPES,
+    brief,
     HEADER_LENGTH,
     InferInput,
     InferRequest,
@@ -526,7 +527,7 @@ def check_infer_inputs(name: str, man, inputs: list[InferInput], requested_outpu
     if man.input is not None:
         spec = man.input
         if t.name != spec.name:
-            raise ProtocolError(400, f"model '{name}' has input '{spec.name}', not '{t.name}'")
+            raise ProtocolError(400, f"model '{name}' has input '{spec.name}', not {brief(t.name)}")
         if np.dtype(spec.dtype) != arr.dtype:
             want = {v: k for k, v in DATATYPES.items()}.get(np.dtype(spec.dtype).name, spec.dtype)
             raise ProtocolError(400, f"input '{t.name}' must have datatype {want}, got {_dt(arr.dtype)}")
@@ -535,14 +536,14 @@ def check_infer_inputs(name: str, man, inputs: list[InferInput], requested_outpu
                 400, f"input '{t.name}' must have shape [N, {', '.join(map(str, spec.shape))}], got {list(arr.shape)}"
             )
     elif arr.ndim < 1:
-        raise ProtocolError(400, f"input '{t.name}' needs a leading batch axis")
+        raise ProtocolError(400, f"input {brief(t.name)} needs a leading batch axis")
     n = arr.shape[0]
     if not 1 <= n <= MAX_SAMPLES_PER_REQUEST:
-        raise ProtocolError(400, f"input '{t.name}' holds {n} samples; send 1..{MAX_SAMPLES_PER_REQUEST} per request")
+        raise ProtocolError(400, f"input {brief(t.name)} holds {n} samples; send 1..{MAX_SAMPLES_PER_REQUEST} per request")
     known = [o.name for o in man.outputs]
     for o in requested_outputs:
         if known and o not in known:
-            raise ProtocolError(400, f"model '{name}' has no output '{o}' (outputs: {', '.join(known)})")
+            raise ProtocolError(400, f"model '{name}' has no output {brief(o)} (outputs: {', '.join(known)})")
     return t.name, arr
 
 
