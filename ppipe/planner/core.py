@@ -256,12 +256,9 @@ def distinct_types_start(specs, configs, cluster, milp, variables, solver, *, gp
     if all(k.all() for k in keep) or not all(k.any() for k in keep):
         return None
     sub = [subset(cs, k) for cs, k in zip(configs, keep)]
-    rmilp, rv = build(specs, sub, cluster, gpu_rule=gpu_rule, one_config_per_template=True)
-    # At most one configuration per type tuple as well (within (6a): the distinct-type
-    # tuples that start with a prefix of length l number sum_{j <= D - l} (K - 1)^j <= K^(D - l)).
-    for cs, y in zip(sub, rv.y):
-        tmpl, row = np.unique(cs.template, return_inverse=True)
-        rmilp.add_rows(tmpl.size, row.reshape(-1), y, np.ones(y.size), ub=1.0, name="one_per_type_tuple")
+    # At most one configuration per type tuple: within (6a), as the distinct-type tuples
+    # that start with a prefix of length l number sum_{j <= D - l} (K - 1)^j <= K^(D - l).
+    rmilp, rv = build(specs, sub, cluster, gpu_rule=gpu_rule, one_config_per_template=True, one_per_type_tuple=True)
     MaxMinNormalized().apply(rmilp, rv)
     left = time_left(deadline)
     try:
