@@ -119,13 +119,17 @@ def build(
     one_config_per_template: bool = False,
     tight_bounds: bool = True,
     rate_cap: list[float] | None = None,
+    one_per_type_tuple: bool = False,
 ) -> tuple[Milp, PlanVariables]:
     """Build constraints (2), (4), (5) and (6) over the given configurations.
 
     The objective and its rows (3) are added by an objective object afterwards.
     ``tight_bounds=False`` bounds g_{c,d} by N_k v (the paper's model) instead of U_{c,d}:
     the same optimum, and every plan with more vGPUs in a pool than its pipeline can use
-    (the headroom pass's) stays a solution.
+    (the headroom pass's) stays a solution. ``one_per_type_tuple`` (with
+    ``one_config_per_template``) replaces the authors' rows (6a) by at most one
+    configuration per type tuple: a restriction where no tuple repeats a type in
+    consecutive slots (:func:`ppipe.planner.core.distinct_types_start`).
     """
     if gpu_rule not in ("physical", "paper"):
         raise ValueError(f"gpu_rule must be 'physical' or 'paper', got {gpu_rule!r}")
@@ -194,7 +198,10 @@ def build(
         if one_config_per_template and C:
             y = milp.add_cols(C, lb=0, ub=1, integer=True, name="y")
             v.y[-1] = y
-            rows6 = paper_template_rows(cs, len(types))
+            if one_per_type_tuple:
+                rows6 = [(np.nonzero(cs.template == t)[0], 1) for t in np.unique(cs.template)]
+            else:
+                rows6 = paper_template_rows(cs, len(types))
             if rows6:
                 milp.add_rows(
                     len(rows6),

@@ -7,7 +7,7 @@ import pytest
 from planner_synth import brute_force_paper, cluster, plain_configs, profile
 from ppipe.planner.api import usable_levels
 from ppipe.planner.configs import ModelSpec
-from ppipe.planner.core import milp_plan
+from ppipe.planner.core import milp_plan, model_configs
 from ppipe.planner.objectives import get_objective
 from ppipe.planner.solvers import HIGHS_MIP_OPTIONS, HighsSolver, get_solver
 
@@ -156,3 +156,24 @@ def test_a_solve_stopped_at_its_objective_target_keeps_its_plan():
     assert res.status == "time_limit", "the target should stop the solve at its first plan"
     assert res.x is not None and exact.objective - 1e-9 <= res.objective <= 1e6
     assert res.objective - res.gap * max(1.0, abs(res.objective)) <= exact.objective + 1e-9  # its dual bound stays valid
+
+
+def test_distinct_types_start_is_a_solution_and_a_restriction_out_of_time_gives_none():
+    from ppipe.planner.core import distinct_types_start, is_feasible
+    from ppipe.planner.formulation import build
+    from ppipe.planner.solvers import SolverTimeLimitError
+
+    cl = cluster({"A": 2, "B": 2}, LEVELS)
+    specs = [ModelSpec(profile=profile(f"m{i}", lat, [200_000, 100_000], LEVELS), slo_ms=30.0) for i, lat in enumerate((LAT_1, LAT_2))]
+    configs = model_configs(specs, cl, [usable_levels(s.profile, cl) for s in specs], max_partitions=2, margin=0.2, group_by_multiset=False)
+    milp, v = build(specs, configs, cl, gpu_rule="paper", one_config_per_template=True)
+    get_objective("max-min").apply(milp, v)
+    kw = dict(gpu_rule="paper", deadline=None, gap=1e-9)
+    x = distinct_types_start(specs, configs, cl, milp, v, HighsSolver(), **kw)
+    assert x is not None and is_feasible(milp, x) and x[v.extra["z"]] > 0
+
+    class OutOfTime(HighsSolver):
+        def solve(self, milp, **kw):
+            raise SolverTimeLimitError("out of time", fix="-")
+
+    assert distinct_types_start(specs, configs, cl, milp, v, OutOfTime(), **kw) is None
