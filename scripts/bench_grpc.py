@@ -28,32 +28,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-SLO_MS = 500.0
+from bench_serve import CEILING_SLO_MS as SLO_MS  # noqa: E402 - after the path set-up
 
 
 def null_plan(tmp: Path):
     """The plan and profiles of bench_serve.py's ceiling: 1 block, 1 us, batch 16 on 2 vGPUs."""
-    from ppipe.planner.placement import place
+    from bench_serve import null_plan as plan_of  # scripts/ is this script's directory
     from ppipe.spec.cluster import load_cluster
-    from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan, Plan, PlanSettings, SolverReport
-    from ppipe.spec.profile import BlockSpec, ModelManifest, ModelProfile, SourceSpec, TensorSpec
 
-    manifest = ModelManifest(
-        name="null", source=SourceSpec(kind="synthetic", note="frontend ceiling: 1 us per batch"),
-        input=TensorSpec(name="input", shape=[16]), outputs=[TensorSpec(name="output", shape=[4])],
-        blocks=[BlockSpec(index=0, out_bytes_per_sample=16)], slo_ms=SLO_MS,
-    )
-    table = {("cpu", v, b, 0): 1.0 for v in (1, 2) for b in (1, 2, 4, 8, 16, 32)}
-    prof = ModelProfile(manifest=manifest, table=table, directory=tmp / "null")
-    prof.save(tmp / "null")
     cluster = load_cluster("local-cpu")
-    part = PartitionPlan(first_block=0, last_block=0, gpu="cpu", vgpu=2, count=2, infer_us=1.0, throughput_rps=1e6)
-    mp = ModelPlan(name="null", profile=str(tmp / "null"), slo_ms=SLO_MS, weight=1.0, throughput_rps=1e6,
-                   pipelines=[PipelinePlan(batch=16, throughput_rps=1e6, latency_us=1.0, partitions=[part])])
-    plan = Plan(cluster="local-cpu", settings=PlanSettings(planner="hand", formulation="ppipe", gpu_rule="physical", objective="none",
-                margin=0.0, max_partitions=1), solver=SolverReport(name="none", status="heuristic", seconds=0, objective=0),
-                models=[mp], placement=place([mp], cluster))
-    return plan, {"null": prof}, cluster
+    plan, profiles = plan_of(tmp, cluster, ["null"], batch=16, vgpus=2)
+    return plan, profiles, cluster
 
 
 def bench(url: str, grpc_address: str | None, rate: float, duration_s: float, seed: int) -> dict:

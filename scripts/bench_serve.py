@@ -292,26 +292,11 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
 
 # ---- part 2: frontend ceiling ------------------------------------------------------------------------------
 def ceiling(duration_s: float, seed: int, tmp: Path, rates: list[float]) -> dict:
-    from ppipe.planner.placement import place
     from ppipe.spec.cluster import load_cluster
-    from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan, Plan, PlanSettings, SolverReport
-    from ppipe.spec.profile import BlockSpec, ModelManifest, ModelProfile, SourceSpec, TensorSpec
 
-    manifest = ModelManifest(
-        name="null", source=SourceSpec(kind="synthetic", note="frontend ceiling: 1 us per batch"),
-        input=TensorSpec(name="input", shape=[16]), outputs=[TensorSpec(name="output", shape=[4])],
-        blocks=[BlockSpec(index=0, out_bytes_per_sample=16)], slo_ms=CEILING_SLO_MS,
-    )
-    table = {("cpu", v, b, 0): 1.0 for v in (1, 2) for b in (1, 2, 4, 8, 16, 32)}
-    prof = ModelProfile(manifest=manifest, table=table, directory=tmp / "null")
-    prof.save(tmp / "null")
     cluster = load_cluster("local-cpu")
-    part = PartitionPlan(first_block=0, last_block=0, gpu="cpu", vgpu=2, count=2, infer_us=1.0, throughput_rps=1e6)
-    mp = ModelPlan(name="null", profile=str(tmp / "null"), slo_ms=CEILING_SLO_MS, weight=1.0, throughput_rps=1e6,
-                   pipelines=[PipelinePlan(batch=16, throughput_rps=1e6, latency_us=1.0, partitions=[part])])
-    plan = Plan(cluster="local-cpu", settings=PlanSettings(planner="hand", formulation="ppipe", gpu_rule="physical", objective="none",
-                margin=0.0, max_partitions=1), solver=SolverReport(name="none", status="heuristic", seconds=0, objective=0),
-                models=[mp], placement=place([mp], cluster))
+    plan, profiles = null_plan(tmp, cluster, ["null"], batch=16, vgpus=2)
+    prof = profiles["null"]
     print(f"\n== frontend ceiling: 1-block model, 1 us emulated latency, 16-float input, batch 16 on 2 vGPUs, SLO {CEILING_SLO_MS:g} ms")
     srv, workers, rt = serve_in_process(plan, {"null": prof}, cluster)
     out: dict[str, dict] = {}
@@ -337,42 +322,48 @@ def ceiling(duration_s: float, seed: int, tmp: Path, rates: list[float]) -> dict
 
 
 # ---- part 3: scale-out over frontend shards ------------------------------------------------------------------
-def null_model(tmp: Path, name: str, batch: int, vgpus: int):
-    """A one-block model with 1 us emulated latency and a 16-float input, on ``vgpus`` CPU vGPUs."""
-    from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan
+def null_plan(tmp: Path, cluster, names: list[str], batch: int, vgpus: int):
+    """A plan of one-block models with 1 us emulated latency and a 16-float input, each on
+    ``vgpus`` CPU vGPUs of ``cluster`` at ``batch``: the frontend is the bottleneck.
+    Returns ``(plan, profiles)``; the profiles are written under ``tmp``."""
+    from ppipe.planner.placement import place
+    from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan, Plan, PlanSettings, SolverReport
     from ppipe.spec.profile import BlockSpec, ModelManifest, ModelProfile, SourceSpec, TensorSpec
 
-    manifest = ModelManifest(
-        name=name, source=SourceSpec(kind="synthetic", note="frontend benchmark: 1 us per batch"),
-        input=TensorSpec(name="input", shape=[16]), outputs=[TensorSpec(name="output", shape=[4])],
-        blocks=[BlockSpec(index=0, out_bytes_per_sample=16)], slo_ms=CEILING_SLO_MS,
-    )
-    table = {("cpu", v, b, 0): 1.0 for v in (1, 2) for b in (1, 2, 4, 8, 16, 32)}
-    ModelProfile(manifest=manifest, table=table, directory=tmp / name).save(tmp / name)
-    part = PartitionPlan(first_block=0, last_block=0, gpu="cpu", vgpu=2, count=vgpus, infer_us=1.0, throughput_rps=1e6)
-    return ModelPlan(name=name, profile=str(tmp / name), slo_ms=CEILING_SLO_MS, weight=1.0, throughput_rps=1e6,
-                     pipelines=[PipelinePlan(batch=batch, throughput_rps=1e6, latency_us=1.0, partitions=[part])])
+    models, profiles = [], {}
+    for name in names:
+        manifest = ModelManifest(
+            name=name, source=SourceSpec(kind="synthetic", note="frontend benchmark: 1 us per batch"),
+            input=TensorSpec(name="input", shape=[16]), outputs=[TensorSpec(name="output", shape=[4])],
+            blocks=[BlockSpec(index=0, out_bytes_per_sample=16)], slo_ms=CEILING_SLO_MS,
+        )
+        table = {("cpu", v, b, 0): 1.0 for v in (1, 2) for b in (1, 2, 4, 8, 16, 32)}
+        profiles[name] = ModelProfile(manifest=manifest, table=table, directory=tmp / name)
+        profiles[name].save(tmp / name)
+        part = PartitionPlan(first_block=0, last_block=0, gpu="cpu", vgpu=2, count=vgpus, infer_us=1.0, throughput_rps=1e6)
+        models.append(ModelPlan(name=name, profile=str(tmp / name), slo_ms=CEILING_SLO_MS, weight=1.0, throughput_rps=1e6,
+                                pipelines=[PipelinePlan(batch=batch, throughput_rps=1e6, latency_us=1.0, partitions=[part])]))
+    settings = PlanSettings(planner="hand", formulation="ppipe", gpu_rule="physical", objective="none", margin=0.0, max_partitions=1)
+    plan = Plan(cluster=cluster.name, settings=settings, solver=SolverReport(name="none", status="heuristic", seconds=0, objective=0),
+                models=models, placement=place(models, cluster))
+    return plan, profiles
 
 
 def scaleout(duration_s: float, seed: int, tmp: Path, rates: list[float], shard_counts: tuple[int, ...] = (1, 2)) -> dict:
     """The highest total rate two batch-1 models (1 us emulated stages) get at >= 99 %
     attainment from `ppipe serve --shards N`, as a user runs it, for each N: the frontend is
     the bottleneck, so this is what sharding buys. Each model has its own `ppipe bench`."""
-    import httpx
-
-    from ppipe.planner.placement import place
+    from ppipe.runtime.httpclient import wait_until_ready
     from ppipe.spec.base import dump_yaml
     from ppipe.spec.cluster import load_cluster
-    from ppipe.spec.plan import Plan, PlanSettings, SolverReport
 
     base = load_cluster("local-cpu")
     cluster = base.model_copy(update={"servers": [base.servers[0].model_copy(update={"gpus_per_server": 2})]})
     cluster_file = tmp / "local-cpu-2.yaml"
     dump_yaml(cluster.model_dump(mode="json", exclude_none=True), cluster_file)
-    models = [null_model(tmp, n, batch=1, vgpus=2) for n in ("null-a", "null-b")]
-    plan = Plan(cluster=cluster.name, cluster_file=str(cluster_file),
-                settings=PlanSettings(planner="hand", formulation="ppipe", gpu_rule="physical", objective="none", margin=0.0, max_partitions=1),
-                solver=SolverReport(name="none", status="heuristic", seconds=0, objective=0), models=models, placement=place(models, cluster))
+    plan, _ = null_plan(tmp, cluster, ["null-a", "null-b"], batch=1, vgpus=2)
+    plan = plan.model_copy(update={"cluster_file": str(cluster_file)})
+    models = plan.models
     plan.save(tmp / "scaleout.yaml")
     print(f"\n== scale-out: two models (batch 1, 1 us emulated stages, SLO {CEILING_SLO_MS:g} ms), `ppipe serve --shards N`, "
           f"half the rate to each model")
@@ -384,16 +375,7 @@ def scaleout(duration_s: float, seed: int, tmp: Path, rates: list[float], shard_
                                 env={**os.environ, "RAY_ADDRESS": ""})
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"ppipe serve --shards {n} did not start")
-                time.sleep(0.5)
+            wait_until_ready(url, proc, timeout_s=180)
             best, points = None, {}
             for rate in rates:
                 results = parallel_bench(url, [m.name for m in models], rate / len(models), duration_s, seed)

@@ -105,3 +105,27 @@ class RawHttpClient:
         for _, w in self._idle:
             w.close()
         self._idle.clear()
+
+
+def wait_until_ready(url: str, process=None, timeout_s: float = 120.0) -> None:
+    """Block until ``url``'s ``/v2/health/ready`` answers 200 (a server that just started).
+
+    Raises:
+        RuntimeError: ``process`` (a ``subprocess.Popen``) ended, or ``timeout_s`` passed.
+    """
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server at {url} exited with code {process.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server at {url} was not ready within {timeout_s:g} s")
+        time.sleep(0.5)

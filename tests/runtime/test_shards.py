@@ -186,8 +186,8 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
     import socket
     import subprocess
     import sys
-    import time
 
+    from ppipe.runtime.httpclient import wait_until_ready
     from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
 
     plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
@@ -201,17 +201,11 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError("ppipe serve did not become ready:\n" + proc.communicate()[0][-3000:])
-            time.sleep(0.5)
+        try:
+            wait_until_ready(url, proc, timeout_s=120)
+        except RuntimeError:
+            proc.kill()
+            raise AssertionError("ppipe serve did not become ready:\n" + proc.communicate()[0][-3000:]) from None
         codes = {}
         body, headers = encode_infer_request({"input": np.zeros((1, 3, 8, 8), np.float32)}, binary=True)
         for m in ("a", "b"):
