@@ -12,8 +12,8 @@ from ppipe.errors import UserError
 
 
 # Defaults of `ppipe serve` (also used by scripts/bench_serve.py, so that a rehearsal runs
-# the runtime as users do). The dispatch lead: ~3 ms from a decision to the first stage's
-# start was measured here (Ray actor call at low load); see ppipe.runtime.clock.
+# the runtime as users do). The dispatch lead covers the dispatch message's delivery and the
+# first worker's wake-up on a busy host (p99 2.5-3 ms here); see ppipe.runtime.clock.
 DEFAULT_WAKE_LEAD_MS = 2.0
 DEFAULT_DISPATCH_LEAD_MS = 3.0
 DEFAULT_ANSWER_BUDGET_MS = 3.0
@@ -94,7 +94,7 @@ class _NullClock:
 @click.option("--wake-lead-ms", default=DEFAULT_WAKE_LEAD_MS, show_default=True, type=float,
               help="Wake a waiting batch this long before its last feasible moment, so a late wall-clock timer does not turn it into a deadline drop (data-plane option wake_lead_us).")
 @click.option("--dispatch-lead-ms", default=DEFAULT_DISPATCH_LEAD_MS, show_default=True, type=float,
-              help="Plan every decision this far ahead of the wall clock: the time an actor call takes to reach its worker, "
+              help="Plan every decision this far ahead of the wall clock: the time a dispatch takes to reach its first worker, "
               "so reserved stages do not all start late (runtime option; no YAML field).")
 @click.option("--answer-budget-ms", default=DEFAULT_ANSWER_BUDGET_MS, show_default=True, type=float,
               help="The scheduler must end every batch this long before the SLO: the time its answer still needs to reach "

@@ -6,12 +6,12 @@ the absolute wall time (:func:`wall_us`); :meth:`WallClock.from_wall_us` maps th
 onto the scheduler's timeline. Across hosts this assumes their clocks are synchronised
 (NTP/PTP); a skew shows up one-to-one as an error in the feedback the scheduler gets.
 
-**Dispatch lead.** A decision takes effect only when its actor call reaches the worker: a
-few ms later under Ray (measured here: ~3 ms median from dispatch to the first stage's
-start at low load, more on a busy host). A scheduler that reserves a vGPU from "now"
+**Dispatch lead.** A decision takes effect only when its message reaches the first worker
+and that worker wakes up: on a busy host, up to a few ms later. A scheduler that reserves
+a vGPU from "now"
 therefore starts every batch late, and at high load, where reservations sit back to back,
 the lateness cascades. With ``lead_us`` the clock tells the scheduler that it is
-``lead_us`` later than it is: every reservation starts no sooner than the call can arrive,
+``lead_us`` later than it is: every reservation starts no sooner than the message can arrive,
 and timers fire ``lead_us`` early on the wall clock (so a batch that waits still leaves in
 time). Request arrivals, deadlines and the workers' reports stay on the true timeline
 (:meth:`WallClock.true_now_us`, :meth:`WallClock.from_wall_us`), so the lead never loosens

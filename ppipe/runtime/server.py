@@ -568,7 +568,7 @@ _ENDPOINTS = "GET /v2, /v2/health/live, /v2/health/ready, /v2/models/NAME, /v2/m
 
 def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_shutdown=None,
                companions=(), body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, decode_workers: int | None = None):
-    """The ASGI app; starts the runtime (clock, scheduler, health loop) and the JSON decode
+    """The ASGI app; starts the runtime (clock, scheduler, data path, lifelines) and the JSON decode
     pool on the server's loop. ``token``, ``max_body_bytes``, ``body_timeout_s`` and
     ``decode_workers``: see :class:`Frontend`.
 
