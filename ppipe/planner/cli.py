@@ -45,7 +45,7 @@ def _parse_per_model(values: tuple[str, ...], flag: str):
 @click.option("--max-partitions", type=int, default=None, help="At most this many partitions per pipeline. Overrides settings.max_partitions (default 3).")
 @click.option("--planner", "planner", type=click.Choice(["ppipe", "np", "dart-r"]), default="ppipe", show_default=True, help="ppipe (MILP), np (no partitioning, no MPS) or dart-r. Sets settings.planner.")
 @click.option("--solver", type=click.Choice(["highs", "cbc", "gurobi"]), default="highs", show_default=True, help="MILP solver. Sets solver.name.")
-@click.option("--formulation", type=click.Choice(["ppipe", "ppipe-atc25"]), default="ppipe", show_default=True, help="ppipe-atc25 = every paper choice (paper GPU rule, one configuration per template, margin 0.4, batch-build estimate, SLO 5 x L4). Sets settings.formulation.")
+@click.option("--formulation", type=click.Choice(["ppipe", "ppipe-atc25"]), default="ppipe", show_default=True, help="ppipe-atc25 = the authors' MILP (ilp_v4.py: paper GPU rule, one configuration per template of D GPU types, margin 0.4 in whole us, their batch-build estimate, SLO 5 x L4). Sets settings.formulation.")
 @click.option("--gpu-rule", type=click.Choice(["physical", "paper"]), default=None, help="GPU counting rule. Overrides settings.gpu_rule (default from --formulation).")
 @click.option("--configs-per-template", type=click.Choice(["many", "one"]), default=None, help="Overrides settings.configs_per_template (default from --formulation).")
 @click.option("--batch-build/--no-batch-build", default=None, help="Batch-gathering estimate beta(b) from the NP plan. Overrides settings.batch_build (default on).")
