@@ -1,13 +1,19 @@
-"""A test double of the data plane's scheduler (the real one is ppipe.dataplane's).
+"""Test doubles of the runtime tests: a scheduler, a worker, and fake NCCL links.
 
-It lets runtime tests pin down the driver's contract independent of the data plane's
-policy: requests wait up to ``window_us`` for a batch of ``max_batch`` (exercising WakeAt),
-then go round robin over the live vGPUs of each partition of pipeline 0.
+:class:`FifoScheduler` stands in for the data plane's scheduler, so that runtime tests pin
+down the driver's contract independent of the data plane's policy: requests wait up to
+``window_us`` for a batch of ``max_batch`` (exercising WakeAt), then go round robin over
+the live vGPUs of each partition of pipeline 0. :class:`FakeWorker` is a vGPU worker
+in-process: the real data path around a fake stage.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from ppipe.dataplane.api import Dispatch, Drop, DropReason, Stage, WakeAt
+from ppipe.runtime.clock import wall_us
+from ppipe.runtime.datapath import StageServer
 
 
 class FifoScheduler:
@@ -73,6 +79,83 @@ class FifoScheduler:
         if self.queue[model]:
             out.append(WakeAt(self.queue[model][0].arrival_us + self.window_us))
         return out
+
+
+# ---- a worker in-process ----------------------------------------------------------------------------------
+class _Method:
+    """Stands in for an actor method: ``.remote(*args)`` runs it on the loop; the result is awaitable."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        fut = asyncio.ensure_future(self.fn(*args))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception was never retrieved"
+        return fut
+
+
+class FakeWorker:
+    """A worker in-process: the real data path (:class:`StageServer`, TCP on 127.0.0.1)
+    around a fake stage (x + 1, then y = 2x). ``kill()`` stops it like a dead actor: its
+    inbox closes and its lifeline call fails; ``die_on_next_stage`` kills it while it holds a batch."""
+
+    def __init__(self, vgpu_id, mailbox=None):
+        self.vgpu_id, self.dead, self.die_on_next_stage = vgpu_id, False, False
+        self.mailbox = {} if mailbox is None else mailbox  # (sender, receiver, seq) -> future: a fake NCCL edge
+        self.links, self.dropped = [], []
+        self.server = StageServer(vgpu_id, self._run)
+        self._gone: asyncio.Event | None = None
+        self.open_data_path = _Method(self._open)
+        self.connect_peers = _Method(self._connect)
+        self.lifeline = _Method(self._lifeline)
+        self.drop_peer = _Method(self._drop)
+
+    async def _open(self, frontend):
+        return self.server.open(frontend)
+
+    async def _connect(self, peers):
+        self.server.connect(peers)
+
+    async def _drop(self, peer):
+        self.dropped.append(peer)
+
+    async def _lifeline(self):
+        self._gone = self._gone or asyncio.Event()
+        await self._gone.wait()
+        import ray
+
+        raise ray.exceptions.RayActorError()
+
+    def kill(self):
+        self.dead = True
+        self.server.close()
+        self._gone = self._gone or asyncio.Event()
+        self._gone.set()
+
+    def _box(self, key):
+        return self.mailbox.setdefault(key, asyncio.get_running_loop().create_future())
+
+    async def _run(self, batch_id, index, vgpu_id, payload, batch, timing, link=None):
+        self.links.append((batch_id, link))
+        if self.die_on_next_stage:
+            self.kill()
+            await asyncio.Event().wait()  # the stage never ends
+        if link and "recv" in link:
+            assert payload["tensors"] is None  # nothing came through the frontend
+            payload = await self._box((link["recv"]["peer"], self.vgpu_id, link["recv"]["seq"]))
+        t = wall_us()
+        rep = {"batch_id": batch_id, "partition": index, "vgpu_id": self.vgpu_id, "start_us": t, "end_us": t + 1,
+               "transfer_start_us": None, "transfer_end_us": None}
+        x = payload["tensors"]
+        v = next(iter(x.values()))  # the one input, whatever its name
+        out = {"x": v + 1} if index + 1 < len(timing) else {"y": v * 2}
+        if link and "send" in link:
+            self._box((self.vgpu_id, link["send"]["peer"], link["send"]["seq"])).set_result({"tensors": out, "sent_wall_us": t + 1})
+            return rep, {"tensors": None, "sent_wall_us": t + 1}
+        if index + 1 == len(timing):
+            rep["outputs"] = out
+            return rep, None
+        return rep, {"tensors": out, "sent_wall_us": t + 1}
 
 
 # ---- fake links for the NCCL transport's protocol (NOT a GPU, NOT NCCL) ----------------------------------

@@ -111,7 +111,7 @@ def _shard_server(plan, tinynet_dir, models, index, owner):
     from ppipe.runtime.server import BackgroundServer, create_app
     from ppipe.spec.profile import load_profile
     from .fakes import FifoScheduler
-    from .test_units import FakeWorker
+    from .fakes import FakeWorker
 
     part = sub_plan(plan, models)
     profiles = {m: load_profile(tinynet_dir / m) for m in models}
