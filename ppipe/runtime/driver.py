@@ -276,8 +276,8 @@ class Runtime:
             if isinstance(d, Dispatch):
                 self._dispatch(d)
             elif isinstance(d, Drop):
-                self.metrics.drops.labels(d.request.model, d.reason.value).inc()
-                self._answer_error(d.request.id, DroppedError(d.reason.value, d.detail))
+                if self._answer_error(d.request.id, DroppedError(d.reason.value, d.detail)):  # counted once per request
+                    self.metrics.drops.labels(d.request.model, d.reason.value).inc()
             elif isinstance(d, WakeAt):
                 self._wake_at(d.t_us)
             else:  # pragma: no cover - the protocol has three decision types
@@ -310,14 +310,16 @@ class Runtime:
         self._queued[model] -= 1
         self.metrics.bound(self.metrics.queue, model).dec()
 
-    def _answer_error(self, rid: int, err: DroppedError) -> None:
+    def _answer_error(self, rid: int, err: DroppedError) -> bool:
+        """Answer a request with ``err``; False when it had its answer already."""
         p = self._pending.get(rid)
         if p is None or p.future.done():
-            return
+            return False
         if not p.dispatched:
             p.dispatched = True
             self._dequeue(p.request.model)
         p.future.set_exception(err)
+        return True
 
     def _answer(self, rid: int, outputs: dict[str, np.ndarray]) -> None:
         p = self._pending.get(rid)
@@ -409,13 +411,14 @@ class Runtime:
             del self._inflight[batch.d.batch_id]
 
     def _fail(self, batch: "_InFlight", reason: str, detail: str) -> None:
-        """Answer every request of a batch with an error and forget the batch."""
+        """Answer every request of a batch with an error and forget the batch. A request the
+        scheduler has dropped already (it drops a dead vGPU's batches itself) keeps that
+        answer, and each request's drop is counted once."""
         self._inflight.pop(batch.d.batch_id, None)
         batch.trace.error = f"{reason}: {detail}"
         for r in batch.d.requests:
-            if reason == DropReason.WORKER_FAILED.value:
+            if self._answer_error(r.id, DroppedError(reason, detail)) and reason == DropReason.WORKER_FAILED.value:
                 self.metrics.drops.labels(batch.d.model, reason).inc()
-            self._answer_error(r.id, DroppedError(reason, detail))
 
     def _report(self, d: Dispatch, k: int, rep: dict[str, Any]) -> None:
         c = self.clock

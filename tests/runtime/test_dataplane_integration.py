@@ -165,6 +165,12 @@ def test_killed_worker_fails_its_requests_and_the_rest_keeps_serving(ray_cluster
     assert sent > 100 and all(code in (200, 503) for _, code, _ in results)  # every request answered
     failed = [r for r in results if r[1] == 503]
     assert any(reason == "worker-failed" for _, _, reason in failed), failed[:5]
+    # each dropped request is counted once, whoever dropped it (the scheduler or the driver)
+    counted = _drop_counts(rt)
+    answered = {}
+    for _, code, reason in failed:
+        answered[reason] = answered.get(reason, 0) + 1
+    assert counted.get("worker-failed", 0) == answered["worker-failed"], (counted, answered)
     # the scheduler learnt of the failure within a second, and routed nothing to it after
     assert victim in rt.failed and rt.failed[victim] - killed_at["clock_us"] < 1e6
     late = [t for t in rt.traces if victim in t.route and t.dispatched_us > rt.failed[victim]]
@@ -175,3 +181,13 @@ def test_killed_worker_fails_its_requests_and_the_rest_keeps_serving(ray_cluster
     assert after and not [a for a in after if a[1] == "worker-failed"]
     assert sum(code == 200 for code, _ in after) >= 0.9 * len(after), [a for a in after if a[0] != 200]
     assert ready == 200
+
+
+def _drop_counts(rt) -> dict[str, float]:
+    """``ppipe_drops_total`` of a runtime by reason (all models)."""
+    out: dict[str, float] = {}
+    for fam in rt.metrics.registry.collect():
+        for smp in fam.samples:
+            if smp.name == "ppipe_drops_total":
+                out[smp.labels["reason"]] = out.get(smp.labels["reason"], 0.0) + smp.value
+    return out

@@ -260,6 +260,24 @@ def test_driver_marks_a_dead_worker_failed_and_fails_its_batch(tinynet):
     assert rt.traces[0].error.startswith("worker-failed") and len(rt.traces[0].reports) == 1  # stage 0 had reported
 
 
+def test_a_request_dropped_by_the_scheduler_and_the_driver_is_answered_and_counted_once(tinynet):
+    rt, peers = _runtime(tinynet, max_batch=1)
+    victim = rt.plan.placements_of("tinynet", 0, 1)[0].vgpu_id
+
+    async def main():
+        await rt.start()
+        sched = rt.scheduler
+        # as the data plane does: a dead vGPU's in-flight requests are dropped by the scheduler too
+        sched.mark_failed = lambda v: [Drop(r, DropReason.WORKER_FAILED, f"{v} died") for d in sched.dispatched for r in d.requests]
+        peers[victim].die_on_next_stage = True
+        with pytest.raises(DroppedError, match="worker-failed"):
+            await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+        await rt.stop()
+
+    asyncio.run(main())
+    assert rt.metrics.drops.labels("tinynet", "worker-failed")._value.get() == 1
+
+
 def test_a_worker_that_dies_idle_is_marked_failed(tinynet):
     rt, peers = _runtime(tinynet)
     victim = rt.plan.placements_of("tinynet", 0, 0)[0].vgpu_id
