@@ -472,6 +472,29 @@ class BatchingScheduler:
         out.extend(self._run_model(g.model, now))
         return out
 
+    def mark_recovered(self, vgpu_id: str) -> list[Decision]:
+        """A failed vGPU's worker runs again (restarted, its blocks loaded): route to it.
+
+        It rejoins its pool with an empty reservation table (nothing of the dead worker's
+        runs there); a pipeline whose pools all have a live vGPU again is live again, and
+        the model's queue is served at once.
+        """
+        g = self.topology.vgpus.get(vgpu_id)
+        if g is None or g.alive:
+            return []
+        g.alive = True
+        self.failed.remove(vgpu_id)
+        pipe = self.topology.pipelines[g.model][g.pipeline]
+        pool = pipe.pools[g.partition]
+        g.table = ReservationTable(g.table.name)
+        pool.vgpus.append(g)
+        pool.vgpus.sort(key=lambda v: v.id)
+        pool.refresh()
+        if all(p.vgpus for p in pipe.pools):
+            pipe.alive = True
+            self._live[g.model] = [p for p in self.topology.pipelines[g.model] if p.alive]
+        return self._run_model(g.model, self.clock.now_us())
+
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> dict:
         """Counters as a plain dict (probes, dispatches, probes per dispatch, drops...)."""

@@ -230,6 +230,22 @@ class ReactivePoolScheduler:
                     out.extend(self._drop(it.req, DropReason.NO_PIPELINE, f"pipeline {p.index} lost pool {g.partition}") for it in run.items)
         return out
 
+    def mark_recovered(self, vgpu_id: str) -> list[Decision]:
+        """A failed vGPU's worker runs again: it rejoins its pool; a pipeline whose pools
+        all have a live vGPU again takes work again (from the next arrival on)."""
+        g = self.topology.vgpus.get(vgpu_id)
+        if g is None or g.alive:
+            return []
+        g.alive = True
+        p = self.topology.pipelines[g.model][g.pipeline]
+        pool = p.pools[g.partition]
+        pool.vgpus.append(g)
+        pool.vgpus.sort(key=lambda v: v.id)
+        pool.refresh()
+        if all(q.vgpus for q in p.pools):
+            p.alive = True
+        return []
+
     def stats(self) -> dict:
         d = self.counters.as_dict()
         d["policy"] = self.policy_name

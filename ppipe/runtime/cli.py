@@ -192,6 +192,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         app={"token": token, "max_body_bytes": int(max_body_mb * 1024 * 1024), "body_timeout_s": body_timeout_s,
              "decode_workers": decode_workers},
         server={"header_timeout_s": header_timeout_s, "shutdown_timeout_s": shutdown_timeout_s},
+        workers={"backend": backend, "backend_options": opts},
     )
     parts = assign_shards(dep.plan, n_shards)
     owner = {m: i for i, ms in enumerate(parts) for m in ms}

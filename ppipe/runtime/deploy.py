@@ -184,20 +184,7 @@ def start_workers(
 
     specs = worker_specs(dep)
     offered = offered_resources()
-    actor_cls = actor_class()
-    handles: dict[str, Any] = {}
-    for s in specs:
-        opts: dict[str, Any] = {
-            "num_cpus": 0,
-            "num_gpus": 0,
-            "resources": node_resources_for(s, dep.cluster, offered, dep.cluster_file),
-            "max_concurrency": 1000,
-            "max_restarts": 0,  # a dead vGPU is marked failed; the plan decides, not Ray
-        }
-        env = worker_env(s, backend)
-        if env:
-            opts["runtime_env"] = {"env_vars": env}
-        handles[s.vgpu_id] = actor_cls.options(**opts).remote(s, backend, backend_options)
+    handles = {s.vgpu_id: _create_worker(dep, s, backend, backend_options, offered) for s in specs}
     try:
         ray.get([h.ping.remote() for h in handles.values()], timeout=start_timeout_s)
     except ray.exceptions.RayActorError as exc:
@@ -207,6 +194,45 @@ def start_workers(
         _reraise_user_error(cause)
         raise
     return handles
+
+
+def _create_worker(dep: Deployment, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None, offered: set[str]) -> Any:
+    """Create the actor of one vGPU on its server's node (not waiting for it)."""
+    opts: dict[str, Any] = {
+        "num_cpus": 0,
+        "num_gpus": 0,
+        "resources": node_resources_for(spec, dep.cluster, offered, dep.cluster_file),
+        "max_concurrency": 1000,
+        "max_restarts": 0,  # a dead vGPU is marked failed and re-created by the runtime (respawn_worker)
+    }
+    env = worker_env(spec, backend)
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    return actor_class().options(**opts).remote(spec, backend, backend_options)
+
+
+def respawn_worker(dep: Deployment, vgpu_id: str, backend: str = "ort", backend_options: dict[str, Any] | None = None,
+                   start_timeout_s: float = 60.0) -> Any:
+    """Create vGPU ``vgpu_id``'s worker anew and wait until it has loaded its blocks;
+    returns its handle. Blocks (run it in a thread from a loop).
+
+    Raises:
+        RuntimeError: its server's node is not back (no node offers its resource), or the
+            worker did not start within ``start_timeout_s`` (the pending actor is killed).
+    """
+    import ray
+
+    spec = next(s for s in worker_specs(dep) if s.vgpu_id == vgpu_id)
+    try:
+        handle = _create_worker(dep, spec, backend, backend_options, offered_resources())
+    except UserError as exc:
+        raise RuntimeError(str(exc)) from None
+    try:
+        ray.get(handle.ping.remote(), timeout=start_timeout_s)
+    except Exception as exc:
+        ray.kill(handle)
+        raise RuntimeError(f"worker {vgpu_id} did not start: {type(exc).__name__}") from None
+    return handle
 
 
 def _reraise_user_error(cause: BaseException) -> None:

@@ -28,7 +28,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -123,6 +123,11 @@ class Runtime:
         policy, scheduler_options: passed to the factory.
         data_host: the address the frontend's report socket binds (default: the loopback
             address when every Ray node is this host, else this node's address in Ray).
+        respawn: ``await respawn(vgpu_id)`` creates a failed vGPU's worker anew and returns
+            its handle once it has loaded its blocks (raises while its node is not back);
+            the runtime tries every ``respawn_interval_s`` and hands the vGPU back to the
+            scheduler when it is up. None: a failed vGPU stays failed. vGPUs with an NCCL
+            edge are not re-created (their communicators would need re-opening).
         answer_grace_s: a request still unanswered at deadline + this gets a timeout error.
         keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
         dispatch_lead_us: the scheduler plans each decision this far ahead of the wall clock,
@@ -149,6 +154,8 @@ class Runtime:
         scheduler_options: dict[str, Any] | None = None,
         metrics: RuntimeMetrics | None = None,
         data_host: str | None = None,
+        respawn: Callable[[str], Awaitable[Any]] | None = None,
+        respawn_interval_s: float = 2.0,
         answer_grace_s: float = 30.0,
         keep_traces: int = 0,
         edges: dict[tuple[str, str], Any] | None = None,
@@ -160,6 +167,8 @@ class Runtime:
         self._policy, self._options = policy, dict(scheduler_options or {})
         self.metrics = metrics or RuntimeMetrics()
         self.data_host, self.answer_grace_s = data_host, answer_grace_s
+        self.respawn, self.respawn_interval_s = respawn, respawn_interval_s
+        self._revivals: dict[str, asyncio.Task] = {}
         self.keep_traces = keep_traces
         self.dispatch_lead_us = dispatch_lead_us
         if answer_budget_us < 0:
@@ -208,7 +217,7 @@ class Runtime:
 
     async def stop(self) -> None:
         """Answer what is pending with ``shutdown`` and close the data path (the workers are the caller's)."""
-        for t in self._lifelines:
+        for t in [*self._lifelines, *self._revivals.values()]:
             t.cancel()
         for p in list(self._pending.values()):
             self._answer_error(p.request.id, DroppedError("shutdown", "the server is shutting down"))
@@ -451,6 +460,8 @@ class Runtime:
                 batch.unreported -= {j for j, v in enumerate(batch.route) if v == vgpu_id}
                 if not batch.unreported:
                     del self._inflight[batch.d.batch_id]
+        if self.respawn is not None and not any(vgpu_id in e for e in self.nccl_edges) and vgpu_id not in self._revivals:
+            self._revivals[vgpu_id] = asyncio.get_running_loop().create_task(self._revive(vgpu_id))
         # its NCCL peers abort their edges with it: a receive from it would never complete
         for a, b in self.nccl_edges:
             other = b if a == vgpu_id else a if b == vgpu_id else None
@@ -472,6 +483,32 @@ class Runtime:
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.debug("vGPU %s is gone: %s", vgpu_id, detail)
         self.mark_failed(vgpu_id)
+
+    async def _revive(self, vgpu_id: str) -> None:
+        """Re-create a failed vGPU's worker until it is up, then route to it again."""
+        tries = 0
+        while True:
+            await asyncio.sleep(self.respawn_interval_s)
+            tries += 1
+            try:
+                handle = await self.respawn(vgpu_id)
+                addr = await handle.open_data_path.remote(self._inbox.address)
+                self.addresses[vgpu_id] = addr
+                await handle.connect_peers.remote(self._next_stage_addresses(vgpu_id))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.info("vGPU %s is not back yet (try %d): %s", vgpu_id, tries, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                continue
+            break
+        self.workers[vgpu_id] = handle
+        self._outbox.connect(addr)
+        del self.failed[vgpu_id]
+        self._revivals.pop(vgpu_id, None)
+        self.metrics.failed.labels(vgpu_id).set(0)
+        self._lifelines.append(asyncio.get_running_loop().create_task(self._watch(vgpu_id, handle)))
+        log.warning("vGPU %s is back after %d tries; the scheduler routes to it again", vgpu_id, tries)
+        self._apply(self.scheduler.mark_recovered(vgpu_id))
 
 
 @dataclass

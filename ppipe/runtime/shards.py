@@ -352,11 +352,14 @@ class ServeSettings:
         app: keyword arguments of :func:`ppipe.runtime.server.create_app` (token, body
             limits and timeouts, decode workers).
         server: keyword arguments of :func:`ppipe.runtime.server.uvicorn_config` (timeouts).
+        workers: how a failed vGPU's worker is re-created (``backend``,
+            ``backend_options`` of :func:`ppipe.runtime.deploy.respawn_worker`); empty: never.
     """
 
     runtime: dict[str, Any] = field(default_factory=dict)
     app: dict[str, Any] = field(default_factory=dict)
     server: dict[str, Any] = field(default_factory=dict)
+    workers: dict[str, Any] = field(default_factory=dict)
 
 
 def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings, index: int,
@@ -372,8 +375,15 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
 
     plan = sub_plan(dep.plan, models)
     mine = {p.vgpu_id for p in plan.placement}
+    respawn = None
+    if settings.workers:
+        from ppipe.runtime.deploy import respawn_worker
+
+        async def respawn(vgpu_id: str) -> Any:
+            return await asyncio.to_thread(respawn_worker, dep, vgpu_id, **settings.workers)
+
     rt = Runtime(plan, {m: dep.profiles[m] for m in models}, dep.cluster, {v: h for v, h in workers.items() if v in mine},
-                 edges={e: t for e, t in edges.items() if e[0] in mine}, **settings.runtime)
+                 edges={e: t for e, t in edges.items() if e[0] in mine}, respawn=respawn, **settings.runtime)
     router = ShardRouter(None, index, owner) if len(set(owner.values())) > 1 else None
     extra = list(companions(rt, router)) if companions else []
     app = create_app(rt, companions=([router] if router else []) + extra, on_shutdown=on_shutdown, **settings.app)

@@ -146,6 +146,21 @@ def test_a_model_without_live_pipeline_drops_with_no_pipeline(fig5):
     assert isinstance(d, Drop) and d.reason is DropReason.NO_PIPELINE
 
 
+def test_a_recovered_vgpu_serves_again_and_revives_its_pipeline(fig5):
+    s, clock = fig5()
+    s.mark_failed(N1)  # the only vGPU of pool 1: the model has no live pipeline
+    (d,) = s.submit(req(0, 0.0))
+    assert isinstance(d, Drop) and d.reason is DropReason.NO_PIPELINE
+    assert s.mark_recovered(N1) == [] and s.failed == []
+    assert s.mark_recovered(N1) == [] and s.mark_recovered("no/such") == []  # no-ops
+    out = [d for i in range(1, 5) for d in s.submit(req(i, 0.0))]
+    (d,) = [d for d in out if isinstance(d, Dispatch)]
+    assert d.stages[0].vgpu_id == N1 and d.stages[0].start_us == 0.0  # an empty table: free at once
+    s.mark_failed(N2)
+    s.mark_recovered(N2)
+    assert sorted(g.id for g in s.topology.pipelines["m"][0].pools[1].vgpus) == [N2, N3]
+
+
 def test_a_late_stage_moves_its_batch_downstream_reservations(fig5):
     s, clock = fig5()
     b0, b1 = two_batches(s)

@@ -56,6 +56,10 @@ class FifoScheduler:
         self.failed.add(vgpu_id)
         return []
 
+    def mark_recovered(self, vgpu_id):
+        self.failed.discard(vgpu_id)
+        return []
+
     def _flush(self, model):
         q = self.queue[model]
         reqs, self.queue[model] = tuple(q[: self.max_batch]), q[self.max_batch :]

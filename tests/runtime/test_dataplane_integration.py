@@ -191,3 +191,51 @@ def _drop_counts(rt) -> dict[str, float]:
             if smp.name == "ppipe_drops_total":
                 out[smp.labels["reason"]] = out.get(smp.labels["reason"], 0.0) + smp.value
     return out
+
+
+@pytest.mark.ray
+def test_a_killed_worker_is_re_created_and_the_model_is_served_again(ray_cluster, tinynet, tmp_path):
+    """Without restarting the server: the worker's actor is killed, the runtime re-creates it
+    (deploy.respawn_worker), it loads its blocks, and the scheduler routes to it again."""
+    import ray
+
+    from ppipe.runtime.deploy import respawn_worker
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
+    plan.save(tmp_path / "plan.yaml")
+    dep = load_deployment(tmp_path / "plan.yaml")
+    workers = start_workers(dep, backend="ort")
+
+    async def respawn(vgpu_id):
+        return await asyncio.to_thread(respawn_worker, dep, vgpu_id, "ort")
+
+    # as ppipe serve: a waiting batch wakes 2 ms before its last feasible moment (a late timer must not drop it)
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, respawn=respawn, respawn_interval_s=0.2, keep_traces=100,
+                 scheduler_options={"wake_lead_us": 2000.0})
+    victim = plan.placements_of("tinynet", 0, 1)[0].vgpu_id
+    x = np.random.default_rng(4).normal(size=(1, 3, 8, 8)).astype(np.float32)
+    body, headers = encode_infer_request({"input": x}, binary=True)
+    try:
+        with BackgroundServer(create_app(rt)) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+            first = c.post("/v2/models/tinynet/infer", content=body, headers=headers)
+            assert first.status_code == 200, first.text
+            old_pid = ray.get(workers[victim].ping.remote())["pid"]
+            ray.kill(workers[victim])
+            t0 = time.monotonic()
+            while c.get("/v2/health/ready").status_code == 200 and time.monotonic() - t0 < 10:
+                time.sleep(0.02)
+            assert victim in rt.failed  # seen dead
+            while c.get("/v2/health/ready").status_code != 200 and time.monotonic() - t0 < 60:
+                time.sleep(0.1)
+            back_s = time.monotonic() - t0
+            r = c.post("/v2/models/tinynet/infer", content=body, headers=headers)
+            new_pid = ray.get(rt.workers[victim].ping.remote())["pid"]
+    finally:
+        _kill_all(rt.workers)
+    assert back_s < 60 and victim not in rt.failed
+    assert r.status_code == 200, r.text
+    got = decode_infer_response(r.content, r.headers.get("inference-header-content-length"))["logits"]
+    np.testing.assert_allclose(got, reference(tinynet.directory, x), rtol=2e-2, atol=2e-2)
+    assert rt.traces[-1].route[1] == victim and rt.traces[-1].error is None
+    assert new_pid != old_pid  # a new worker process
+    print(f"vGPU {victim} served again {back_s:.1f} s after its worker was killed")

@@ -278,6 +278,41 @@ def test_a_request_dropped_by_the_scheduler_and_the_driver_is_answered_and_count
     assert rt.metrics.drops.labels("tinynet", "worker-failed")._value.get() == 1
 
 
+def test_a_dead_worker_is_re_created_and_serves_again(tinynet):
+    rt, peers = _runtime(tinynet, max_batch=1)
+    victim = rt.plan.placements_of("tinynet", 0, 1)[0].vgpu_id
+    tries = []
+
+    async def respawn(vgpu_id):
+        tries.append(vgpu_id)
+        if len(tries) < 3:
+            raise RuntimeError("its node is not back")
+        peers[vgpu_id] = FakeWorker(vgpu_id)  # a new worker, on a new port
+        return peers[vgpu_id]
+
+    rt.respawn, rt.respawn_interval_s = respawn, 0.02
+
+    async def main():
+        await rt.start()
+        old = rt.addresses[victim]
+        peers[victim].kill()
+        while victim not in rt.failed:
+            await asyncio.sleep(0.01)
+        assert not rt.model_ready("tinynet")
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if rt.model_ready("tinynet"):
+                break
+        out = await rt.infer("tinynet", {"x": np.full(2, 1.0, np.float32)})
+        await rt.stop()
+        return old, out
+
+    old, out = asyncio.run(main())
+    assert tries == [victim] * 3 and victim not in rt.failed and victim not in rt.scheduler.failed
+    assert rt.addresses[victim] != old and rt.workers[victim] is peers[victim]
+    assert out["y"].tolist() == [4.0, 4.0] and rt.traces[-1].route[1] == victim  # served through the new worker
+
+
 def test_a_worker_that_dies_idle_is_marked_failed(tinynet):
     rt, peers = _runtime(tinynet)
     victim = rt.plan.placements_of("tinynet", 0, 0)[0].vgpu_id
