@@ -108,7 +108,16 @@ def default_decode_workers() -> int:
 def _process_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
     # spawn, never fork: the server process runs Ray's and uvicorn's threads. (So a script
     # that serves must guard its main code with `if __name__ == "__main__"`.)
-    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=_ignore_interrupts)
+
+
+def _ignore_interrupts() -> None:
+    """A decode process leaves Ctrl-C to the server, which shuts the pool down in order (a
+    terminal sends SIGINT to the whole process group)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class BodyDecoder:

@@ -542,3 +542,20 @@ def test_a_loopback_server_starts_its_ray_on_loopback(monkeypatch, address, loop
     assert seen["single_host"] == single_host
     # no --ray-address: a new local instance ("local"), never a Ray that already runs here
     assert seen.get("address") == (address or "local") and seen["include_dashboard"] is False
+
+
+def test_decode_processes_leave_ctrl_c_to_the_server():
+    """A terminal's Ctrl-C reaches every process of the group: a decode process must not die
+    of it with a traceback while the server shuts down in order."""
+    import os
+    import signal
+
+    from ppipe.runtime.server import _process_pool
+
+    pool = _process_pool(1)
+    try:
+        pid = pool.submit(os.getpid).result(timeout=60)
+        os.kill(pid, signal.SIGINT)
+        assert pool.submit(os.getpid).result(timeout=60) == pid  # the same process, still serving
+    finally:
+        pool.shutdown()
