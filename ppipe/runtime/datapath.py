@@ -290,9 +290,10 @@ class StageServer:
     def _on_message(self, message: memoryview | bytes) -> None:
         try:
             header, tensors = unpack(message)
-            k = header["k"]
-            header["route"][k], header["addr"], header["b"]  # noqa: B018 - the fields every stage needs
-        except (WireError, KeyError, IndexError, TypeError) as exc:
+            k, route, addrs = header["k"], header["route"], header["addr"]
+            if not (isinstance(k, int) and 0 <= k < len(route) == len(addrs) and "b" in header and "n" in header):
+                raise WireError(f"stage {k!r} of a route of {len(route)} stages and {len(addrs)} addresses")
+        except (WireError, KeyError, TypeError) as exc:
             log.warning("%s: dropped a malformed stage message: %s", self.vgpu_id, exc)
             return
         task = asyncio.get_running_loop().create_task(self._stage(header, tensors))

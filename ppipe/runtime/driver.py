@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from bisect import insort
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -410,8 +411,8 @@ class Runtime:
             return
         batch.unreported.discard(k)
         batch.next_stage = max(batch.next_stage, k + 1)
-        batch.trace.reports.append(rep)
-        batch.trace.reports.sort(key=lambda r: r["partition"])
+        if self.keep_traces:  # in stage order, whatever order the reports came in
+            insort(batch.trace.reports, rep, key=lambda r: r["partition"])
         self._report(batch.d, k, rep)
         if k == len(batch.route) - 1:
             for i, r in enumerate(batch.d.requests):
