@@ -39,6 +39,7 @@ from ppipe.runtime.clock import WallClock, wall_us
 from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, node_host
 from ppipe.runtime.wire import pack, unpack
 from ppipe.runtime.metrics import RuntimeMetrics
+from ppipe.runtime.refs import consume, kill_quietly
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
@@ -452,7 +453,9 @@ class Runtime:
             return
         self.failed[vgpu_id] = self.clock.true_now_us()
         self.metrics.failed.labels(vgpu_id).set(1)
-        log.warning("vGPU %s failed; the scheduler stops routing to it", vgpu_id)
+        p = self._placement.get(vgpu_id)
+        log.warning("vGPU %s (server %s) lost; the scheduler stops routing to it%s", vgpu_id, p.server if p else "?",
+                    f"; re-creating it every {self.respawn_interval_s:g} s" if self.respawn is not None else "")
         self._apply(self.scheduler.mark_failed(vgpu_id))
         for batch in list(self._inflight.values()):
             if vgpu_id in batch.route[batch.next_stage :]:
@@ -467,8 +470,8 @@ class Runtime:
         for a, b in self.nccl_edges:
             other = b if a == vgpu_id else a if b == vgpu_id else None
             if other is not None and other not in self.failed and other in self.workers:
-                try:
-                    self.workers[other].drop_peer.remote(vgpu_id)
+                try:  # not awaited; consumed so that a dead peer's error is no "Unhandled error"
+                    consume(self.workers[other].drop_peer.remote(vgpu_id), f"{other}.drop_peer({vgpu_id})")
                 except Exception:  # pragma: no cover - best effort; the peer's lifeline says if it is gone
                     log.exception("could not tell %s to drop its edge with %s", other, vgpu_id)
 
@@ -483,6 +486,7 @@ class Runtime:
         except ray.exceptions.RayActorError as exc:
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.debug("vGPU %s is gone: %s", vgpu_id, detail)
+        kill_quietly(handle)  # an unreachable (not dead) worker must not come back beside its re-creation
         self.mark_failed(vgpu_id)
 
     async def _revive(self, vgpu_id: str) -> None:
@@ -508,7 +512,8 @@ class Runtime:
         self._revivals.pop(vgpu_id, None)
         self.metrics.failed.labels(vgpu_id).set(0)
         self._lifelines.append(asyncio.get_running_loop().create_task(self._watch(vgpu_id, handle)))
-        log.warning("vGPU %s is back after %d tries; the scheduler routes to it again", vgpu_id, tries)
+        p = self._placement.get(vgpu_id)
+        log.warning("vGPU %s (server %s) is back after %d tries; the scheduler routes to it again", vgpu_id, p.server if p else "?", tries)
         self._apply(self.scheduler.mark_recovered(vgpu_id))
 
 
