@@ -193,6 +193,7 @@ class Runtime:
         # NCCL edges and the number of the next message on each (see ppipe.runtime.transport)
         self.nccl_edges = {e for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) == "nccl"}
         self._edge_seq: dict[tuple[str, str], int] = {e: 0 for e in self.nccl_edges}
+        self.metrics.track_capacity(self)  # ppipe_model_capacity_alive_ratio, from self.plan and self.failed
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:

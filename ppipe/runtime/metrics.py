@@ -6,6 +6,8 @@ one process.
 
 from __future__ import annotations
 
+from typing import Any, Container
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
@@ -28,6 +30,11 @@ class RuntimeMetrics:
         self.busy = Counter("ppipe_vgpu_busy_seconds", "Time each vGPU spent running batches (worker reports).", ["vgpu"], registry=r)
         self.failed = Gauge("ppipe_vgpu_failed", "1 for each vGPU marked failed.", ["vgpu"], registry=r)
         self.late = Counter("ppipe_late", "Served requests that finished after their deadline.", ["model"], registry=r)
+        self.capacity = Gauge(
+            "ppipe_model_capacity_alive_ratio",
+            "Share of the model's planned throughput that its live vGPUs still provide (1: all, 0: no complete pipeline).",
+            ["model"], registry=r,
+        )
         self._bound: dict[tuple, object] = {}
 
     def bound(self, metric, *labels: str):
@@ -39,5 +46,38 @@ class RuntimeMetrics:
             child = self._bound[key] = metric.labels(*labels)
         return child
 
+    def track_capacity(self, runtime: Any) -> None:
+        """Make ``ppipe_model_capacity_alive_ratio{model}`` follow ``runtime``: computed at
+        each scrape from ``runtime.plan`` and ``runtime.failed`` (:func:`capacity_alive_ratio`)."""
+        for m in runtime.plan.models:
+            self.capacity.labels(m.name).set_function(lambda name=m.name: capacity_alive_ratio(runtime.plan, name, runtime.failed))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def capacity_alive_ratio(plan: Any, model: str, failed: Container[str]) -> float:
+    """The share of ``model``'s planned throughput that its live vGPUs provide.
+
+    A pipeline's planned throughput is its ``throughput_rps`` in the plan; with some vGPUs
+    of a pool dead, that pool serves ``alive/count`` of its planned throughput
+    (``PartitionPlan.throughput_rps``), and the pipeline no more than its slowest pool:
+    ``min(pipeline, min over pools of pool * alive/count)``. A pipeline with a pool all
+    dead provides 0. The ratio is the sum over pipelines of that, over the sum of the
+    pipelines' planned throughputs (1.0 for a model that plans none).
+    """
+    try:
+        mp = plan.model(model)
+    except KeyError:
+        return 0.0
+    planned = alive = 0.0
+    for i, pl in enumerate(mp.pipelines):
+        planned += pl.throughput_rps
+        cap = pl.throughput_rps
+        for j, part in enumerate(pl.partitions):
+            vgpus = plan.placements_of(model, i, j)
+            live = sum(p.vgpu_id not in failed for p in vgpus)
+            share = live / len(vgpus) if vgpus else 0.0
+            cap = min(cap, part.throughput_rps * share) if share < 1.0 else cap
+        alive += cap
+    return alive / planned if planned > 0 else 1.0

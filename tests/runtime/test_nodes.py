@@ -1,0 +1,107 @@
+"""Several machines without Ray: actor names and incarnations, the capacity gauge, the
+server-level readiness rule, abandoned references consumed (the Ray tests are in
+test_multinode.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from ppipe.runtime import deploy
+from ppipe.runtime.deploy import actor_name, next_incarnation
+from ppipe.runtime.metrics import RuntimeMetrics, capacity_alive_ratio
+from ppipe.runtime.refs import consume
+from ppipe.spec.cluster import load_cluster
+from .conftest import make_plan
+
+
+def test_actor_names_and_incarnations():
+    assert actor_name("p4-0/gpu0/s0") == "ppipe-vgpu-p4-0/gpu0/s0"
+    assert actor_name("p4-0/gpu0/s0", 0) == "ppipe-vgpu-p4-0/gpu0/s0"
+    assert actor_name("p4-0/gpu0/s0", 3) == "ppipe-vgpu-p4-0/gpu0/s0-3"
+    with pytest.raises(ValueError):
+        actor_name("x", -1)
+    vid = "test-nodes/gpu0/s9"
+    deploy._incarnations.pop(vid, None)
+    assert [next_incarnation(vid) for _ in range(3)] == [1, 2, 3]  # never 0: that is the first worker's
+    deploy._note_incarnation(vid, 7)  # a worker started as incarnation 7 elsewhere in the process
+    assert next_incarnation(vid) == 8
+    deploy._note_incarnation(vid, 2)  # an older number does not move it back
+    assert next_incarnation(vid) == 9
+
+
+def _two_pools(tinynet):
+    cluster = load_cluster("local-cpu")
+    cluster = cluster.model_copy(update={"servers": [s.model_copy(update={"gpus_per_server": 2}) for s in cluster.servers]})
+    return make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 2), (2, 2, "cpu", 2, 1)])
+
+
+def test_capacity_alive_ratio_follows_the_plan_and_the_failed_vgpus(tinynet):
+    plan = _two_pools(tinynet)
+    pool0 = [p.vgpu_id for p in plan.placements_of("tinynet", 0, 0)]
+    pool1 = [p.vgpu_id for p in plan.placements_of("tinynet", 0, 1)]
+    pl = plan.models[0].pipelines[0]
+    part0 = pl.partitions[0]
+    assert capacity_alive_ratio(plan, "tinynet", set()) == 1.0
+    # one of pool 0's two vGPUs lost: the pool serves half its planned throughput, the pipeline no more
+    half = min(pl.throughput_rps, part0.throughput_rps / 2) / pl.throughput_rps
+    assert capacity_alive_ratio(plan, "tinynet", {pool0[0]}) == pytest.approx(half)
+    assert 0 < half <= 1
+    assert capacity_alive_ratio(plan, "tinynet", set(pool0)) == 0.0
+    assert capacity_alive_ratio(plan, "tinynet", set(pool1)) == 0.0
+    assert capacity_alive_ratio(plan, "nope", set()) == 0.0
+
+
+def test_the_capacity_gauge_is_read_at_each_scrape(tinynet):
+    plan = _two_pools(tinynet)
+    rt = SimpleNamespace(plan=plan, failed={})
+    m = RuntimeMetrics()
+    m.track_capacity(rt)
+    assert 'ppipe_model_capacity_alive_ratio{model="tinynet"} 1.0' in m.render().decode()
+    rt.failed[plan.placements_of("tinynet", 0, 1)[0].vgpu_id] = 0.0
+    assert 'ppipe_model_capacity_alive_ratio{model="tinynet"} 0.0' in m.render().decode()
+    rt.failed.clear()
+    assert 'ppipe_model_capacity_alive_ratio{model="tinynet"} 1.0' in m.render().decode()
+
+
+def test_server_is_ready_while_at_least_one_model_is(tinynet):
+    from ppipe.runtime.server import Frontend
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)])
+    b = plan.models[0].model_copy(update={"name": "b"})
+    plan = plan.model_copy(update={"models": [plan.models[0], b]})
+    ready = {"tinynet": True, "b": True}
+    rt = SimpleNamespace(plan=plan, started=True, model_ready=lambda m: ready[m], metrics=RuntimeMetrics())
+    fe = Frontend(rt, decode_workers=0)
+
+    def server_ready():
+        r = asyncio.run(fe.ready(None))
+        return r.status_code
+
+    assert server_ready() == 200
+    ready["b"] = False  # b lost its node: the server still serves tinynet
+    assert server_ready() == 200
+    ready["tinynet"] = False
+    assert server_ready() == 503
+    ready["b"] = True
+    assert server_ready() == 200
+    rt.started = False
+    assert server_ready() == 503
+
+
+def test_consumed_references_retrieve_their_error():
+    seen = []
+
+    class Ref:  # an awaitable like a Ray ObjectRef whose actor died
+        def __await__(self):
+            seen.append("awaited")
+            raise RuntimeError("ActorDiedError: the actor died")
+            yield  # pragma: no cover
+
+    async def main():
+        await consume(Ref(), "peer.drop_peer(x)")
+
+    asyncio.run(main())  # no exception escapes, and the error was retrieved
+    assert seen == ["awaited"]
