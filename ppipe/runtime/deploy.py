@@ -253,7 +253,17 @@ def _create_worker(dep: Deployment, spec: WorkerSpec, backend: str, backend_opti
     env = worker_env(spec, backend)
     if env:
         opts["runtime_env"] = {"env_vars": env}
+    for _ in range(NAME_TRIES):
+        try:
+            return actor_class().options(**opts).remote(spec, backend, backend_options)
+        except ValueError as exc:  # the name is still held: a killed actor Ray has not released yet
+            if "already taken" not in str(exc):
+                raise
+            opts["name"] = actor_name(spec.vgpu_id, next_incarnation(spec.vgpu_id))
     return actor_class().options(**opts).remote(spec, backend, backend_options)
+
+
+NAME_TRIES = 3  # names tried (the next incarnations) before a held name is an error
 
 
 def respawn_worker(dep: Deployment, vgpu_id: str, backend: str = "ort", backend_options: dict[str, Any] | None = None,

@@ -105,3 +105,29 @@ def test_consumed_references_retrieve_their_error():
 
     asyncio.run(main())  # no exception escapes, and the error was retrieved
     assert seen == ["awaited"]
+
+
+@pytest.mark.ray
+def test_workers_are_named_actors_and_a_held_name_takes_the_next_incarnation(ray_cluster, tinynet, tmp_path):
+    import ray
+
+    from ppipe.runtime.deploy import load_deployment, respawn_worker, start_workers
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)])
+    plan.save(tmp_path / "plan.yaml")
+    dep = load_deployment(tmp_path / "plan.yaml")
+    (vid,) = [p.vgpu_id for p in plan.placement]
+    deploy._incarnations.pop(vid, None)
+    first = start_workers(dep, backend="emulated")
+    again = third = None
+    try:
+        assert ray.get_actor(actor_name(vid)) is not None
+        again = respawn_worker(dep, vid, "emulated")  # the first one still alive and named
+        assert ray.get(again.ping.remote()) is not None and ray.get_actor(actor_name(vid, 1)) is not None
+        # an explicit incarnation whose name is held takes the next free one
+        third = respawn_worker(dep, vid, "emulated", incarnation=1)
+        assert ray.get_actor(actor_name(vid, 2)) is not None
+    finally:
+        for h in (*first.values(), again, third):
+            if h is not None:
+                ray.kill(h)
