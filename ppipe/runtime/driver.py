@@ -484,7 +484,7 @@ class Runtime:
         try:
             await handle.lifeline.remote()
             detail = "its lifeline returned"
-        except ray.exceptions.RayActorError as exc:
+        except ray.exceptions.RayError as exc:  # ActorDiedError, ActorUnavailableError (its node is unreachable), ...
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.debug("vGPU %s is gone: %s", vgpu_id, detail)
         kill_quietly(handle)  # an unreachable (not dead) worker must not come back beside its re-creation

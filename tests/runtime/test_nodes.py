@@ -131,3 +131,53 @@ def test_workers_are_named_actors_and_a_held_name_takes_the_next_incarnation(ray
         for h in (*first.values(), again, third):
             if h is not None:
                 ray.kill(h)
+
+
+@pytest.mark.ray
+def test_a_consumed_reference_of_a_failed_call_is_no_unhandled_error(ray_cluster, monkeypatch):
+    """Ray logs 'Unhandled error' for a dropped reference that holds an error; one consumed
+    (refs.consume on a loop, refs.settle in blocking code) is not reported."""
+    import gc
+    import time
+
+    import ray
+    import ray._private.worker as ray_worker
+
+    from ppipe.runtime.refs import settle
+
+    @ray.remote(num_cpus=0)
+    class Fails:
+        def call(self, tag):
+            raise RuntimeError(f"boom {tag}")
+
+    reported: list[str] = []
+    monkeypatch.setattr(ray_worker, "_unhandled_error_handler", lambda e: reported.append(str(e)))
+    actor = Fails.remote()
+
+    def wait_for(tag: str, seconds: float = 10.0) -> bool:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            gc.collect()
+            if any(f"boom {tag}" in r for r in reported):
+                return True
+            time.sleep(0.1)
+        return False
+
+    async def consumed():
+        ref = actor.call.remote("consumed")
+        await consume(ref, "Fails.call")
+        del ref
+
+    try:
+        actor.call.remote("dropped")  # the reference dropped at once: Ray reports it
+        assert wait_for("dropped")
+        asyncio.run(consumed())
+        ref = actor.call.remote("settled")
+        assert settle([ref]) == 1
+        del ref
+        ref = actor.call.remote("last")  # dropped: once it is reported, the two before would have been too
+        del ref
+        assert wait_for("last")
+        assert not any("boom consumed" in r or "boom settled" in r for r in reported), reported
+    finally:
+        ray.kill(actor)
