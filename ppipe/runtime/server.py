@@ -10,12 +10,15 @@ Endpoints::
     POST /v2/models/{name}/infer    inference (JSON tensors or the binary extension)
     GET  /metrics                   Prometheus metrics
 
-**Readiness.** The KServe v2 protocol leaves to each server what "server ready" means. Here
-a server is ready while at least one of its models is ready (can serve a request), so a
-load balancer keeps a server that lost the node of one model but still serves the others;
-route by model with ``/v2/models/{name}/ready``, and weigh by
+**Readiness.** A server is ready while at least one of its models is ready (can serve a
+request), so a load balancer keeps a server that lost the node of one model but still
+serves the others; route by model with ``/v2/models/{name}/ready``, and weigh by
 ``ppipe_model_capacity_alive_ratio{model}`` on ``/metrics`` (the share of the model's
 planned throughput that its live vGPUs provide; :func:`ppipe.runtime.metrics.capacity_alive_ratio`).
+This departs on purpose from the Open Inference Protocol's text, whose "server ready" says
+that *all* models are ready: with models spread over machines, that rule takes a whole
+server out of rotation for one lost machine (Triton makes the same choice an option,
+``--strict-readiness``).
 
 Status codes of ``infer`` (the body is always ``{"error": "..."}`` on failure):
 
