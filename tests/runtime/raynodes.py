@@ -78,28 +78,33 @@ class RayStartFailed(RuntimeError):
 
 
 class LocalRayNodes:
-    """Ray nodes started with ``ray start`` under ``root``, token auth on (``RAY_AUTH_MODE=token``,
-    the token in ``root/auth_token`` via ``RAY_AUTH_TOKEN_PATH``: what README tells to put on
-    every machine)."""
+    """Ray nodes started with ``ray start`` under ``root``, token auth on as README says:
+    ``RAY_AUTH_MODE=token`` in every command's environment and the token made by ``ray
+    get-auth-token --generate`` in ``~/.ray/auth_token``, with ``HOME`` set to
+    ``root/home`` (this machine's own ~/.ray is left alone; every "machine" here shares it,
+    as if it had been copied to each)."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.token_file = self.root / "auth_token"
-        self.token_file.write_text(secrets.token_hex(32))
-        self.token_file.chmod(0o600)
+        self.home = self.root / "home"
+        self.home.mkdir(exist_ok=True)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: dict[str, Path] = {}  # name -> its --temp-dir
-        self.env = {
-            **os.environ,
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        self.env.update({
+            "HOME": str(self.home),
             "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN_PATH": str(self.token_file),
             "RAY_ADDRESS": self.address,  # what `--ray-address auto` finds first (not another Ray of this machine)
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        }
-        self.env.pop("RAY_AUTH_TOKEN", None)
+        })
+        r = self.ray("get-auth-token", "--generate")
+        self.token_file = self.home / ".ray" / "auth_token"
+        if r.returncode != 0 or not self.token_file.exists():
+            raise RayStartFailed(f"ray get-auth-token --generate failed ({r.returncode}): {r.stderr[-2000:]}")
+        self.token_file.chmod(0o600)
 
     def ray(self, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([RAY, *args], env=env or self.env, capture_output=True, text=True, timeout=timeout)
