@@ -496,14 +496,19 @@ class Runtime:
         while True:
             await asyncio.sleep(self.respawn_interval_s)
             tries += 1
+            handle = None
             try:
                 handle = await self.respawn(vgpu_id)
                 addr = await handle.open_data_path.remote(self._inbox.address)
                 self.addresses[vgpu_id] = addr
                 await handle.connect_peers.remote(self._next_stage_addresses(vgpu_id))
             except asyncio.CancelledError:
+                if handle is not None:
+                    kill_quietly(handle)
                 raise
             except Exception as exc:
+                if handle is not None:  # created, but not usable: not left running beside the next try
+                    kill_quietly(handle)
                 log.info("vGPU %s is not back yet (try %d): %s", vgpu_id, tries, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 continue
             break

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from ppipe.runtime import deploy
@@ -181,3 +182,43 @@ def test_a_consumed_reference_of_a_failed_call_is_no_unhandled_error(ray_cluster
         assert not any("boom consumed" in r or "boom settled" in r for r in reported), reported
     finally:
         ray.kill(actor)
+
+
+def test_a_re_created_worker_that_cannot_open_its_data_path_is_killed_before_the_next_try(tinynet, monkeypatch):
+    from ppipe.runtime import driver
+    from .fakes import FakeWorker
+    from .test_units import _runtime
+
+    killed = []
+    monkeypatch.setattr(driver, "kill_quietly", lambda h: killed.append(h))
+    rt, peers = _runtime(tinynet, max_batch=1)
+    victim = rt.plan.placements_of("tinynet", 0, 1)[0].vgpu_id
+    made = []
+
+    async def respawn(vgpu_id):
+        w = FakeWorker(vgpu_id)
+        if not made:  # the first re-created worker fails to open its data path
+            async def broken(*_):
+                raise RuntimeError("no data path")
+
+            w.open_data_path = type(w.open_data_path)(broken)
+        made.append(w)
+        peers[vgpu_id] = w
+        return w
+
+    rt.respawn, rt.respawn_interval_s = respawn, 0.02
+
+    async def main():
+        await rt.start()
+        peers[victim].kill()
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if len(made) == 2 and rt.model_ready("tinynet"):
+                break
+        out = await rt.infer("tinynet", {"x": np.full(2, 1.0, np.float32)})
+        await rt.stop()
+        return out
+
+    out = asyncio.run(main())
+    assert len(made) == 2 and made[0] in killed and made[1] not in killed and rt.workers[victim] is made[1]
+    assert out["y"].tolist() == [4.0, 4.0]
