@@ -58,7 +58,7 @@ def main() -> int:
                                     rate=args.rate, phase_s=args.phase_s)
             finally:
                 serve.stop()
-            log = [line for line in serve.log().splitlines() if "vGPU" in line or "data path" in line or "Unhandled" in line]
+            log = [line for line in serve.log().splitlines() if any(w in line for w in ("vGPU", "server p4", "data path", "Unhandled"))]
     print(f"Ray {ray.__version__}, token auth on; 2 nodes on 127.0.0.1; ppipe serve --backend emulated; "
           f"{args.rate:g} req/s to each of a (head) and b (head -> second node)")
     print_node_loss(res)

@@ -23,6 +23,7 @@ re-creation takes the next number (``ppipe-vgpu-<id>-<n>``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from ppipe.runtime.worker import WorkerSpec, actor_class
 from ppipe.spec.cluster import ClusterSpec, load_cluster
 from ppipe.spec.plan import Plan, load_plan
 from ppipe.spec.profile import ModelProfile, load_profile_ref, profile_ref
+
+log = logging.getLogger("ppipe.runtime")
 
 # A worker asks for this much of its server's custom resource: enough to pin it to the
 # node, small enough that any number of vGPUs fit on a node offering 1 unit.
@@ -284,7 +287,12 @@ def respawn_worker(dep: Deployment, vgpu_id: str, backend: str = "ort", backend_
     spec = next(s for s in worker_specs(dep) if s.vgpu_id == vgpu_id)
     try:
         offered = offered_resources()
-        node_resources_for(spec, dep.cluster, offered, dep.cluster_file)  # before a name is taken
+        try:
+            node_resources_for(spec, dep.cluster, offered, dep.cluster_file)  # before a name is taken
+        except UserError:
+            note_server(spec.server, offered=False)
+            raise
+        note_server(spec.server, offered=True)
         handle = _create_worker(dep, spec, backend, backend_options, offered,
                                 next_incarnation(vgpu_id) if incarnation is None else incarnation)
     except UserError as exc:
@@ -299,6 +307,27 @@ def respawn_worker(dep: Deployment, vgpu_id: str, backend: str = "ort", backend_
         settle([ping], timeout_s=5.0)
         raise RuntimeError(f"worker {vgpu_id} did not start: {type(exc).__name__}") from None
     return handle
+
+
+_servers_gone: set[str] = set()  # servers whose Ray node a re-creation found missing
+_servers_lock = threading.Lock()
+
+
+def note_server(server: str, offered: bool) -> bool:
+    """Log once when a re-creation finds no Ray node for ``server`` (its node left the
+    cluster) and once when one is there again (the node is back), however many of its vGPUs
+    are re-created and however often; returns whether this call logged."""
+    with _servers_lock:
+        if not offered and server not in _servers_gone:
+            _servers_gone.add(server)
+            log.warning("server %s: no Ray node offers its resource now (its node left the cluster); "
+                        "waiting for it to join again", server)
+            return True
+        if offered and server in _servers_gone:
+            _servers_gone.discard(server)
+            log.warning("server %s: its Ray node is back; re-creating its workers", server)
+            return True
+    return False
 
 
 def _reraise_user_error(cause: BaseException) -> None:

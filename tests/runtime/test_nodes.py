@@ -222,3 +222,13 @@ def test_a_re_created_worker_that_cannot_open_its_data_path_is_killed_before_the
     out = asyncio.run(main())
     assert len(made) == 2 and made[0] in killed and made[1] not in killed and rt.workers[victim] is made[1]
     assert out["y"].tolist() == [4.0, 4.0]
+
+
+def test_a_server_leaving_and_coming_back_is_logged_once_each(caplog):
+    from ppipe.runtime.deploy import note_server
+
+    caplog.set_level("WARNING", logger="ppipe.runtime")
+    seen = [note_server("p4-7", offered) for offered in (True, False, False, False, True, True, False, True)]
+    assert seen == [False, True, False, False, True, False, True, True]  # first True: never gone, nothing to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("p4-7: no Ray node" in x for x in lines) == 2 and sum("p4-7: its Ray node is back" in x for x in lines) == 2
