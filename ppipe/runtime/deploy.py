@@ -43,6 +43,7 @@ log = logging.getLogger("ppipe.runtime")
 RESOURCE_SHARE = 0.001
 
 ACTOR_PREFIX = "ppipe-vgpu-"
+NAME_TRIES = 3  # names tried (the next incarnations) before a name Ray still holds is an error
 
 
 def actor_name(vgpu_id: str, incarnation: int = 0) -> str:
@@ -264,9 +265,6 @@ def _create_worker(dep: Deployment, spec: WorkerSpec, backend: str, backend_opti
                 raise
             opts["name"] = actor_name(spec.vgpu_id, next_incarnation(spec.vgpu_id))
     return actor_class().options(**opts).remote(spec, backend, backend_options)
-
-
-NAME_TRIES = 3  # names tried (the next incarnations) before a held name is an error
 
 
 def respawn_worker(dep: Deployment, vgpu_id: str, backend: str = "ort", backend_options: dict[str, Any] | None = None,
