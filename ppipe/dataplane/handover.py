@@ -228,10 +228,17 @@ class SwitchingScheduler:
         self._forget_idle()
         return out
 
-    def mark_failed(self, vgpu_id: str) -> list[Decision]:
+    def mark_failed(self, vgpu_id: str, since_batch_id: int = 0, until_batch_id: float = float("inf")) -> list[Decision]:
+        """Fail ``vgpu_id`` in the schedulers whose first batch id is in ``[since, until)``.
+
+        A vGPU id that both plans have but that is not kept names two workers: the old
+        plan's (eras before the switch) and the new plan's (from it on). A driver that
+        knows which of them died passes that worker's range; the default fails the id
+        everywhere.
+        """
         out: list[Decision] = []
-        for _, s in self._eras:
-            if vgpu_id in s.topology.vgpus:
+        for first, s in self._eras:
+            if since_batch_id <= first < until_batch_id and vgpu_id in s.topology.vgpus:
                 out.extend(s.mark_failed(vgpu_id))
         self._forget_idle()
         return out

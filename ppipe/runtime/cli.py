@@ -200,10 +200,12 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     actors = [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, dep, ms, workers, edges, settings, owner, host, port)
               for i, ms in enumerate(parts) if i > 0]
 
+    switchers: list = []  # the plan switcher of a single-shard server (its workers are stopped at shutdown too)
+
     def shutdown():
         for a in actors:
             ray.kill(a)
-        for h in workers.values():
+        for h in [*workers.values(), *(h for sw in switchers for h in sw.started)]:
             ray.kill(h)
 
     try:
@@ -214,6 +216,11 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
 
     def companions(rt, router):
         out = [] if router is None else [PeerExchange(router, actors, addresses)]
+        if router is None:  # one shard: this server may switch plans (ppipe apply, SIGHUP)
+            from ppipe.runtime.switch import PlanSwitcher, SighupReload
+
+            switchers.append(PlanSwitcher(rt, dep, backend=backend, backend_options=opts))
+            out.append(SighupReload(switchers[0], plan_file))
         if grpc_port is not None:
             from ppipe.runtime.grpc_server import GrpcServer
 
@@ -222,6 +229,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         return out
 
     app, _, _ = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
+    if switchers:
+        app.fe.switcher = switchers[0]
     click.echo(
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
         + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
@@ -273,3 +282,49 @@ def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms,
     if json_out:
         with open(json_out, "w") as fh:
             fh.write(text + "\n")
+
+
+@click.command("apply")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="The running `ppipe serve`.")
+@click.option("--token", default=None, envvar="PPIPE_TOKEN", help="The server's bearer token (env PPIPE_TOKEN); plan switches need one.")
+@click.option("--timeout-s", default=600.0, show_default=True, type=float, help="How long to wait for the switch (new workers load their blocks first).")
+def apply(plan_file, url, token, timeout_s):
+    """Switch a running `ppipe serve` to PLAN_FILE, live: no request is paused, lost or answered twice.
+
+    The server starts the workers the new plan needs while the old plan serves, then moves
+    new requests to the new plan; batches already sent finish on the old one. A plan the
+    running cluster cannot take is refused, and the old plan keeps serving. Relative
+    profile folders are sent as absolute ones when they exist here.
+    """
+    import json
+
+    import httpx
+    import yaml
+
+    from ppipe.spec.plan import load_plan
+
+    if not token:
+        raise UserError("plan switches need the server's token", fix="pass --token (or set PPIPE_TOKEN); the server must run with --token")
+    plan = load_plan(plan_file)  # a malformed file is refused here, with its field
+    base = os.path.dirname(os.path.abspath(plan_file))
+    data = plan.model_dump(mode="json")
+    for m in data["models"]:
+        local = os.path.join(base, m["profile"])
+        if ":" not in m["profile"] and not os.path.isabs(m["profile"]) and os.path.isdir(local):
+            m["profile"] = local
+    try:
+        r = httpx.post(url.rstrip("/") + "/v2/admin/plan", content=yaml.safe_dump(data, sort_keys=False),
+                       headers={"authorization": f"Bearer {token}", "content-type": "application/yaml"}, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise UserError(f"cannot reach {url}: {exc}", fix="check --url and that `ppipe serve` runs") from None
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"error": r.text[:500]}
+    if r.status_code != 200:
+        raise UserError(f"{url} refused the plan in {plan_file} (HTTP {r.status_code}): {body.get('error', body)}")
+    click.echo(f"{url} now serves {', '.join(body['models'])} from {plan_file}: {body['kept']} vGPUs kept, "
+               f"{body['started']} started, {body['retiring']} finishing their batches; {body['moved']} queued requests moved; "
+               f"{body['seconds']:.2f} s (loading {body['load_s']:.2f} s, switch {body['switch_us'] / 1e3:.2f} ms)")
+    click.echo(json.dumps(body))

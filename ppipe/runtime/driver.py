@@ -35,6 +35,7 @@ import numpy as np
 
 from ppipe.errors import UserError
 from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, StageReport, WakeAt
+from ppipe.dataplane.handover import SwitchingScheduler, kept_vgpus
 from ppipe.runtime.clock import WallClock, wall_us
 from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, node_host
 from ppipe.runtime.wire import pack, unpack
@@ -192,6 +193,12 @@ class Runtime:
         # NCCL edges and the number of the next message on each (see ppipe.runtime.transport)
         self.nccl_edges = {e for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) == "nccl"}
         self._edge_seq: dict[tuple[str, str], int] = {e: 0 for e in self.nccl_edges}
+        # plan switches (switch_plan): the first batch id each current worker serves, and
+        # the workers of earlier plans that still finish their batches
+        self._since: dict[str, int] = {}
+        self._retiring: list[_Retiring] = []
+        self.switches: list[dict[str, Any]] = []
+        self.on_switch: list[Callable[[], None]] = []  # called at each switch, after the new plan is in place
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -241,6 +248,125 @@ class Runtime:
                 return True
         return False
 
+    # ---- plan switches -------------------------------------------------------------------
+    async def switch_plan(
+        self,
+        plan: Plan,
+        profiles: dict[str, ModelProfile],
+        start_workers: Callable[[list[str]], Awaitable[dict[str, Any]]],
+        stop_worker: Callable[[Any], None],
+    ) -> dict[str, Any]:
+        """Move to ``plan`` while serving, with no pause (:mod:`ppipe.dataplane.handover`).
+
+        1. The new plan's scheduler is built (a plan that does not fit its profiles or the
+           cluster is refused here, and nothing changes).
+        2. Its workers that are not kept (:func:`~ppipe.dataplane.handover.kept_vgpus`) are
+           started and load their blocks while the old plan serves.
+        3. The switch, in one step on the loop: the scheduler hands over (queued requests
+           move, the old plan's reservations still ahead are carried over); new requests
+           go to the new plan; batches already sent finish on the old plan's workers.
+        4. The old plan's workers that the new plan does not keep are stopped once their
+           batches have ended (after at most the old plan's largest SLO + 1 s, the batches
+           still open are answered with ``plan-switch``).
+
+        Args:
+            start_workers: ``await start_workers(vgpu_ids)`` starts these vGPUs of ``plan``,
+                loaded, and returns ``{vgpu_id: handle}``; it raises (having stopped what it
+                started) when one cannot start.
+            stop_worker: stops a worker (an actor handle).
+
+        Returns:
+            what happened: ``kept``, ``started``, ``retiring`` (vGPU counts), ``moved``
+            (queued requests handed over), ``first_batch_id``, ``load_s`` (starting the
+            workers) and ``switch_us`` (the switch step itself).
+
+        Raises:
+            UserError: the plan cannot replace the running one; the old plan keeps serving.
+        """
+        if self.nccl_edges:
+            raise UserError("this server sends feature maps over NCCL, and a plan switch does not re-open NCCL communicators yet",
+                            fix="serve with --transport tcp to switch plans live, or restart `ppipe serve` with the new plan")
+        t0 = self.clock.true_now_us()
+        current = self.scheduler.current if isinstance(self.scheduler, SwitchingScheduler) else self.scheduler
+        new = self._factory(plan, profiles, self.cluster, self.clock, policy=self._policy, **self._options)
+        check_whole_paths(new, self._policy)
+        check_switchable(current, new)
+        kept = kept_vgpus(current.topology, new.topology)
+        fresh = sorted(p.vgpu_id for p in plan.placement if p.vgpu_id not in kept)
+        handles = await start_workers(fresh) if fresh else {}
+        try:
+            addrs = await asyncio.gather(*(handles[v].open_data_path.remote(self._inbox.address) for v in fresh))
+        except BaseException:
+            for h in handles.values():
+                stop_worker(h)
+            raise
+        t1 = self.clock.true_now_us()
+        record = self._switch_now(plan, profiles, new, kept, dict(zip(fresh, addrs)), handles)
+        record["load_s"] = (t1 - t0) / 1e6
+        live = [v for v in self.workers if v not in self.failed]
+        await asyncio.gather(*(self.workers[v].connect_peers.remote(self._next_stage_addresses(v)) for v in live),
+                             return_exceptions=True)  # warming connections only: a dead worker's lifeline reports it
+        task = asyncio.get_running_loop().create_task(self._drain(record["first_batch_id"], stop_worker, self._drain_timeout_s()))
+        self._lifelines.append(task)
+        return record
+
+    def _switch_now(self, plan: Plan, profiles: dict[str, ModelProfile], new: Any, kept: frozenset[str],
+                    fresh_addrs: dict[str, str], handles: dict[str, Any]) -> dict[str, Any]:
+        """The switch step: synchronous, so no request sees half of it."""
+        t0 = self.clock.true_now_us()
+        if not isinstance(self.scheduler, SwitchingScheduler):
+            self.scheduler = SwitchingScheduler(self.scheduler)
+        h = self.scheduler.switch(new)
+        retiring = {v: w for v, w in self.workers.items() if v not in kept}
+        for v, w in retiring.items():
+            self._retiring.append(_Retiring(v, w, since=self._since.pop(v, 0), until=h.first_batch_id))
+            if self.failed.pop(v, None) is not None:
+                self.metrics.failed.labels(v).set(0)
+            revival = self._revivals.pop(v, None)
+            if revival is not None:
+                revival.cancel()
+        self.plan, self._placement = plan, {p.vgpu_id: p for p in plan.placement}
+        self.profiles = dict(profiles)
+        self.workers = {**{v: self.workers[v] for v in kept}, **handles}
+        self.addresses = {**{v: self.addresses[v] for v in kept}, **fresh_addrs}
+        loop = asyncio.get_running_loop()
+        for v, addr in fresh_addrs.items():
+            self._since[v] = h.first_batch_id
+            self._outbox.connect(addr)
+            self._lifelines.append(loop.create_task(self._watch(v, handles[v])))
+        for m in plan.models:
+            self._queued.setdefault(m.name, 0)
+        for hook in self.on_switch:
+            hook()
+        self._apply(h.decisions)
+        record = {"kept": len(kept), "started": len(handles), "retiring": len(retiring), "moved": h.moved,
+                  "first_batch_id": h.first_batch_id, "switch_us": self.clock.true_now_us() - t0, "at_us": t0,
+                  "first_dispatch_us": None}
+        self.switches.append(record)
+        log.warning("switched to a new plan (%d vGPUs kept, %d started, %d finishing their batches; %d queued requests moved)",
+                    len(kept), len(handles), len(retiring), h.moved)
+        return record
+
+    def _drain_timeout_s(self) -> float:
+        return max((m.slo_ms for m in self.plan.models), default=0.0) / 1e3 + 1.0
+
+    async def _drain(self, first_new: int, stop_worker: Callable[[Any], None], timeout_s: float) -> None:
+        """Stop the earlier plan's retiring workers once its batches (ids below ``first_new``) have
+        ended, or after ``timeout_s``, answering the batches still open with ``plan-switch``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while any(b < first_new for b in self._inflight) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for batch in [b for i, b in self._inflight.items() if i < first_new]:
+            self._fail(batch, "plan-switch", f"the earlier plan's batch did not end within {timeout_s:.1f} s of the switch")
+        for r in [r for r in self._retiring if r.until <= first_new]:
+            r.stopping = True
+            self._retiring.remove(r)
+            try:
+                stop_worker(r.handle)
+            except Exception:  # pragma: no cover - a worker already gone
+                log.debug("stopping %s of an earlier plan: already gone", r.vgpu_id)
+
     # ---- requests ---------------------------------------------------------------------
     async def infer(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None = None) -> dict[str, np.ndarray]:
         """Serve one sample (arrays without the batch axis); returns its outputs.
@@ -256,7 +382,10 @@ class Runtime:
         """
         if self.scheduler is None:
             raise RuntimeError("Runtime.start() has not run")
-        mp = self.plan.model(model)
+        try:
+            mp = self.plan.model(model)
+        except KeyError:  # a model a plan switch has just removed
+            raise DroppedError(DropReason.UNKNOWN_MODEL.value, f"the plan serves {', '.join(m.name for m in self.plan.models)}") from None
         # arrival and deadline on the true timeline, never the lead's
         now = self.clock.true_now_us() if arrival_us is None else arrival_us
         slo_us = mp.slo_ms * 1e3
@@ -340,6 +469,8 @@ class Runtime:
             self.metrics.bound(self.metrics.late, p.request.model).inc()
 
     def _dispatch(self, d: Dispatch) -> None:
+        if self.switches and self.switches[-1]["first_dispatch_us"] is None and d.batch_id >= self.switches[-1]["first_batch_id"]:
+            self.switches[-1]["first_dispatch_us"] = self.clock.true_now_us()
         for r in d.requests:
             self._mark_dispatched(r)
         self.metrics.bound(self.metrics.batch, d.model).observe(d.batch)
@@ -446,21 +577,20 @@ class Runtime:
 
     # ---- failures ------------------------------------------------------------------------------
     def mark_failed(self, vgpu_id: str) -> None:
-        """Tell the scheduler (once) that a vGPU is gone; it stops routing to it. The batches
-        in flight whose remaining stages include it are answered with ``worker-failed``."""
+        """Tell the scheduler (once) that a vGPU's current worker is gone; it stops routing to
+        it. The batches in flight whose remaining stages include it are answered with
+        ``worker-failed``."""
         if vgpu_id in self.failed:
             return
         self.failed[vgpu_id] = self.clock.true_now_us()
         self.metrics.failed.labels(vgpu_id).set(1)
         log.warning("vGPU %s failed; the scheduler stops routing to it", vgpu_id)
-        self._apply(self.scheduler.mark_failed(vgpu_id))
-        for batch in list(self._inflight.values()):
-            if vgpu_id in batch.route[batch.next_stage :]:
-                self._fail(batch, DropReason.WORKER_FAILED.value, f"vGPU {vgpu_id} failed while running the batch")
-            else:  # its stage ran (a later stage has reported): its own report may never come
-                batch.unreported -= {j for j, v in enumerate(batch.route) if v == vgpu_id}
-                if not batch.unreported:
-                    del self._inflight[batch.d.batch_id]
+        since = self._since.get(vgpu_id, 0)
+        if since:  # a worker started by a plan switch: earlier plans' vGPU of this id was another worker
+            self._apply(self.scheduler.mark_failed(vgpu_id, since_batch_id=since))
+        else:
+            self._apply(self.scheduler.mark_failed(vgpu_id))
+        self._fail_batches_through(vgpu_id, since, float("inf"))
         if self.respawn is not None and not any(vgpu_id in e for e in self.nccl_edges) and vgpu_id not in self._revivals:
             self._revivals[vgpu_id] = asyncio.get_running_loop().create_task(self._revive(vgpu_id))
         # its NCCL peers abort their edges with it: a receive from it would never complete
@@ -471,6 +601,19 @@ class Runtime:
                     self.workers[other].drop_peer.remote(vgpu_id)
                 except Exception:  # pragma: no cover - best effort; the peer's lifeline says if it is gone
                     log.exception("could not tell %s to drop its edge with %s", other, vgpu_id)
+
+    def _fail_batches_through(self, vgpu_id: str, since: int, until: float) -> None:
+        """Answer ``worker-failed`` to the batches numbered in ``[since, until)`` that still
+        need ``vgpu_id``; forget its stages of those that are past it."""
+        for batch in list(self._inflight.values()):
+            if not since <= batch.d.batch_id < until:
+                continue
+            if vgpu_id in batch.route[batch.next_stage :]:
+                self._fail(batch, DropReason.WORKER_FAILED.value, f"vGPU {vgpu_id} failed while running the batch")
+            else:  # its stage ran (a later stage has reported): its own report may never come
+                batch.unreported -= {j for j, v in enumerate(batch.route) if v == vgpu_id}
+                if not batch.unreported:
+                    del self._inflight[batch.d.batch_id]
 
     async def _watch(self, vgpu_id: str, handle: Any) -> None:
         """Await the worker's ``lifeline`` call, which returns or fails only when the worker
@@ -483,7 +626,14 @@ class Runtime:
         except ray.exceptions.RayActorError as exc:
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.debug("vGPU %s is gone: %s", vgpu_id, detail)
-        self.mark_failed(vgpu_id)
+        if self.workers.get(vgpu_id) is handle:
+            self.mark_failed(vgpu_id)
+            return
+        old = next((r for r in self._retiring if r.handle is handle), None)
+        if old is not None and not old.stopping:  # an earlier plan's worker died while finishing its batches
+            log.warning("vGPU %s of an earlier plan failed while finishing its batches", vgpu_id)
+            self._apply(self.scheduler.mark_failed(vgpu_id, since_batch_id=old.since, until_batch_id=old.until))
+            self._fail_batches_through(vgpu_id, old.since, old.until)
 
     async def _revive(self, vgpu_id: str) -> None:
         """Re-create a failed vGPU's worker until it is up, then route to it again."""
@@ -510,6 +660,27 @@ class Runtime:
         self._lifelines.append(asyncio.get_running_loop().create_task(self._watch(vgpu_id, handle)))
         log.warning("vGPU %s is back after %d tries; the scheduler routes to it again", vgpu_id, tries)
         self._apply(self.scheduler.mark_recovered(vgpu_id))
+
+
+def check_switchable(current: Any, new: Any) -> None:
+    """A live switch hands a batching scheduler's queue and tables over; refuse other schedulers."""
+    from ppipe.dataplane.batching import BatchingScheduler
+
+    for s in (current, new):
+        if not isinstance(s, BatchingScheduler):
+            raise UserError(f"a live plan switch needs a batching data-plane policy; the server runs {type(s).__name__}",
+                            fix="serve with --policy reservation (the paper's) or reactive")
+
+
+@dataclass
+class _Retiring:
+    """A worker of an earlier plan that finishes the batches numbered in ``[since, until)``."""
+
+    vgpu_id: str
+    handle: Any
+    since: int
+    until: int
+    stopping: bool = False
 
 
 @dataclass
