@@ -77,6 +77,7 @@ class BatchTrace:
     dispatched_us: float = 0.0
     reports: list[dict[str, Any]] = field(default_factory=list)
     reserved_us: list[tuple[float, float]] = field(default_factory=list)  # per stage: reserved (start, end), scheduler time
+    arrivals_us: list[float] = field(default_factory=list)  # its requests' arrivals (true timeline)
     error: str | None = None
 
 
@@ -476,7 +477,8 @@ class Runtime:
         self.metrics.bound(self.metrics.batch, d.model).observe(d.batch)
         route = [s.vgpu_id for s in d.stages]
         trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us(),
-                           reserved_us=[(s.start_us, s.start_us + s.infer_us) for s in d.stages])
+                           reserved_us=[(s.start_us, s.start_us + s.infer_us) for s in d.stages],
+                           arrivals_us=[r.arrival_us for r in d.requests])
         if self.keep_traces:
             self.traces.append(trace)
             del self.traces[: -self.keep_traces]
