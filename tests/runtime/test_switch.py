@@ -184,3 +184,83 @@ def test_ppipe_apply_switches_a_serving_server_with_every_request_answered(ray_c
     assert wrong_cluster.exit_code == 2 and "is for cluster 'HC1-S'" in wrong_cluster.output
     assert no_token.exit_code == 2 and "HTTP 401" in no_token.output
     assert len(status["switches"]) == 1 and status["vgpus"] == 1 and ready == 200
+
+
+def test_sighup_rereads_the_plan_file_and_a_bad_file_leaves_the_old_plan(tinynet, tmp_path, caplog):
+    import os
+    import signal
+
+    from ppipe.runtime.switch import PlanSwitcher, SighupReload
+
+    cluster, old_plan, new_plan = _plans(tinynet)
+    applied = []
+
+    class Switcher(PlanSwitcher):  # the real file reading and validation; the switch itself recorded
+        async def apply(self, plan, source):
+            applied.append((plan, source))
+            return {}
+
+    path = tmp_path / "plan.yaml"
+    new_plan.save(path)
+    reload = SighupReload(Switcher(runtime=None, dep=None), path)
+
+    async def main():
+        await reload.start()
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if applied:
+                break
+        path.write_text("models: [oops")  # a broken edit: refused, logged
+        os.kill(os.getpid(), signal.SIGHUP)
+        await asyncio.sleep(0.2)
+        await reload.stop()
+
+    asyncio.run(main())
+    assert len(applied) == 1 and applied[0][0] == new_plan and applied[0][1] == str(path)
+    assert any("is not served" in r.getMessage() and "plan.yaml" in r.getMessage() for r in caplog.records)
+
+
+def test_admin_endpoint_refusals(tinynet, tmp_path):
+    import httpx
+
+    from ppipe.runtime.deploy import Deployment
+    from ppipe.runtime.server import BackgroundServer, create_app
+    from ppipe.runtime.switch import PlanSwitcher
+
+    cluster, old_plan, new_plan = _plans(tinynet)
+    old_plan.save(tmp_path / "plan.yaml")
+
+    def server(token, switcher):
+        workers = {p.vgpu_id: FakeWorker(p.vgpu_id) for p in old_plan.placement}
+        rt = Runtime(old_plan, {"tinynet": tinynet}, cluster, workers)
+        app = create_app(rt, token=token)
+        if switcher:
+            app.fe.switcher = PlanSwitcher(rt, Deployment(old_plan, cluster, {"tinynet": tinynet}, str(tmp_path / "plan.yaml")))
+        return BackgroundServer(app)
+
+    auth = {"authorization": "Bearer t0k"}
+    other = new_plan.model_copy(update={"cluster": "HC1-S"})
+    with server(None, True) as srv:
+        no_token = httpx.post(srv.url + "/v2/admin/plan", content=b"x")
+    with server("t0k", False) as srv:
+        sharded = httpx.post(srv.url + "/v2/admin/plan", content=b"x", headers=auth)
+    with server("t0k", True) as srv:
+        wrong = httpx.post(srv.url + "/v2/admin/plan", content=b"x", headers={"authorization": "Bearer nope"})
+        garbage = httpx.post(srv.url + "/v2/admin/plan", content=b"models: [oops", headers=auth)
+        schema = httpx.post(srv.url + "/v2/admin/plan", content=b"models: []", headers=auth)
+        cluster_ = httpx.post(srv.url + "/v2/admin/plan", content=yaml_of(other), headers=auth)
+        status = httpx.get(srv.url + "/v2/admin/plan", headers=auth)
+    assert no_token.status_code == 403 and "--token" in no_token.json()["error"]
+    assert sharded.status_code == 409 and "--shards 1" in sharded.json()["error"]
+    assert wrong.status_code == 401
+    assert garbage.status_code == 400 and "not valid YAML" in garbage.json()["error"]
+    assert schema.status_code == 400 and "request body" in schema.json()["error"]
+    assert cluster_.status_code == 400 and "is for cluster 'HC1-S'" in cluster_.json()["error"]
+    assert status.status_code == 200 and status.json()["switches"] == [] and status.json()["models"] == ["tinynet"]
+
+
+def yaml_of(plan) -> bytes:
+    import yaml
+
+    return yaml.safe_dump(plan.model_dump(mode="json")).encode()
