@@ -9,6 +9,7 @@ Endpoints::
     GET  /v2/models/{name}/ready    200 / 503
     POST /v2/models/{name}/infer    inference (JSON tensors or the binary extension)
     GET  /metrics                   Prometheus metrics
+    GET  /v2/openapi.json           this API as OpenAPI 3.1 (ppipe.runtime.openapi)
     GET  /v2/admin/plan             the plan served and the switches made     (token needed, always)
     POST /v2/admin/plan             switch to the plan.yaml in the body       (token needed, always;
                                     ``ppipe apply``; see ppipe.runtime.switch)
@@ -357,6 +358,15 @@ class Frontend:
             return _error(401, _UNAUTHORIZED)
         return JSONResponse({"name": "ppipe", "version": __version__, "extensions": ["binary_tensor_data"]})
 
+    async def openapi(self, request: Request) -> Response:
+        """GET /v2/openapi.json: this API as OpenAPI 3.1 (:mod:`ppipe.runtime.openapi`)."""
+        from ppipe import __version__
+        from ppipe.runtime.openapi import openapi_document
+
+        if not self._authorized(request):
+            return _error(401, _UNAUTHORIZED)
+        return JSONResponse(openapi_document(list(self.models), __version__))
+
     async def live(self, request: Request) -> Response:
         return JSONResponse({"live": True})
 
@@ -633,7 +643,8 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(500, "internal error in the server (its log has the details)")
 
 
-_ENDPOINTS = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/models/NAME, /v2/models/NAME/ready, /metrics, /v2/admin/plan; "
+_ENDPOINTS = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/openapi.json, /v2/models/NAME, /v2/models/NAME/ready, /metrics, "
+              "/v2/admin/plan; "
               "POST /v2/models/NAME/infer, /v2/admin/plan")
 
 
@@ -674,6 +685,7 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
         Route("/v2/models/{name}/infer", fe.infer, methods=["POST"]),  # first: the hot path matches at once
         Route("/v2", fe.server_metadata, methods=["GET"]),
         Route("/v2/health/live", fe.live, methods=["GET"]),
+        Route("/v2/openapi.json", fe.openapi, methods=["GET"]),
         Route("/v2/health/ready", fe.ready, methods=["GET"]),
         Route("/v2/models/{name}", fe.model_metadata, methods=["GET"]),
         Route("/v2/models/{name}/ready", fe.model_ready, methods=["GET"]),
