@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import ipaddress
 import os
 
@@ -260,7 +261,10 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
 @click.option("--grpc", "grpc_address", default=None, metavar="HOST:PORT",
               help="Send the requests over the KServe v2 gRPC API to HOST:PORT (`ppipe serve --grpc-port`) instead of REST; "
               "--binary sends raw_input_contents, --json typed contents. The model's metadata still comes from URL.")
-def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape, grpc_address):
+@click.option("--records-out", type=click.Path(dir_okay=False), default=None,
+              help="Also write every request's (send offset s, outcome, latency ms) as a JSON list to this file.")
+def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape, grpc_address,
+          records_out):
     """Open-loop load against URL (a `ppipe serve`): SLO attainment, goodput, p50/p99, drops."""
     from ppipe.runtime.bench import format_table, run_bench, to_json
 
@@ -272,10 +276,14 @@ def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms,
             shape = [int(d) for d in input_shape.split(",")]
         except ValueError:
             raise UserError(f"--input-shape '{input_shape}' is not a comma-separated list of integers", fix="e.g. --input-shape 3,224,224") from None
+    records: list | None = [] if records_out else None
     res = asyncio.run(
         run_bench(url, model, rate_rps, duration_s, arrivals=arrivals, trace=trace, binary=binary, seed=seed, slo_ms=slo_ms, token=token, cv=cv,
-                  client=client, input_shape=shape, grpc=grpc_address)
+                  client=client, input_shape=shape, grpc=grpc_address, records=records)
     )
+    if records_out:
+        with open(records_out, "w") as fh:
+            json.dump(sorted(records), fh)
     click.echo(format_table(res))
     text = to_json(res)
     click.echo(text)
