@@ -246,6 +246,9 @@ class SwitchingScheduler:
     def mark_recovered(self, vgpu_id: str) -> list[Decision]:
         return self.current.mark_recovered(vgpu_id)
 
+    def withdraw(self, request_ids) -> list[Decision]:
+        return self.current.withdraw(request_ids)  # (queued requests are the current scheduler's only)
+
     def stats(self) -> dict:
         """The counters of every scheduler so far, summed (``switches``: how many)."""
         total: dict = {}

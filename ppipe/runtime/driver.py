@@ -64,6 +64,7 @@ class _Pending:
     future: asyncio.Future
     slo_deadline_us: float  # arrival + SLO (the request's deadline is earlier by the answer budget)
     dispatched: bool = False
+    timer: Any = None  # its timeout (asyncio.TimerHandle)
 
 
 @dataclass
@@ -381,6 +382,41 @@ class Runtime:
         Raises:
             DroppedError: the scheduler dropped it, a worker on its path failed, or no answer came.
         """
+        p = self._submit(model, inputs, arrival_us)
+        try:
+            return await p.future
+        finally:
+            self._settle(p)
+
+    async def infer_samples(self, model: str, samples: list[dict[str, np.ndarray]], arrival_us: float | None = None) -> list[dict[str, np.ndarray]]:
+        """Serve the samples of one client request (each is a request to the scheduler);
+        returns their outputs in order.
+
+        One answer for all: at the first sample that is dropped, the samples not submitted
+        yet are not submitted and those still queued are withdrawn from the scheduler
+        (``withdraw``, where it has one), so a refused request costs no more work than it
+        must. Samples already dispatched run to the end (their batch may serve others).
+
+        Raises:
+            DroppedError: the first sample's error.
+        """
+        subs: list[_Pending] = []
+        try:
+            for inputs in samples:
+                p = self._submit(model, inputs, arrival_us)
+                subs.append(p)
+                if p.future.done() and p.future.exception() is not None:
+                    raise p.future.exception()
+            return [await p.future for p in subs]
+        except DroppedError:
+            self._withdraw(subs)
+            raise
+        finally:
+            for p in subs:
+                self._settle(p)
+
+    def _submit(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None) -> _Pending:
+        """Make a sample's request, give it to the scheduler and arm its timeout."""
         if self.scheduler is None:
             raise RuntimeError("Runtime.start() has not run")
         try:
@@ -393,19 +429,31 @@ class Runtime:
         # the scheduler must leave the answer its time (answer_budget_us, at most half the SLO)
         budget = min(self.answer_budget_us, 0.5 * slo_us)
         req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + slo_us - budget, payload=inputs)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[req.id] = _Pending(req, fut, now + slo_us)
+        loop = asyncio.get_running_loop()
+        p = _Pending(req, loop.create_future(), now + slo_us)
+        self._pending[req.id] = p
         self._queued[model] += 1
         self.metrics.bound(self.metrics.queue, model).inc()
         self._apply(self.scheduler.submit(req))
         timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
         # one timer per request (cheaper than wait_for(shield(...)), which wraps the future twice)
-        timer = asyncio.get_running_loop().call_later(timeout_s, self._timed_out, req.id, timeout_s)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
-            self._pending.pop(req.id, None)
+        p.timer = loop.call_later(timeout_s, self._timed_out, req.id, timeout_s)
+        return p
+
+    def _settle(self, p: _Pending) -> None:
+        p.timer.cancel()
+        self._pending.pop(p.request.id, None)
+
+    def _withdraw(self, subs: list[_Pending]) -> None:
+        """Take the samples of a refused request that still wait in the scheduler's queue out
+        of it; every unanswered sample is answered ``withdrawn`` (nobody awaits it)."""
+        waiting = [p.request.id for p in subs if not p.dispatched]
+        withdraw = getattr(self.scheduler, "withdraw", None)
+        if waiting and withdraw is not None:
+            self._apply(withdraw(waiting))
+        for p in subs:
+            if self._answer_error(p.request.id, DroppedError("withdrawn", "another sample of its request was dropped")):
+                p.future.exception()  # retrieved: nobody awaits it
 
     def _timed_out(self, rid: int, timeout_s: float) -> None:
         self._answer_error(rid, DroppedError("timeout", f"no answer within {timeout_s:.1f} s"))

@@ -430,7 +430,7 @@ class Frontend:
             if arr.shape[0] == 1:
                 results = [await self.runtime.infer(name, {in_name: arr[0]}, arrival_us=arrival_us)]
             else:
-                results = await asyncio.gather(*(self.runtime.infer(name, {in_name: s}, arrival_us=arrival_us) for s in arr))
+                results = await self.runtime.infer_samples(name, [{in_name: s} for s in arr], arrival_us=arrival_us)
         except DroppedError as exc:
             status = DROP_STATUS.get(exc.reason, 503)
             m.requests.labels(name, str(status)).inc()

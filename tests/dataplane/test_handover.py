@@ -130,3 +130,16 @@ def test_switch_keeps_one_answer_per_request_and_books_nothing_twice(arrivals, s
         for res_old, _, e_old in recut_old:
             if physical_gpu(res_new[5:]) == physical_gpu(res_old[5:]):
                 assert s_new >= e_old - 1e-6
+
+
+def test_withdraw_takes_queued_requests_back_and_ignores_the_rest():
+    clock = ManualClock()
+    sched = SwitchingScheduler(_sched(OLD, clock))
+    reqs = _requests([(0.0, "m")] * 3)
+    decided = [d for r in reqs for d in sched.submit(r) if isinstance(d, Dispatch)]
+    queued = [r.id for r in sched.current.queues["m"]]
+    assert queued and decided  # one batch of two went, one request waits for a partner
+    assert sched.withdraw(queued + [999]) == []
+    assert not sched.current.queues["m"]
+    clock.advance_to(50_000.0)
+    assert not [d for d in sched.wake() if isinstance(d, Dispatch)]  # its wake finds nothing to send

@@ -65,6 +65,9 @@ class StubRuntime:
         (x,) = inputs.values()
         return {"logits": np.full(5, float(x.sum()), np.float32)}
 
+    async def infer_samples(self, model, samples, arrival_us=None):
+        return list(await asyncio.gather(*(self.infer(model, s, arrival_us) for s in samples)))
+
 
 def counted(rt: StubRuntime, code: str | None = None) -> float:
     """ppipe_requests_total of model tinynet (one code, or all)."""

@@ -533,3 +533,46 @@ def test_tensorrt_precision_follows_the_profiles_provenance():
     assert precision_of("measured: TensorRT 10.3 fp16 on NVIDIA L4, an engine per block") == "fp16"
     assert precision_of("measured: TensorRT 10.3 tf32 on NVIDIA L4") == "tf32"
     assert precision_of("") == "tf32"  # the artifact's (and ppipe profile's) default
+
+
+def test_a_refused_multi_sample_request_stops_submitting_and_withdraws_its_queued_samples(tinynet):
+    """Issue 20: a 503 for a request of 100 samples computed 22 of them. Now the first drop
+    ends the request: later samples are not submitted, queued ones are withdrawn."""
+    from ppipe.runtime.driver import DroppedError
+
+    rt, _ = _runtime(tinynet, max_batch=100, window_us=50_000.0)  # samples wait in the queue for a batch
+
+    async def main():
+        await rt.start()
+        sched = rt.scheduler
+        submitted = []
+        real_submit = sched.submit
+
+        def submit(req):
+            submitted.append(req.id)
+            if len(submitted) == 4:  # the 4th sample is refused
+                from ppipe.dataplane.api import Drop, DropReason
+
+                return [Drop(req, DropReason.QUEUE_FULL, "test")]
+            return real_submit(req)
+
+        withdrawn = []
+
+        def withdraw(ids):
+            withdrawn.extend(ids)
+            sched.queue["tinynet"] = [r for r in sched.queue["tinynet"] if r.id not in ids]
+            return []
+
+        sched.submit, sched.withdraw = submit, withdraw
+        samples = [{"x": np.full(2, i, np.float32)} for i in range(10)]
+        with pytest.raises(DroppedError) as exc:
+            await rt.infer_samples("tinynet", samples)
+        await asyncio.sleep(0.1)  # past the batching window: nothing was left to dispatch
+        await rt.stop()
+        return submitted, withdrawn, exc.value.reason
+
+    submitted, withdrawn, reason = asyncio.run(main())
+    assert reason == "queue-full"
+    assert len(submitted) == 4  # samples 5..10 never reached the scheduler
+    assert withdrawn == submitted[:3]  # the three queued ones were taken back
+    assert not rt.traces and not rt._pending  # nothing computed, nothing left waiting
