@@ -4,6 +4,7 @@ the server's answers follow it, and requests generated from it never get a 500."
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import jsonschema
@@ -91,7 +92,7 @@ def _of_type(kind: str, schema: dict) -> st.SearchStrategy:
     return _SCALARS[kind]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("PPIPE_FUZZ_EXAMPLES", 150)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(request=from_schema(INFERENCE_REQUEST))
 def test_requests_generated_from_the_document_never_get_a_500(served, request):
     before = counted(served.rt)
