@@ -177,9 +177,9 @@ def keep_live(new: list[VgpuPlacement], new_models: list[ModelPlan], live: list[
     A vGPU stays when the live placement has, at the same (server, GPU, slot), a vGPU of
     the same model, blocks, GPU type and level: a running server then keeps its worker
     through a plan switch (:func:`ppipe.dataplane.handover.kept_vgpus`) instead of loading
-    a new one. Renaming the GPUs of one type among themselves (and the slots of one GPU)
-    changes nothing else the plan says: pools, levels and how many vGPUs share a GPU are
-    the same. Each type is a maximum-weight matching of the new plan's GPUs to the
+    a new one. Renaming the GPUs of one server group among themselves (and the slots of
+    one GPU) changes nothing else the plan says: the GPU type, the NIC, the pools, levels
+    and how many vGPUs share a GPU are the same. Each group is a maximum-weight matching of the new plan's GPUs to the
     cluster's GPUs (``scipy.optimize.linear_sum_assignment``); the weight of (new GPU g,
     GPU h) is the number of g's vGPUs whose shape h holds in the live plan, and among
     equally good matchings the one closest to ``new`` wins, so the result is deterministic.
@@ -198,11 +198,12 @@ def keep_live(new: list[VgpuPlacement], new_models: list[ModelPlan], live: list[
         return on_gpu
 
     new_on, live_on = shapes(new, new_models), shapes(live, live_models)
-    type_of = {name: group.gpu_type for name, group in cluster.server_names()}
+    group_of = {name: group for name, group in cluster.server_names()}
     rename: dict[tuple[str, int], tuple[str, int]] = {}
-    for gpu_type in sorted({type_of[g[0]] for g in new_on}):
-        mine = sorted(g for g in new_on if type_of[g[0]] == gpu_type)
-        targets = physical_gpus(cluster, gpu_type)
+    for group in sorted({group_of[g[0]].name for g in new_on}):
+        mine = sorted(g for g in new_on if group_of[g[0]].name == group)
+        gpu_type = group_of[mine[0][0]].gpu_type
+        targets = [h for h in physical_gpus(cluster, gpu_type) if group_of[h[0]].name == group]
         weight = np.zeros((len(mine), len(targets)), dtype=np.int64)
         for i, g in enumerate(mine):
             want = Counter(s for _, s in new_on[g])

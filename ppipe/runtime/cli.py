@@ -297,7 +297,10 @@ def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms,
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="The running `ppipe serve`.")
 @click.option("--token", default=None, envvar="PPIPE_TOKEN", help="The server's bearer token (env PPIPE_TOKEN); plan switches need one.")
 @click.option("--timeout-s", default=600.0, show_default=True, type=float, help="How long to wait for the switch (new workers load their blocks first).")
-def apply(plan_file, url, token, timeout_s):
+@click.option("--as-placed", is_flag=True, default=False,
+              help="Serve the plan's placement as written. Default: the server renames the plan's GPUs within each server group "
+              "(equal GPUs, equal NICs) so that vGPUs the running plan has keep their workers.")
+def apply(plan_file, url, token, timeout_s, as_placed):
     """Switch a running `ppipe serve` to PLAN_FILE, live: no request is paused, lost or answered twice.
 
     The server starts the workers the new plan needs while the old plan serves, then moves
@@ -322,7 +325,7 @@ def apply(plan_file, url, token, timeout_s):
         if ":" not in m["profile"] and not os.path.isabs(m["profile"]) and os.path.isdir(local):
             m["profile"] = local
     try:
-        r = httpx.post(url.rstrip("/") + "/v2/admin/plan", content=yaml.safe_dump(data, sort_keys=False),
+        r = httpx.post(url.rstrip("/") + "/v2/admin/plan" + ("?as_placed=1" if as_placed else ""), content=yaml.safe_dump(data, sort_keys=False),
                        headers={"authorization": f"Bearer {token}", "content-type": "application/yaml"}, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise UserError(f"cannot reach {url}: {exc}", fix="check --url and that `ppipe serve` runs") from None

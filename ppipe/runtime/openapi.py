@@ -139,6 +139,9 @@ def openapi_document(models: list[str], version: str) -> dict[str, Any]:
             "/v2/admin/plan": {
                 **get("The plan served and the switches made", _json({"type": "object"}, "models, vGPUs, switches"), 401, 403, 409),
                 "post": {"summary": "Switch to the plan.yaml in the body, live (ppipe apply)", "security": secured,
+                         "parameters": [{"name": "as_placed", "in": "query", "required": False, "schema": {"type": "string"},
+                                         "description": "1: serve the placement as written (default: rename GPUs within a "
+                                                        "server group to keep running workers)"}],
                          "requestBody": {"required": True, "content": {"application/yaml": {"schema": {"type": "string"}}}},
                          "responses": {"200": _json({"type": "object"}, "what the switch did"), **_errors(400, 401, 403, 409, 413)}},
             },

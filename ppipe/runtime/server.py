@@ -12,7 +12,8 @@ Endpoints::
     GET  /v2/openapi.json           this API as OpenAPI 3.1 (ppipe.runtime.openapi)
     GET  /v2/admin/plan             the plan served and the switches made     (token needed, always)
     POST /v2/admin/plan             switch to the plan.yaml in the body       (token needed, always;
-                                    ``ppipe apply``; see ppipe.runtime.switch)
+                                    ``ppipe apply``; ``?as_placed=1``: keep its placement as
+                                    written; see ppipe.runtime.switch)
 
 Status codes of ``infer`` (the body is always ``{"error": "..."}`` on failure):
 
@@ -483,7 +484,8 @@ class Frontend:
         try:
             text = body.decode("utf-8")
             plan = self.switcher.plan_from_text(text, "request body")
-            record = await self.switcher.apply(plan, "request body")
+            as_placed = request.query_params.get("as_placed", "").lower() in ("1", "true", "yes")
+            record = await self.switcher.apply(plan, "request body", keep_live=not as_placed)
         except UnicodeDecodeError:
             return _error(400, "request body: the plan must be UTF-8 YAML or JSON text")
         except SwitchBusy as exc:

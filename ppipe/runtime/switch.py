@@ -66,8 +66,13 @@ class PlanSwitcher:
         return load_plan(path)
 
     # ---- the switch ---------------------------------------------------------------------
-    async def apply(self, plan: Plan, source: str) -> dict[str, Any]:
+    async def apply(self, plan: Plan, source: str, keep_live: bool = True) -> dict[str, Any]:
         """Switch to ``plan``; returns what happened (see ``Runtime.switch_plan``) with ``seconds``.
+
+        ``keep_live``: first rename the plan's GPUs within each server group so that as many
+        of its vGPUs as possible keep their running worker
+        (:func:`ppipe.planner.placement.keep_live`; the same plan on other names of
+        equal GPUs); False serves the placement as written.
 
         Raises:
             SwitchBusy: a switch is running.
@@ -78,6 +83,8 @@ class PlanSwitcher:
             raise SwitchBusy("a plan switch is already running", fix="wait for it to end (GET /v2/admin/plan shows the last one)")
         async with self._lock:
             t0 = time.perf_counter()
+            if keep_live:
+                plan = self._keeping_live(plan)
             dep = self._deployment(plan, source)
             record = await self.runtime.switch_plan(plan, dep.profiles, lambda ids: self._start(dep, ids), self._stop)
             self.dep = dep
@@ -106,6 +113,15 @@ class PlanSwitcher:
         dep = replace(self.dep, plan=plan, profiles=profiles, plan_file=self.dep.plan_file)
         worker_specs(replace(dep, plan_file=source))  # placement covers every pool, servers exist
         return dep
+
+    def _keeping_live(self, plan: Plan) -> Plan:
+        from ppipe.planner.placement import keep_live
+
+        live = self.runtime.plan
+        if plan.cluster != live.cluster or not plan.placement:
+            return plan  # refused by _deployment, with its reason
+        placement = keep_live(plan.placement, plan.models, live.placement, live.models, self.dep.cluster)
+        return plan.model_copy(update={"placement": placement})
 
     def _served_ref(self, model: str) -> str | None:
         try:
