@@ -16,7 +16,10 @@ tells when a worker is gone (each worker's ``lifeline`` call fails when its acto
 A gone worker is given to ``scheduler.mark_failed`` once, and the requests of the batches
 in flight whose remaining stages include it are answered with ``worker-failed``. Every
 request gets exactly one answer: its outputs, or an error; a request the scheduler neither
-dispatched nor dropped within SLO + ``answer_grace_s`` is answered with a timeout error.
+dispatched nor dropped within SLO + ``answer_grace_s`` is answered with a timeout error,
+and a dispatched batch whose reports stop coming (a connection between two workers broke
+and took its message with it) is answered ``worker-failed`` once it is ``report_grace_s``
+(at least the model's SLO) past its planned end.
 
 Everything runs on one asyncio loop (the HTTP server's), so the scheduler, which is not
 thread-safe, is only ever called from that loop.
@@ -133,6 +136,8 @@ class Runtime:
             scheduler when it is up. None: a failed vGPU stays failed. vGPUs with an NCCL
             edge are not re-created (their communicators would need re-opening).
         answer_grace_s: a request still unanswered at deadline + this gets a timeout error.
+        report_grace_s: a dispatched batch still missing reports this long (or the model's
+            SLO, if longer) after its planned end is answered ``worker-failed``.
         keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
         dispatch_lead_us: the scheduler plans each decision this far ahead of the wall clock,
             the time a dispatch takes to reach its first worker (:class:`~ppipe.runtime.clock.WallClock`).
@@ -161,6 +166,7 @@ class Runtime:
         respawn: Callable[[str], Awaitable[Any]] | None = None,
         respawn_interval_s: float = 2.0,
         answer_grace_s: float = 30.0,
+        report_grace_s: float = 5.0,
         keep_traces: int = 0,
         edges: dict[tuple[str, str], Any] | None = None,
         dispatch_lead_us: float = 0.0,
@@ -170,7 +176,7 @@ class Runtime:
         self._factory = scheduler_factory or default_scheduler_factory
         self._policy, self._options = policy, dict(scheduler_options or {})
         self.metrics = metrics or RuntimeMetrics()
-        self.data_host, self.answer_grace_s = data_host, answer_grace_s
+        self.data_host, self.answer_grace_s, self.report_grace_s = data_host, answer_grace_s, report_grace_s
         self.respawn, self.respawn_interval_s = respawn, respawn_interval_s
         self._revivals: dict[str, asyncio.Task] = {}
         self.keep_traces = keep_traces
@@ -219,6 +225,7 @@ class Runtime:
             self._outbox.connect(a)
         freeze_startup_objects()
         self._lifelines = [loop.create_task(self._watch(v, h)) for v, h in self.workers.items()]
+        self._lifelines.append(loop.create_task(self._sweep_overdue()))
 
     def _next_stage_addresses(self, vgpu_id: str) -> list[str]:
         """The data-path addresses of the vGPUs a worker may forward to (its pipeline's next pool)."""
@@ -684,6 +691,27 @@ class Runtime:
             log.warning("vGPU %s of an earlier plan failed while finishing its batches", vgpu_id)
             self._apply(self.scheduler.mark_failed(vgpu_id, since_batch_id=old.since, until_batch_id=old.until))
             self._fail_batches_through(vgpu_id, old.since, old.until)
+
+    async def _sweep_overdue(self) -> None:
+        """Answer the batches whose reports stopped coming (see ``report_grace_s``), four times
+        per grace period."""
+        slo_us = {m.name: m.slo_ms * 1e3 for m in self.plan.models}
+        while True:
+            await asyncio.sleep(self.report_grace_s / 4)
+            now = self.clock.now_us()
+            if self.switches:
+                slo_us.update({m.name: m.slo_ms * 1e3 for m in self.plan.models})
+            for batch in list(self._inflight.values()):
+                d = batch.d
+                if now > d.stages[-1].end_us + max(self.report_grace_s * 1e6, slo_us.get(d.model, 0.0)):
+                    if len(batch.route) - 1 not in batch.unreported:  # answered; an earlier stage's report is lost
+                        del self._inflight[d.batch_id]
+                        continue
+                    waiting = batch.route[min(batch.next_stage, len(batch.route) - 1)]
+                    log.warning("batch %d: no report from vGPU %s; answered worker-failed", d.batch_id, waiting)
+                    self._fail(batch, DropReason.WORKER_FAILED.value,
+                               f"no report from vGPU {waiting} within {max(self.report_grace_s * 1e6, slo_us.get(d.model, 0.0)) / 1e6:.1f} s "
+                               "of the batch's planned end (a lost data-path connection)")
 
     async def _revive(self, vgpu_id: str) -> None:
         """Re-create a failed vGPU's worker until it is up, then route to it again."""
