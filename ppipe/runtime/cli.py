@@ -124,11 +124,18 @@ class _NullClock:
 @click.option("--shards", "shards", default="auto", show_default=True,
               help="Frontend processes on the port, each scheduling its own models (groups of models that share no NIC): "
               "a count, or auto (as many as the plan's planned rate needs, at most the cores but one). No YAML field.")
+@click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="auto: watch each model's arrival rate, re-plan when the mix shifts (a model past 90 % of its capacity and a "
+              "new plan >= 10 % better) and switch plans live (ppipe.control.replan; needs --shards 1 and a max-min plan).")
+@click.option("--replan-time-limit-s", type=float, default=1.5, show_default=True, help="Planner time limit of each re-plan (--replan auto).")
+@click.option("--replan-min-interval-s", type=float, default=60.0, show_default=True, help="Least time between two plan switches (--replan auto).")
+@click.option("--replan-window-s", type=float, default=60.0, show_default=True, help="Window of the arrival-rate estimate (--replan auto).")
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
 def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, host, port, grpc_port, token, max_body_mb,
-          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, num_cpus, emulated_max_bytes):
+          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, replan, replan_time_limit_s, replan_min_interval_s,
+          replan_window_s, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API.
 
     Without --ray-address, the local Ray instance it starts listens on loopback only when
@@ -161,6 +168,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     # that does not fit its profiles is a UserError now, not after the workers are up
     check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
+    replan_policy = _replan_policy(dep, n_shards, replan_time_limit_s, replan_min_interval_s, replan_window_s) if replan == "auto" else None
     if grpc_port is not None and n_shards > 1:
         raise UserError("--grpc-port serves one shard's models only; it does not pass requests between shards yet",
                         fix="use --shards 1 with --grpc-port")
@@ -222,6 +230,10 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
 
             switchers.append(PlanSwitcher(rt, dep, backend=backend, backend_options=opts))
             out.append(SighupReload(switchers[0], plan_file))
+            if replan_policy is not None:
+                from ppipe.runtime.replan import ReplanLoop
+
+                out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
         if grpc_port is not None:
             from ppipe.runtime.grpc_server import GrpcServer
 
@@ -240,6 +252,19 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         + (f"; {len(parts)} shards: " + ", ".join("+".join(ms) for ms in parts) if len(parts) > 1 else "") + ")"
     )
     uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
+
+
+def _replan_policy(dep, n_shards: int, time_limit_s: float, min_interval_s: float, window_s: float):
+    """``--replan auto``'s controller policy, checked before anything starts."""
+    from ppipe.control.replan import ReplanPolicy, planner_replan
+
+    if n_shards > 1:
+        raise UserError(f"--replan auto switches plans on a one-shard server; --shards resolved to {n_shards}", fix="add --shards 1")
+    if not time_limit_s > 0:
+        raise UserError(f"--replan-time-limit-s must be > 0, got {time_limit_s}", fix="e.g. --replan-time-limit-s 1.5")
+    planner_replan(dep.plan, dep.profiles, dep.cluster, time_limit_s=time_limit_s)  # a plan it cannot re-make is refused here
+    # the new workers' load time, for the controller's look-ahead (what a plan must last)
+    return ReplanPolicy(window_s=window_s, min_interval_s=min_interval_s, load_delay_s=10.0)
 
 
 @click.command("bench")

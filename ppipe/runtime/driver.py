@@ -207,6 +207,7 @@ class Runtime:
         self._retiring: list[_Retiring] = []
         self.switches: list[dict[str, Any]] = []
         self.on_switch: list[Callable[[], None]] = []  # called at each switch, after the new plan is in place
+        self.arrival_log: list[tuple[str, float]] | None = None  # (model, arrival) of each request, for a re-plan loop
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -439,6 +440,8 @@ class Runtime:
         loop = asyncio.get_running_loop()
         p = _Pending(req, loop.create_future(), now + slo_us)
         self._pending[req.id] = p
+        if self.arrival_log is not None:
+            self.arrival_log.append((model, now))
         self._queued[model] += 1
         self.metrics.bound(self.metrics.queue, model).inc()
         self._apply(self.scheduler.submit(req))
