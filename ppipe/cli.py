@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "ppipe.sim.cli:simulate",
     "serve": "ppipe.runtime.cli:serve",
     "bench": "ppipe.runtime.cli:bench",
+    "apply": "ppipe.runtime.cli:apply",
 }
 
 
@@ -76,6 +77,7 @@ def main() -> None:
     simulate      plan.yaml under a virtual clock: SLO attainment, load sweeps
     serve         plan.yaml on Ray behind an Open Inference Protocol (KServe v2) API
     bench         open-loop load generator against a running `ppipe serve`
+    apply         switch a running `ppipe serve` to a new plan.yaml, live
     schema        the fields of a cluster YAML, a model profile or plan.yaml
     """
 

@@ -495,6 +495,17 @@ class BatchingScheduler:
             self._live[g.model] = [p for p in self.topology.pipelines[g.model] if p.alive]
         return self._run_model(g.model, self.clock.now_us())
 
+    def withdraw(self, request_ids) -> list[Decision]:
+        """Take queued (not yet dispatched) requests out of their queues: the driver answers
+        them itself (their client request was refused as a whole). Ids not queued are ignored."""
+        ids = set(request_ids)
+        for q in self.queues.values():
+            if any(r.id in ids for r in q):
+                kept = [r for r in q if r.id not in ids]
+                q.clear()
+                q.extend(kept)
+        return []
+
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> dict:
         """Counters as a plain dict (probes, dispatches, probes per dispatch, drops...)."""

@@ -204,6 +204,7 @@ def replay(
     jitter: float = 0.0,
     seed: int = 0,
     failures: Sequence[tuple[float, str]] = (),
+    switches: Sequence[tuple[float, Callable[[], Any]]] = (),
 ) -> tuple[list[Any], dict[int, tuple]]:
     """Drive a scheduler through ``requests`` with a minimal event loop (not the simulator).
 
@@ -212,6 +213,8 @@ def replay(
     the stages before it, lasting its planned time times ``1 + jitter * u`` (u uniform in
     [0, 1), seeded); transfers are reported as planned; WakeAt become timers. No NIC or
     vGPU contention is modelled: the scheduler's own plan is taken as the truth.
+    ``switches``: at each time, ``scheduler.switch(make())`` (a
+    :class:`~ppipe.dataplane.handover.SwitchingScheduler` moving to a new plan's scheduler).
 
     Returns:
         (every decision in order, {request id: ("dispatched", planned finish, deadline) or
@@ -231,6 +234,9 @@ def replay(
         seq += 1
     for t, vid in failures:
         heapq.heappush(ev, (t, 0, seq, "fail", vid))
+        seq += 1
+    for t, make in switches:
+        heapq.heappush(ev, (t, 0, seq, "switch", make))
         seq += 1
     log: list[Any] = []
     outcome: dict[int, tuple] = {}
@@ -271,6 +277,8 @@ def replay(
             apply(scheduler.wake())
         elif kind == "report":
             apply(scheduler.report(x))
+        elif kind == "switch":
+            apply(scheduler.switch(x()).decisions)
         else:
             apply(scheduler.mark_failed(x))
     return log, outcome

@@ -169,6 +169,76 @@ def _pack_exhaustive(items: list[tuple]) -> list[list[tuple]]:
     raise AssertionError("unreachable: one item per bin always fits")
 
 
+def keep_live(new: list[VgpuPlacement], new_models: list[ModelPlan], live: list[VgpuPlacement], live_models: list[ModelPlan],
+              cluster: ClusterSpec) -> list[VgpuPlacement]:
+    """``new`` with its physical GPUs renamed so that as many vGPUs as possible stay where
+    ``live`` (the running plan's placement) has them.
+
+    A vGPU stays when the live placement has, at the same (server, GPU, slot), a vGPU of
+    the same model, blocks, GPU type and level: a running server then keeps its worker
+    through a plan switch (:func:`ppipe.dataplane.handover.kept_vgpus`) instead of loading
+    a new one. Renaming the GPUs of one server group among themselves (and the slots of
+    one GPU) changes nothing else the plan says: the GPU type, the NIC, the pools, levels
+    and how many vGPUs share a GPU are the same. Each group is a maximum-weight matching of the new plan's GPUs to the
+    cluster's GPUs (``scipy.optimize.linear_sum_assignment``); the weight of (new GPU g,
+    GPU h) is the number of g's vGPUs whose shape h holds in the live plan, and among
+    equally good matchings the one closest to ``new`` wins, so the result is deterministic.
+    """
+    from collections import Counter
+
+    import numpy as np
+    from scipy.optimize import linear_sum_assignment
+
+    def shapes(rows: list[VgpuPlacement], models: list[ModelPlan]) -> dict[tuple[str, int], list[tuple]]:
+        parts = {(m.name, i, j): part for m in models for i, pl in enumerate(m.pipelines) for j, part in enumerate(pl.partitions)}
+        on_gpu: dict[tuple[str, int], list[tuple]] = defaultdict(list)
+        for r in rows:
+            part = parts[(r.model, r.pipeline, r.partition)]
+            on_gpu[(r.server, r.gpu_index)].append((r.slot, (r.model, part.first_block, part.last_block, part.gpu, r.vgpu)))
+        return on_gpu
+
+    new_on, live_on = shapes(new, new_models), shapes(live, live_models)
+    group_of = {name: group for name, group in cluster.server_names()}
+    rename: dict[tuple[str, int], tuple[str, int]] = {}
+    for group in sorted({group_of[g[0]].name for g in new_on}):
+        mine = sorted(g for g in new_on if group_of[g[0]].name == group)
+        gpu_type = group_of[mine[0][0]].gpu_type
+        targets = [h for h in physical_gpus(cluster, gpu_type) if group_of[h[0]].name == group]
+        weight = np.zeros((len(mine), len(targets)), dtype=np.int64)
+        for i, g in enumerate(mine):
+            want = Counter(s for _, s in new_on[g])
+            for j, h in enumerate(targets):
+                have = Counter(s for _, s in live_on.get(h, []))
+                weight[i, j] = 2 * sum((want & have).values()) + (g == h)  # ties: keep new's own GPU
+        rows, cols = linear_sum_assignment(weight, maximize=True)
+        rename.update({mine[i]: targets[j] for i, j in zip(rows, cols)})
+    slot_of = _kept_slots(new_on, live_on, rename)
+    return [r.model_copy(update={"server": rename[(r.server, r.gpu_index)][0], "gpu_index": rename[(r.server, r.gpu_index)][1],
+                                 "slot": slot_of[(r.server, r.gpu_index, r.slot)]}) for r in new]
+
+
+def _kept_slots(new_on: dict, live_on: dict, rename: dict) -> dict[tuple[str, int, int], int]:
+    """The slot of each new vGPU on its renamed GPU: the live slot of the same shape where
+    there is one, else the free slots in order (the GPU's slots stay 0..n-1)."""
+    out: dict[tuple[str, int, int], int] = {}
+    for g, members in new_on.items():
+        n = len(members)
+        live = list(live_on.get(rename[g], []))
+        free = set(range(n))
+        placed = []
+        for slot, shape in sorted(members):
+            match = next((ls for ls, lshape in live if lshape == shape and ls in free), None)
+            if match is not None:
+                free.discard(match)
+                live = [x for x in live if x[0] != match]
+                out[(g[0], g[1], slot)] = match
+            else:
+                placed.append(slot)
+        for slot, target in zip(placed, sorted(free)):
+            out[(g[0], g[1], slot)] = target
+    return out
+
+
 def gpus_used(placement: list[VgpuPlacement], cluster: ClusterSpec) -> dict[str, int]:
     """Physical GPUs that hold at least one vGPU, per GPU type."""
     type_of = {name: group.gpu_type for name, group in cluster.server_names()}

@@ -151,9 +151,12 @@ async def run_bench(
     timeout_s: float = 60.0,
     client: str = "raw",
     grpc: str | None = None,
+    records: list | None = None,
 ) -> BenchResult:
     """Drive ``url`` open loop (or, with ``grpc``, that gRPC address); returns the figures
-    (see :class:`BenchResult`). ``binary``: REST's binary extension, gRPC's raw_input_contents."""
+    (see :class:`BenchResult`). ``binary``: REST's binary extension, gRPC's raw_input_contents.
+    ``records``: a list that gets one ``(send offset s, outcome, latency ms)`` per request, in
+    answer order; the outcome is ``"200"``, the drop reason, or the error."""
     import httpx
 
     from ppipe.runtime.httpclient import HttpError, RawHttpClient
@@ -221,18 +224,23 @@ async def run_bench(
         except errors as exc:
             key = type(exc).__name__
             codes[key] = codes.get(key, 0) + 1
+            if records is not None:
+                records.append((t_sched - t0, key, (time.perf_counter() - t_sched) * 1e3))
             return
         dt_ms = (time.perf_counter() - t_sched) * 1e3
         if status == 200:
             ok += 1
             lat_ms.append(dt_ms)
             on_time += int(dt_ms <= slo)
+            key = "200"
         elif hdrs.get("ppipe-drop-reason"):
-            reason = hdrs["ppipe-drop-reason"]
-            drops[reason] = drops.get(reason, 0) + 1
+            key = hdrs["ppipe-drop-reason"]
+            drops[key] = drops.get(key, 0) + 1
         else:
             key = f"HTTP {status}" if isinstance(status, int) else f"gRPC {status}"
             codes[key] = codes.get(key, 0) + 1
+        if records is not None:
+            records.append((t_sched - t0, key, dt_ms))
 
     tasks = []
     try:

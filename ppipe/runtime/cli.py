@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import ipaddress
 import os
 
@@ -123,11 +124,18 @@ class _NullClock:
 @click.option("--shards", "shards", default="auto", show_default=True,
               help="Frontend processes on the port, each scheduling its own models (groups of models that share no NIC): "
               "a count, or auto (as many as the plan's planned rate needs, at most the cores but one). No YAML field.")
+@click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="auto: watch each model's arrival rate, re-plan when the mix shifts (a model past 90 % of its capacity and a "
+              "new plan >= 10 % better) and switch plans live (ppipe.control.replan; needs --shards 1 and a max-min plan).")
+@click.option("--replan-time-limit-s", type=float, default=1.5, show_default=True, help="Planner time limit of each re-plan (--replan auto).")
+@click.option("--replan-min-interval-s", type=float, default=60.0, show_default=True, help="Least time between two plan switches (--replan auto).")
+@click.option("--replan-window-s", type=float, default=60.0, show_default=True, help="Window of the arrival-rate estimate (--replan auto).")
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
 def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, host, port, grpc_port, token, max_body_mb,
-          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, num_cpus, emulated_max_bytes):
+          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, replan, replan_time_limit_s, replan_min_interval_s,
+          replan_window_s, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API.
 
     Without --ray-address, the local Ray instance it starts listens on loopback only when
@@ -160,6 +168,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     # that does not fit its profiles is a UserError now, not after the workers are up
     check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
+    replan_policy = _replan_policy(dep, n_shards, replan_time_limit_s, replan_min_interval_s, replan_window_s) if replan == "auto" else None
     if grpc_port is not None and n_shards > 1:
         raise UserError("--grpc-port serves one shard's models only; it does not pass requests between shards yet",
                         fix="use --shards 1 with --grpc-port")
@@ -200,10 +209,12 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     actors = [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, dep, ms, workers, edges, settings, owner, host, port)
               for i, ms in enumerate(parts) if i > 0]
 
+    switchers: list = []  # the plan switcher of a single-shard server (its workers are stopped at shutdown too)
+
     def shutdown():
         for a in actors:
             ray.kill(a)
-        for h in workers.values():
+        for h in [*workers.values(), *(h for sw in switchers for h in sw.started)]:
             ray.kill(h)
 
     try:
@@ -214,6 +225,15 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
 
     def companions(rt, router):
         out = [] if router is None else [PeerExchange(router, actors, addresses)]
+        if router is None:  # one shard: this server may switch plans (ppipe apply, SIGHUP)
+            from ppipe.runtime.switch import PlanSwitcher, SighupReload
+
+            switchers.append(PlanSwitcher(rt, dep, backend=backend, backend_options=opts))
+            out.append(SighupReload(switchers[0], plan_file))
+            if replan_policy is not None:
+                from ppipe.runtime.replan import ReplanLoop
+
+                out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
         if grpc_port is not None:
             from ppipe.runtime.grpc_server import GrpcServer
 
@@ -222,6 +242,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         return out
 
     app, _, _ = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
+    if switchers:
+        app.fe.switcher = switchers[0]
     click.echo(
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
         + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
@@ -230,6 +252,19 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         + (f"; {len(parts)} shards: " + ", ".join("+".join(ms) for ms in parts) if len(parts) > 1 else "") + ")"
     )
     uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
+
+
+def _replan_policy(dep, n_shards: int, time_limit_s: float, min_interval_s: float, window_s: float):
+    """``--replan auto``'s controller policy, checked before anything starts."""
+    from ppipe.control.replan import ReplanPolicy, planner_replan
+
+    if n_shards > 1:
+        raise UserError(f"--replan auto switches plans on a one-shard server; --shards resolved to {n_shards}", fix="add --shards 1")
+    if not time_limit_s > 0:
+        raise UserError(f"--replan-time-limit-s must be > 0, got {time_limit_s}", fix="e.g. --replan-time-limit-s 1.5")
+    planner_replan(dep.plan, dep.profiles, dep.cluster, time_limit_s=time_limit_s)  # a plan it cannot re-make is refused here
+    # the new workers' load time, for the controller's look-ahead (what a plan must last)
+    return ReplanPolicy(window_s=window_s, min_interval_s=min_interval_s, load_delay_s=10.0)
 
 
 @click.command("bench")
@@ -251,7 +286,10 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
 @click.option("--grpc", "grpc_address", default=None, metavar="HOST:PORT",
               help="Send the requests over the KServe v2 gRPC API to HOST:PORT (`ppipe serve --grpc-port`) instead of REST; "
               "--binary sends raw_input_contents, --json typed contents. The model's metadata still comes from URL.")
-def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape, grpc_address):
+@click.option("--records-out", type=click.Path(dir_okay=False), default=None,
+              help="Also write every request's (send offset s, outcome, latency ms) as a JSON list to this file.")
+def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape, grpc_address,
+          records_out):
     """Open-loop load against URL (a `ppipe serve`): SLO attainment, goodput, p50/p99, drops."""
     from ppipe.runtime.bench import format_table, run_bench, to_json
 
@@ -263,13 +301,66 @@ def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms,
             shape = [int(d) for d in input_shape.split(",")]
         except ValueError:
             raise UserError(f"--input-shape '{input_shape}' is not a comma-separated list of integers", fix="e.g. --input-shape 3,224,224") from None
+    records: list | None = [] if records_out else None
     res = asyncio.run(
         run_bench(url, model, rate_rps, duration_s, arrivals=arrivals, trace=trace, binary=binary, seed=seed, slo_ms=slo_ms, token=token, cv=cv,
-                  client=client, input_shape=shape, grpc=grpc_address)
+                  client=client, input_shape=shape, grpc=grpc_address, records=records)
     )
+    if records_out:
+        with open(records_out, "w") as fh:
+            json.dump(sorted(records), fh)
     click.echo(format_table(res))
     text = to_json(res)
     click.echo(text)
     if json_out:
         with open(json_out, "w") as fh:
             fh.write(text + "\n")
+
+
+@click.command("apply")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="The running `ppipe serve`.")
+@click.option("--token", default=None, envvar="PPIPE_TOKEN", help="The server's bearer token (env PPIPE_TOKEN); plan switches need one.")
+@click.option("--timeout-s", default=600.0, show_default=True, type=float, help="How long to wait for the switch (new workers load their blocks first).")
+@click.option("--as-placed", is_flag=True, default=False,
+              help="Serve the plan's placement as written. Default: the server renames the plan's GPUs within each server group "
+              "(equal GPUs, equal NICs) so that vGPUs the running plan has keep their workers.")
+def apply(plan_file, url, token, timeout_s, as_placed):
+    """Switch a running `ppipe serve` to PLAN_FILE, live: no request is paused, lost or answered twice.
+
+    The server starts the workers the new plan needs while the old plan serves, then moves
+    new requests to the new plan; batches already sent finish on the old one. A plan the
+    running cluster cannot take is refused, and the old plan keeps serving. Relative
+    profile folders are sent as absolute ones when they exist here.
+    """
+    import json
+
+    import httpx
+    import yaml
+
+    from ppipe.spec.plan import load_plan
+
+    if not token:
+        raise UserError("plan switches need the server's token", fix="pass --token (or set PPIPE_TOKEN); the server must run with --token")
+    plan = load_plan(plan_file)  # a malformed file is refused here, with its field
+    base = os.path.dirname(os.path.abspath(plan_file))
+    data = plan.model_dump(mode="json")
+    for m in data["models"]:
+        local = os.path.join(base, m["profile"])
+        if ":" not in m["profile"] and not os.path.isabs(m["profile"]) and os.path.isdir(local):
+            m["profile"] = local
+    try:
+        r = httpx.post(url.rstrip("/") + "/v2/admin/plan" + ("?as_placed=1" if as_placed else ""), content=yaml.safe_dump(data, sort_keys=False),
+                       headers={"authorization": f"Bearer {token}", "content-type": "application/yaml"}, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise UserError(f"cannot reach {url}: {exc}", fix="check --url and that `ppipe serve` runs") from None
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"error": r.text[:500]}
+    if r.status_code != 200:
+        raise UserError(f"{url} refused the plan in {plan_file} (HTTP {r.status_code}): {body.get('error', body)}")
+    click.echo(f"{url} now serves {', '.join(body['models'])} from {plan_file}: {body['kept']} vGPUs kept, "
+               f"{body['started']} started, {body['retiring']} finishing their batches; {body['moved']} queued requests moved; "
+               f"{body['seconds']:.2f} s (loading {body['load_s']:.2f} s, switch {body['switch_us'] / 1e3:.2f} ms)")
+    click.echo(json.dumps(body))

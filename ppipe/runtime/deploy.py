@@ -214,17 +214,19 @@ def offered_resources() -> set[str]:
 
 def start_workers(
     dep: Deployment, backend: str = "ort", backend_options: dict[str, Any] | None = None, start_timeout_s: float = 300.0,
-    incarnation: int = 0,
+    only: set[str] | None = None, incarnation: int = 0,
 ) -> dict[str, Any]:
-    """Start one actor per vGPU on its server's node; returns {vgpu_id: actor handle}.
+    """Start one actor per vGPU (of ``only``, if given) on its server's node; returns {vgpu_id: actor handle}.
 
     Ray must be initialised. Waits until every worker has built its backend (a backend
-    error, e.g. a missing sub-model, is raised here, not at the first request). The actors
-    are named :func:`actor_name` ``(vgpu_id, incarnation)``.
+    error, e.g. a missing sub-model, is raised here, not at the first request); on an
+    error, the workers started are stopped. The actors are named :func:`actor_name`
+    ``(vgpu_id, incarnation)``, or a later incarnation where Ray still holds that name (a
+    plan switch starts a vGPU's new worker while the old one finishes its batches).
     """
     import ray
 
-    specs = worker_specs(dep)
+    specs = [s for s in worker_specs(dep) if only is None or s.vgpu_id in only]
     offered = offered_resources()
     handles = {s.vgpu_id: _create_worker(dep, s, backend, backend_options, offered, incarnation) for s in specs}
     pings = [h.ping.remote() for h in handles.values()]
@@ -237,6 +239,11 @@ def start_workers(
         settle(pings)  # the other workers' pings fail with the kill: not errors to report
         _reraise_user_error(cause)
         raise
+    except ray.exceptions.GetTimeoutError:
+        for h in handles.values():
+            ray.kill(h)
+        raise UserError(f"{len(handles)} worker(s) did not load their blocks within {start_timeout_s:.0f} s",
+                        fix="check that the nodes named by the cluster's ray_resource are up (ray status)") from None
     return handles
 
 

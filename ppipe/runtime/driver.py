@@ -16,7 +16,10 @@ tells when a worker is gone (each worker's ``lifeline`` call fails when its acto
 A gone worker is given to ``scheduler.mark_failed`` once, and the requests of the batches
 in flight whose remaining stages include it are answered with ``worker-failed``. Every
 request gets exactly one answer: its outputs, or an error; a request the scheduler neither
-dispatched nor dropped within SLO + ``answer_grace_s`` is answered with a timeout error.
+dispatched nor dropped within SLO + ``answer_grace_s`` is answered with a timeout error,
+and a dispatched batch whose reports stop coming (a connection between two workers broke
+and took its message with it) is answered ``worker-failed`` once it is ``report_grace_s``
+(at least the model's SLO) past its planned end.
 
 Everything runs on one asyncio loop (the HTTP server's), so the scheduler, which is not
 thread-safe, is only ever called from that loop.
@@ -35,6 +38,7 @@ import numpy as np
 
 from ppipe.errors import UserError
 from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, StageReport, WakeAt
+from ppipe.dataplane.handover import SwitchingScheduler, kept_vgpus
 from ppipe.runtime.clock import WallClock, wall_us
 from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, node_host
 from ppipe.runtime.wire import pack, unpack
@@ -64,6 +68,7 @@ class _Pending:
     future: asyncio.Future
     slo_deadline_us: float  # arrival + SLO (the request's deadline is earlier by the answer budget)
     dispatched: bool = False
+    timer: Any = None  # its timeout (asyncio.TimerHandle)
 
 
 @dataclass
@@ -77,6 +82,7 @@ class BatchTrace:
     dispatched_us: float = 0.0
     reports: list[dict[str, Any]] = field(default_factory=list)
     reserved_us: list[tuple[float, float]] = field(default_factory=list)  # per stage: reserved (start, end), scheduler time
+    arrivals_us: list[float] = field(default_factory=list)  # its requests' arrivals (true timeline)
     error: str | None = None
 
 
@@ -131,6 +137,8 @@ class Runtime:
             scheduler when it is up. None: a failed vGPU stays failed. vGPUs with an NCCL
             edge are not re-created (their communicators would need re-opening).
         answer_grace_s: a request still unanswered at deadline + this gets a timeout error.
+        report_grace_s: a dispatched batch still missing reports this long (or the model's
+            SLO, if longer) after its planned end is answered ``worker-failed``.
         keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
         dispatch_lead_us: the scheduler plans each decision this far ahead of the wall clock,
             the time a dispatch takes to reach its first worker (:class:`~ppipe.runtime.clock.WallClock`).
@@ -159,6 +167,7 @@ class Runtime:
         respawn: Callable[[str], Awaitable[Any]] | None = None,
         respawn_interval_s: float = 2.0,
         answer_grace_s: float = 30.0,
+        report_grace_s: float = 5.0,
         keep_traces: int = 0,
         edges: dict[tuple[str, str], Any] | None = None,
         dispatch_lead_us: float = 0.0,
@@ -168,7 +177,7 @@ class Runtime:
         self._factory = scheduler_factory or default_scheduler_factory
         self._policy, self._options = policy, dict(scheduler_options or {})
         self.metrics = metrics or RuntimeMetrics()
-        self.data_host, self.answer_grace_s = data_host, answer_grace_s
+        self.data_host, self.answer_grace_s, self.report_grace_s = data_host, answer_grace_s, report_grace_s
         self.respawn, self.respawn_interval_s = respawn, respawn_interval_s
         self._revivals: dict[str, asyncio.Task] = {}
         self.keep_traces = keep_traces
@@ -193,6 +202,13 @@ class Runtime:
         # NCCL edges and the number of the next message on each (see ppipe.runtime.transport)
         self.nccl_edges = {e for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) == "nccl"}
         self._edge_seq: dict[tuple[str, str], int] = {e: 0 for e in self.nccl_edges}
+        # plan switches (switch_plan): the first batch id each current worker serves, and
+        # the workers of earlier plans that still finish their batches
+        self._since: dict[str, int] = {}
+        self._retiring: list[_Retiring] = []
+        self.switches: list[dict[str, Any]] = []
+        self.on_switch: list[Callable[[], None]] = []  # called at each switch, after the new plan is in place
+        self.arrival_log: list[tuple[str, float]] | None = None  # (model, arrival) of each request, for a re-plan loop
         self.metrics.track_capacity(self)  # ppipe_model_capacity_alive_ratio, from self.plan and self.failed
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -212,6 +228,7 @@ class Runtime:
             self._outbox.connect(a)
         freeze_startup_objects()
         self._lifelines = [loop.create_task(self._watch(v, h)) for v, h in self.workers.items()]
+        self._lifelines.append(loop.create_task(self._sweep_overdue()))
 
     def _next_stage_addresses(self, vgpu_id: str) -> list[str]:
         """The data-path addresses of the vGPUs a worker may forward to (its pipeline's next pool)."""
@@ -243,6 +260,125 @@ class Runtime:
                 return True
         return False
 
+    # ---- plan switches -------------------------------------------------------------------
+    async def switch_plan(
+        self,
+        plan: Plan,
+        profiles: dict[str, ModelProfile],
+        start_workers: Callable[[list[str]], Awaitable[dict[str, Any]]],
+        stop_worker: Callable[[Any], None],
+    ) -> dict[str, Any]:
+        """Move to ``plan`` while serving, with no pause (:mod:`ppipe.dataplane.handover`).
+
+        1. The new plan's scheduler is built (a plan that does not fit its profiles or the
+           cluster is refused here, and nothing changes).
+        2. Its workers that are not kept (:func:`~ppipe.dataplane.handover.kept_vgpus`) are
+           started and load their blocks while the old plan serves.
+        3. The switch, in one step on the loop: the scheduler hands over (queued requests
+           move, the old plan's reservations still ahead are carried over); new requests
+           go to the new plan; batches already sent finish on the old plan's workers.
+        4. The old plan's workers that the new plan does not keep are stopped once their
+           batches have ended (after at most the old plan's largest SLO + 1 s, the batches
+           still open are answered with ``plan-switch``).
+
+        Args:
+            start_workers: ``await start_workers(vgpu_ids)`` starts these vGPUs of ``plan``,
+                loaded, and returns ``{vgpu_id: handle}``; it raises (having stopped what it
+                started) when one cannot start.
+            stop_worker: stops a worker (an actor handle).
+
+        Returns:
+            what happened: ``kept``, ``started``, ``retiring`` (vGPU counts), ``moved``
+            (queued requests handed over), ``first_batch_id``, ``load_s`` (starting the
+            workers) and ``switch_us`` (the switch step itself).
+
+        Raises:
+            UserError: the plan cannot replace the running one; the old plan keeps serving.
+        """
+        if self.nccl_edges:
+            raise UserError("this server sends feature maps over NCCL, and a plan switch does not re-open NCCL communicators yet",
+                            fix="serve with --transport tcp to switch plans live, or restart `ppipe serve` with the new plan")
+        t0 = self.clock.true_now_us()
+        current = self.scheduler.current if isinstance(self.scheduler, SwitchingScheduler) else self.scheduler
+        new = self._factory(plan, profiles, self.cluster, self.clock, policy=self._policy, **self._options)
+        check_whole_paths(new, self._policy)
+        check_switchable(current, new)
+        kept = kept_vgpus(current.topology, new.topology)
+        fresh = sorted(p.vgpu_id for p in plan.placement if p.vgpu_id not in kept)
+        handles = await start_workers(fresh) if fresh else {}
+        try:
+            addrs = await asyncio.gather(*(handles[v].open_data_path.remote(self._inbox.address) for v in fresh))
+        except BaseException:
+            for h in handles.values():
+                stop_worker(h)
+            raise
+        t1 = self.clock.true_now_us()
+        record = self._switch_now(plan, profiles, new, kept, dict(zip(fresh, addrs)), handles)
+        record["load_s"] = (t1 - t0) / 1e6
+        live = [v for v in self.workers if v not in self.failed]
+        await asyncio.gather(*(self.workers[v].connect_peers.remote(self._next_stage_addresses(v)) for v in live),
+                             return_exceptions=True)  # warming connections only: a dead worker's lifeline reports it
+        task = asyncio.get_running_loop().create_task(self._drain(record["first_batch_id"], stop_worker, self._drain_timeout_s()))
+        self._lifelines.append(task)
+        return record
+
+    def _switch_now(self, plan: Plan, profiles: dict[str, ModelProfile], new: Any, kept: frozenset[str],
+                    fresh_addrs: dict[str, str], handles: dict[str, Any]) -> dict[str, Any]:
+        """The switch step: synchronous, so no request sees half of it."""
+        t0 = self.clock.true_now_us()
+        if not isinstance(self.scheduler, SwitchingScheduler):
+            self.scheduler = SwitchingScheduler(self.scheduler)
+        h = self.scheduler.switch(new)
+        retiring = {v: w for v, w in self.workers.items() if v not in kept}
+        for v, w in retiring.items():
+            self._retiring.append(_Retiring(v, w, since=self._since.pop(v, 0), until=h.first_batch_id))
+            if self.failed.pop(v, None) is not None:
+                self.metrics.failed.labels(v).set(0)
+            revival = self._revivals.pop(v, None)
+            if revival is not None:
+                revival.cancel()
+        self.plan, self._placement = plan, {p.vgpu_id: p for p in plan.placement}
+        self.profiles = dict(profiles)
+        self.workers = {**{v: self.workers[v] for v in kept}, **handles}
+        self.addresses = {**{v: self.addresses[v] for v in kept}, **fresh_addrs}
+        loop = asyncio.get_running_loop()
+        for v, addr in fresh_addrs.items():
+            self._since[v] = h.first_batch_id
+            self._outbox.connect(addr)
+            self._lifelines.append(loop.create_task(self._watch(v, handles[v])))
+        for m in plan.models:
+            self._queued.setdefault(m.name, 0)
+        for hook in self.on_switch:
+            hook()
+        self._apply(h.decisions)
+        record = {"kept": len(kept), "started": len(handles), "retiring": len(retiring), "moved": h.moved,
+                  "first_batch_id": h.first_batch_id, "switch_us": self.clock.true_now_us() - t0, "at_us": t0,
+                  "first_dispatch_us": None}
+        self.switches.append(record)
+        log.warning("switched to a new plan (%d vGPUs kept, %d started, %d finishing their batches; %d queued requests moved)",
+                    len(kept), len(handles), len(retiring), h.moved)
+        return record
+
+    def _drain_timeout_s(self) -> float:
+        return max((m.slo_ms for m in self.plan.models), default=0.0) / 1e3 + 1.0
+
+    async def _drain(self, first_new: int, stop_worker: Callable[[Any], None], timeout_s: float) -> None:
+        """Stop the earlier plan's retiring workers once its batches (ids below ``first_new``) have
+        ended, or after ``timeout_s``, answering the batches still open with ``plan-switch``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while any(b < first_new for b in self._inflight) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for batch in [b for i, b in self._inflight.items() if i < first_new]:
+            self._fail(batch, "plan-switch", f"the earlier plan's batch did not end within {timeout_s:.1f} s of the switch")
+        for r in [r for r in self._retiring if r.until <= first_new]:
+            r.stopping = True
+            self._retiring.remove(r)
+            try:
+                stop_worker(r.handle)
+            except Exception:  # pragma: no cover - a worker already gone
+                log.debug("stopping %s of an earlier plan: already gone", r.vgpu_id)
+
     # ---- requests ---------------------------------------------------------------------
     async def infer(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None = None) -> dict[str, np.ndarray]:
         """Serve one sample (arrays without the batch axis); returns its outputs.
@@ -256,28 +392,80 @@ class Runtime:
         Raises:
             DroppedError: the scheduler dropped it, a worker on its path failed, or no answer came.
         """
+        p = self._submit(model, inputs, arrival_us)
+        try:
+            return await p.future
+        finally:
+            self._settle(p)
+
+    async def infer_samples(self, model: str, samples: list[dict[str, np.ndarray]], arrival_us: float | None = None) -> list[dict[str, np.ndarray]]:
+        """Serve the samples of one client request (each is a request to the scheduler);
+        returns their outputs in order.
+
+        One answer for all: at the first sample that is dropped, the samples not submitted
+        yet are not submitted and those still queued are withdrawn from the scheduler
+        (``withdraw``, where it has one), so a refused request costs no more work than it
+        must. Samples already dispatched run to the end (their batch may serve others).
+
+        Raises:
+            DroppedError: the first sample's error.
+        """
+        subs: list[_Pending] = []
+        try:
+            for inputs in samples:
+                p = self._submit(model, inputs, arrival_us)
+                subs.append(p)
+                if p.future.done() and p.future.exception() is not None:
+                    raise p.future.exception()
+            return [await p.future for p in subs]
+        except DroppedError:
+            self._withdraw(subs)
+            raise
+        finally:
+            for p in subs:
+                self._settle(p)
+
+    def _submit(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None) -> _Pending:
+        """Make a sample's request, give it to the scheduler and arm its timeout."""
         if self.scheduler is None:
             raise RuntimeError("Runtime.start() has not run")
-        mp = self.plan.model(model)
+        try:
+            mp = self.plan.model(model)
+        except KeyError:  # a model a plan switch has just removed
+            raise DroppedError(DropReason.UNKNOWN_MODEL.value, f"the plan serves {', '.join(m.name for m in self.plan.models)}") from None
         # arrival and deadline on the true timeline, never the lead's
         now = self.clock.true_now_us() if arrival_us is None else arrival_us
         slo_us = mp.slo_ms * 1e3
         # the scheduler must leave the answer its time (answer_budget_us, at most half the SLO)
         budget = min(self.answer_budget_us, 0.5 * slo_us)
         req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + slo_us - budget, payload=inputs)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[req.id] = _Pending(req, fut, now + slo_us)
+        loop = asyncio.get_running_loop()
+        p = _Pending(req, loop.create_future(), now + slo_us)
+        self._pending[req.id] = p
+        if self.arrival_log is not None:
+            self.arrival_log.append((model, now))
         self._queued[model] += 1
         self.metrics.bound(self.metrics.queue, model).inc()
         self._apply(self.scheduler.submit(req))
         timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
         # one timer per request (cheaper than wait_for(shield(...)), which wraps the future twice)
-        timer = asyncio.get_running_loop().call_later(timeout_s, self._timed_out, req.id, timeout_s)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
-            self._pending.pop(req.id, None)
+        p.timer = loop.call_later(timeout_s, self._timed_out, req.id, timeout_s)
+        return p
+
+    def _settle(self, p: _Pending) -> None:
+        p.timer.cancel()
+        self._pending.pop(p.request.id, None)
+
+    def _withdraw(self, subs: list[_Pending]) -> None:
+        """Take the samples of a refused request that still wait in the scheduler's queue out
+        of it; every unanswered sample is answered ``withdrawn`` (nobody awaits it)."""
+        waiting = [p.request.id for p in subs if not p.dispatched]
+        withdraw = getattr(self.scheduler, "withdraw", None)
+        if waiting and withdraw is not None:
+            self._apply(withdraw(waiting))
+        for p in subs:
+            if self._answer_error(p.request.id, DroppedError("withdrawn", "another sample of its request was dropped")):
+                p.future.exception()  # retrieved: nobody awaits it
 
     def _timed_out(self, rid: int, timeout_s: float) -> None:
         self._answer_error(rid, DroppedError("timeout", f"no answer within {timeout_s:.1f} s"))
@@ -342,12 +530,15 @@ class Runtime:
             self.metrics.bound(self.metrics.late, p.request.model).inc()
 
     def _dispatch(self, d: Dispatch) -> None:
+        if self.switches and self.switches[-1]["first_dispatch_us"] is None and d.batch_id >= self.switches[-1]["first_batch_id"]:
+            self.switches[-1]["first_dispatch_us"] = self.clock.true_now_us()
         for r in d.requests:
             self._mark_dispatched(r)
         self.metrics.bound(self.metrics.batch, d.model).observe(d.batch)
         route = [s.vgpu_id for s in d.stages]
         trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us(),
-                           reserved_us=[(s.start_us, s.start_us + s.infer_us) for s in d.stages])
+                           reserved_us=[(s.start_us, s.start_us + s.infer_us) for s in d.stages],
+                           arrivals_us=[r.arrival_us for r in d.requests])
         if self.keep_traces:
             self.traces.append(trace)
             del self.traces[: -self.keep_traces]
@@ -448,8 +639,9 @@ class Runtime:
 
     # ---- failures ------------------------------------------------------------------------------
     def mark_failed(self, vgpu_id: str) -> None:
-        """Tell the scheduler (once) that a vGPU is gone; it stops routing to it. The batches
-        in flight whose remaining stages include it are answered with ``worker-failed``."""
+        """Tell the scheduler (once) that a vGPU's current worker is gone; it stops routing to
+        it. The batches in flight whose remaining stages include it are answered with
+        ``worker-failed``."""
         if vgpu_id in self.failed:
             return
         self.failed[vgpu_id] = self.clock.true_now_us()
@@ -457,14 +649,12 @@ class Runtime:
         p = self._placement.get(vgpu_id)
         log.warning("vGPU %s (server %s) lost; the scheduler stops routing to it%s", vgpu_id, p.server if p else "?",
                     f"; re-creating it every {self.respawn_interval_s:g} s" if self.respawn is not None else "")
-        self._apply(self.scheduler.mark_failed(vgpu_id))
-        for batch in list(self._inflight.values()):
-            if vgpu_id in batch.route[batch.next_stage :]:
-                self._fail(batch, DropReason.WORKER_FAILED.value, f"vGPU {vgpu_id} failed while running the batch")
-            else:  # its stage ran (a later stage has reported): its own report may never come
-                batch.unreported -= {j for j, v in enumerate(batch.route) if v == vgpu_id}
-                if not batch.unreported:
-                    del self._inflight[batch.d.batch_id]
+        since = self._since.get(vgpu_id, 0)
+        if since:  # a worker started by a plan switch: earlier plans' vGPU of this id was another worker
+            self._apply(self.scheduler.mark_failed(vgpu_id, since_batch_id=since))
+        else:
+            self._apply(self.scheduler.mark_failed(vgpu_id))
+        self._fail_batches_through(vgpu_id, since, float("inf"))
         if self.respawn is not None and not any(vgpu_id in e for e in self.nccl_edges) and vgpu_id not in self._revivals:
             self._revivals[vgpu_id] = asyncio.get_running_loop().create_task(self._revive(vgpu_id))
         # its NCCL peers abort their edges with it: a receive from it would never complete
@@ -475,6 +665,19 @@ class Runtime:
                     consume(self.workers[other].drop_peer.remote(vgpu_id), f"{other}.drop_peer({vgpu_id})")
                 except Exception:  # pragma: no cover - best effort; the peer's lifeline says if it is gone
                     log.exception("could not tell %s to drop its edge with %s", other, vgpu_id)
+
+    def _fail_batches_through(self, vgpu_id: str, since: int, until: float) -> None:
+        """Answer ``worker-failed`` to the batches numbered in ``[since, until)`` that still
+        need ``vgpu_id``; forget its stages of those that are past it."""
+        for batch in list(self._inflight.values()):
+            if not since <= batch.d.batch_id < until:
+                continue
+            if vgpu_id in batch.route[batch.next_stage :]:
+                self._fail(batch, DropReason.WORKER_FAILED.value, f"vGPU {vgpu_id} failed while running the batch")
+            else:  # its stage ran (a later stage has reported): its own report may never come
+                batch.unreported -= {j for j, v in enumerate(batch.route) if v == vgpu_id}
+                if not batch.unreported:
+                    del self._inflight[batch.d.batch_id]
 
     async def _watch(self, vgpu_id: str, handle: Any) -> None:
         """Await the worker's ``lifeline`` call, which returns or fails only when the worker
@@ -488,7 +691,35 @@ class Runtime:
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.debug("vGPU %s is gone: %s", vgpu_id, detail)
         kill_quietly(handle)  # an unreachable (not dead) worker must not come back beside its re-creation
-        self.mark_failed(vgpu_id)
+        if self.workers.get(vgpu_id) is handle:
+            self.mark_failed(vgpu_id)
+            return
+        old = next((r for r in self._retiring if r.handle is handle), None)
+        if old is not None and not old.stopping:  # an earlier plan's worker died while finishing its batches
+            log.warning("vGPU %s of an earlier plan failed while finishing its batches", vgpu_id)
+            self._apply(self.scheduler.mark_failed(vgpu_id, since_batch_id=old.since, until_batch_id=old.until))
+            self._fail_batches_through(vgpu_id, old.since, old.until)
+
+    async def _sweep_overdue(self) -> None:
+        """Answer the batches whose reports stopped coming (see ``report_grace_s``), four times
+        per grace period."""
+        slo_us = {m.name: m.slo_ms * 1e3 for m in self.plan.models}
+        while True:
+            await asyncio.sleep(self.report_grace_s / 4)
+            now = self.clock.now_us()
+            if self.switches:
+                slo_us.update({m.name: m.slo_ms * 1e3 for m in self.plan.models})
+            for batch in list(self._inflight.values()):
+                d = batch.d
+                if now > d.stages[-1].end_us + max(self.report_grace_s * 1e6, slo_us.get(d.model, 0.0)):
+                    if len(batch.route) - 1 not in batch.unreported:  # answered; an earlier stage's report is lost
+                        del self._inflight[d.batch_id]
+                        continue
+                    waiting = batch.route[min(batch.next_stage, len(batch.route) - 1)]
+                    log.warning("batch %d: no report from vGPU %s; answered worker-failed", d.batch_id, waiting)
+                    self._fail(batch, DropReason.WORKER_FAILED.value,
+                               f"no report from vGPU {waiting} within {max(self.report_grace_s * 1e6, slo_us.get(d.model, 0.0)) / 1e6:.1f} s "
+                               "of the batch's planned end (a lost data-path connection)")
 
     async def _revive(self, vgpu_id: str) -> None:
         """Re-create a failed vGPU's worker until it is up, then route to it again."""
@@ -521,6 +752,27 @@ class Runtime:
         p = self._placement.get(vgpu_id)
         log.warning("vGPU %s (server %s) is back after %d tries; the scheduler routes to it again", vgpu_id, p.server if p else "?", tries)
         self._apply(self.scheduler.mark_recovered(vgpu_id))
+
+
+def check_switchable(current: Any, new: Any) -> None:
+    """A live switch hands a batching scheduler's queue and tables over; refuse other schedulers."""
+    from ppipe.dataplane.batching import BatchingScheduler
+
+    for s in (current, new):
+        if not isinstance(s, BatchingScheduler):
+            raise UserError(f"a live plan switch needs a batching data-plane policy; the server runs {type(s).__name__}",
+                            fix="serve with --policy reservation (the paper's) or reactive")
+
+
+@dataclass
+class _Retiring:
+    """A worker of an earlier plan that finishes the batches numbered in ``[since, until)``."""
+
+    vgpu_id: str
+    handle: Any
+    since: int
+    until: int
+    stopping: bool = False
 
 
 @dataclass

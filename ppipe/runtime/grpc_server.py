@@ -238,7 +238,7 @@ class GrpcFrontend:
                 if arr.shape[0] == 1:
                     results = [await self.runtime.infer(name, {in_name: arr[0]})]
                 else:
-                    results = await asyncio.gather(*(self.runtime.infer(name, {in_name: s}) for s in arr))
+                    results = await self.runtime.infer_samples(name, [{in_name: s} for s in arr])
             except DroppedError as exc:
                 raise _Refused(DROP_STATUS.get(exc.reason, 503), str(exc), drop_reason=exc.reason) from None
             outputs = {k: np.stack([r[k] for r in results]) for k in results[0]}

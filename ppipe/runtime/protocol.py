@@ -244,7 +244,8 @@ def decode_job(body: bytes, header_length: str | None) -> tuple["InferRequest | 
 
 def _json_data(data: Any, where: str, datatype: str, dtype: np.dtype) -> np.ndarray:
     """A tensor's JSON ``data`` as an array of ``dtype``: numbers only (no strings, nulls or
-    objects, which numpy would otherwise convert or wrap), integers within the datatype's range."""
+    objects, which numpy would otherwise convert or wrap), integers within the datatype's range,
+    finite numbers within the float datatype's range (not turned into infinities)."""
     try:
         raw = np.asarray(data)
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:
@@ -260,6 +261,11 @@ def _json_data(data: Any, where: str, datatype: str, dtype: np.dtype) -> np.ndar
         lo, hi = raw.min(), raw.max()
         if lo < info.min or hi > info.max:
             raise ProtocolError(400, f"{where}.data has values outside {datatype}'s range [{info.min}, {info.max}]")
+    if dtype.kind == "f" and raw.size and raw.dtype.itemsize > dtype.itemsize:
+        big = np.finfo(dtype).max
+        finite = np.isfinite(raw)
+        if (np.abs(raw[finite]) > big).any():  # would become inf: not the number the client sent
+            raise ProtocolError(400, f"{where}.data has finite values beyond {datatype}'s range (|x| <= {big:.4g})")
     return raw.astype(dtype, copy=False)
 
 

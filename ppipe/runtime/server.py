@@ -9,6 +9,11 @@ Endpoints::
     GET  /v2/models/{name}/ready    200 while the model has a complete pipeline of live vGPUs, else 503
     POST /v2/models/{name}/infer    inference (JSON tensors or the binary extension)
     GET  /metrics                   Prometheus metrics
+    GET  /v2/openapi.json           this API as OpenAPI 3.1 (ppipe.runtime.openapi)
+    GET  /v2/admin/plan             the plan served and the switches made     (token needed, always)
+    POST /v2/admin/plan             switch to the plan.yaml in the body       (token needed, always;
+                                    ``ppipe apply``; ``?as_placed=1``: keep its placement as
+                                    written; see ppipe.runtime.switch)
 
 **Readiness.** A server is ready while at least one of its models is ready (can serve a
 request), so a load balancer keeps a server that lost the node of one model but still
@@ -73,6 +78,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ppipe.errors import UserError
 from ppipe.runtime.driver import DroppedError, Runtime
 from ppipe.runtime.protocol import (
     DATATYPES,
@@ -216,7 +222,7 @@ class BodyDecoder:
         return out
 
 
-DROP_STATUS = {"timeout": 504, "worker-error": 500}
+DROP_STATUS = {"timeout": 504, "worker-error": 500, "unknown-model": 404}
 
 
 def _error(status: int, message: str, **headers: str) -> JSONResponse:
@@ -245,14 +251,24 @@ class Frontend:
     ):
         self.runtime, self.token, self.max_body_bytes = runtime, token, max_body_bytes
         self.body_timeout_s = body_timeout_s
-        self.models = {m.name: m for m in runtime.plan.models}
         self.decoder = BodyDecoder(default_decode_workers() if decode_workers is None else decode_workers)
+        self.models: dict[str, Any] = {}  # shared with the gRPC frontend: updated in place
+        self.refresh_models()
+        if hasattr(runtime, "on_switch"):
+            runtime.on_switch.append(self.refresh_models)
+        self.switcher: Any = None  # a PlanSwitcher where this server may switch plans
+
+    def refresh_models(self) -> None:
+        """Take the models of the runtime's plan (at start, and after each plan switch)."""
+        plan = self.runtime.plan
+        self.models.clear()
+        self.models.update({m.name: m for m in plan.models})
         # the latest a JSON decode may end, from arrival: the SLO less the fastest pipeline
         # and the answer's budget (later, no schedule can meet the deadline)
-        budget_us = getattr(runtime, "answer_budget_us", 0.0)
+        budget_us = getattr(self.runtime, "answer_budget_us", 0.0)
         self._decode_slack_us = {
             m.name: m.slo_ms * 1e3 - min((p.latency_us for p in m.pipelines), default=0.0) - min(budget_us, 0.5 * m.slo_ms * 1e3)
-            for m in runtime.plan.models
+            for m in plan.models
         }
 
     # ---- helpers ----------------------------------------------------------------------
@@ -353,6 +369,15 @@ class Frontend:
             return _error(401, _UNAUTHORIZED)
         return JSONResponse({"name": "ppipe", "version": __version__, "extensions": ["binary_tensor_data"]})
 
+    async def openapi(self, request: Request) -> Response:
+        """GET /v2/openapi.json: this API as OpenAPI 3.1 (:mod:`ppipe.runtime.openapi`)."""
+        from ppipe import __version__
+        from ppipe.runtime.openapi import openapi_document
+
+        if not self._authorized(request):
+            return _error(401, _UNAUTHORIZED)
+        return JSONResponse(openapi_document(list(self.models), __version__))
+
     async def live(self, request: Request) -> Response:
         return JSONResponse({"live": True})
 
@@ -416,7 +441,7 @@ class Frontend:
             if arr.shape[0] == 1:
                 results = [await self.runtime.infer(name, {in_name: arr[0]}, arrival_us=arrival_us)]
             else:
-                results = await asyncio.gather(*(self.runtime.infer(name, {in_name: s}, arrival_us=arrival_us) for s in arr))
+                results = await self.runtime.infer_samples(name, [{in_name: s} for s in arr], arrival_us=arrival_us)
         except DroppedError as exc:
             status = DROP_STATUS.get(exc.reason, 503)
             m.requests.labels(name, str(status)).inc()
@@ -434,6 +459,54 @@ class Frontend:
         m.bound(m.requests, name, "200").inc()
         m.bound(m.latency, name).observe(asyncio.get_running_loop().time() - t0)
         return 200, body_out, headers
+
+    # ---- plan switches (ppipe.runtime.switch) --------------------------------------------------
+    def _admin_refusal(self, request: Request) -> Response | None:
+        if not self.token:
+            return _error(403, "plan switches over HTTP need a token: start `ppipe serve` with --token "
+                               "(or send the server SIGHUP to re-read its plan file)")
+        if not self._authorized(request):
+            return _error(401, _UNAUTHORIZED)
+        if self.switcher is None:
+            return _error(409, "this server cannot switch plans: it serves one shard of several (serve with --shards 1)")
+        return None
+
+    async def admin_plan_status(self, request: Request) -> Response:
+        """GET /v2/admin/plan: the models served now and the switches made so far."""
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        rt = self.runtime
+        return JSONResponse({"cluster": rt.plan.cluster, "models": list(self.models), "vgpus": len(rt.plan.placement),
+                             "switches": rt.switches})
+
+    async def admin_plan_apply(self, request: Request) -> Response:
+        """POST /v2/admin/plan with a plan.yaml as the body: switch to it (``ppipe apply``)."""
+        from ppipe.runtime.switch import SwitchBusy
+
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        try:
+            body = await self._body(request.headers.get("content-length"), request.stream())
+        except ProtocolError as exc:
+            return _error(exc.status, exc.message)
+        try:
+            text = body.decode("utf-8")
+            plan = self.switcher.plan_from_text(text, "request body")
+            as_placed = request.query_params.get("as_placed", "").lower() in ("1", "true", "yes")
+            record = await self.switcher.apply(plan, "request body", keep_live=not as_placed)
+        except UnicodeDecodeError:
+            return _error(400, "request body: the plan must be UTF-8 YAML or JSON text")
+        except SwitchBusy as exc:
+            return _error(409, exc.render())
+        except UserError as exc:
+            return _error(400, exc.render())
+        except Exception as exc:  # a worker that could not start, Ray gone: the old plan still serves
+            log.exception("plan switch failed")
+            return _error(503, f"the plan switch failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                               "the old plan keeps serving")
+        return JSONResponse(record)
 
     async def metrics(self, request: Request) -> Response:
         if not self._authorized(request):
@@ -582,7 +655,9 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(500, "internal error in the server (its log has the details)")
 
 
-_ENDPOINTS = "GET /v2, /v2/health/live, /v2/health/ready, /v2/models/NAME, /v2/models/NAME/ready, /metrics; POST /v2/models/NAME/infer"
+_ENDPOINTS = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/openapi.json, /v2/models/NAME, /v2/models/NAME/ready, /metrics, "
+              "/v2/admin/plan; "
+              "POST /v2/models/NAME/infer, /v2/admin/plan")
 
 
 def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_shutdown=None,
@@ -622,10 +697,13 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
         Route("/v2/models/{name}/infer", fe.infer, methods=["POST"]),  # first: the hot path matches at once
         Route("/v2", fe.server_metadata, methods=["GET"]),
         Route("/v2/health/live", fe.live, methods=["GET"]),
+        Route("/v2/openapi.json", fe.openapi, methods=["GET"]),
         Route("/v2/health/ready", fe.ready, methods=["GET"]),
         Route("/v2/models/{name}", fe.model_metadata, methods=["GET"]),
         Route("/v2/models/{name}/ready", fe.model_ready, methods=["GET"]),
         Route("/metrics", fe.metrics, methods=["GET"]),
+        Route("/v2/admin/plan", fe.admin_plan_status, methods=["GET"]),
+        Route("/v2/admin/plan", fe.admin_plan_apply, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.frontend = fe

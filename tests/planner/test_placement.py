@@ -93,3 +93,41 @@ def test_leftover_shares_always_reach_the_bound(halves, thirds, quarters):
     bins = _pack_shares(items)
     assert all(sum(Fraction(1, v[5]) for v in b) <= 1 for b in bins)
     assert len(bins) == -(-sum(Fraction(1, v[5]) for v in items) // 1)
+
+
+# ---- keep_live: a re-plan's placement that keeps the running plan's vGPUs where they are ----------------
+def _where(placement, models):
+    """Each vGPU as (server, gpu, slot, model, blocks, gpu type, level): what a running worker is."""
+    parts = {(m.name, i, j): p for m in models for i, pl in enumerate(m.pipelines) for j, p in enumerate(pl.partitions)}
+    return {(r.server, r.gpu_index, r.slot, r.model, parts[(r.model, r.pipeline, r.partition)].first_block,
+             parts[(r.model, r.pipeline, r.partition)].last_block, parts[(r.model, r.pipeline, r.partition)].gpu, r.vgpu)
+            for r in placement}
+
+
+def _valid(placement, models, cluster):
+    type_of = {name: g.gpu_type for name, g in cluster.server_names()}
+    assert len({(r.server, r.gpu_index, r.slot) for r in placement}) == len(placement)
+    per_gpu = Counter((r.server, r.gpu_index) for r in placement)
+    for r in placement:
+        part = next(m for m in models if m.name == r.model).pipelines[r.pipeline].partitions[r.partition]
+        assert type_of[r.server] == part.gpu and r.vgpu == part.vgpu and per_gpu[(r.server, r.gpu_index)] <= r.vgpu
+        assert 0 <= r.slot < per_gpu[(r.server, r.gpu_index)]
+
+
+def test_keep_live_keeps_every_vgpu_that_can_stay():
+    from ppipe.planner.placement import keep_live
+
+    cluster = load_cluster("HC1-S")  # 4 L4 servers, 12 P4 servers, one GPU each
+    live_models = [_model("a", [[_part(0, 3, "P4", 2, 4), _part(4, 9, "L4", 1, 2)]]), _model("b", [[_part(0, 9, "P4", 1, 3)]])]
+    # the mix moved: "a" keeps its pools, "b" loses one vGPU, a new "c" takes P4s; placed from scratch,
+    # the interleaving puts most of them elsewhere
+    new_models = [_model("c", [[_part(0, 9, "P4", 1, 2)]]), live_models[0], _model("b", [[_part(0, 9, "P4", 1, 2)]])]
+    live = place(live_models, cluster)
+    fresh = place(new_models, cluster)
+    kept = keep_live(fresh, new_models, live, live_models, cluster)
+    _valid(kept, new_models, cluster)
+    stays = _where(kept, new_models) & _where(live, live_models)
+    assert len(stays) == 4 + 2 + 2  # all of "a", and both of "b"'s remaining vGPUs
+    assert len(_where(fresh, new_models) & _where(live, live_models)) < len(stays)
+    assert [(r.model, r.pipeline, r.partition, r.replica) for r in kept] == [(r.model, r.pipeline, r.partition, r.replica) for r in fresh]
+    assert keep_live(live, live_models, live, live_models, cluster) == live  # nothing to move: unchanged

@@ -101,10 +101,12 @@ class _Method:
 class FakeWorker:
     """A worker in-process: the real data path (:class:`StageServer`, TCP on 127.0.0.1)
     around a fake stage (x + 1, then y = 2x). ``kill()`` stops it like a dead actor: its
-    inbox closes and its lifeline call fails; ``die_on_next_stage`` kills it while it holds a batch."""
+    inbox closes and its lifeline call fails; ``die_on_next_stage`` kills it while it holds a batch;
+    ``hold`` (an asyncio.Event) makes its stages wait for it."""
 
     def __init__(self, vgpu_id, mailbox=None):
         self.vgpu_id, self.dead, self.die_on_next_stage = vgpu_id, False, False
+        self.hold: asyncio.Event | None = None
         self.mailbox = {} if mailbox is None else mailbox  # (sender, receiver, seq) -> future: a fake NCCL edge
         self.links, self.dropped = [], []
         self.server = StageServer(vgpu_id, self._run)
@@ -141,6 +143,8 @@ class FakeWorker:
 
     async def _run(self, batch_id, index, vgpu_id, payload, batch, timing, link=None):
         self.links.append((batch_id, link))
+        if self.hold is not None:
+            await self.hold.wait()
         if self.die_on_next_stage:
             self.kill()
             await asyncio.Event().wait()  # the stage never ends

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import copy
 import json
+import os
 import socket
 import time
 
@@ -64,6 +65,9 @@ class StubRuntime:
             await asyncio.sleep(self.delay_s)
         (x,) = inputs.values()
         return {"logits": np.full(5, float(x.sum()), np.float32)}
+
+    async def infer_samples(self, model, samples, arrival_us=None):
+        return list(await asyncio.gather(*(self.infer(model, s, arrival_us) for s in samples)))
 
 
 def counted(rt: StubRuntime, code: str | None = None) -> float:
@@ -232,7 +236,7 @@ _KNOWN = [
 ]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("PPIPE_FUZZ_EXAMPLES", 300)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=_bodies())
 @_examples(_KNOWN)
 def test_fuzzed_infer_requests_never_get_a_500(harness, case):

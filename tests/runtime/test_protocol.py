@@ -104,6 +104,8 @@ HOSTILE = [
     ("null as FP32", _one(data=[None]), "must hold numbers for FP32, got nulls"),
     ("300 as INT8", _one(datatype="INT8", data=[300]), r"outside INT8's range \[-128, 127\]"),
     ("1.5 as INT32", _one(datatype="INT32", data=[1.5]), "must hold integers for INT32, got fractional"),
+    ("1e300 as FP32 (an infinity)", _one(data=[1e300]), "finite values beyond FP32's range"),
+    ("70000 as FP16 (an infinity)", _one(datatype="FP16", data=[70000.0]), "finite values beyond FP16's range"),
     ("an id that is a list", json.dumps({"id": [1], "inputs": json.loads(_one())["inputs"]}).encode(), "'id' must be a string"),
     ("a bool binary_data_size", _one(parameters={"binary_data_size": True}), "binary_data_size must be a non-negative integer"),
 ]

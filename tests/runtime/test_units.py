@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -533,3 +534,76 @@ def test_tensorrt_precision_follows_the_profiles_provenance():
     assert precision_of("measured: TensorRT 10.3 fp16 on NVIDIA L4, an engine per block") == "fp16"
     assert precision_of("measured: TensorRT 10.3 tf32 on NVIDIA L4") == "tf32"
     assert precision_of("") == "tf32"  # the artifact's (and ppipe profile's) default
+
+
+def test_a_refused_multi_sample_request_stops_submitting_and_withdraws_its_queued_samples(tinynet):
+    """Issue 20: a 503 for a request of 100 samples computed 22 of them. Now the first drop
+    ends the request: later samples are not submitted, queued ones are withdrawn."""
+    from ppipe.runtime.driver import DroppedError
+
+    rt, _ = _runtime(tinynet, max_batch=100, window_us=50_000.0)  # samples wait in the queue for a batch
+
+    async def main():
+        await rt.start()
+        sched = rt.scheduler
+        submitted = []
+        real_submit = sched.submit
+
+        def submit(req):
+            submitted.append(req.id)
+            if len(submitted) == 4:  # the 4th sample is refused
+                from ppipe.dataplane.api import Drop, DropReason
+
+                return [Drop(req, DropReason.QUEUE_FULL, "test")]
+            return real_submit(req)
+
+        withdrawn = []
+
+        def withdraw(ids):
+            withdrawn.extend(ids)
+            sched.queue["tinynet"] = [r for r in sched.queue["tinynet"] if r.id not in ids]
+            return []
+
+        sched.submit, sched.withdraw = submit, withdraw
+        samples = [{"x": np.full(2, i, np.float32)} for i in range(10)]
+        with pytest.raises(DroppedError) as exc:
+            await rt.infer_samples("tinynet", samples)
+        await asyncio.sleep(0.1)  # past the batching window: nothing was left to dispatch
+        await rt.stop()
+        return submitted, withdrawn, exc.value.reason
+
+    submitted, withdrawn, reason = asyncio.run(main())
+    assert reason == "queue-full"
+    assert len(submitted) == 4  # samples 5..10 never reached the scheduler
+    assert withdrawn == submitted[:3]  # the three queued ones were taken back
+    assert not rt.traces and not rt._pending  # nothing computed, nothing left waiting
+
+
+def test_a_batch_whose_reports_stop_is_answered_worker_failed_not_left_to_time_out(tinynet):
+    """A lost data-path message (a broken connection between workers) never reports: the
+    batch is answered once it is report_grace_s (or the SLO) past its planned end."""
+    from ppipe.runtime.driver import DroppedError
+
+    cluster = load_cluster("local-cpu")
+    plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)], slo_ms=100.0)
+    peers = {p.vgpu_id: FakeWorker(p.vgpu_id) for p in plan.placement}
+    rt = Runtime(plan, {"tinynet": tinynet}, cluster, peers, scheduler_factory=functools.partial(FifoScheduler, max_batch=1),
+                 report_grace_s=0.2)
+    second = plan.placement[-1].vgpu_id
+
+    async def main():
+        await rt.start()
+        peers[second].hold = asyncio.Event()  # its stage never ends, and it never reports
+        t = time.perf_counter()
+        with pytest.raises(DroppedError) as exc:
+            await rt.infer("tinynet", {"x": np.zeros(2, np.float32)})
+        waited = time.perf_counter() - t
+        peers[second].hold.set()
+        ok = await rt.infer("tinynet", {"x": np.zeros(2, np.float32)})
+        await rt.stop()
+        return exc.value, waited, ok
+
+    err, waited, ok = asyncio.run(main())
+    assert err.reason == "worker-failed" and f"no report from vGPU {second}" in err.detail
+    assert waited < 10.0  # not the 30 s answer grace
+    assert ok["y"].tolist() == [2.0, 2.0] and not rt._inflight

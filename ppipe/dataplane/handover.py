@@ -1,0 +1,276 @@
+"""A live plan switch: a scheduler for the new plan takes over from the running one, with no pause.
+
+PPipe migrates between plans by pausing ingestion and flushing the pipelines (about one
+SLO of downtime). Here nothing pauses, because the data plane knows every reservation the
+old plan still holds and can hand them to the new plan's tables:
+
+* **New requests** go to the new scheduler from the switch on.
+* **Batches already dispatched** finish on the old topology. Their reports go on to the
+  old scheduler, which alone knows them: the driver routes a report by batch id, and the
+  new scheduler numbers its batches from :attr:`Handover.first_batch_id` on, so ids never
+  repeat and ``id < first_batch_id`` means "the old scheduler's".
+* **Queued requests** (arrived, not dispatched) move to the new scheduler with their
+  arrival and deadline unchanged; one whose model the new plan does not serve is dropped
+  with ``UNKNOWN_MODEL``.
+* **Nothing is double-booked.** Every interval the old tables hold after the switch is
+  copied into the new tables of the resources it occupies:
+
+  - a *kept* vGPU (:func:`kept_vgpus`: same id, GPU type, level, model and block range;
+    its worker stays as it is) keeps its own reservations;
+  - a NIC (a server's uplink or downlink) keeps its reservations;
+  - a *new* vGPU on a physical GPU (server, GPU index) is busy from the switch until the
+    last old reservation of the GPU's *other* old vGPUs (those not kept) ends: the GPU's
+    shares are being re-cut, and the new share may not start while an old share that it
+    replaces still runs. Kept shares go on independently, as MPS shares do.
+
+  The copies are snapshots: a late old batch that a report delays in the old tables is
+  not re-copied; its overrun reaches the new tables as any late stage does, through the
+  new batches' own reports (feedback correction).
+* **Failures carry over**: a kept vGPU that the old scheduler had marked failed is marked
+  failed in the new one.
+
+Pure logic, like the rest of the data plane: the simulator (under its virtual clock) and
+the runtime (under the wall clock) call :func:`hand_over` the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppipe.dataplane.api import Decision, DropReason
+from ppipe.dataplane.batching import BatchingScheduler
+from ppipe.dataplane.tables import ReservationTable
+from ppipe.dataplane.topology import Topology, VGpu
+from ppipe.errors import UserError
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What :func:`hand_over` did.
+
+    Attributes:
+        first_batch_id: the new scheduler's first batch id; lower ids are the old scheduler's.
+        kept: vGPUs whose worker serves both plans unchanged.
+        moved: requests moved from the old scheduler's queues to the new one.
+        decisions: the new scheduler's decisions on the moved requests (and drops of those
+            it cannot serve), for the driver to apply.
+    """
+
+    first_batch_id: int
+    kept: frozenset[str]
+    moved: int
+    decisions: list[Decision]
+
+
+def vgpu_identity(g: VGpu) -> tuple:
+    """What a vGPU's worker is: where it runs, at which share, and which blocks it holds."""
+    pool = g.pool
+    return (g.server, g.gpu, g.level, g.model, pool.first_block if pool else -1, pool.last_block if pool else -1)
+
+
+def kept_vgpus(old: Topology, new: Topology) -> frozenset[str]:
+    """vGPUs present in both topologies with the same identity: their workers serve both plans."""
+    return frozenset(v for v, g in new.vgpus.items() if v in old.vgpus and vgpu_identity(old.vgpus[v]) == vgpu_identity(g))
+
+
+def physical_gpu(vgpu_id: str) -> str:
+    """``"<server>/gpu<i>"`` of a vGPU id ``"<server>/gpu<i>/s<j>"``."""
+    return vgpu_id.rsplit("/", 1)[0]
+
+
+def hand_over(old: BatchingScheduler, new: BatchingScheduler) -> Handover:
+    """Make ``new`` (built on the new plan, with the same clock) take over from ``old`` now.
+
+    After the call the driver sends every new request to ``new``; reports and failures of
+    batches numbered below ``first_batch_id`` go to ``old`` (failures of a kept vGPU to
+    both); ``old`` is done when its ``inflight`` is empty.
+
+    Raises:
+        UserError: a policy that does not batch over reservation tables (``reactive-pool``
+            keeps requests in its pools between stages: it has no whole-path queue to hand
+            over), or a new scheduler that has already taken requests.
+    """
+    for s in (old, new):
+        if not isinstance(s, BatchingScheduler):
+            raise UserError(
+                f"a live plan switch needs a batching data-plane policy; '{getattr(s, 'policy_name', type(s).__name__)}' is not one",
+                fix="serve with --policy reservation (the paper's) or reactive",
+            )
+    if new.inflight or any(new.queues.values()) or new._next_batch_id:
+        raise UserError("the new scheduler has served requests already", fix="build a fresh scheduler for the new plan")
+    now = old.clock.now_us()
+    kept = kept_vgpus(old.topology, new.topology)
+    _copy_reservations(old.topology, new.topology, kept, now)
+    first = new._next_batch_id = old._next_batch_id
+    out: list[Decision] = []
+    for v in old.failed:
+        if v in kept:
+            out.extend(new.mark_failed(v))
+    moved = 0
+    for model, queue in old.queues.items():
+        while queue:
+            r = queue.popleft()
+            moved += 1
+            if model in new.queues:
+                out.extend(new.submit(r))
+            else:
+                out.append(old._drop(r, DropReason.UNKNOWN_MODEL, "the new plan does not serve this model"))
+        old.wake_at[model] = None
+    return Handover(first_batch_id=first, kept=kept, moved=moved, decisions=out)
+
+
+def _copy_reservations(old: Topology, new: Topology, kept: frozenset[str], now: float) -> None:
+    """Copy the old tables' intervals that end after ``now`` into the new tables (see the module doc)."""
+    for res, table in new.nic.items():
+        src = old.nic.get(res)
+        if src is not None:
+            _copy_after(src, table, now)
+    released_until: dict[str, float] = {}  # physical GPU -> last end of its old, not kept vGPUs
+    for v, g in old.vgpus.items():
+        if v not in kept and g.table.ends:
+            gpu = physical_gpu(v)
+            released_until[gpu] = max(released_until.get(gpu, now), g.table.ends[-1])
+    for v, g in new.vgpus.items():
+        if v in kept:
+            _copy_after(old.vgpus[v].table, g.table, now)
+        else:
+            until = released_until.get(physical_gpu(v), now)
+            if until > now:
+                g.table.add(now, until - now, ("handover", v))
+    for pipes in new.pipelines.values():
+        for p in pipes:
+            for pool in p.pools:
+                pool.refresh()  # the copies changed busy times: rebuild the pools' heaps
+
+
+def _copy_after(src: ReservationTable, dst: ReservationTable, now: float) -> None:
+    for start, end, key in src.intervals():
+        if end > now:
+            dst.add(start, end - start, ("handover", key))
+
+
+class SwitchingScheduler:
+    """The :class:`~ppipe.dataplane.api.Scheduler` protocol across plan switches.
+
+    Drivers hold this object as their scheduler and call :meth:`switch` to move to a new
+    plan; it routes each event to the scheduler it belongs to:
+
+    * ``submit`` and ``mark_recovered``: the current scheduler;
+    * ``report``: the scheduler that dispatched the batch (by batch id, see :class:`Handover`);
+    * ``mark_failed``: every scheduler still running batches whose topology has the vGPU;
+    * ``wake``: every scheduler still running batches (a retiring one has no queue, so
+      only its timers of in-flight work may still fire).
+
+    A retiring scheduler is forgotten once it has no batch in flight.
+    """
+
+    def __init__(self, scheduler: BatchingScheduler):
+        self.current = scheduler
+        self._eras: list[tuple[int, BatchingScheduler]] = [(0, scheduler)]  # (first batch id, scheduler), ascending
+        self._retired_stats: list[dict] = []
+        self.switches: list[Handover] = []
+
+    # the driver contract's attributes are the current policy's
+    @property
+    def policy_name(self) -> str:
+        return self.current.policy_name
+
+    @property
+    def partial_dispatches(self) -> bool:
+        return self.current.partial_dispatches
+
+    @property
+    def executes_as_planned(self) -> bool:
+        return self.current.executes_as_planned
+
+    @property
+    def tracks_nics(self) -> bool:
+        return self.current.tracks_nics
+
+    @property
+    def topology(self) -> Topology:
+        return self.current.topology
+
+    @property
+    def retiring(self) -> list[BatchingScheduler]:
+        """Earlier schedulers whose batches are still in flight."""
+        return [s for _, s in self._eras[:-1]]
+
+    def switch(self, new: BatchingScheduler) -> Handover:
+        """Hand over to ``new`` (see :func:`hand_over`); apply ``.decisions`` of the result."""
+        h = hand_over(self.current, new)
+        self._eras.append((h.first_batch_id, new))
+        self.current = new
+        self.switches.append(h)
+        self._forget_idle()
+        return h
+
+    def submit(self, request) -> list[Decision]:
+        return self.current.submit(request)
+
+    def wake(self) -> list[Decision]:
+        if len(self._eras) == 1:
+            return self.current.wake()
+        out: list[Decision] = []
+        for _, s in self._eras:
+            out.extend(s.wake())
+        self._forget_idle()
+        return out
+
+    def report(self, report) -> list[Decision]:
+        eras = self._eras
+        if len(eras) == 1:
+            return self.current.report(report)
+        owner = next((s for first, s in reversed(eras) if report.batch_id >= first), None)
+        if owner is None:  # a batch of a scheduler retired already (it forgot the batch)
+            return []
+        out = owner.report(report)
+        self._forget_idle()
+        return out
+
+    def mark_failed(self, vgpu_id: str, since_batch_id: int = 0, until_batch_id: float = float("inf")) -> list[Decision]:
+        """Fail ``vgpu_id`` in the schedulers whose first batch id is in ``[since, until)``.
+
+        A vGPU id that both plans have but that is not kept names two workers: the old
+        plan's (eras before the switch) and the new plan's (from it on). A driver that
+        knows which of them died passes that worker's range; the default fails the id
+        everywhere.
+        """
+        out: list[Decision] = []
+        for first, s in self._eras:
+            if since_batch_id <= first < until_batch_id and vgpu_id in s.topology.vgpus:
+                out.extend(s.mark_failed(vgpu_id))
+        self._forget_idle()
+        return out
+
+    def mark_recovered(self, vgpu_id: str) -> list[Decision]:
+        return self.current.mark_recovered(vgpu_id)
+
+    def withdraw(self, request_ids) -> list[Decision]:
+        return self.current.withdraw(request_ids)  # (queued requests are the current scheduler's only)
+
+    def stats(self) -> dict:
+        """The counters of every scheduler so far, summed (``switches``: how many)."""
+        total: dict = {}
+        for st in [*self._retired_stats, *(s.stats() for _, s in self._eras)]:
+            _add_counts(total, st)
+        if total.get("dispatches"):
+            total["probes_per_dispatch"] = total.get("probes", 0) / total["dispatches"]
+        total["policy"] = self.policy_name
+        total["switches"] = len(self.switches)
+        return total
+
+    def _forget_idle(self) -> None:
+        """Drop retiring schedulers with nothing in flight (the current one always stays)."""
+        keep = [(f, s) for f, s in self._eras[:-1] if s.inflight]
+        if len(keep) < len(self._eras) - 1:
+            self._retired_stats.extend(s.stats() for f, s in self._eras[:-1] if not s.inflight)
+            self._eras = [*keep, self._eras[-1]]
+
+
+def _add_counts(total: dict, st: dict) -> None:
+    for k, v in st.items():
+        if isinstance(v, dict):
+            _add_counts(total.setdefault(k, {}), v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            total[k] = total.get(k, 0) + v
