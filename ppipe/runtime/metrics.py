@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Container
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -30,11 +31,6 @@ class RuntimeMetrics:
         self.busy = Counter("ppipe_vgpu_busy_seconds", "Time each vGPU spent running batches (worker reports).", ["vgpu"], registry=r)
         self.failed = Gauge("ppipe_vgpu_failed", "1 for each vGPU marked failed.", ["vgpu"], registry=r)
         self.late = Counter("ppipe_late", "Served requests that finished after their deadline.", ["model"], registry=r)
-        self.capacity = Gauge(
-            "ppipe_model_capacity_alive_ratio",
-            "Share of the model's planned throughput that its live vGPUs still provide (1: all, 0: no complete pipeline).",
-            ["model"], registry=r,
-        )
         self._bound: dict[tuple, object] = {}
 
     def bound(self, metric, *labels: str):
@@ -47,10 +43,10 @@ class RuntimeMetrics:
         return child
 
     def track_capacity(self, runtime: Any) -> None:
-        """Make ``ppipe_model_capacity_alive_ratio{model}`` follow ``runtime``: computed at
-        each scrape from ``runtime.plan`` and ``runtime.failed`` (:func:`capacity_alive_ratio`)."""
-        for m in runtime.plan.models:
-            self.capacity.labels(m.name).set_function(lambda name=m.name: capacity_alive_ratio(runtime.plan, name, runtime.failed))
+        """Serve ``ppipe_model_capacity_alive_ratio{model}`` for ``runtime``: computed at each
+        scrape for the models of ``runtime.plan`` as it is then (a live plan switch adds and
+        removes models) from ``runtime.failed`` (:func:`capacity_alive_ratio`). Once per metrics."""
+        self.registry.register(_CapacityCollector(runtime))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -81,3 +77,23 @@ def capacity_alive_ratio(plan: Any, model: str, failed: Container[str]) -> float
             cap = min(cap, part.throughput_rps * share) if share < 1.0 else cap
         alive += cap
     return alive / planned if planned > 0 else 1.0
+
+
+class _CapacityCollector:
+    """``ppipe_model_capacity_alive_ratio``, one sample per model of the runtime's plan."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+
+    def describe(self):
+        return [GaugeMetricFamily("ppipe_model_capacity_alive_ratio", CAPACITY_HELP, labels=["model"])]
+
+    def collect(self):
+        plan, failed = self.runtime.plan, self.runtime.failed
+        g = GaugeMetricFamily("ppipe_model_capacity_alive_ratio", CAPACITY_HELP, labels=["model"])
+        for m in plan.models:
+            g.add_metric([m.name], capacity_alive_ratio(plan, m.name, failed))
+        yield g
+
+
+CAPACITY_HELP = "Share of the model's planned throughput that its live vGPUs still provide (1: all, 0: no complete pipeline)."

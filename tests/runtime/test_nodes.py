@@ -65,6 +65,11 @@ def test_the_capacity_gauge_is_read_at_each_scrape(tinynet):
     assert 'ppipe_model_capacity_alive_ratio{model="tinynet"} 0.0' in m.render().decode()
     rt.failed.clear()
     assert 'ppipe_model_capacity_alive_ratio{model="tinynet"} 1.0' in m.render().decode()
+    # a live plan switch: the gauge follows the plan's models
+    rt.plan = plan.model_copy(update={"models": [plan.models[0].model_copy(update={"name": "other"})],
+                                      "placement": [q.model_copy(update={"model": "other"}) for q in plan.placement]})
+    text = m.render().decode()
+    assert 'ppipe_model_capacity_alive_ratio{model="other"} 1.0' in text and 'model="tinynet"' not in text
 
 
 def test_server_is_ready_while_at_least_one_model_is(tinynet):
