@@ -116,8 +116,10 @@ def test_a_lost_node_fails_its_model_fast_and_serves_it_again_once_back(two_mach
     log = serve.log()
     assert log.count(f"vGPU {VGPU_B1} (server p4-0) lost") == 1, log[-5000:]
     assert log.count(f"vGPU {VGPU_B1} (server p4-0) is back") == 1, log[-5000:]
-    # the node itself: once when a re-creation found it gone from the cluster, once when it was back
-    assert log.count("server p4-0: no Ray node offers") == log.count("server p4-0: its Ray node is back") == 1, log[-5000:]
+    # the node itself: at most once gone, and back as often (a re-creation try may land on the
+    # dead node before Ray noticed it, and the next one on the node back: then neither is said)
+    gone, back = log.count("server p4-0: no Ray node offers"), log.count("server p4-0: its Ray node is back")
+    assert gone == back <= 1, log[-5000:]
     assert "Unhandled error" not in log and "Traceback" not in log, log[-5000:]
     assert log.count("data path: cannot connect") <= 1, log[-5000:]  # the worker before it: once, not per batch
     assert serve.proc.poll() is None  # never restarted
