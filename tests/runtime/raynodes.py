@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,6 +162,8 @@ class LocalRayNodes:
         """Kill every node, the head last (what `ray stop --force` does, for these nodes only)."""
         for name in [n for n in self.nodes if n != "head"] + (["head"] if "head" in self.nodes else []):
             self.kill_node(name)
+        for tmp in self.nodes.values():  # the nodes' sessions and logs (outside root: short socket paths)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def state(self) -> dict:
         """``{"nodes": [{id, alive, resources}], "actors": [{name, state, node}]}`` from the GCS,
