@@ -192,6 +192,7 @@ class Outbox:
     def __init__(self) -> None:
         self.peers: dict[str, _Sender] = {}
         self._connecting: set[asyncio.Task] = set()
+        self._unreachable: set[str] = set()  # addresses whose last connect failed (logged once until one succeeds)
 
     def connect(self, addr: str) -> _Sender:
         """The connection to ``addr``, opened (asynchronously) on first use."""
@@ -209,9 +210,14 @@ class Outbox:
         self._connecting.discard(task)
         if task.cancelled() or task.exception() is not None:
             why = "cancelled" if task.cancelled() else task.exception()
-            log.warning("data path: cannot connect to %s (%s); %d queued bytes dropped", peer.addr, why, peer.pending_bytes)
+            # a dead peer is tried once per message sent to it: one warning, the repeats at debug level
+            level = logging.DEBUG if peer.addr in self._unreachable else logging.WARNING
+            self._unreachable.add(peer.addr)
+            log.log(level, "data path: cannot connect to %s (%s); %d queued bytes dropped", peer.addr, why, peer.pending_bytes)
             peer.lost = True
             self.forget(peer)
+        else:
+            self._unreachable.discard(peer.addr)
 
     def forget(self, peer: _Sender) -> None:
         """A lost connection: the next send to its address connects anew."""

@@ -12,23 +12,63 @@ of vGPU level v > 1 runs under MPS with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/
 MPS control daemon must run on every GPU server (``nvidia-cuda-mps-control -d``). Ray's
 own GPU accounting is bypassed (``num_gpus=0``) because the plan, not Ray, decides which
 vGPU shares which GPU.
+
+Each worker is a named actor (:func:`actor_name`: ``ppipe-vgpu-<vGPU id>``, in the job's
+namespace), so ``ray list actors`` shows which vGPU is which. One vGPU id may have two live
+actors at once: a worker re-created after a failure while Ray has not yet released the old
+one's name, or a new worker started for a vGPU whose blocks changed while the old one
+drains. Each actor of a vGPU is therefore an *incarnation*: 0 is the first, and every
+re-creation takes the next number (``ppipe-vgpu-<id>-<n>``).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ppipe.errors import UserError
+from ppipe.runtime.refs import settle
 from ppipe.runtime.worker import WorkerSpec, actor_class
 from ppipe.spec.cluster import ClusterSpec, load_cluster
 from ppipe.spec.plan import Plan, load_plan
 from ppipe.spec.profile import ModelProfile, load_profile_ref, profile_ref
 
+log = logging.getLogger("ppipe.runtime")
+
 # A worker asks for this much of its server's custom resource: enough to pin it to the
 # node, small enough that any number of vGPUs fit on a node offering 1 unit.
 RESOURCE_SHARE = 0.001
+
+ACTOR_PREFIX = "ppipe-vgpu-"
+NAME_TRIES = 3  # names tried (the next incarnations) before a name Ray still holds is an error
+
+
+def actor_name(vgpu_id: str, incarnation: int = 0) -> str:
+    """The Ray actor name of incarnation ``incarnation`` of vGPU ``vgpu_id``'s worker:
+    ``ppipe-vgpu-<id>`` for the first, ``ppipe-vgpu-<id>-<n>`` for the n-th re-creation."""
+    if incarnation < 0:
+        raise ValueError(f"incarnation must be >= 0, got {incarnation}")
+    return f"{ACTOR_PREFIX}{vgpu_id}" if incarnation == 0 else f"{ACTOR_PREFIX}{vgpu_id}-{incarnation}"
+
+
+_incarnations: dict[str, int] = {}  # vGPU id -> the last incarnation this process created
+_incarnations_lock = threading.Lock()  # respawns run in threads (asyncio.to_thread)
+
+
+def next_incarnation(vgpu_id: str) -> int:
+    """Reserve the next incarnation number of ``vgpu_id`` in this process (1 after the
+    first worker, then 2, ...): a re-created worker never reuses a name Ray may still hold."""
+    with _incarnations_lock:
+        n = _incarnations[vgpu_id] = _incarnations.get(vgpu_id, 0) + 1
+        return n
+
+
+def _note_incarnation(vgpu_id: str, incarnation: int) -> None:
+    with _incarnations_lock:
+        _incarnations[vgpu_id] = max(_incarnations.get(vgpu_id, 0), incarnation)
 
 
 @dataclass(frozen=True)
@@ -174,25 +214,29 @@ def offered_resources() -> set[str]:
 
 def start_workers(
     dep: Deployment, backend: str = "ort", backend_options: dict[str, Any] | None = None, start_timeout_s: float = 300.0,
-    only: set[str] | None = None,
+    only: set[str] | None = None, incarnation: int = 0,
 ) -> dict[str, Any]:
     """Start one actor per vGPU (of ``only``, if given) on its server's node; returns {vgpu_id: actor handle}.
 
     Ray must be initialised. Waits until every worker has built its backend (a backend
     error, e.g. a missing sub-model, is raised here, not at the first request); on an
-    error, the workers started are stopped.
+    error, the workers started are stopped. The actors are named :func:`actor_name`
+    ``(vgpu_id, incarnation)``, or a later incarnation where Ray still holds that name (a
+    plan switch starts a vGPU's new worker while the old one finishes its batches).
     """
     import ray
 
     specs = [s for s in worker_specs(dep) if only is None or s.vgpu_id in only]
     offered = offered_resources()
-    handles = {s.vgpu_id: _create_worker(dep, s, backend, backend_options, offered) for s in specs}
+    handles = {s.vgpu_id: _create_worker(dep, s, backend, backend_options, offered, incarnation) for s in specs}
+    pings = [h.ping.remote() for h in handles.values()]
     try:
-        ray.get([h.ping.remote() for h in handles.values()], timeout=start_timeout_s)
+        ray.get(pings, timeout=start_timeout_s)
     except ray.exceptions.RayActorError as exc:
         cause = getattr(exc, "cause", None) or exc
         for h in handles.values():
             ray.kill(h)
+        settle(pings)  # the other workers' pings fail with the kill: not errors to report
         _reraise_user_error(cause)
         raise
     except ray.exceptions.GetTimeoutError:
@@ -203,25 +247,41 @@ def start_workers(
     return handles
 
 
-def _create_worker(dep: Deployment, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None, offered: set[str]) -> Any:
-    """Create the actor of one vGPU on its server's node (not waiting for it)."""
+def _create_worker(dep: Deployment, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None, offered: set[str],
+                   incarnation: int = 0) -> Any:
+    """Create the actor of one vGPU on its server's node (not waiting for it), named
+    :func:`actor_name` ``(spec.vgpu_id, incarnation)``."""
+    resources = node_resources_for(spec, dep.cluster, offered, dep.cluster_file)
+    _note_incarnation(spec.vgpu_id, incarnation)
     opts: dict[str, Any] = {
+        "name": actor_name(spec.vgpu_id, incarnation),
         "num_cpus": 0,
         "num_gpus": 0,
-        "resources": node_resources_for(spec, dep.cluster, offered, dep.cluster_file),
+        "resources": resources,
         "max_concurrency": 1000,
         "max_restarts": 0,  # a dead vGPU is marked failed and re-created by the runtime (respawn_worker)
     }
     env = worker_env(spec, backend)
     if env:
         opts["runtime_env"] = {"env_vars": env}
+    for _ in range(NAME_TRIES):
+        try:
+            return actor_class().options(**opts).remote(spec, backend, backend_options)
+        except ValueError as exc:  # the name is still held: a killed actor Ray has not released yet
+            if "already taken" not in str(exc):
+                raise
+            opts["name"] = actor_name(spec.vgpu_id, next_incarnation(spec.vgpu_id))
     return actor_class().options(**opts).remote(spec, backend, backend_options)
 
 
 def respawn_worker(dep: Deployment, vgpu_id: str, backend: str = "ort", backend_options: dict[str, Any] | None = None,
-                   start_timeout_s: float = 60.0) -> Any:
+                   start_timeout_s: float = 60.0, incarnation: int | None = None) -> Any:
     """Create vGPU ``vgpu_id``'s worker anew and wait until it has loaded its blocks;
     returns its handle. Blocks (run it in a thread from a loop).
+
+    Args:
+        incarnation: the new actor's number (its name: :func:`actor_name`); None takes
+            :func:`next_incarnation`, one more than the last this process created.
 
     Raises:
         RuntimeError: its server's node is not back (no node offers its resource), or the
@@ -231,15 +291,48 @@ def respawn_worker(dep: Deployment, vgpu_id: str, backend: str = "ort", backend_
 
     spec = next(s for s in worker_specs(dep) if s.vgpu_id == vgpu_id)
     try:
-        handle = _create_worker(dep, spec, backend, backend_options, offered_resources())
+        offered = offered_resources()
+        try:
+            node_resources_for(spec, dep.cluster, offered, dep.cluster_file)  # before a name is taken
+        except UserError:
+            note_server(spec.server, offered=False)
+            raise
+        note_server(spec.server, offered=True)
+        handle = _create_worker(dep, spec, backend, backend_options, offered,
+                                next_incarnation(vgpu_id) if incarnation is None else incarnation)
     except UserError as exc:
         raise RuntimeError(str(exc)) from None
+    except ValueError as exc:  # the name is still held (an incarnation number used twice)
+        raise RuntimeError(f"worker {vgpu_id} could not be created: {str(exc).splitlines()[0]}") from None
+    ping = handle.ping.remote()
     try:
-        ray.get(handle.ping.remote(), timeout=start_timeout_s)
+        ray.get(ping, timeout=start_timeout_s)
     except Exception as exc:
         ray.kill(handle)
+        settle([ping], timeout_s=5.0)
         raise RuntimeError(f"worker {vgpu_id} did not start: {type(exc).__name__}") from None
     return handle
+
+
+_servers_gone: set[str] = set()  # servers whose Ray node a re-creation found missing
+_servers_lock = threading.Lock()
+
+
+def note_server(server: str, offered: bool) -> bool:
+    """Log once when a re-creation finds no Ray node for ``server`` (its node left the
+    cluster) and once when one is there again (the node is back), however many of its vGPUs
+    are re-created and however often; returns whether this call logged."""
+    with _servers_lock:
+        if not offered and server not in _servers_gone:
+            _servers_gone.add(server)
+            log.warning("server %s: no Ray node offers its resource now (its node left the cluster); "
+                        "waiting for it to join again", server)
+            return True
+        if offered and server in _servers_gone:
+            _servers_gone.discard(server)
+            log.warning("server %s: its Ray node is back; re-creating its workers", server)
+            return True
+    return False
 
 
 def _reraise_user_error(cause: BaseException) -> None:

@@ -43,6 +43,7 @@ from ppipe.runtime.clock import WallClock, wall_us
 from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, node_host
 from ppipe.runtime.wire import pack, unpack
 from ppipe.runtime.metrics import RuntimeMetrics
+from ppipe.runtime.refs import consume, kill_quietly
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
@@ -208,6 +209,7 @@ class Runtime:
         self.switches: list[dict[str, Any]] = []
         self.on_switch: list[Callable[[], None]] = []  # called at each switch, after the new plan is in place
         self.arrival_log: list[tuple[str, float]] | None = None  # (model, arrival) of each request, for a re-plan loop
+        self.metrics.track_capacity(self)  # ppipe_model_capacity_alive_ratio, from self.plan and self.failed
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -644,7 +646,9 @@ class Runtime:
             return
         self.failed[vgpu_id] = self.clock.true_now_us()
         self.metrics.failed.labels(vgpu_id).set(1)
-        log.warning("vGPU %s failed; the scheduler stops routing to it", vgpu_id)
+        p = self._placement.get(vgpu_id)
+        log.warning("vGPU %s (server %s) lost; the scheduler stops routing to it%s", vgpu_id, p.server if p else "?",
+                    f"; re-creating it every {self.respawn_interval_s:g} s" if self.respawn is not None else "")
         since = self._since.get(vgpu_id, 0)
         if since:  # a worker started by a plan switch: earlier plans' vGPU of this id was another worker
             self._apply(self.scheduler.mark_failed(vgpu_id, since_batch_id=since))
@@ -657,8 +661,8 @@ class Runtime:
         for a, b in self.nccl_edges:
             other = b if a == vgpu_id else a if b == vgpu_id else None
             if other is not None and other not in self.failed and other in self.workers:
-                try:
-                    self.workers[other].drop_peer.remote(vgpu_id)
+                try:  # not awaited; consumed so that a dead peer's error is no "Unhandled error"
+                    consume(self.workers[other].drop_peer.remote(vgpu_id), f"{other}.drop_peer({vgpu_id})")
                 except Exception:  # pragma: no cover - best effort; the peer's lifeline says if it is gone
                     log.exception("could not tell %s to drop its edge with %s", other, vgpu_id)
 
@@ -683,9 +687,10 @@ class Runtime:
         try:
             await handle.lifeline.remote()
             detail = "its lifeline returned"
-        except ray.exceptions.RayActorError as exc:
+        except ray.exceptions.RayError as exc:  # ActorDiedError, ActorUnavailableError (its node is unreachable), ...
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.debug("vGPU %s is gone: %s", vgpu_id, detail)
+        kill_quietly(handle)  # an unreachable (not dead) worker must not come back beside its re-creation
         if self.workers.get(vgpu_id) is handle:
             self.mark_failed(vgpu_id)
             return
@@ -722,14 +727,19 @@ class Runtime:
         while True:
             await asyncio.sleep(self.respawn_interval_s)
             tries += 1
+            handle = None
             try:
                 handle = await self.respawn(vgpu_id)
                 addr = await handle.open_data_path.remote(self._inbox.address)
                 self.addresses[vgpu_id] = addr
                 await handle.connect_peers.remote(self._next_stage_addresses(vgpu_id))
             except asyncio.CancelledError:
+                if handle is not None:
+                    kill_quietly(handle)
                 raise
             except Exception as exc:
+                if handle is not None:  # created, but not usable: not left running beside the next try
+                    kill_quietly(handle)
                 log.info("vGPU %s is not back yet (try %d): %s", vgpu_id, tries, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 continue
             break
@@ -739,7 +749,8 @@ class Runtime:
         self._revivals.pop(vgpu_id, None)
         self.metrics.failed.labels(vgpu_id).set(0)
         self._lifelines.append(asyncio.get_running_loop().create_task(self._watch(vgpu_id, handle)))
-        log.warning("vGPU %s is back after %d tries; the scheduler routes to it again", vgpu_id, tries)
+        p = self._placement.get(vgpu_id)
+        log.warning("vGPU %s (server %s) is back after %d tries; the scheduler routes to it again", vgpu_id, p.server if p else "?", tries)
         self._apply(self.scheduler.mark_recovered(vgpu_id))
 
 

@@ -4,7 +4,7 @@ Service ``inference.GRPCInferenceService`` (messages: :mod:`ppipe.runtime.proto`
 the REST frontend (:mod:`ppipe.runtime.server`) and over the same :class:`Runtime`::
 
     ServerLive       live: true while the process serves
-    ServerReady      ready: every model is ready
+    ServerReady      ready: at least one model is ready (as REST's /v2/health/ready)
     ModelReady       ready of one model (token)                 NOT_FOUND unknown model
     ServerMetadata   name, version, extensions (token)
     ModelMetadata    inputs, outputs (shape [-1, ...])          NOT_FOUND unknown model
@@ -186,7 +186,7 @@ class GrpcFrontend:
         return pb.ServerLiveResponse(live=True)
 
     async def server_ready(self, request, context):
-        ok = self.runtime.started and all(self.runtime.model_ready(m) for m in self.models)
+        ok = self.runtime.started and any(self.runtime.model_ready(m) for m in self.models)
         return pb.ServerReadyResponse(ready=ok)
 
     async def model_ready(self, request, context):

@@ -6,7 +6,10 @@ one process.
 
 from __future__ import annotations
 
+from typing import Any, Container
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -39,5 +42,58 @@ class RuntimeMetrics:
             child = self._bound[key] = metric.labels(*labels)
         return child
 
+    def track_capacity(self, runtime: Any) -> None:
+        """Serve ``ppipe_model_capacity_alive_ratio{model}`` for ``runtime``: computed at each
+        scrape for the models of ``runtime.plan`` as it is then (a live plan switch adds and
+        removes models) from ``runtime.failed`` (:func:`capacity_alive_ratio`). Once per metrics."""
+        self.registry.register(_CapacityCollector(runtime))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def capacity_alive_ratio(plan: Any, model: str, failed: Container[str]) -> float:
+    """The share of ``model``'s planned throughput that its live vGPUs provide.
+
+    A pipeline's planned throughput is its ``throughput_rps`` in the plan; with some vGPUs
+    of a pool dead, that pool serves ``alive/count`` of its planned throughput
+    (``PartitionPlan.throughput_rps``), and the pipeline no more than its slowest pool:
+    ``min(pipeline, min over pools of pool * alive/count)``. A pipeline with a pool all
+    dead provides 0. The ratio is the sum over pipelines of that, over the sum of the
+    pipelines' planned throughputs (1.0 for a model that plans none).
+    """
+    try:
+        mp = plan.model(model)
+    except KeyError:
+        return 0.0
+    planned = alive = 0.0
+    for i, pl in enumerate(mp.pipelines):
+        planned += pl.throughput_rps
+        cap = pl.throughput_rps
+        for j, part in enumerate(pl.partitions):
+            vgpus = plan.placements_of(model, i, j)
+            live = sum(p.vgpu_id not in failed for p in vgpus)
+            share = live / len(vgpus) if vgpus else 0.0
+            cap = min(cap, part.throughput_rps * share) if share < 1.0 else cap
+        alive += cap
+    return alive / planned if planned > 0 else 1.0
+
+
+class _CapacityCollector:
+    """``ppipe_model_capacity_alive_ratio``, one sample per model of the runtime's plan."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+
+    def describe(self):
+        return [GaugeMetricFamily("ppipe_model_capacity_alive_ratio", CAPACITY_HELP, labels=["model"])]
+
+    def collect(self):
+        plan, failed = self.runtime.plan, self.runtime.failed
+        g = GaugeMetricFamily("ppipe_model_capacity_alive_ratio", CAPACITY_HELP, labels=["model"])
+        for m in plan.models:
+            g.add_metric([m.name], capacity_alive_ratio(plan, m.name, failed))
+        yield g
+
+
+CAPACITY_HELP = "Share of the model's planned throughput that its live vGPUs still provide (1: all, 0: no complete pipeline)."

@@ -4,9 +4,9 @@ Endpoints::
 
     GET  /v2                        server metadata
     GET  /v2/health/live            200 while the process serves              (no token needed)
-    GET  /v2/health/ready           200 when every model is ready, else 503   (no token needed)
+    GET  /v2/health/ready           200 while at least one model is ready, else 503 (no token needed)
     GET  /v2/models/{name}          model metadata (inputs, outputs, SLO)      404 unknown model
-    GET  /v2/models/{name}/ready    200 / 503
+    GET  /v2/models/{name}/ready    200 while the model has a complete pipeline of live vGPUs, else 503
     POST /v2/models/{name}/infer    inference (JSON tensors or the binary extension)
     GET  /metrics                   Prometheus metrics
     GET  /v2/openapi.json           this API as OpenAPI 3.1 (ppipe.runtime.openapi)
@@ -14,6 +14,16 @@ Endpoints::
     POST /v2/admin/plan             switch to the plan.yaml in the body       (token needed, always;
                                     ``ppipe apply``; ``?as_placed=1``: keep its placement as
                                     written; see ppipe.runtime.switch)
+
+**Readiness.** A server is ready while at least one of its models is ready (can serve a
+request), so a load balancer keeps a server that lost the node of one model but still
+serves the others; route by model with ``/v2/models/{name}/ready``, and weigh by
+``ppipe_model_capacity_alive_ratio{model}`` on ``/metrics`` (the share of the model's
+planned throughput that its live vGPUs provide; :func:`ppipe.runtime.metrics.capacity_alive_ratio`).
+This departs on purpose from the Open Inference Protocol's text, whose "server ready" says
+that *all* models are ready: with models spread over machines, that rule takes a whole
+server out of rotation for one lost machine (Triton makes the same choice an option,
+``--strict-readiness``).
 
 Status codes of ``infer`` (the body is always ``{"error": "..."}`` on failure):
 
@@ -372,7 +382,7 @@ class Frontend:
         return JSONResponse({"live": True})
 
     async def ready(self, request: Request) -> Response:
-        ok = self.runtime.started and all(self.runtime.model_ready(m) for m in self.models)
+        ok = self.runtime.started and any(self.runtime.model_ready(m) for m in self.models)  # see "Readiness" above
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def model_metadata(self, request: Request) -> Response:

@@ -150,7 +150,7 @@ class ShardRouter:
 
     Requests under ``/v2/models/{name}`` go to the owner of ``name`` (names no shard owns
     stay here, for the 404). ``/v2/health/ready`` and ``/metrics`` ask every shard and
-    combine the answers; everything else is answered here. Between shards, a request is one
+    combine the answers (ready while some shard is: at least one model is ready); everything else is answered here. Between shards, a request is one
     data-path message (header: method, path, query, headers; the body as bytes), and so is
     its answer; the owner replays it into its own app.
     """
@@ -213,9 +213,11 @@ class ShardRouter:
         if path == "/metrics" and not bad:
             merged = merge_metrics([a[2] for a in answers])
             await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")], merged)
-        else:  # readiness: ready when every shard is; an error (401) as the first shard that gave it
-            status, headers, out = bad[0] if bad else answers[0]
-            await _respond(send, status, headers, out)
+        elif path == "/metrics":  # an error (401) as the first shard that gave it
+            await _respond(send, *bad[0])
+        else:  # readiness: ready while some shard is (it has a ready model); else the first shard's 503
+            good = [a for a in answers if a[0] == 200]
+            await _respond(send, *(good[0] if good else bad[0]))
 
     async def _ask(self, target: int, scope, body: bytes) -> tuple[int, list, bytes]:
         """Answer of shard ``target`` (this one in-process) to the request ``scope`` + ``body``."""

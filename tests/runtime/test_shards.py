@@ -122,6 +122,30 @@ def _shard_server(plan, tinynet_dir, models, index, owner):
     return BackgroundServer(router), router
 
 
+def test_sharded_server_is_ready_while_some_shard_has_a_ready_model(tmp_path):
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    for m in ("a", "b"):
+        write_tinynet(tmp_path / m, name=m)
+    owner = {"a": 0, "b": 1}
+    srv0, r0 = _shard_server(plan, tmp_path, ["a"], 0, owner)
+    srv1, r1 = _shard_server(plan, tmp_path, ["b"], 1, owner)
+    runtimes = {"a": r0.app.fe.runtime, "b": r1.app.fe.runtime}
+    with srv0, srv1, httpx.Client(base_url=srv0.url, timeout=30) as c:
+        r0.set_peers([r0.address, r1.address])
+        r1.set_peers([r0.address, r1.address])
+
+        def lose(model):  # as mark_failed does for readiness: its vGPUs are failed
+            rt = runtimes[model]
+            rt.failed.update({p.vgpu_id: 0.0 for p in rt.plan.placement})
+
+        both = c.get("/v2/health/ready").status_code
+        lose("b")  # b's shard has no ready model: the server still serves a
+        one = c.get("/v2/health/ready").status_code, c.get("/v2/models/b/ready", headers={"authorization": "Bearer t0k"}).status_code
+        lose("a")
+        none = c.get("/v2/health/ready").status_code
+    assert (both, one, none) == (200, (200, 503), 503)
+
+
 def test_a_shard_passes_other_models_requests_to_their_owner_and_answers_for_all(tmp_path):
     from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
 
