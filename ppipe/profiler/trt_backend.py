@@ -1,6 +1,7 @@
 """TensorRT timing backend (NVIDIA GPUs): per-layer times and block latencies.
 
-Written against the TensorRT Python API of 8.6 and 10.x (``setup.cfg``: ``tensorrt>=8.6,<11``):
+Written against the TensorRT Python API of 10.x, and 11.x at tf32 (``setup.cfg``: ``tensorrt-cu12>=10,<12``;
+TensorRT 11 removed weakly typed fp16, see :func:`_set_precision`):
 named I/O tensors (``set_input_shape``, ``set_tensor_address``, ``execute_async_v3``),
 ``build_serialized_network``, an explicit-batch network (the flag 8.6 needs; 10 ignores it).
 
@@ -98,6 +99,26 @@ def _logger(trt):
     return _LOGGER
 
 
+def _set_precision(trt, config, precision: str) -> None:
+    """Builder flags of ``precision`` (TensorRT 10), or a clear refusal on TensorRT 11.
+
+    TensorRT 11 removed weak typing: its networks are strongly typed and have no
+    ``BuilderFlag.FP16``; an fp16 engine needs an ONNX model already converted to fp16
+    (ModelOpt AutoCast), which ppipe does not do. tf32 is TensorRT's default either way.
+    """
+    if hasattr(trt.BuilderFlag, "TF32"):
+        config.set_flag(trt.BuilderFlag.TF32)  # the default; stated so that the precision is explicit
+    if precision != "fp16":
+        return
+    if not hasattr(trt.BuilderFlag, "FP16"):
+        raise NotAvailableError(
+            f"TensorRT {trt.__version__} has no weakly typed fp16 (removed in TensorRT 11)",
+            fix="profile and serve at --precision tf32, use TensorRT 10 (pip install 'tensorrt-cu12>=10,<11'), "
+            "or the torch backend (--backend torch), which runs fp16 itself",
+        )
+    config.set_flag(trt.BuilderFlag.FP16)
+
+
 def _check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise UserError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}", fix="use --precision tf32 (the default) or fp16")
@@ -141,9 +162,7 @@ def _build(
                     network.mark_output(t)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
-    config.set_flag(trt.BuilderFlag.TF32)  # the default; stated so that the precision is explicit
-    if precision == "fp16":
-        config.set_flag(trt.BuilderFlag.FP16)
+    _set_precision(trt, config, precision)
     if detailed:
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     profile = builder.create_optimization_profile()
