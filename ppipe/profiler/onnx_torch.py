@@ -146,6 +146,15 @@ def _batch_norm(F, a, opset, x, scale, bias, mean, var):
     return F.batch_norm(x, mean, var, scale, bias, training=False, eps=float(a.get("epsilon", 1e-5)))
 
 
+def _reduce_mean(F, a, opset, x, axes=None):
+    ax = a.get("axes") if opset < 18 else (None if axes is None else axes.tolist())
+    if not ax:
+        if a.get("noop_with_empty_axes", 0):
+            return x
+        ax = range(x.dim())
+    return x.mean(dim=tuple(int(v) for v in ax), keepdim=bool(a.get("keepdims", 1)))
+
+
 def _flatten(F, a, opset, x):
     axis = int(a.get("axis", 1)) % max(1, x.dim())
     return x.reshape(int(np.prod(x.shape[:axis])), -1)
@@ -188,6 +197,7 @@ OPS: dict[str, Callable[..., Any]] = {
     "Unsqueeze": _unsqueeze,
     "Squeeze": _squeeze,
     "Softmax": _softmax,
+    "ReduceMean": _reduce_mean,
     "LRN": _lrn,
     "Identity": lambda F, a, o, x: x,
     "Dropout": lambda F, a, o, x, *rest: x,  # inference: the identity (a mask output is not supported)

@@ -312,3 +312,40 @@ def _elapsed_us(module: OnnxTorchModule, spans: list) -> list[tuple[str, float]]
 
 
 __all__ = ["PRECISIONS", "LevelPool", "TorchTimer", "default_device", "layer_times_us", "load_block", "sharing_mode", "time_module"]
+
+
+# ---- the hooks of ppipe.profiler.run (``ppipe profile --backend torch``) -------------------------------------
+def _profile_device(measure: str) -> tuple[str, str]:
+    """(torch device, why) for ``--measure``: the CPU for ``cpu``, else the local CUDA device."""
+    if measure == "cpu":
+        return "cpu", ""
+    device = default_device()
+    if device == "cpu":
+        raise NotAvailableError(
+            f"--measure {measure} --backend torch: torch sees no CUDA device here",
+            fix="run on the GPU machine with a CUDA build of torch, or --measure cpu",
+        )
+    return device, ""
+
+
+def _profile_precision(req: Any, device: str) -> str:
+    """``--precision`` on CUDA (tf32 by default, as TensorRT); fp32 on the CPU."""
+    return req.precision if device.startswith("cuda") else "fp32"
+
+
+def profile_timer(req: Any) -> tuple[list[int], TorchTimer]:
+    """The levels to measure and the timer, for a :class:`~ppipe.profiler.run.ProfileRequest`."""
+    device, _ = _profile_device(req.measure)
+    timer = TorchTimer(device, reps=req.reps, precision=_profile_precision(req, device), statistic=req.statistic)
+    levels = list(req.gpu_levels if device.startswith("cuda") else req.cpu_levels)
+    return levels, timer
+
+
+def profile_layers(req: Any, info: Any, device_type: str) -> tuple[list[float], str, str]:
+    """Per-layer times for ``ppipe profile``: (times in compute order, method, provenance)."""
+    from ppipe.spec.profile import LayerMethod
+
+    device, _ = _profile_device(device_type)
+    names = [info.node(p).name for p in range(len(info.compute_nodes))]
+    times, prov = layer_times_us(info.model, names, device=device, precision=_profile_precision(req, device))
+    return times, LayerMethod.PER_NODE.value, prov
