@@ -1,6 +1,6 @@
 """Execution backends: how a worker runs blocks ``first..last`` of a model on a batch.
 
-A backend takes and returns a dict of named arrays whose first axis is the batch. Three
+A backend takes and returns a dict of named arrays whose first axis is the batch. Four
 are available, by name:
 
 - ``ort``: onnxruntime over the profile's per-block ONNX sub-models (``BlockSpec.onnx``;
@@ -10,6 +10,8 @@ are available, by name:
 - ``tensorrt``: TensorRT engines built from the same sub-models (at the profile's
   precision, tf32 by default), on the GPU the worker was pinned to. Needs ``tensorrt`` and
   ``cupy`` (``pip install ppipe[gpu]``).
+- ``torch``: PyTorch over the same sub-models (:mod:`ppipe.runtime.torch_backend`), on
+  CUDA in fp16/tf32 or on the CPU; needs ``pip install ppipe[torch]``.
 - ``emulated``: sleeps for the profiled latency of the partition at the batch
   (``ModelProfile.partition_latency_us``) and emits fp16 tensors of the profiled size
   (``out_bytes_per_sample`` of the partition's last block). It rehearses a plan for a
@@ -30,7 +32,7 @@ import numpy as np
 from ppipe.errors import NotAvailableError, UserError
 from ppipe.spec.profile import ModelProfile
 
-BACKENDS = ("ort", "tensorrt", "emulated")
+BACKENDS = ("ort", "tensorrt", "torch", "emulated")
 
 Tensors = dict[str, np.ndarray]
 
@@ -362,7 +364,7 @@ class TensorRTBackend:
 
 
 def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, **options) -> Backend:
-    """Build a backend by name (``ort``, ``tensorrt``, ``emulated``)."""
+    """Build a backend by name (``ort``, ``tensorrt``, ``torch``, ``emulated``)."""
     if name == "emulated":
         return EmulatedBackend(
             profile, gpu, vgpu, first, last, time_scale=options.get("time_scale", 1.0),
@@ -375,4 +377,8 @@ def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: i
             profile, gpu, vgpu, first, last, opt_batch=options.get("opt_batch", 1), max_batch=options.get("max_batch"),
             precision=options.get("precision"),
         )
+    if name == "torch":
+        from ppipe.runtime.torch_backend import TorchBackend
+
+        return TorchBackend(profile, gpu, vgpu, first, last, precision=options.get("precision"))
     raise UserError(f"unknown backend '{name}'", fix=f"use one of {', '.join(BACKENDS)}")
