@@ -269,8 +269,12 @@ class OnnxTorchModule:
         self.nodes.append((node.op_type, node.name, attrs, ins, list(node.output)))
 
     def _placed(self, t):
-        """A constant on the device; floating ones in the run dtype."""
-        return t.to(self.device, self.dtype if t.is_floating_point() else t.dtype)
+        """A floating constant on the device in the run dtype; integer ones stay on the host.
+
+        Integer constants here are shapes and axes (Reshape, Unsqueeze), read with
+        ``tolist()``: on the device every read would stall the host on a GPU sync.
+        """
+        return t.to(self.device, self.dtype) if t.is_floating_point() else t
 
     def _apply(self, op: str, attrs: dict, args: list) -> tuple:
         while args and args[-1] is None:
@@ -289,7 +293,8 @@ class OnnxTorchModule:
         for name in self.input_names:
             if name not in feeds:
                 raise KeyError(f"input {name!r} missing (have {sorted(feeds)})")
-            env[name] = self._placed(torch.as_tensor(feeds[name]))
+            x = torch.as_tensor(feeds[name])
+            env[name] = x.to(self.device, self.dtype if x.is_floating_point() else x.dtype)
         with torch.inference_mode():
             for op, name, attrs, ins, outs in self.nodes:
                 args = [env[n] if n else None for n in ins]
