@@ -55,6 +55,14 @@ def environment() -> dict:
     return env
 
 
+def short_name(device_name: str) -> str:
+    """A GPU type name for a device the sheet lacks (``NVIDIA H200`` -> ``H200``)."""
+    import re
+
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device_name.upper())
+    return m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-") or "GPU"
+
+
 def gpu_type_of(device_name: str) -> str | None:
     """The spec sheet's GPU type for a CUDA device name (``NVIDIA H100 80GB HBM3`` -> ``H100``)."""
     from ppipe.profiler.estimate.gpus import known_gpus
@@ -65,15 +73,24 @@ def gpu_type_of(device_name: str) -> str | None:
 
 
 # ---- 1. profile with the torch backend, next to the roofline -------------------------------------------------------
-def profile_models(out_dir: Path, gpu: str, reps: int, levels: list[int]) -> dict:
+def profile_models(out_dir: Path, gpu: str, reps: int, levels: list[int], on_sheet: bool, budget_s: float) -> dict:
+    """Profile each model (until ``budget_s`` is spent) and compare with the roofline where the sheet has ``gpu``."""
     from ppipe.profiler.blocks import ensure_block_models
     from ppipe.profiler.estimate import roofline_table
     from ppipe.profiler.estimate.gpus import gpu_spec
     from ppipe.profiler.run import ProfileRequest, batch_grid, profile_model
 
-    levels = [v for v in levels if v in gpu_spec(gpu).mps_levels]
-    result = {}
+    if on_sheet:
+        levels = [v for v in levels if v in gpu_spec(gpu).mps_levels]
+    else:
+        say(f"  {gpu} is not on the spec sheet: no roofline to compare with (give --gpu-type to compare with another type's sheet)")
+    result: dict = {}
+    t_start = time.perf_counter()
     for name in MODELS:
+        if time.perf_counter() - t_start > budget_s:
+            say(f"{name}: skipped, the profile step's budget of {budget_s:.0f} s is spent")
+            result[name] = {"skipped": f"budget of {budget_s:.0f} s spent"}
+            continue
         d = out_dir / name
         d.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / "models" / name / "model.yaml", d / "model.yaml")  # the shipped cuts
@@ -82,7 +99,7 @@ def profile_models(out_dir: Path, gpu: str, reps: int, levels: list[int]) -> dic
         prof = profile_model(req, progress=False, echo=lambda m: say(f"  {m}"))
         seconds = time.perf_counter() - t0
         blocks = [str(p) for p in ensure_block_models(prof)]
-        est = roofline_table(blocks, [gpu], {gpu: levels}, batch_grid(BATCHES, levels))
+        est = roofline_table(blocks, [gpu], {gpu: levels}, batch_grid(BATCHES, levels)) if on_sheet else {}
         result[name] = _compare(prof, est, gpu, seconds)
         _print_model(name, prof, est, gpu, result[name])
     return result
@@ -94,6 +111,7 @@ def _compare(prof, est: dict, gpu: str, seconds: float) -> dict:
     err = np.array([abs(e - m) / m for m, e in pairs if m > 0])
     ratio = np.array([e / m for m, e in pairs if m > 0])
     return {
+        "measured": sum(1 for k in prof.table if k[0] == gpu),
         "points": len(pairs),
         "seconds": round(seconds, 1),
         "median_rel_error": float(np.median(err)) if err.size else None,
@@ -104,8 +122,10 @@ def _compare(prof, est: dict, gpu: str, seconds: float) -> dict:
 
 
 def _print_model(name: str, prof, est: dict, gpu: str, r: dict) -> None:
-    say(f"{name}: {r['points']} points in {r['seconds']} s; roofline vs measured: median error {_pct(r['median_rel_error'])}, "
-        f"p90 {_pct(r['p90_rel_error'])}, median estimate/measured {r['median_estimate_over_measured']:.2f}")
+    ratio = r["median_estimate_over_measured"]
+    say(f"{name}: {r['measured']} points measured in {r['seconds']} s; roofline vs measured over {r['points']} points: median error "
+        f"{_pct(r['median_rel_error'])}, p90 {_pct(r['p90_rel_error'])}, median estimate/measured {'n/a' if ratio is None else f'{ratio:.2f}'}")
+    say(f"  provenance: {r['provenance']}")
     say(f"  {'block':>5} {'b1 meas us':>11} {'b1 est us':>10} {'b8 meas us':>11} {'b8 est us':>10}")
     for blk in range(prof.num_blocks):
         row = [prof.table.get((gpu, 1, b, blk)) for b in (1, 8)]
@@ -227,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levels", default="1,2,3,4")
     ap.add_argument("--steps", default="profile,chain,handoff")
     ap.add_argument("--gpu-type", help="the spec sheet's name of this GPU (default: from the device name)")
+    ap.add_argument("--profile-budget-s", type=float, default=200.0, help="start no further model after this long in step 1")
     args = ap.parse_args(argv)
     levels = [int(v) for v in args.levels.split(",")]
     env = environment()
@@ -237,24 +258,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run or not env["cuda"]:
         summary["plan"] = dry_run(env, gpu, levels, dry=args.dry_run)
         return _finish(summary, args.out, ok=args.dry_run)
-    if gpu is None:
-        raise SystemExit(f"no spec-sheet GPU type matches {env['device']!r}: give --gpu-type (one of ppipe.profiler.estimate's)")
+    on_sheet = gpu is not None
+    gpu = gpu or short_name(env["device"])
     steps = set(args.steps.split(","))
     if "profile" in steps:
         say(f"== 1. profile on {gpu} with the torch backend, next to the roofline")
-        summary["profile"] = profile_models(args.out / "profiles", gpu, args.reps, levels)
+        summary["profile"] = _step(profile_models, args.out / "profiles", gpu, args.reps, levels, on_sheet, args.profile_budget_s)
+        _write(summary, args.out)
     if "chain" in steps:
         say("== 2. blocks chained on the GPU in fp16 vs the whole model on the CPU")
-        summary["chain"] = chain_models(batch=8)
+        summary["chain"] = _step(chain_models, 8)
+        _write(summary, args.out)
     if "handoff" in steps:
         say("== 3. two workers on one GPU: CUDA IPC handoff")
-        summary["handoff"] = handoff(n=20, shape=(8, 256, 56, 56))
-    return _finish(summary, args.out, ok=True)
+        summary["handoff"] = _step(handoff, 20, (8, 256, 56, 56))
+    return _finish(summary, args.out, ok=not any("error" in v for v in summary.values() if isinstance(v, dict)))
+
+
+def _step(fn, *args) -> dict:
+    """Run one step; a failure is reported (and kept in the summary), the next steps still run."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the check reports every step
+        import traceback
+
+        traceback.print_exc()
+        say(f"FAILED: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _write(summary: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
 def _finish(summary: dict, out: Path, ok: bool) -> int:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str))
+    _write(summary, out)
     say(f"summary: {out / 'gpu_check.json'}")
     return 0 if ok else 3
 

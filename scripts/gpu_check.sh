@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY_RUN=1; PASS+=(--dry-run) ;;
     --wheels) WHEELS="$2"; shift ;;
     --out) OUT_DIR="$2"; shift ;;
-    --reps|--levels|--steps|--gpu-type) PASS+=("$1" "$2"); shift ;;
+    --reps|--levels|--steps|--gpu-type|--profile-budget-s) PASS+=("$1" "$2"); shift ;;
     -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
