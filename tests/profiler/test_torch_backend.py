@@ -88,3 +88,33 @@ def test_layer_times_cover_every_named_node():
     times, prov = layer_times_us(tiny_residual_model(with_argmax=False), names, device="cpu", runs=2)
     assert len(times) == len(names) and times[-1] == 0.0
     assert all(t > 0 for t in times[:-1]) and "no fusion" in prov
+
+
+def test_ppipe_profile_backend_torch_measures_blocks_and_layers_and_says_so(tmp_path):
+    import onnx
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+    from ppipe.spec.profile import load_profile
+
+    src = tmp_path / "tiny.onnx"
+    onnx.save(tiny_residual_model(with_argmax=False), str(src))
+    out = tmp_path / "prof"
+    args = ["profile", str(src), "-o", str(out), "--backend", "torch", "--blocks", "2", "--batches", "1,2", "--cpu-levels", "1", "--reps", "2", "--no-progress"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    prof = load_profile(out)
+    assert len(prof.table) == 2 * 2 and prof.manifest.provenance["cpu"].startswith("measured: PyTorch")
+    assert "no fusion" in prof.manifest.layers.gpus["cpu"].provenance
+
+
+def test_ppipe_profile_backend_torch_names_an_operator_it_lacks(tmp_path):
+    import onnx
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+
+    src = tmp_path / "tiny.onnx"
+    onnx.save(tiny_residual_model(with_argmax=True), str(src))
+    res = CliRunner().invoke(main, ["profile", str(src), "-o", str(tmp_path / "o"), "--backend", "torch", "--no-progress"])
+    assert res.exit_code != 0 and "ArgMax" in res.output and "--backend ort" in res.output
