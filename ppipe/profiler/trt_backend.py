@@ -227,8 +227,6 @@ class _EngineRunner:
     """An engine with its context, stream and device buffers (random inputs), ready to run."""
 
     def __init__(self, plan: bytes, batch: int):
-        import numpy as np
-
         trt = self.trt = _import_trt()
         cp = self.cp = _import_cupy()
         self.engine = trt.Runtime(_logger(trt)).deserialize_cuda_engine(plan)
@@ -238,6 +236,19 @@ class _EngineRunner:
         self.stream = cp.cuda.Stream(non_blocking=True)
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        # the random inputs are made on this stream, ahead of the runs that read them (CuPy
+        # queues them on the current stream, which the non-blocking one would not wait for)
+        with self.stream:
+            self._make_buffers(names, inputs, batch)
+        self.stream.synchronize()
+        for name, arr in self.buffers.items():
+            self.ctx.set_tensor_address(name, arr.data.ptr)
+
+    def _make_buffers(self, names: list[str], inputs: list[str], batch: int) -> None:
+        """Device buffers of every I/O tensor, inputs filled with random values (current stream)."""
+        import numpy as np
+
+        trt, cp = self.trt, self.cp
         self.buffers = {}
         # every input shape first: output shapes are known only once all inputs have theirs
         for name in inputs:
@@ -256,8 +267,6 @@ class _EngineRunner:
             dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name)))
             shape = [int(d) for d in self.ctx.get_tensor_shape(name)]
             self.buffers[name] = cp.empty(shape, dtype=dtype)
-        for name, arr in self.buffers.items():
-            self.ctx.set_tensor_address(name, arr.data.ptr)
 
     def run(self, n: int) -> None:
         for _ in range(n):
