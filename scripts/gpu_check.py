@@ -242,7 +242,8 @@ def dry_run(env: dict, gpu: str | None, levels: list[int], dry: bool = True) -> 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    ap.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="where gpu_check.json goes")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ppipe-gpu-check"), help="where the profiles go")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--levels", default="1,2,3,4")
     ap.add_argument("--steps", default="profile,chain,handoff")
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = set(args.steps.split(","))
     if "profile" in steps:
         say(f"== 1. profile on {gpu} with the torch backend, next to the roofline")
-        summary["profile"] = _step(profile_models, args.out / "profiles", gpu, args.reps, levels, on_sheet, args.profile_budget_s)
+        summary["profile"] = _step(profile_models, args.work / "profiles", gpu, args.reps, levels, on_sheet, args.profile_budget_s)
         _write(summary, args.out)
     if "chain" in steps:
         say("== 2. blocks chained on the GPU in fp16 vs the whole model on the CPU")

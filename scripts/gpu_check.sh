@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of issue 23: one command for a machine with one NVIDIA GPU.
 #
-#   bash scripts/gpu_check.sh [--dry-run] [--wheels DIR] [--out DIR] [--reps N] [--levels 1,2,3,4]
+#   bash scripts/gpu_check.sh [--dry-run] [--wheels DIR] [--out DIR] [--work DIR] [--reps N] [--levels 1,2,3,4]
+#                             [--steps profile,chain,handoff] [--gpu-type H100] [--profile-budget-s 200]
 #
 # What it prints, in <= 8 minutes on one GPU (each step has its own time limit):
 #   0. the GPU tests: pytest -m gpu over the files that hold them;
@@ -12,7 +13,8 @@
 #   2. each model's blocks chained on the GPU in fp16 against the whole model on the CPU
 #      (top-1 agreement, max error);
 #   3. a two-worker handoff on one GPU by CUDA IPC (bytes equal, latency).
-# The JSON summary goes to $OUT/gpu_check.json when OUT is set, else to --out (gpu_check_out).
+# The JSON summary goes to --out (default $OUT when set, else gpu_check_out)/gpu_check.json; the
+# profiles and block files to --work (default $TMPDIR/ppipe-gpu-check), which stays out of $OUT.
 #
 # What the machine needs: python3 with torch (a CUDA build), onnx, onnxruntime, onnxscript,
 # numpy, scipy, click, PyYAML, rich, tqdm, pytest: the device machines of this workplace have
@@ -32,14 +34,16 @@ set -u -o pipefail
 DRY_RUN=0
 WHEELS=""
 OUT_DIR="${OUT:-gpu_check_out}"
+WORK_DIR="${TMPDIR:-/tmp}/ppipe-gpu-check"
 PASS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1; PASS+=(--dry-run) ;;
     --wheels) WHEELS="$2"; shift ;;
     --out) OUT_DIR="$2"; shift ;;
+    --work) WORK_DIR="$2"; shift ;;
     --reps|--levels|--steps|--gpu-type|--profile-budget-s) PASS+=("$1" "$2"); shift ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -50,7 +54,7 @@ cd "$REPO" || exit 2
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-export PPIPE_CACHE="${PPIPE_CACHE:-$OUT_DIR/cache}"
+export PPIPE_CACHE="${PPIPE_CACHE:-$WORK_DIR/cache}"
 T0=$(date +%s)
 
 say() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*"; }
@@ -87,10 +91,10 @@ fi
 
 # -- 1-3. profile, chain, handoff -----------------------------------------------------------------------------
 if [ "$DRY_RUN" = 1 ] || ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  timeout 120 "$PY" scripts/gpu_check.py --out "$OUT_DIR" "${PASS[@]}"
+  timeout 120 "$PY" scripts/gpu_check.py --out "$OUT_DIR" --work "$WORK_DIR" "${PASS[@]}"
   rc=$?
 else
-  timeout 330 "$PY" scripts/gpu_check.py --out "$OUT_DIR" "${PASS[@]}"
+  timeout 330 "$PY" scripts/gpu_check.py --out "$OUT_DIR" --work "$WORK_DIR" "${PASS[@]}"
   rc=$?
 fi
 say "done (exit status $rc) in $(( $(date +%s) - T0 )) s"

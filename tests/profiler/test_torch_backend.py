@@ -118,3 +118,23 @@ def test_ppipe_profile_backend_torch_names_an_operator_it_lacks(tmp_path):
     onnx.save(tiny_residual_model(with_argmax=True), str(src))
     res = CliRunner().invoke(main, ["profile", str(src), "-o", str(tmp_path / "o"), "--backend", "torch", "--no-progress"])
     assert res.exit_code != 0 and "ArgMax" in res.output and "--backend ort" in res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
+def test_on_a_gpu_levels_are_timed_with_cuda_events_and_called_what_they_are(tmp_path):
+    import onnx
+
+    from ppipe.profiler.torch_backend import MPS, TorchTimer, sharing_mode
+
+    path = tmp_path / "tiny.onnx"
+    onnx.save(tiny_residual_model(with_argmax=False, spatial=64), str(path))
+    timer = TorchTimer(reps=5, warmup=2, precision="fp16")
+    try:
+        one, two = timer.latency_us(path, 1, 4), timer.latency_us(path, 2, 4)
+    finally:
+        timer.close()
+    assert one > 0 and two > 0
+    prov = timer.provenance()
+    assert "CUDA events" in prov and "fp16" in prov
+    assert ("under MPS" in prov) == (sharing_mode("cuda") == MPS) and ("time-sliced" in prov) == (sharing_mode("cuda") != MPS)
