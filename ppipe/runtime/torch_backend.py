@@ -9,7 +9,9 @@ says so, else ``tf32``); on the CPU, fp32 with ``cores // v`` threads.
 
 Host inputs are copied to the device, the blocks run and the outputs come back, all on the
 backend's own CUDA stream (``torch.cuda.stream``), which is synchronized before ``run``
-returns: the feature maps handed on are complete whatever stream reads them next.
+returns: the feature maps handed on are complete whatever stream reads them next. On an
+NCCL edge the feature maps stay on the GPU: CuPy arrays from a receive are read in place
+and outputs are handed to the send as CuPy arrays over DLPack (``device_out``).
 """
 
 from __future__ import annotations
@@ -64,13 +66,18 @@ class TorchBackend:
         self.keep = keep_after(profile, last)
         self.is_last = last == profile.num_blocks - 1
         self.gpu_resident = cuda
+        # NCCL edges (ppipe.runtime.worker): CuPy inputs from a receive are read in place
+        # (torch.as_tensor reads __cuda_array_interface__), outputs can stay on the GPU
+        self.accepts_device = self.device_outputs = cuda
         self.stream = torch.cuda.Stream() if cuda else None
 
     def _on_stream(self) -> Any:
         return self.torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def run_sync(self, inputs: Tensors) -> Tensors:
-        """Run the blocks on host inputs; returns host outputs (fp32 for the model's outputs)."""
+    def run_sync(self, inputs: Tensors, device_out: bool = False) -> Tensors:
+        """Run the blocks; outputs on the host (fp32 for the model's outputs), or with
+        ``device_out`` as CuPy device arrays sharing the tensors' memory (DLPack), for an
+        NCCL send: complete when this returns (the stream is synchronized)."""
         env: dict[str, Any] = dict(inputs)  # the modules copy and cast their inputs themselves
         last_outs: list[str] = []
         with self.torch.inference_mode(), self._on_stream():
@@ -78,7 +85,8 @@ class TorchBackend:
                 outs = m(env)
                 env.update(outs)
                 last_outs = list(outs)
-            out = {k: self._to_host(env[k]) for k in (self.keep or last_outs)}
+            pick = self._to_cupy if device_out else self._to_host
+            out = {k: pick(env[k]) for k in (self.keep or last_outs)}
             if self.stream is not None:
                 self.stream.synchronize()
         return out
@@ -88,9 +96,16 @@ class TorchBackend:
             t = t.float()  # the model's answer in fp32, like the other backends
         return t.cpu().numpy()
 
-    async def run(self, inputs: Tensors, batch: int) -> Tensors:
+    def _to_cupy(self, t: Any) -> Any:
+        import cupy
+
+        if self.is_last and t.is_floating_point():
+            t = t.float()
+        return cupy.from_dlpack(t.contiguous())  # the array keeps the tensor's memory alive
+
+    async def run(self, inputs: Tensors, batch: int, device_out: bool = False) -> Tensors:
         # torch releases the GIL in its kernels: a thread keeps the actor's loop answering pings
-        return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs)
+        return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs, device_out)
 
 
 __all__ = ["TorchBackend", "serving_device"]

@@ -52,3 +52,20 @@ def test_on_a_gpu_fp16_partitions_answer_like_the_cpu(tinynet):
     got = down.run_sync(up.run_sync({"input": x}))["logits"]
     np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
     assert (got.argmax(1) == want.argmax(1)).mean() >= 0.75
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
+def test_on_a_gpu_device_outputs_and_inputs_go_through_cupy_unchanged(tinynet):
+    cp = pytest.importorskip("cupy", reason="device outputs for NCCL need CuPy")
+    from ppipe.runtime.torch_backend import TorchBackend
+
+    x = _x(4)
+    up, down = TorchBackend(tinynet, "L4", 1, 0, 0, precision="fp16"), TorchBackend(tinynet, "L4", 1, 1, 2, precision="fp16")
+    assert up.device_outputs and down.accepts_device
+    host = up.run_sync({"input": x})
+    dev = up.run_sync({"input": x}, device_out=True)
+    assert all(isinstance(v, cp.ndarray) for v in dev.values())
+    for k in host:
+        np.testing.assert_array_equal(cp.asnumpy(dev[k]), host[k])
+    np.testing.assert_array_equal(down.run_sync(dev)["logits"], down.run_sync(host)["logits"])
