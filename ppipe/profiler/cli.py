@@ -27,6 +27,21 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
     return vals
 
 
+def _export_torch(spec: str, input_shape: str | None, name: str | None, out_dir: str | None) -> tuple[str, str, str]:
+    """``--torch``: export the module to ``<out>/<name>.onnx``; returns (onnx path, name, out)."""
+    from ppipe.errors import UserError
+    from ppipe.profiler.graph import parse_shape
+    from ppipe.profiler.torch_export import export_onnx
+
+    if not input_shape:
+        raise UserError("--torch needs --input-shape (the per-sample input, e.g. 3,224,224)", fix="add --input-shape 3,224,224")
+    name = name or spec.rpartition(":")[2].replace(".", "_")
+    out_dir = out_dir or str(Path("models") / name)
+    path = export_onnx(spec, parse_shape(input_shape), Path(out_dir) / f"{name}.onnx")
+    click.echo(f"exported {spec} to {path}", err=True)
+    return str(path), name, out_dir
+
+
 @click.command("profile")
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
 @click.option("--builtin", "builtin", metavar="NAME", help="Profile a built-in model (onnx's backend test CNNs: resnet50, inception_v2, densenet121, vgg19, ...) instead of a file.")
@@ -40,6 +55,8 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
 @click.option("--estimate-from", metavar="GPU", help="Estimate the --estimate types from this GPU type's timings in the profile (cross-GPU model learned from real TensorRT profiles; e.g. --measure T4 --estimate-from T4 --estimate L4,V100) instead of the roofline model. Uses the per-layer features where layers.csv has per-node timings of that type, else block timings alone; model.yaml 'provenance' says which.")
 @click.option("--trt-layers", "trt_layers", type=click.Choice(["per-node", "fused"]), default="per-node", show_default=True, help="How TensorRT times the layers of a measured GPU: 'per-node' (every activation an engine output, no fusion across nodes: comparable with the artifact the cross-GPU model learned from) or 'fused' (the deployed engine; fused layers split over their nodes) (model.yaml 'layers.gpus.<GPU>.method', layers.csv).")
 @click.option("--precision", type=click.Choice(["tf32", "fp16"]), default="tf32", show_default=True, help="TensorRT precision of a measured GPU; tf32 is what the PPipe artifact and the cross-GPU model describe (model.yaml 'provenance').")
+@click.option("--backend", type=click.Choice(["auto", "torch"]), default="auto", show_default=True, help="What runs the blocks: 'auto' (onnxruntime on the CPU, TensorRT on a GPU) or 'torch' (PyTorch on either; pip install 'ppipe[torch]') (model.yaml 'provenance').")
+@click.option("--torch", "torch_factory", metavar="MODULE:FACTORY", help="Profile a PyTorch model instead of an ONNX file: FACTORY() in the importable MODULE returns an nn.Module, exported to ONNX (needs --input-shape; pip install 'ppipe[torch]').")
 @click.option("--cpu-levels", default="1,2", show_default=True, help="vGPU levels measured on a CPU (level v = 1/v of the threads).")
 @click.option("--gpu-levels", default="1,2,3,4", show_default=True, help="vGPU levels measured (MPS) or estimated on GPU types.")
 @click.option("--input-shape", help="Per-sample input shape without the batch (e.g. 3,224,224); required when the ONNX input has dynamic dimensions (model.yaml 'input.shape').")
@@ -49,23 +66,24 @@ def _levels(text: str, flag: str) -> tuple[int, ...]:
 @click.option("--refresh-estimates", is_flag=True, help="Recompute the --estimate types even where profile.csv has rows for them.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed of built-in models (model.yaml 'source.weights_seed').")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def profile(model, builtin, out_dir, name, num_blocks, size_weight, batches, measure, estimate, estimate_from, trt_layers, precision, cpu_levels, gpu_levels, input_shape, threads, reps, statistic, refresh_estimates, seed, no_progress):
+def profile(model, builtin, out_dir, name, num_blocks, size_weight, batches, measure, estimate, estimate_from, trt_layers, precision, backend, torch_factory, cpu_levels, gpu_levels, input_shape, threads, reps, statistic, refresh_estimates, seed, no_progress):
     """Cut MODEL (an ONNX file) into blocks and profile them per GPU type x vGPU level x batch.
 
     \b
     Examples:
       ppipe profile --builtin resnet50 --estimate L4,T4,P4,V100,A10,A100,H100
       ppipe profile my.onnx -o models/my --input-shape 3,224,224 --batches 1-4
+      ppipe profile --torch mypkg.nets:resnet --input-shape 3,224,224 --backend torch
     Re-running the same command resumes: rows already measured are kept.
     """
     from ppipe.errors import UserError
     from ppipe.profiler.graph import parse_shape
     from ppipe.profiler.run import ProfileRequest, parse_batches, profile_model
 
-    if model is None and builtin is None:
-        raise UserError("no model given", fix="give an ONNX file or --builtin NAME (e.g. --builtin resnet50)")
-    if model is not None and builtin is not None:
-        raise UserError("give either an ONNX file or --builtin, not both", fix="drop one of them")
+    if sum(x is not None for x in (model, builtin, torch_factory)) != 1:
+        raise UserError("give one model: an ONNX file, --builtin NAME or --torch MODULE:FACTORY", fix="e.g. --builtin resnet50")
+    if torch_factory is not None:
+        model, name, out_dir = _export_torch(torch_factory, input_shape, name, out_dir)
     if num_blocks < 1:
         raise UserError(f"--blocks {num_blocks}: need at least 1", fix="e.g. --blocks 10")
     if size_weight < 0:
@@ -95,6 +113,7 @@ def profile(model, builtin, out_dir, name, num_blocks, size_weight, batches, mea
         refresh_estimates=refresh_estimates,
         trt_layers=trt_layers,
         precision=precision,
+        backend=backend,
     )
     prof = profile_model(req, progress=not no_progress, echo=lambda m: click.echo(m, err=True))
     out = prof.directory

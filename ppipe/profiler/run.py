@@ -148,6 +148,7 @@ class ProfileRequest:
     estimate_from: str | None = None
     trt_layers: str = "per-node"
     precision: str = "tf32"
+    backend: str = "auto"  # auto: onnxruntime on the CPU, TensorRT on a GPU; torch: ppipe.profiler.torch_backend
 
 
 def _load(req: ProfileRequest):
@@ -313,6 +314,11 @@ def _time_layers(req: "ProfileRequest", info: GraphInfo, device: str, threads: i
     """Batch-1 time of every compute node on ``device``: (times, method, provenance)."""
     from ppipe.spec.profile import LayerMethod
 
+    if req.backend == "torch":
+        from ppipe.profiler.torch_backend import profile_layers
+
+        say(f"timing layers on {device} (PyTorch)")
+        return profile_layers(req, info, device)
     names = [info.node(p).name for p in range(len(info.compute_nodes))]
     if device == CPU:
         import onnxruntime as ort
@@ -400,6 +406,8 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
 
     if req.trt_layers not in LAYER_MODES:
         raise UserError(f"--trt-layers {req.trt_layers!r} is not one of {', '.join(LAYER_MODES)}", fix="use --trt-layers per-node (default) or fused")
+    if req.backend not in ("auto", "torch"):
+        raise UserError(f"--backend {req.backend!r} is not auto or torch", fix="use --backend auto (default) or torch")
     if req.precision not in PRECISIONS:
         raise UserError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}", fix="use --precision tf32 (default) or fp16")
     model, src, default_name, src_path = _load(req)
@@ -475,7 +483,13 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
     provenance: dict[str, str] = {}
     # 3. measure on the local device
     if req.measure is not None:
-        if req.measure == CPU:
+        if req.backend == "torch":
+            from ppipe.profiler.torch_backend import profile_timer
+
+            levels, timer = profile_timer(req)
+            measure_fn = timer.latency_us
+            provenance[req.measure] = timer.provenance()
+        elif req.measure == CPU:
             from ppipe.profiler.ort_backend import BlockTimer, provenance as ort_provenance
 
             levels = [v for v in req.cpu_levels if v <= threads]

@@ -1,6 +1,7 @@
 """TensorRT timing backend (NVIDIA GPUs): per-layer times and block latencies.
 
-Written against the TensorRT Python API of 8.6 and 10.x (``setup.cfg``: ``tensorrt>=8.6,<11``):
+Written against the TensorRT Python API of 10.x, and 11.x at tf32 (``setup.cfg``: ``tensorrt-cu12>=10,<12``;
+TensorRT 11 removed weakly typed fp16, see :func:`_set_precision`):
 named I/O tensors (``set_input_shape``, ``set_tensor_address``, ``execute_async_v3``),
 ``build_serialized_network``, an explicit-batch network (the flag 8.6 needs; 10 ignores it).
 
@@ -98,6 +99,26 @@ def _logger(trt):
     return _LOGGER
 
 
+def _set_precision(trt, config, precision: str) -> None:
+    """Builder flags of ``precision`` (TensorRT 10), or a clear refusal on TensorRT 11.
+
+    TensorRT 11 removed weak typing: its networks are strongly typed and have no
+    ``BuilderFlag.FP16``; an fp16 engine needs an ONNX model already converted to fp16
+    (ModelOpt AutoCast), which ppipe does not do. tf32 is TensorRT's default either way.
+    """
+    if hasattr(trt.BuilderFlag, "TF32"):
+        config.set_flag(trt.BuilderFlag.TF32)  # the default; stated so that the precision is explicit
+    if precision != "fp16":
+        return
+    if not hasattr(trt.BuilderFlag, "FP16"):
+        raise NotAvailableError(
+            f"TensorRT {trt.__version__} has no weakly typed fp16 (removed in TensorRT 11)",
+            fix="profile and serve at --precision tf32, use TensorRT 10 (pip install 'tensorrt-cu12>=10,<11'), "
+            "or the torch backend (--backend torch), which runs fp16 itself",
+        )
+    config.set_flag(trt.BuilderFlag.FP16)
+
+
 def _check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise UserError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}", fix="use --precision tf32 (the default) or fp16")
@@ -141,9 +162,7 @@ def _build(
                     network.mark_output(t)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
-    config.set_flag(trt.BuilderFlag.TF32)  # the default; stated so that the precision is explicit
-    if precision == "fp16":
-        config.set_flag(trt.BuilderFlag.FP16)
+    _set_precision(trt, config, precision)
     if detailed:
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     profile = builder.create_optimization_profile()
@@ -208,8 +227,6 @@ class _EngineRunner:
     """An engine with its context, stream and device buffers (random inputs), ready to run."""
 
     def __init__(self, plan: bytes, batch: int):
-        import numpy as np
-
         trt = self.trt = _import_trt()
         cp = self.cp = _import_cupy()
         self.engine = trt.Runtime(_logger(trt)).deserialize_cuda_engine(plan)
@@ -219,6 +236,19 @@ class _EngineRunner:
         self.stream = cp.cuda.Stream(non_blocking=True)
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        # the random inputs are made on this stream, ahead of the runs that read them (CuPy
+        # queues them on the current stream, which the non-blocking one would not wait for)
+        with self.stream:
+            self._make_buffers(names, inputs, batch)
+        self.stream.synchronize()
+        for name, arr in self.buffers.items():
+            self.ctx.set_tensor_address(name, arr.data.ptr)
+
+    def _make_buffers(self, names: list[str], inputs: list[str], batch: int) -> None:
+        """Device buffers of every I/O tensor, inputs filled with random values (current stream)."""
+        import numpy as np
+
+        trt, cp = self.trt, self.cp
         self.buffers = {}
         # every input shape first: output shapes are known only once all inputs have theirs
         for name in inputs:
@@ -237,8 +267,6 @@ class _EngineRunner:
             dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name)))
             shape = [int(d) for d in self.ctx.get_tensor_shape(name)]
             self.buffers[name] = cp.empty(shape, dtype=dtype)
-        for name, arr in self.buffers.items():
-            self.ctx.set_tensor_address(name, arr.data.ptr)
 
     def run(self, n: int) -> None:
         for _ in range(n):

@@ -1,6 +1,6 @@
 """Execution backends: how a worker runs blocks ``first..last`` of a model on a batch.
 
-A backend takes and returns a dict of named arrays whose first axis is the batch. Three
+A backend takes and returns a dict of named arrays whose first axis is the batch. Four
 are available, by name:
 
 - ``ort``: onnxruntime over the profile's per-block ONNX sub-models (``BlockSpec.onnx``;
@@ -10,6 +10,8 @@ are available, by name:
 - ``tensorrt``: TensorRT engines built from the same sub-models (at the profile's
   precision, tf32 by default), on the GPU the worker was pinned to. Needs ``tensorrt`` and
   ``cupy`` (``pip install ppipe[gpu]``).
+- ``torch``: PyTorch over the same sub-models (:mod:`ppipe.runtime.torch_backend`), on
+  CUDA in fp16/tf32 or on the CPU; needs ``pip install ppipe[torch]``.
 - ``emulated``: sleeps for the profiled latency of the partition at the batch
   (``ModelProfile.partition_latency_us``) and emits fp16 tensors of the profiled size
   (``out_bytes_per_sample`` of the partition's last block). It rehearses a plan for a
@@ -30,7 +32,7 @@ import numpy as np
 from ppipe.errors import NotAvailableError, UserError
 from ppipe.spec.profile import ModelProfile
 
-BACKENDS = ("ort", "tensorrt", "emulated")
+BACKENDS = ("ort", "tensorrt", "torch", "emulated")
 
 Tensors = dict[str, np.ndarray]
 
@@ -307,51 +309,62 @@ class TensorRTBackend:
         (for an NCCL send: the feature map never visits the host).
 
         Device inputs come from an NCCL receive, which synchronizes its own stream before
-        it returns them, so this stream may use them at once.
+        it returns them, so this stream may use them at once. Every copy made here (host
+        inputs to the device, casts, the outputs) is queued on this backend's stream: with
+        CuPy >= 13 ``cp.asarray(numpy_array)`` is asynchronous on the *current* stream, and
+        this non-blocking stream would not wait for the default one.
         """
-        cp, trt = self.cp, self.trt
-        env = {k: cp.asarray(v) for k, v in inputs.items()}
-        last_outs: list[str] = []
+        cp = self.cp
         with self.stream:
-            for i, (engine, ctx) in enumerate(zip(self.engines, self.contexts)):
-                outs = []
-                for j in range(engine.num_io_tensors):
-                    name = engine.get_tensor_name(j)
-                    dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
-                    if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-                        arr = cp.ascontiguousarray(env[name].astype(dtype, copy=False))
-                        env[name] = arr
-                        if arr.shape[0] > self.max_batch or not ctx.set_input_shape(name, arr.shape):
-                            raise UserError(
-                                f"TensorRT engine input {name!r}: batch {arr.shape[0]} (shape {arr.shape}) is outside "
-                                f"the engine's range 1..{self.max_batch}",
-                                fix="serve with a larger backend option max_batch (the plan's batch is the default)",
-                            )
-                        ctx.set_tensor_address(name, arr.data.ptr)
-                    else:
-                        outs.append((name, dtype))
-                for name, dtype in outs:
-                    # reused between calls: a later stage's copy to the host or the NCCL send
-                    # finishes before this stream runs the next batch (run_sync is serialised)
-                    arr = self._output(i, name, tuple(ctx.get_tensor_shape(name)), dtype)
-                    env[name] = arr
-                    ctx.set_tensor_address(name, arr.data.ptr)
-                if not ctx.execute_async_v3(self.stream.ptr):
-                    raise RuntimeError("TensorRT execute_async_v3 failed")
-                last_outs = [n for n, _ in outs]
+            env = {k: cp.asarray(v) for k, v in inputs.items()}
+            last_outs = self._execute(env)
+            keep = self.keep or last_outs
+            if device_out:
+                # copies: the cached buffers are overwritten by the next batch, the NCCL send may still be reading
+                out = {k: env[k].copy() for k in keep}
+            else:
+                out = {k: cp.asnumpy(env[k]) for k in keep}  # blocking copies on this stream
             self.stream.synchronize()
-        keep = self.keep or last_outs
-        if device_out:
-            # copies: the cached buffers are overwritten by the next batch, the NCCL send may still be reading
-            return {k: env[k].copy() for k in keep}
-        return {k: cp.asnumpy(env[k]) for k in keep}
+        return out
+
+    def _execute(self, env: dict) -> list[str]:
+        """Queue every engine on ``self.stream`` (the current stream); returns the last outputs' names."""
+        cp, trt = self.cp, self.trt
+        last_outs: list[str] = []
+        for i, (engine, ctx) in enumerate(zip(self.engines, self.contexts)):
+            outs = []
+            for j in range(engine.num_io_tensors):
+                name = engine.get_tensor_name(j)
+                dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
+                if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+                    arr = cp.ascontiguousarray(env[name].astype(dtype, copy=False))
+                    env[name] = arr
+                    if arr.shape[0] > self.max_batch or not ctx.set_input_shape(name, arr.shape):
+                        raise UserError(
+                            f"TensorRT engine input {name!r}: batch {arr.shape[0]} (shape {arr.shape}) is outside "
+                            f"the engine's range 1..{self.max_batch}",
+                            fix="serve with a larger backend option max_batch (the plan's batch is the default)",
+                        )
+                    ctx.set_tensor_address(name, arr.data.ptr)
+                else:
+                    outs.append((name, dtype))
+            for name, dtype in outs:
+                # reused between calls: a later stage's copy to the host or the NCCL send
+                # finishes before this stream runs the next batch (run_sync is serialised)
+                arr = self._output(i, name, tuple(ctx.get_tensor_shape(name)), dtype)
+                env[name] = arr
+                ctx.set_tensor_address(name, arr.data.ptr)
+            if not ctx.execute_async_v3(self.stream.ptr):
+                raise RuntimeError("TensorRT execute_async_v3 failed")
+            last_outs = [n for n, _ in outs]
+        return last_outs
 
     async def run(self, inputs: Tensors, batch: int, device_out: bool = False) -> Tensors:
         return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs, device_out)
 
 
 def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, **options) -> Backend:
-    """Build a backend by name (``ort``, ``tensorrt``, ``emulated``)."""
+    """Build a backend by name (``ort``, ``tensorrt``, ``torch``, ``emulated``)."""
     if name == "emulated":
         return EmulatedBackend(
             profile, gpu, vgpu, first, last, time_scale=options.get("time_scale", 1.0),
@@ -364,4 +377,8 @@ def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: i
             profile, gpu, vgpu, first, last, opt_batch=options.get("opt_batch", 1), max_batch=options.get("max_batch"),
             precision=options.get("precision"),
         )
+    if name == "torch":
+        from ppipe.runtime.torch_backend import TorchBackend
+
+        return TorchBackend(profile, gpu, vgpu, first, last, precision=options.get("precision"))
     raise UserError(f"unknown backend '{name}'", fix=f"use one of {', '.join(BACKENDS)}")

@@ -77,10 +77,10 @@ class _NullClock:
 @click.option("--ray-address", default=None, help="Ray cluster to join ('auto' or HOST:PORT); default: start a local Ray instance.")
 @click.option(
     "--backend",
-    type=click.Choice(["ort", "tensorrt", "emulated"]),
+    type=click.Choice(["ort", "tensorrt", "torch", "emulated"]),
     default="ort",
     show_default=True,
-    help="How workers run partitions: onnxruntime, TensorRT, or emulated (sleep for the profiled latency).",
+    help="How workers run partitions: onnxruntime, TensorRT, PyTorch (pip install ppipe[torch]), or emulated (sleep for the profiled latency).",
 )
 @click.option(
     "--transport",

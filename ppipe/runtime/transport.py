@@ -51,6 +51,7 @@ lazily, only by those two.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -227,6 +228,9 @@ class Link(Protocol):
         """Wait until every queued send/receive has completed."""
 
     # optional: ``activate()`` makes the link's CUDA device current on the calling thread
+    # optional: ``stream``, a context manager (a CUDA stream) that send/recv are queued on;
+    # the channel stages its buffers (header copy, fp16 cast) on it, so that they are
+    # ordered before the send that reads them (see EdgeChannel._on_link_stream)
 
     def abort(self) -> None:
         """Tear the communicator down; blocked calls return with an error."""
@@ -339,23 +343,37 @@ class EdgeChannel:
             raise
 
     def _send_sync(self, seq: int, batch_id: int, tensors: dict[str, Any] | None, sent_wall_us: float, error: str | None) -> None:
+        """Stage the header and tensors on the link's stream, send them, wait until sent.
+
+        Device tensors handed in must be complete (their producer synchronized its stream,
+        as the backends do before they return). The copies and casts made here are queued
+        on the link's stream, ahead of the sends that read them: with CuPy >= 13 a host to
+        device ``asarray`` is asynchronous on the *current* stream, and the link's
+        non-blocking stream would not wait for the default one.
+        """
         self._activate()
         xp = self.xp
-        bufs: list[Any] = []
-        metas: list[tuple[str, str, tuple[int, ...]]] = []
-        if error is None:
-            for name, arr in (tensors or {}).items():
-                arr = xp.asarray(arr)
-                if arr.dtype.kind == "f" and arr.dtype != np.float16:
-                    arr = arr.astype(np.float16)  # feature maps cross partitions as fp16
-                arr = xp.ascontiguousarray(arr)
-                metas.append((name, arr.dtype.str, tuple(int(d) for d in arr.shape)))
-                bufs.append(arr.reshape(-1).view(xp.uint8))
-        self.link.send(xp.asarray(encode_header(Header(batch_id, seq, sent_wall_us, tuple(metas), error))))
-        for b in bufs:
-            if b.size:
-                self.link.send(b)
+        with self._on_link_stream():
+            bufs: list[Any] = []
+            metas: list[tuple[str, str, tuple[int, ...]]] = []
+            if error is None:
+                for name, arr in (tensors or {}).items():
+                    arr = xp.asarray(arr)
+                    if arr.dtype.kind == "f" and arr.dtype != np.float16:
+                        arr = arr.astype(np.float16)  # feature maps cross partitions as fp16
+                    arr = xp.ascontiguousarray(arr)
+                    metas.append((name, arr.dtype.str, tuple(int(d) for d in arr.shape)))
+                    bufs.append(arr.reshape(-1).view(xp.uint8))
+            self.link.send(xp.asarray(encode_header(Header(batch_id, seq, sent_wall_us, tuple(metas), error))))
+            for b in bufs:
+                if b.size:
+                    self.link.send(b)
         self.link.synchronize()
+
+    def _on_link_stream(self) -> Any:
+        """The link's stream as the current stream (a no-op for links without one)."""
+        stream = getattr(self.link, "stream", None)
+        return stream if stream is not None else contextlib.nullcontext()
 
     def _activate(self) -> None:
         # CUDA's current device is per thread: make the link's device current on the edge's thread
@@ -385,17 +403,19 @@ class EdgeChannel:
     def _recv_sync(self) -> tuple[dict[str, Any], Header]:
         self._activate()
         xp = self.xp
-        hbuf = xp.empty(HEADER_BYTES, dtype=xp.uint8)
-        self.link.recv(hbuf)
-        self.link.synchronize()
-        head = decode_header(xp.asnumpy(hbuf) if hasattr(xp, "asnumpy") else hbuf)
-        out: dict[str, Any] = {}
-        for (name, dt, shape), n in zip(head.tensors, head.nbytes()):
-            buf = xp.empty(n, dtype=xp.uint8)
-            if n:
-                self.link.recv(buf)
-            out[name] = buf.view(np.dtype(dt)).reshape(shape)
-        self.link.synchronize()
+        # buffers come from CuPy's stream-ordered pool: take them on the stream that fills them
+        with self._on_link_stream():
+            hbuf = xp.empty(HEADER_BYTES, dtype=xp.uint8)
+            self.link.recv(hbuf)
+            self.link.synchronize()
+            head = decode_header(xp.asnumpy(hbuf) if hasattr(xp, "asnumpy") else hbuf)
+            out: dict[str, Any] = {}
+            for (name, dt, shape), n in zip(head.tensors, head.nbytes()):
+                buf = xp.empty(n, dtype=xp.uint8)
+                if n:
+                    self.link.recv(buf)
+                out[name] = buf.view(np.dtype(dt)).reshape(shape)
+        self.link.synchronize()  # the tensors are complete before any other stream reads them
         return out, head
 
     def abort(self, why: str) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,27 @@ def to_wire(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: (v.astype(np.float16) if v.dtype.kind == "f" and v.dtype != np.float16 else v) for k, v in tensors.items()}
 
 
+def pin_cuda_env(env: dict[str, str]) -> None:
+    """Set the worker's GPU (``CUDA_VISIBLE_DEVICES``) and MPS share in its own process.
+
+    Deploy also passes them through Ray's ``runtime_env``, but the workers run with
+    ``num_gpus=0`` and Ray releases before 2.60 overwrite ``CUDA_VISIBLE_DEVICES`` for such
+    actors. Setting them here, first thing in the actor, holds whatever Ray did, provided
+    CUDA was not initialized yet (CUDA reads them once, at initialization).
+
+    Raises:
+        RuntimeError: CUDA is already initialized in this process (through torch) with
+            another device: the pin would be silently ignored.
+    """
+    changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    if not changed:
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError(f"CUDA is already initialized in this worker; cannot apply {changed} (import order bug)")
+    os.environ.update(changed)
+
+
 class VgpuWorker:
     """The body of a vGPU actor (wrapped with ``ray.remote`` by :mod:`ppipe.runtime.deploy`).
 
@@ -63,6 +85,9 @@ class VgpuWorker:
         from ppipe.runtime.backends import make_backend
         from ppipe.spec.profile import load_profile_ref
 
+        from ppipe.runtime.deploy import worker_env
+
+        pin_cuda_env(worker_env(spec, backend))  # before the backend loads any CUDA library
         self.nice = _undo_ray_niceness()
         self.spec = spec
         profile = load_profile_ref(spec.profile)

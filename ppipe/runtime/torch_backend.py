@@ -1,0 +1,111 @@
+"""The ``torch`` serving backend (``ppipe serve --backend torch``): blocks run by PyTorch.
+
+The same block sub-models as ``ort`` and ``tensorrt``, run by
+:class:`~ppipe.profiler.onnx_torch.OnnxTorchModule` (shared with ``ppipe profile
+--backend torch``, so served latencies are the profiled ones). On a GPU pool the worker's
+GPU is the only one it sees (``CUDA_VISIBLE_DEVICES``, set by the worker before this
+loads) and the precision is the profile's for that GPU type (``fp16`` when its provenance
+says so, else ``tf32``); on the CPU, fp32 with ``cores // v`` threads.
+
+Host inputs are copied to the device, the blocks run and the outputs come back, all on the
+backend's own CUDA stream (``torch.cuda.stream``), which is synchronized before ``run``
+returns: the feature maps handed on are complete whatever stream reads them next. On an
+NCCL edge the feature maps stay on the GPU: CuPy arrays from a receive are read in place
+and outputs are handed to the send as CuPy arrays over DLPack (``device_out``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from ppipe.errors import NotAvailableError
+from ppipe.spec.profile import ModelProfile
+
+Tensors = dict[str, np.ndarray]
+
+
+def serving_device(torch: Any, gpu: str) -> str:
+    """``cpu`` for CPU pools; ``cuda`` for GPU pools, or a NotAvailableError if torch sees none."""
+    if gpu == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise NotAvailableError(
+            f"the torch backend serves a {gpu} pool here, and torch sees no CUDA device",
+            fix="install a CUDA build of torch on the GPU servers (pip install 'ppipe[torch]'), or use --backend emulated",
+        )
+    return "cuda"
+
+
+class TorchBackend:
+    """PyTorch over the partition's block sub-models, run one after another.
+
+    Args:
+        profile, gpu, vgpu, first, last: the partition (as for the other backends).
+        precision: ``fp16``, ``tf32`` or ``fp32`` (default: see the module docstring).
+    """
+
+    name = "torch"
+
+    def __init__(self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, precision: str | None = None):
+        from ppipe.profiler.onnx_torch import import_torch
+        from ppipe.profiler.torch_backend import load_block
+        from ppipe.profiler.trt_backend import precision_of
+        from ppipe.runtime.backends import _cpu_threads, block_model_paths, keep_after
+
+        torch = self.torch = import_torch()
+        self.device = serving_device(torch, gpu)
+        cuda = self.device == "cuda"
+        self.precision = precision or (precision_of(profile.manifest.provenance.get(gpu, "")) if cuda else "fp32")
+        if not cuda:
+            torch.set_num_threads(_cpu_threads(vgpu))
+        self.modules = [load_block(p, self.device, self.precision) for p in block_model_paths(profile, first, last)]
+        self.keep = keep_after(profile, last)
+        self.is_last = last == profile.num_blocks - 1
+        self.gpu_resident = cuda
+        # NCCL edges (ppipe.runtime.worker): CuPy inputs from a receive are read in place
+        # (torch.as_tensor reads __cuda_array_interface__), outputs can stay on the GPU
+        self.accepts_device = self.device_outputs = cuda
+        self.stream = torch.cuda.Stream() if cuda else None
+
+    def _on_stream(self) -> Any:
+        return self.torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def run_sync(self, inputs: Tensors, device_out: bool = False) -> Tensors:
+        """Run the blocks; outputs on the host (fp32 for the model's outputs), or with
+        ``device_out`` as CuPy device arrays sharing the tensors' memory (DLPack), for an
+        NCCL send: complete when this returns (the stream is synchronized)."""
+        env: dict[str, Any] = dict(inputs)  # the modules copy and cast their inputs themselves
+        last_outs: list[str] = []
+        with self.torch.inference_mode(), self._on_stream():
+            for m in self.modules:
+                outs = m(env)
+                env.update(outs)
+                last_outs = list(outs)
+            pick = self._to_cupy if device_out else self._to_host
+            out = {k: pick(env[k]) for k in (self.keep or last_outs)}
+            if self.stream is not None:
+                self.stream.synchronize()
+        return out
+
+    def _to_host(self, t: Any) -> np.ndarray:
+        if self.is_last and t.is_floating_point():
+            t = t.float()  # the model's answer in fp32, like the other backends
+        return t.cpu().numpy()
+
+    def _to_cupy(self, t: Any) -> Any:
+        import cupy
+
+        if self.is_last and t.is_floating_point():
+            t = t.float()
+        return cupy.from_dlpack(t.contiguous())  # the array keeps the tensor's memory alive
+
+    async def run(self, inputs: Tensors, batch: int, device_out: bool = False) -> Tensors:
+        # torch releases the GIL in its kernels: a thread keeps the actor's loop answering pings
+        return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs, device_out)
+
+
+__all__ = ["TorchBackend", "serving_device"]

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The GPU check of issue 23: one command for a machine with one NVIDIA GPU.
+#
+#   bash scripts/gpu_check.sh [--dry-run] [--wheels DIR] [--out DIR] [--work DIR] [--reps N] [--levels 1,2,3,4]
+#                             [--steps profile,chain,handoff] [--gpu-type H100] [--profile-budget-s 200]
+#
+# What it prints, in <= 8 minutes on one GPU (each step has its own time limit):
+#   0. the GPU tests: pytest -m gpu over the files that hold them;
+#   1. the built-in ResNet-50, Inception-v2 and DenseNet-121 profiled on this GPU with the
+#      torch backend (batches 1-8, every level the spec sheet offers; MPS levels where an MPS
+#      daemon runs, time-sliced otherwise, as the provenance says), next to the roofline's
+#      estimate for this GPU type (median and p90 error);
+#   2. each model's blocks chained on the GPU in fp16 against the whole model on the CPU
+#      (top-1 agreement, max error);
+#   3. a two-worker handoff on one GPU by CUDA IPC (bytes equal, latency).
+# The JSON summary goes to --out (default $OUT when set, else gpu_check_out)/gpu_check.json; the
+# profiles and block files to --work (default $TMPDIR/ppipe-gpu-check), which stays out of $OUT.
+#
+# What the machine needs: python3 with torch (a CUDA build), onnx, onnxruntime, onnxscript,
+# numpy, scipy, click, PyYAML, rich, tqdm, pytest: the device machines of this workplace have
+# them. ppipe also needs pydantic, which they lack: carry its wheels and pass --wheels DIR.
+# They are installed with pip --no-index --no-deps --target into a folder put on PYTHONPATH
+# (nothing is fetched; the machine has no network). Fetch them here, for Python 3.12 x86-64:
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions==4.16.0
+#
+# (about 2.8 MB). --dry-run does no GPU work: it checks the packages, the models and the
+# spec sheet, and says what each step would do and what it skips; CI runs it.
+set -u -o pipefail
+
+DRY_RUN=0
+WHEELS=""
+OUT_DIR="${OUT:-gpu_check_out}"
+WORK_DIR="${TMPDIR:-/tmp}/ppipe-gpu-check"
+PASS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1; PASS+=(--dry-run) ;;
+    --wheels) WHEELS="$2"; shift ;;
+    --out) OUT_DIR="$2"; shift ;;
+    --work) WORK_DIR="$2"; shift ;;
+    --reps|--levels|--steps|--gpu-type|--profile-budget-s) PASS+=("$1" "$2"); shift ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO" || exit 2
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export PPIPE_CACHE="${PPIPE_CACHE:-$WORK_DIR/cache}"
+T0=$(date +%s)
+
+say() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*"; }
+
+# -- carried wheels (pydantic and its kin) ------------------------------------------------------------
+if [ -n "$WHEELS" ]; then
+  if [ "$DRY_RUN" = 1 ]; then
+    say "would install $(ls "$WHEELS"/*.whl 2>/dev/null | wc -l) wheels from $WHEELS into a --target folder on PYTHONPATH"
+  else
+    SITE="${TMPDIR:-/tmp}/ppipe-site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 2
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+    say "installed the wheels of $WHEELS into $SITE"
+  fi
+fi
+if ! "$PY" -c "import pydantic" 2>/dev/null; then
+  if [ "$DRY_RUN" = 1 ]; then
+    say "pydantic is missing here: on the device machine pass --wheels DIR (see the top of this script)"
+  else
+    say "pydantic is missing: carry its wheels and pass --wheels DIR (see the top of this script)"; exit 2
+  fi
+fi
+
+# -- 0. the GPU tests ---------------------------------------------------------------------------------------
+GPU_TESTS=(tests/runtime/test_stream_order.py tests/runtime/test_torch_serving.py tests/runtime/test_cuda_ipc.py
+           tests/runtime/test_transport.py tests/profiler/test_tensorrt.py)
+if [ "$DRY_RUN" = 1 ]; then
+  say "would run: $PY -m pytest -q -m gpu ${GPU_TESTS[*]} (skipped: dry run)"
+else
+  say "== 0. pytest -m gpu"
+  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}"
+  say "pytest -m gpu exit status $?"
+fi
+
+# -- 1-3. profile, chain, handoff -----------------------------------------------------------------------------
+if [ "$DRY_RUN" = 1 ] || ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  timeout 120 "$PY" scripts/gpu_check.py --out "$OUT_DIR" --work "$WORK_DIR" "${PASS[@]}"
+  rc=$?
+else
+  timeout 330 "$PY" scripts/gpu_check.py --out "$OUT_DIR" --work "$WORK_DIR" "${PASS[@]}"
+  rc=$?
+fi
+say "done (exit status $rc) in $(( $(date +%s) - T0 )) s"
+exit $rc

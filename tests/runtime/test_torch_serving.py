@@ -1,0 +1,71 @@
+"""The torch serving backend (issue 23) on the CPU: same answers as onnxruntime; GPU tier below.
+
+Skipped where torch is not installed (CI's ``.[test]`` does not pull it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install '.[torch]'); CI's .[test] does not pull it")
+
+
+def _x(n=3):
+    return np.random.default_rng(2).standard_normal((n, 3, 8, 8)).astype(np.float32)
+
+
+def test_torch_partitions_answer_like_ort_partitions(tinynet):
+    from ppipe.runtime.backends import OrtBackend, make_backend
+
+    x = _x()
+    want = OrtBackend(tinynet, "cpu", 1, 0, 2).run_sync({"input": x})["logits"]
+    up = make_backend("torch", tinynet, "cpu", 1, 0, 0)
+    down = make_backend("torch", tinynet, "cpu", 1, 1, 2)
+    mid = up.run_sync({"input": x})
+    assert not up.gpu_resident and all(v.dtype == np.float32 for v in mid.values())
+    fp16 = {k: v.astype(np.float16) for k, v in mid.items()}  # what crosses partitions
+    got = down.run_sync(fp16)["logits"]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_gpu_pool_without_cuda_is_refused_naming_the_fix(tinynet, monkeypatch):
+    from ppipe.errors import NotAvailableError
+    from ppipe.runtime.torch_backend import TorchBackend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(NotAvailableError, match="torch sees no CUDA device"):
+        TorchBackend(tinynet, "L4", 1, 0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
+def test_on_a_gpu_fp16_partitions_answer_like_the_cpu(tinynet):
+    from ppipe.runtime.backends import OrtBackend
+    from ppipe.runtime.torch_backend import TorchBackend
+
+    x = _x(8)
+    want = OrtBackend(tinynet, "cpu", 1, 0, 2).run_sync({"input": x})["logits"]
+    up, down = TorchBackend(tinynet, "L4", 1, 0, 0, precision="fp16"), TorchBackend(tinynet, "L4", 1, 1, 2, precision="fp16")
+    assert up.gpu_resident and up.modules[0].dtype == torch.float16
+    got = down.run_sync(up.run_sync({"input": x}))["logits"]
+    np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.75
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
+def test_on_a_gpu_device_outputs_and_inputs_go_through_cupy_unchanged(tinynet):
+    cp = pytest.importorskip("cupy", reason="device outputs for NCCL need CuPy")
+    from ppipe.runtime.torch_backend import TorchBackend
+
+    x = _x(4)
+    up, down = TorchBackend(tinynet, "L4", 1, 0, 0, precision="fp16"), TorchBackend(tinynet, "L4", 1, 1, 2, precision="fp16")
+    assert up.device_outputs and down.accepts_device
+    host = up.run_sync({"input": x})
+    dev = up.run_sync({"input": x}, device_out=True)
+    assert all(isinstance(v, cp.ndarray) for v in dev.values())
+    for k in host:
+        np.testing.assert_array_equal(cp.asnumpy(dev[k]), host[k])
+    np.testing.assert_array_equal(down.run_sync(dev)["logits"], down.run_sync(host)["logits"])
