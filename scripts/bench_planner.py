@@ -61,11 +61,11 @@ _split_start = _core.split_start
 
 def _recording_split_start(*args, **kw):
     t0 = time.perf_counter()
-    x, plan = _split_start(*args, **kw)
+    start = _split_start(*args, **kw)
     START["seconds"] += time.perf_counter() - t0
-    milp, variables = args[3], args[4]
-    START["objective"] = None if x is None else float(x[variables.extra["z"]])
-    return x, plan
+    variables = args[4]
+    START["objective"] = None if start.x is None else float(start.x[variables.extra["z"]])
+    return start
 
 
 _core.split_start = _recording_split_start

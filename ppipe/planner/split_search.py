@@ -341,7 +341,7 @@ def split_search(
     weights: list[float],
     counts: np.ndarray,
     *,
-    time_budget_s: float = 5.0,
+    time_budget_s: float | None = None,
     paper_templates: bool = False,
 ) -> SplitPlan | None:
     """The best max-min plan of the restriction R (module docstring), or None.
@@ -356,26 +356,28 @@ def split_search(
         configs: per model, its configurations (the MILP's columns).
         weights: per model, w_m.
         counts: N_k per GPU type, cluster order.
-        time_budget_s: give up after about this many seconds.
+        time_budget_s: give up after about this many seconds (None: no limit; the size
+            budgets MAX_GRID and MAX_PAIRS always hold).
         paper_templates: one configuration per template of the authors (constraint 6 of
             :mod:`ppipe.planner.formulation`), so that R's plans are the MILP's; else
             one per type tuple (a restriction of the MILP without constraint 6).
     """
     t0 = time.perf_counter()
+    budget = np.inf if time_budget_s is None else time_budget_s
     counts = np.asarray(counts, dtype=np.int64)
     grid = int(np.prod(counts + 1))
     if grid > MAX_GRID or any(len(cs) == 0 for cs in configs):
         return None
     w = np.asarray(weights, dtype=float)
-    # numpy releases the GIL in the tables' array work: two threads build them in 0.43-0.47 s
-    # instead of 0.55-0.76 s (4-type case, three models).
+    # numpy releases the GIL in the tables' array work, so two threads build them sooner;
+    # each table is built alone, so they do not depend on the threads.
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1, len(configs)))) as pool:
         models = list(pool.map(lambda cs: _ModelTable(cs, counts, paper_templates), configs))
-    if time.perf_counter() - t0 > time_budget_s:
+    if time.perf_counter() - t0 > budget:
         return None
     tables = [m.table for m in models]
     try:
-        lo, split = _best_level(tables, w, counts, deadline=t0 + time_budget_s)
+        lo, split = _best_level(tables, w, counts, deadline=t0 + budget)
     except _Budget:
         return None
     if split is None or lo <= 0:

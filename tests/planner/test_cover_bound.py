@@ -132,7 +132,7 @@ def test_bound_never_refutes_a_two_model_optimum():
 @pytest.fixture
 def prover_at_once(monkeypatch):
     # Ask the cover bound from the first incumbent on, so that small models take that path too.
-    monkeypatch.setattr(core, "PROVER_AFTER_S", 0.0)
+    monkeypatch.setattr(core, "PROVER_AFTER_POLLS", 0)
 
 
 @pytest.mark.parametrize("formulation", ["ppipe", "ppipe-atc25"])
@@ -218,7 +218,7 @@ def test_a_plan_stopped_by_its_time_limit_reports_the_gap_a_looser_proof_gives(m
     class OutOfTime:
         name, accepts_prover, accepts_start = "highs", True, False
 
-        def solve(self, milp, *, time_limit_s=None, gap=1e-4, prover=None, prover_after_s=0.0, **kw):
+        def solve(self, milp, *, time_limit_s=None, gap=1e-4, prover=None, prover_after_polls=0, **kw):
             res = HighsSolver().solve(milp, gap=1e-9)  # the real plan; only the time limit is pretended
             monkeypatch.setattr(_RefutesFrom, "level", res.objective * (1 + 5e-4))
             assert not prover(res.objective * (1 + gap), res.objective * 1.05)
@@ -259,7 +259,7 @@ def test_a_better_plan_the_prover_offers_becomes_highs_incumbent():
 
     alone, helped = Offering(None), Offering(best.x.copy())
     for prover in (alone, helped):
-        HighsSolver().solve(milp, gap=1e-9, prover=prover, prover_after_s=0.0)
+        HighsSolver().solve(milp, gap=1e-9, prover=prover, prover_after_polls=0)
     assert alone.asked[0] < best.objective * (1 - 1e-3)  # what the test needs: a worse first incumbent
     assert helped.solution is None, "the offered plan was never taken"
     assert helped.asked[0] == pytest.approx(best.objective * (1 + 1e-9))
@@ -304,4 +304,4 @@ def test_an_error_in_the_prover_surfaces_as_itself():
         raise ZeroDivisionError("a planner bug")
 
     with pytest.raises(ZeroDivisionError, match="a planner bug"):
-        HighsSolver().solve(milp, gap=1e-9, prover=broken, prover_after_s=0.0)
+        HighsSolver().solve(milp, gap=1e-9, prover=broken, prover_after_polls=0)

@@ -158,7 +158,7 @@ def test_a_solve_stopped_at_its_objective_target_keeps_its_plan():
     assert res.objective - res.gap * max(1.0, abs(res.objective)) <= exact.objective + 1e-9  # its dual bound stays valid
 
 
-def test_distinct_types_start_is_a_solution_and_a_restriction_out_of_time_gives_none():
+def test_distinct_types_start_is_a_solution_and_a_restriction_out_of_time_gives_none_and_says_so():
     from ppipe.planner.core import distinct_types_start, is_feasible
     from ppipe.planner.formulation import build
     from ppipe.planner.solvers import SolverTimeLimitError
@@ -169,11 +169,13 @@ def test_distinct_types_start_is_a_solution_and_a_restriction_out_of_time_gives_
     milp, v = build(specs, configs, cl, gpu_rule="paper", one_config_per_template=True)
     get_objective("max-min").apply(milp, v)
     kw = dict(gpu_rule="paper", deadline=None, gap=1e-9)
-    x = distinct_types_start(specs, configs, cl, milp, v, HighsSolver(), **kw)
-    assert x is not None and is_feasible(milp, x) and x[v.extra["z"]] > 0
+    start = distinct_types_start(specs, configs, cl, milp, v, HighsSolver(), **kw)
+    x = start.x
+    assert x is not None and is_feasible(milp, x) and x[v.extra["z"]] > 0 and not start.timed_out
 
     class OutOfTime(HighsSolver):
         def solve(self, milp, **kw):
             raise SolverTimeLimitError("out of time", fix="-")
 
-    assert distinct_types_start(specs, configs, cl, milp, v, OutOfTime(), **kw) is None
+    stopped = distinct_types_start(specs, configs, cl, milp, v, OutOfTime(), **kw)
+    assert stopped.x is None and stopped.timed_out
