@@ -19,8 +19,9 @@ Defaults, and where they come from:
 * A profile must time every GPU type of the cluster (at some level); GPU types the
   cluster lacks are ignored (the PPipe artifact times four types for every model).
 * Headroom (:mod:`ppipe.planner.headroom`): GPUs the plan leaves idle become extra vGPUs
-  for pools busier than 80 % at the planned load. The result is another optimal solution
-  of the same MILP (same objective value, every row met), so it is on by default for the
+  for pools busier than 80 % at the planned load. The result is an optimal solution of the
+  paper's MILP (same objective value, every row met; pools may exceed ppipe's tighter
+  bounds U, which cut exactly that slack), so it is on by default for the
   ``ppipe`` planner with the max-min or total objective in both formulations
   (``ppipe-atc25`` included: the paper's model does not say which of its optimal plans to
   run); off for the baselines (NP, DART-r as the paper defines them) and for objectives
@@ -393,8 +394,8 @@ def _headroom_target(headroom: bool | float | None, planner: str, formulation: s
     from ppipe.planner.headroom import DEFAULT_TARGET_UTIL
 
     if headroom is None:
-        # Both formulations: the pass only picks another optimal solution of the same MILP
-        # (ppipe.planner.headroom). The baselines keep the paper's definitions.
+        # Both formulations: the pass only picks another optimal solution of the paper's
+        # MILP (ppipe.planner.headroom). The baselines keep the paper's definitions.
         on = planner == "ppipe" and objective in ("max-min", "total")
         return DEFAULT_TARGET_UTIL if on else None
     if headroom is True:

@@ -40,7 +40,7 @@ import numpy as np
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.profile import MIN_BLOCK_LATENCY_US, ModelProfile
 
-BATCH_BUILD_FACTOR = 1.3  # PLANNING_MODEL.md: beta(b) = 1.3 * 1e6 * (b - 1) / x_hat
+BATCH_BUILD_FACTOR = 1.3  # docs/planning-model.md, 'Derived quantities': beta(b) = 1.3 * 1e6 * (b - 1) / x_hat
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def enumerate_configs(
         across_levels: compare configurations of one template across vGPU levels, a
             level r v standing for r vGPUs of level v (exact under the paper's GPU rule only).
         authors_arithmetic: the arithmetic of the authors' ``ilp_v4.py`` where it differs
-            from PLANNING_MODEL.md: the margin is rounded to whole microseconds
+            from docs/planning-model.md: the margin is rounded to whole microseconds
             (``round(margin * T)``), and a partition's missing NIC side (the first one's
             input, the last one's output) counts as a 1 us transfer, capping X at
             1e6 / (v s_k) instead of not at all.

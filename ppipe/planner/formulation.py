@@ -375,7 +375,7 @@ def solution_vector(models: list[ModelPlan], v: PlanVariables, num_cols: int) ->
     Each pipeline is matched to the configuration with its block ranges, GPU types, levels
     and batch (then :func:`pipeline_columns`), and ``z`` (when the max-min objective added
     it) is ``min_m x_m / w_m``. With :func:`ppipe.planner.core.is_feasible` it tells whether
-    a plan changed after the solve (the headroom pass) is still a solution of the same MILP.
+    a plan changed after the solve (the headroom pass) is still a solution of a MILP.
 
     Raises:
         ValueError: a pipeline whose configuration is not among the MILP's columns.
