@@ -26,8 +26,7 @@ Under the paper's GPU rule a pool's resources are its *share* g/v of its (model,
 type), whatever its level, so the comparison also runs across levels: a pool of g vGPUs
 at level v and one of r g vGPUs at level r v hold the same share. A configuration whose
 level in every slot is a multiple r_d of another's, with r_d X'_d >= X_d, dominates it (the
-same shares give at least the throughput). On the 4-type case this drops 29-53 % of the
-configurations that the same-level comparison keeps (efficientnet-b8: 533 -> 322).
+same shares give at least the throughput).
 """
 
 from __future__ import annotations

@@ -88,7 +88,6 @@ class _Knowledge:
     rounds_left: int
     work_log: list[tuple[int, float, bool]] = field(default_factory=list)
     solves: int = 0
-    seconds: float = 0.0
     found: list[ModelPlan] | None = None
 
     def copy(self) -> "_Knowledge":
@@ -100,7 +99,6 @@ class _Knowledge:
             rounds_left=self.rounds_left,
             work_log=list(self.work_log),
             solves=self.solves,
-            seconds=self.seconds,
         )
 
     def note_work(self, m: int, work: float, finished: bool) -> None:
@@ -122,7 +120,6 @@ class _Knowledge:
             self.note_work(m, work, finished)
         self.rounds_left -= base.rounds_left - box.rounds_left
         self.solves += box.solves - base.solves
-        self.seconds += box.seconds - base.seconds
 
 
 class PriceBound:
@@ -152,7 +149,6 @@ class PriceBound:
         self.types = [g.name for g in cluster.gpu_types]
         self.N = np.array([cluster.gpu_counts[k] for k in self.types], dtype=float)
         self.solves = 0
-        self.seconds = 0.0
         self.nodes = 0
         # Per model, the simplex work of its last solve, kept across levels: a round solves
         # the quick models first (see _quickest_first).
@@ -226,7 +222,7 @@ class PriceBound:
             if pool is not None:
                 pool.shutdown(wait=True)
             self.work = know.work
-            self.solves, self.seconds = self.solves + know.solves, self.seconds + know.seconds
+            self.solves += know.solves
 
     def _bound_batch(self, pool, batch, know: _Knowledge, subs, deadline) -> list[tuple[object, _Knowledge]]:
         """Per box of ``batch``, (its outcome, its copy of ``know`` with what it learned).
@@ -359,7 +355,6 @@ class PriceBound:
         cutoff = floor * (1 + CUTOFF_SLACK) + CUTOFF_SLACK
         if np.isfinite(cutoff):
             options["objective_bound"] = float(cutoff)
-        t0 = time.perf_counter()
         try:
             res = HighsSolver(options).solve(milp, time_limit_s=time_left(deadline), gap=SOLVE_GAP, stop=stopped)
         except Exception:  # noqa: BLE001 - a subproblem without a plan in time proves nothing
@@ -367,7 +362,6 @@ class PriceBound:
         finally:
             milp.set_col_bounds(cols, 0.0, self.N)
             know.solves += 1
-            know.seconds += time.perf_counter() - t0
         know.note_work(m, max(res.lp_iterations, 1), res.status in ("optimal", "infeasible"))
         if res.status == "infeasible":
             # The model alone cannot reach its share of T in the box, or nothing lies below

@@ -29,7 +29,7 @@ def _plan_text(monkeypatch, tmp_path, workers: int, delay_s: float = 0.0) -> tup
     timing field zeroed; and what the price bound did."""
     monkeypatch.setattr(pbm, "WORKERS", workers)
     monkeypatch.setattr(pbm.os, "cpu_count", lambda: 2)  # two threads even on one core
-    monkeypatch.setattr(CoverBound, "refutes", lambda self, T, deadline_s=None: False)
+    monkeypatch.setattr(CoverBound, "refutes", lambda self, T: False)
     real_kelley, real_solve = pbm.kelley_lp, PriceBound._solve_model
     seen = {"kelley": 0, "solves": 0}
 
