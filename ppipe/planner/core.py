@@ -115,11 +115,15 @@ PROVER_AFTER_POLLS = 8
 FALLBACK_GAP = 1e-3
 # Share of the time limit that the split search, or the distinct-type start, may take.
 START_SHARE = 0.25
+# The distinct-type start serves plans of at most this many models (with several, the
+# restriction's solve costs more than it saves: scripts/bench_planner.py --suite main).
+DISTINCT_START_MAX_MODELS = 1
 
 
 class CoverProver:
-    """``prover(T, bound)`` for :meth:`HighsSolver.solve`: the cover bound of :mod:`ppipe.planner.bounds`,
-    then, where it fails and is given, the price bound of :mod:`ppipe.planner.price_bound`.
+    """``prover(T, bound)`` for :meth:`HighsSolver.solve`: the cover bound of :mod:`ppipe.planner.bounds`
+    (unless ``cover`` is False), then, where it fails and is given, the price bound of
+    :mod:`ppipe.planner.price_bound`.
 
     The cover bound is built on first use, with its throughput bins spanning HiGHS's upper
     bound at that time. The price bound is tried once per level; ``method`` names the bound
@@ -146,8 +150,10 @@ class CoverProver:
         deadline: float | None = None,
         gap: float | None = None,
         columns: Callable[[list[ModelPlan]], np.ndarray | None] | None = None,
+        cover: bool = True,
     ):
         self._args = (configs, specs, cluster)
+        self._cover = cover
         self._columns = columns
         self.solution: np.ndarray | None = None
         self._offered = -math.inf  # objective of the best plan offered so far
@@ -160,7 +166,7 @@ class CoverProver:
         self._priced: set[float] = set()
 
     def __call__(self, T: float, upper_bound: float) -> bool:
-        if self.bound is None:
+        if self.bound is None and self._cover:
             configs, specs, cluster = self._args
             counts = np.array([cluster.gpu_counts[g.name] for g in cluster.gpu_types], dtype=float)
             self.bound = CoverBound(configs, [s.weight for s in specs], counts, z_max=upper_bound)
@@ -176,7 +182,7 @@ class CoverProver:
         return False
 
     def _refutes(self, T: float, max_rounds: int = MAX_ITERATIONS) -> bool:
-        if self.bound.refutes(T):
+        if self.bound is not None and self.bound.refutes(T):
             self.method = "cover bound"
             return True
         if self.price_bound is None or T in self._priced:
@@ -197,20 +203,21 @@ class CoverProver:
         return False
 
 
-# The split search runs for max-min plans of >= 2 models on >= 3 GPU types: on two types
-# HiGHS finds the optimum at the root and a start only changes its path, and for one model
-# there is no split to search (scripts/bench_planner.py measures both).
-SPLIT_SEARCH_MIN_TYPES = 3
+# The split search runs for max-min plans of >= 2 models. Under the paper's GPU rule its
+# tables seed the price bound, which proves the plans of two-type clusters too; under
+# physical packing it is only a start, and on two types HiGHS finds the optimum at the root
+# itself (a start there only changes its path). scripts/bench_planner.py measures both.
+SPLIT_SEARCH_MIN_TYPES = {"paper": 2, "physical": 3}
 SPLIT_SEARCH_MIN_MODELS = 2
 
 
-def wants_split_start(objective, solver, specs, cluster) -> bool:
+def wants_split_start(objective, solver, specs, cluster, gpu_rule: str) -> bool:
     """Whether :func:`milp_plan` hands the solver a split-search start (see the constants above)."""
     return (
         isinstance(objective, MaxMinNormalized)
         and getattr(solver, "accepts_start", False)
         and len(specs) >= SPLIT_SEARCH_MIN_MODELS
-        and len(cluster.gpu_types) >= SPLIT_SEARCH_MIN_TYPES
+        and len(cluster.gpu_types) >= SPLIT_SEARCH_MIN_TYPES[gpu_rule]
     )
 
 
@@ -332,11 +339,14 @@ def milp_plan(
     solver = solver.tuned_for(gpu_rule, single_model=len(specs) == 1) if hasattr(solver, "tuned_for") else solver
 
     start = Start()
-    if wants_split_start(objective, solver, specs, cluster):
+    if wants_split_start(objective, solver, specs, cluster, gpu_rule):
         start = split_start(configs, specs, cluster, milp, variables, time_limit_s, paper_templates=one_config_per_template)
-    elif one_config_per_template and isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_start", False):
+    elif (
+        one_config_per_template and len(specs) <= DISTINCT_START_MAX_MODELS and isinstance(objective, MaxMinNormalized)
+        and getattr(solver, "accepts_start", False)
+    ):
         start = distinct_types_start(specs, configs, cluster, milp, variables, solver, gpu_rule=gpu_rule, deadline=deadline, gap=gap)
-    if isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_prover", False):
+    if isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_prover", False) and _has_prover(gpu_rule, start):
         result = _proven_solve(milp, variables, specs, configs, cluster, solver, start, deadline=deadline, gap=gap,
                                gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
     else:
@@ -363,18 +373,26 @@ def milp_plan(
     )
 
 
+def _has_prover(gpu_rule: str, start: Start) -> bool:
+    """Whether a bound serves this solve: the cover bound under physical packing, the price
+    bound under the paper's rule where the split search ran. (Under the paper's rule the
+    cover bound, which cannot see the per-model rounding to whole GPUs, proved no case of
+    scripts/bench_planner.py and only cost time.)"""
+    return gpu_rule == "physical" or start.restricted is not None
+
+
 def _proven_solve(milp, variables, specs, configs, cluster, solver, start: Start, *, deadline, gap, gpu_rule,
                   one_config_per_template) -> SolveResult:
-    """The max-min solve with the cover bound (and, where it serves, the price bound) as prover.
+    """The max-min solve with the bound that serves it as prover (see :func:`_has_prover`).
 
-    The cover bound proves HiGHS's incumbents optimal where branch and bound is slow to.
-    Gurobi takes it only to hand it to HiGHS when its licence refuses the model. The price
+    The bounds prove HiGHS's incumbents optimal where branch and bound is slow to. Gurobi
+    takes the prover only to hand it to HiGHS when its licence refuses the model. The price
     bound needs per-model integer GPU vectors: the paper's GPU rule (under physical packing
     models share GPUs of a level, so a model's own count would overstate its need), and the
     split search's tables, which seed it.
     """
     price = None
-    if gpu_rule == "paper" and start.restricted is not None:
+    if gpu_rule == "paper":
         build_kw = dict(gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
         price = PriceBound(specs, configs, cluster, build_kw, tables=start.restricted.tables)
 
@@ -382,7 +400,8 @@ def _proven_solve(milp, variables, specs, configs, cluster, solver, start: Start
         x = solution_vector(models, variables, milp.num_cols)
         return x if is_feasible(milp, x) else None
 
-    prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns)
+    prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns,
+                         cover=gpu_rule == "physical")
     after = 0 if price is not None else PROVER_AFTER_POLLS
     kw = {} if start.x is None else {"start": start.x}
     result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_polls=after, **kw)

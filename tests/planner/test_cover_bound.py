@@ -226,7 +226,7 @@ def test_a_plan_stopped_by_its_time_limit_reports_the_gap_a_looser_proof_gives(m
 
     monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
     out = core.milp_plan(specs, cl, [usable_levels(m, cl) for m in models], objective=MaxMinNormalized(), solver=OutOfTime(),
-                         max_partitions=2, margin=0.2, gpu_rule="paper", one_config_per_template=True, time_limit_s=60, gap=1e-4)
+                         max_partitions=2, margin=0.2, gpu_rule="physical", one_config_per_template=False, time_limit_s=60, gap=1e-4)
     r = out.result
     assert r.status == "time_limit" and r.method == "highs incumbent + cover bound"
     assert r.gap == pytest.approx(core.FALLBACK_GAP)  # not the 5 % branch and bound reported
@@ -305,3 +305,26 @@ def test_an_error_in_the_prover_surfaces_as_itself():
 
     with pytest.raises(ZeroDivisionError, match="a planner bug"):
         HighsSolver().solve(milp, gap=1e-9, prover=broken, prover_after_polls=0)
+
+
+def test_the_cover_bound_serves_physical_packing_and_not_the_papers_rule(monkeypatch):
+    # Under the paper's rule the cover bound cannot see each model's rounding to whole GPUs
+    # and proved no benchmark case: a two-type plan there runs without a prover; under
+    # physical packing it is asked.
+    from ppipe.planner.solvers import HighsSolver
+
+    provers = []
+    real = HighsSolver.solve
+
+    def spy(self, milp, **kw):
+        provers.append(kw.get("prover"))
+        return real(self, milp, **kw)
+
+    monkeypatch.setattr(HighsSolver, "solve", spy)
+    cl = cluster({"A": 2, "B": 2}, LEVELS)
+    models = [profile("m1", LAT_1, [200_000, 100_000], LEVELS), profile("m2", LAT_2, [50_000, 300_000], LEVELS)]
+    kw = dict(slo_ms=25.0, weights=[1.0, 2.0], max_partitions=2, batch_build=False, margin=0.2, time_limit_s=60)
+    ppipe.plan(cl, models, formulation="ppipe-atc25", **kw)
+    assert provers and provers[-1] is None
+    ppipe.plan(cl, models, formulation="ppipe", **kw)
+    assert isinstance(provers[-1], core.CoverProver)
