@@ -3,10 +3,12 @@
 :func:`milp_plan` is what the ``ppipe`` and ``np`` planners run; the DART-r baseline
 (:mod:`ppipe.planner.baselines`) builds on its NP result.
 
-Two helpers around the solve, both for the max-min objective: the split search
-(:mod:`ppipe.planner.split_search`) hands the solver a strong first plan on clusters of
-three or more GPU types, and the cover bound (:mod:`ppipe.planner.bounds`) proves HiGHS's
-incumbents optimal where branch and bound is slow to. Neither changes the optimum.
+Helpers around the solve, all for the max-min objective, none changing the optimum: a
+first plan for the solver (the split search of :mod:`ppipe.planner.split_search` for
+several models, the distinct-type restriction for one model under the paper's rule), and
+a bound that proves HiGHS's incumbents optimal where branch and bound is slow to (the
+framework of :mod:`ppipe.planner.bounds`: its cover bound under physical packing, the
+price bound of :mod:`ppipe.planner.price_bound` under the paper's rule).
 
 The same inputs give the same plan: every choice follows the solvers' search (HiGHS's
 incumbents and interrupt checks, the price bound's batches merged in order), never the
@@ -120,7 +122,7 @@ START_SHARE = 0.25
 DISTINCT_START_MAX_MODELS = 1
 
 
-class CoverProver:
+class Prover:
     """``prover(T, bound)`` for :meth:`HighsSolver.solve`: the cover bound of :mod:`ppipe.planner.bounds`
     (unless ``cover`` is False), then, where it fails and is given, the price bound of
     :mod:`ppipe.planner.price_bound`.
@@ -400,7 +402,7 @@ def _proven_solve(milp, variables, specs, configs, cluster, solver, start: Start
         x = solution_vector(models, variables, milp.num_cols)
         return x if is_feasible(milp, x) else None
 
-    prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns,
+    prover = Prover(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns,
                          cover=gpu_rule == "physical")
     after = 0 if price is not None else PROVER_AFTER_POLLS
     kw = {} if start.x is None else {"start": start.x}

@@ -166,7 +166,7 @@ def test_a_prover_that_refutes_stops_the_search_with_its_method(monkeypatch):
             asked.append((T, bound))
             return True
 
-    monkeypatch.setattr(core, "CoverProver", Yes)
+    monkeypatch.setattr(core, "Prover", Yes)
     plan = ppipe.plan(place=False)
     assert asked, "the prover was never asked"
     T, bound = asked[-1]
@@ -195,13 +195,13 @@ def test_prover_keeps_the_looser_level_it_proves_and_answers_no(monkeypatch):
     inc = 1000.0
     monkeypatch.setattr(_RefutesFrom, "level", inc * (1 + 5e-4))
     monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
-    prover = core.CoverProver([], [], cl, gap=1e-4)
+    prover = core.Prover([], [], cl, gap=1e-4)
     assert not prover(inc * (1 + 1e-4), inc * 1.01)  # the requested gap is not proven ...
     assert prover.weak == (pytest.approx(inc * (1 + core.FALLBACK_GAP)), "cover bound")  # ... the looser one is
     # No fallback when the requested gap is already that loose, or HiGHS's bound is below it.
-    loose = core.CoverProver([], [], cl, gap=core.FALLBACK_GAP)
+    loose = core.Prover([], [], cl, gap=core.FALLBACK_GAP)
     assert not loose(inc * (1 + 1e-4), inc * 1.01) and loose.weak is None
-    tight = core.CoverProver([], [], cl, gap=1e-4)
+    tight = core.Prover([], [], cl, gap=1e-4)
     assert not tight(inc * (1 + 1e-4), inc * (1 + 5e-4)) and tight.weak is None
 
 
@@ -280,7 +280,7 @@ def test_the_prover_offers_the_plans_the_price_bound_finds_when_better(monkeypat
     monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
     offered = []
     specs = [NS(weight=1.0), NS(weight=2.0)]
-    prover = core.CoverProver([], specs, cluster({"A": 2, "B": 2}, LEVELS), price_bound=Reachable(),
+    prover = core.Prover([], specs, cluster({"A": 2, "B": 2}, LEVELS), price_bound=Reachable(),
                               columns=lambda models: offered.append(models) or np.array([models[0].throughput_rps]))
     assert not prover(100.0, 110.0) and prover.solution.tolist() == [100.0]
     prover.solution = None  # taken by the solver
@@ -327,4 +327,4 @@ def test_the_cover_bound_serves_physical_packing_and_not_the_papers_rule(monkeyp
     ppipe.plan(cl, models, formulation="ppipe-atc25", **kw)
     assert provers and provers[-1] is None
     ppipe.plan(cl, models, formulation="ppipe", **kw)
-    assert isinstance(provers[-1], core.CoverProver)
+    assert isinstance(provers[-1], core.Prover)
