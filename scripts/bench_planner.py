@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Planner benchmark on the PPipe artifact: objective, status, gap and seconds per case.
 
-Cases (PLANNING_MODEL.md):
+Cases (docs/planning-model.md, 'The paper's settings'):
   main      24 cases: groups G1..G6 x HC1..HC4-L, weights 0.30/0.33/0.37, the paper's
             formulation (ppipe-atc25), 2 partitions.
   ablation  18 single-model cases: L4 + T4 (25/75, HC2-L), 3 partitions, margin 0.1.
@@ -61,11 +61,11 @@ _split_start = _core.split_start
 
 def _recording_split_start(*args, **kw):
     t0 = time.perf_counter()
-    x, plan = _split_start(*args, **kw)
+    start = _split_start(*args, **kw)
     START["seconds"] += time.perf_counter() - t0
-    milp, variables = args[3], args[4]
-    START["objective"] = None if x is None else float(x[variables.extra["z"]])
-    return x, plan
+    variables = args[4]
+    START["objective"] = None if start.x is None else float(start.x[variables.extra["z"]])
+    return start
 
 
 _core.split_start = _recording_split_start

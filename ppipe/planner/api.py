@@ -19,8 +19,9 @@ Defaults, and where they come from:
 * A profile must time every GPU type of the cluster (at some level); GPU types the
   cluster lacks are ignored (the PPipe artifact times four types for every model).
 * Headroom (:mod:`ppipe.planner.headroom`): GPUs the plan leaves idle become extra vGPUs
-  for pools busier than 80 % at the planned load. The result is another optimal solution
-  of the same MILP (same objective value, every row met), so it is on by default for the
+  for pools busier than 80 % at the planned load. The result is an optimal solution of the
+  paper's MILP (same objective value, every row met; pools may exceed ppipe's tighter
+  bounds U, which cut exactly that slack), so it is on by default for the
   ``ppipe`` planner with the max-min or total objective in both formulations
   (``ppipe-atc25`` included: the paper's model does not say which of its optimal plans to
   run); off for the baselines (NP, DART-r as the paper defines them) and for objectives
@@ -30,8 +31,11 @@ Defaults, and where they come from:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Iterable, Literal, Mapping, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ppipe.errors import InfeasibleError, UserError
 from ppipe.planner.baselines import dart_r, np_levels, whole_gpu_estimate
@@ -182,6 +186,91 @@ def resolve_slos(profiles: list[ModelProfile], cluster: ClusterSpec, slo_ms, slo
     return out
 
 
+class PlanOptions(BaseModel):
+    """The planner's settings from :func:`plan`'s arguments, validated (None: the formulation's default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    planner: Literal["ppipe", "np", "dart-r"] = "ppipe"
+    formulation: Literal["ppipe", "ppipe-atc25"] = "ppipe"
+    gpu_rule: Literal["physical", "paper"] | None = None
+    configs_per_template: Literal["many", "one"] | None = None
+    margin: float | None = Field(default=None, ge=0, lt=1)
+    max_partitions: int | None = Field(default=None, ge=1)
+    batch_build: bool | None = None
+    time_limit_s: float | None = Field(default=None, gt=0)
+    gap: float = Field(default=1e-4, ge=0)
+    headroom: bool | float | None = None
+
+    @field_validator("planner", mode="before")
+    @classmethod
+    def _lower(cls, v):
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("headroom")
+    @classmethod
+    def _headroom_target(cls, v):
+        if v is not None and not isinstance(v, bool) and not 0 <= v < 1:
+            raise ValueError(f"headroom utilization target must be in [0, 1), got {v}")
+        return v
+
+
+# How to correct each option (named by its keyword and its CLI flag).
+_OPTION_FIXES = {
+    "planner": f"use one of: {', '.join(PLANNERS)} (option --planner)",
+    "formulation": f"use one of: {', '.join(FORMULATIONS)} (option --formulation)",
+    "gpu_rule": "use 'physical' or 'paper' (option --gpu-rule)",
+    "configs_per_template": "use 'many' or 'one' (option --configs-per-template)",
+    "margin": "pass a share in [0, 1), e.g. --margin 0.4",
+    "max_partitions": "pass e.g. --max-partitions 2",
+    "batch_build": "pass True or False (option --batch-build/--no-batch-build)",
+    "time_limit_s": "pass a positive number of seconds, or None for no limit (option --time-limit-s)",
+    "gap": "pass a relative gap >= 0, e.g. --gap 1e-4",
+    "headroom": "pass True, False or a utilization in [0, 1), e.g. --headroom-util 0.8, or --no-headroom",
+}
+
+
+def plan_options(**kw) -> PlanOptions:
+    """:class:`PlanOptions` from keyword arguments; a bad one is a UserError naming it and its fix."""
+    try:
+        return PlanOptions(**kw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        name = str(first["loc"][0]) if first.get("loc") else "?"
+        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+        raise UserError(f"{name}: {msg} (got {first.get('input')!r})", fix=_OPTION_FIXES.get(name, "see ppipe.plan's arguments")) from None
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What one planning call runs with: the options, the formulation's defaults filled in."""
+
+    planner: str
+    formulation: str
+    gpu_rule: str
+    one_config_per_template: bool
+    margin: float
+    max_partitions: int
+    batch_build: bool
+    paper_slo: bool
+    authors: bool
+
+
+def _settings(opts: PlanOptions) -> _Settings:
+    fd = _formulation_defaults(opts.formulation)
+    return _Settings(
+        planner=opts.planner,
+        formulation=opts.formulation,
+        gpu_rule=opts.gpu_rule or fd["gpu_rule"],
+        one_config_per_template=(opts.configs_per_template or fd["configs_per_template"]) == "one",
+        margin=fd["margin"] if opts.margin is None else opts.margin,
+        max_partitions=3 if opts.max_partitions is None else opts.max_partitions,
+        batch_build=fd["batch_build"] if opts.batch_build is None else opts.batch_build,
+        paper_slo=fd["paper_slo"],
+        authors=fd["authors"],
+    )
+
+
 def plan(
     cluster: ClusterSpec | str | Path = "HC2-S",
     models: Sequence[ModelRef] | None = None,
@@ -225,7 +314,9 @@ def plan(
         required_rps: rate per model for the min-cost objective.
         time_limit_s: wall-clock budget of the whole call in s (the NP plan for the
             batch-build estimate, the split search and the solver share it; the best plan
-            found by then is returned with its gap). None = none.
+            found by then is returned with its gap). None = none. The limit only stops
+            searches: a plan it shaped says ``time_limit``; otherwise the same inputs give
+            the same plan on any machine.
         gap: relative MIP gap at which the solver stops (1e-4 = 0.01 %).
         place: assign vGPUs to servers (``Plan.placement``).
         headroom: give the pools that are busier than a target utilization at the planned
@@ -243,149 +334,134 @@ def plan(
         SolverTimeLimitError: the time limit struck before any plan was found.
     """
     t0 = time.perf_counter()
-    planner = planner.lower()
-    if planner not in PLANNERS:
-        raise UserError(f"unknown planner '{planner}'", fix=f"use one of: {', '.join(PLANNERS)} (option --planner)")
-    fd = _formulation_defaults(formulation)
-    gpu_rule = gpu_rule or fd["gpu_rule"]
-    if gpu_rule not in ("physical", "paper"):
-        raise UserError(f"unknown GPU rule '{gpu_rule}'", fix="use 'physical' or 'paper' (option --gpu-rule)")
-    configs_per_template = configs_per_template or fd["configs_per_template"]
-    if configs_per_template not in ("many", "one"):
-        raise UserError(f"configs_per_template must be 'many' or 'one', got '{configs_per_template}'", fix="option --configs-per-template")
-    margin = fd["margin"] if margin is None else float(margin)
-    if not 0 <= margin < 1:
-        raise UserError(f"margin must be in [0, 1), got {margin}", fix="pass e.g. --margin 0.4")
-    max_partitions = 3 if max_partitions is None else int(max_partitions)
-    if max_partitions < 1:
-        raise UserError(f"max_partitions must be >= 1, got {max_partitions}", fix="pass e.g. --max-partitions 2")
-    batch_build = fd["batch_build"] if batch_build is None else bool(batch_build)
+    opts = plan_options(
+        planner=planner, formulation=formulation, gpu_rule=gpu_rule, configs_per_template=configs_per_template,
+        margin=margin, max_partitions=max_partitions, batch_build=batch_build, time_limit_s=time_limit_s, gap=gap,
+        headroom=headroom,
+    )
+    st = _settings(opts)
     obj = get_objective(objective, required_rps)
-    slv = get_solver(solver)
-
     spec, cluster_file = resolve_cluster(cluster)
     profiles = resolve_models(models)
-    names = [p.name for p in profiles]
     levels = [usable_levels(p, spec) for p in profiles]
-    slos = resolve_slos(profiles, spec, slo_ms, slo_scale, fd["paper_slo"])
-    w = _per_model(weights, names, "weights", "--weights")
-    w = {n: (1.0 if v is None else v) for n, v in w.items()}
-    for n, v in w.items():
-        if not v > 0:
-            raise UserError(f"weight of model '{n}' must be positive, got {v}", fix="pass positive --weights")
-    files = [_model_file(p) for p in profiles]
-    specs = [ModelSpec(profile=p, slo_ms=slos[p.name], weight=w[p.name], profile_ref=profile_ref(p)) for p in profiles]
-    solve_kw = dict(solver=slv, margin=margin, gap=gap, files=files, authors_arithmetic=fd["authors"])
-
-    # time_limit_s bounds the whole call: a solve gets what the earlier steps left.
-    deadline = None if time_limit_s is None else t0 + time_limit_s
-
-    def run_np(objective_):
-        # NP: one partition, level 1 only, the paper's per-template choice; beta off (NP is its source).
-        return milp_plan(
-            specs,
-            spec,
-            np_levels(levels),
-            objective=objective_,
-            max_partitions=1,
-            gpu_rule=gpu_rule,
-            one_config_per_template=(configs_per_template == "one"),
-            time_limit_s=time_left(deadline),
-            **solve_kw,
-        )
-
-    np_out = None
-    if planner == "ppipe" and batch_build and fd["authors"] and len(specs) == 1:
-        # The authors' single-model runs estimate x_hat from whole GPUs, not the NP MILP.
-        xhat1 = whole_gpu_estimate(specs[0], spec, margin)
-        specs = [ModelSpec(specs[0].profile, specs[0].slo_ms, specs[0].weight, xhat1 if xhat1 > 0 else None, specs[0].profile_ref)]
-    elif planner in ("dart-r",) or (planner == "ppipe" and batch_build):
-        try:
-            np_out = run_np(get_objective("max-min"))
-        except InfeasibleError:
-            np_out = None  # no whole-model GPU meets some SLO: no estimate, beta off
-    if np_out is not None and planner != "np":
-        xhat = {m.name: m.throughput_rps for m in np_out.models}
-        specs = [
-            ModelSpec(s.profile, s.slo_ms, s.weight, (xhat[s.name] if batch_build and xhat[s.name] > 0 else None), s.profile_ref)
-            for s in specs
-        ]
-    applied_bb = any(s.batch_build_rps for s in specs)
-
-    if planner == "np":
-        out = run_np(obj)
-        models_out, result, columns = out.models, out.result, out.columns
-        report = SolverReport(
-            name=result.solver, status=result.status, gap=result.gap, seconds=time.perf_counter() - t0,
-            objective=result.objective, columns=columns, method=result.method, nodes=result.nodes,
-            lp_iterations=result.lp_iterations,
-        )
-    elif planner == "ppipe":
-        out = milp_plan(
-            specs,
-            spec,
-            levels,
-            objective=obj,
-            max_partitions=max_partitions,
-            gpu_rule=gpu_rule,
-            one_config_per_template=(configs_per_template == "one"),
-            time_limit_s=time_left(deadline),
-            **solve_kw,
-        )
-        models_out, result = out.models, out.result
-        report = SolverReport(
-            name=result.solver, status=result.status, gap=result.gap, seconds=time.perf_counter() - t0,
-            objective=result.objective, columns=out.columns, method=result.method, nodes=result.nodes,
-            lp_iterations=result.lp_iterations,
-        )
-    else:  # dart-r
-        if np_out is None:
-            np_out = run_np(get_objective("max-min"))  # raises the InfeasibleError with its message
-        models_out = dart_r(specs, spec, levels, np_out.models, margin=margin)
-        z = min(m.throughput_rps / m.weight for m in models_out)
-        report = SolverReport(
-            name=np_out.result.solver, status="heuristic", gap=0.0, seconds=time.perf_counter() - t0, objective=z,
-            columns=np_out.columns,
-        )
-
-    target_util = _headroom_target(headroom, planner, formulation, obj.name)
+    specs = _model_specs(profiles, spec, slo_ms, slo_scale, weights, st.paper_slo)
+    run = _Run(st, spec, levels, get_solver(solver), gap, [_model_file(p) for p in profiles],
+               None if time_limit_s is None else t0 + time_limit_s)
+    specs, np_out = _with_batch_build(run, specs)
+    models_out, report = _solve(run, specs, np_out, obj)
+    report = report.model_copy(update={"seconds": time.perf_counter() - t0})
+    target_util = _headroom_target(opts.headroom, st.planner, st.formulation, obj.name)
     if target_util is not None:
         from ppipe.planner.headroom import add_headroom
 
-        models_out = add_headroom(models_out, spec, gpu_rule, target_util)
-
-    placement = []
-    used = None
-    if place:
-        from ppipe.planner.placement import gpus_used as placed_gpus
-        from ppipe.planner.placement import place as place_vgpus
-
-        placement = place_vgpus(models_out, spec, gpu_rule)
-        used = placed_gpus(placement, spec)
-    if used is None:
-        from ppipe.planner.formulation import gpus_needed
-
-        used = gpus_needed(models_out, list(spec.gpu_counts), gpu_rule)
+        models_out = add_headroom(models_out, spec, st.gpu_rule, target_util)
+    placement, used = _placed(models_out, spec, st.gpu_rule, place)
     settings = PlanSettings(
-        planner=planner,
-        formulation=formulation,
-        gpu_rule=gpu_rule,
-        configs_per_template=configs_per_template,
+        planner=st.planner,
+        formulation=st.formulation,
+        gpu_rule=st.gpu_rule,
+        configs_per_template="one" if st.one_config_per_template else "many",
         objective=obj.name,
-        margin=margin,
-        max_partitions=1 if planner == "np" else (2 if planner == "dart-r" else max_partitions),
-        batch_build=applied_bb and planner != "np",
+        margin=st.margin,
+        max_partitions={"np": 1, "dart-r": 2}.get(st.planner, st.max_partitions),
+        batch_build=any(s.batch_build_rps for s in specs) and st.planner != "np",
         headroom_util=target_util,
     )
-    return Plan(
-        cluster=spec.name,
-        cluster_file=cluster_file,
-        settings=settings,
-        solver=report,
-        models=models_out,
-        gpus_used=used,
-        placement=placement,
-    )
+    return Plan(cluster=spec.name, cluster_file=cluster_file, settings=settings, solver=report, models=models_out,
+                gpus_used=used, placement=placement)
+
+
+def _model_specs(profiles, cluster, slo_ms, slo_scale, weights, paper_slo: bool) -> list[ModelSpec]:
+    """Per model, its SLO and weight (validated) as the planner's :class:`ModelSpec`."""
+    names = [p.name for p in profiles]
+    slos = resolve_slos(profiles, cluster, slo_ms, slo_scale, paper_slo)
+    w = {n: (1.0 if v is None else v) for n, v in _per_model(weights, names, "weights", "--weights").items()}
+    for n, v in w.items():
+        if not v > 0:
+            raise UserError(f"weight of model '{n}' must be positive, got {v}", fix="pass positive --weights")
+    return [ModelSpec(profile=p, slo_ms=slos[p.name], weight=w[p.name], profile_ref=profile_ref(p)) for p in profiles]
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every MILP of one planning call shares: settings, cluster, levels, solver, deadline."""
+
+    settings: _Settings
+    cluster: ClusterSpec
+    levels: list[dict[str, list[int]]]
+    solver: object
+    gap: float
+    files: list[str | None]
+    deadline: float | None
+
+    def milp(self, specs, objective, *, no_partitioning: bool = False):
+        """:func:`milp_plan` with this call's settings; ``no_partitioning``: the NP plan
+        (one partition, level 1 only)."""
+        st = self.settings
+        return milp_plan(
+            specs,
+            self.cluster,
+            np_levels(self.levels) if no_partitioning else self.levels,
+            objective=objective,
+            max_partitions=1 if no_partitioning else st.max_partitions,
+            gpu_rule=st.gpu_rule,
+            one_config_per_template=st.one_config_per_template,
+            time_limit_s=time_left(self.deadline),
+            solver=self.solver,
+            margin=st.margin,
+            gap=self.gap,
+            files=self.files,
+            authors_arithmetic=st.authors,
+        )
+
+
+def _with_batch_build(run: _Run, specs: list[ModelSpec]):
+    """(specs with the batch-gathering estimate's x_hat where it applies, the NP plan or None).
+
+    The NP plan gives x_hat (and is DART-r's start); the authors' single-model runs take
+    their whole-GPU estimate instead. NP's own plan has no estimate (NP is its source).
+    """
+    st = run.settings
+    if st.planner == "ppipe" and st.batch_build and st.authors and len(specs) == 1:
+        xhat1 = whole_gpu_estimate(specs[0], run.cluster, st.margin)
+        return [replace(specs[0], batch_build_rps=xhat1 if xhat1 > 0 else None)], None
+    if not (st.planner == "dart-r" or (st.planner == "ppipe" and st.batch_build)):
+        return specs, None
+    try:
+        np_out = run.milp(specs, get_objective("max-min"), no_partitioning=True)
+    except InfeasibleError:
+        return specs, None  # no whole-model GPU meets some SLO: no estimate, beta off
+    xhat = {m.name: m.throughput_rps for m in np_out.models}
+    specs = [replace(s, batch_build_rps=xhat[s.name] if st.batch_build and xhat[s.name] > 0 else None) for s in specs]
+    return specs, np_out
+
+
+def _solve(run: _Run, specs: list[ModelSpec], np_out, obj):
+    """(per-model plans, the solver report without its time) of the chosen planner."""
+    st = run.settings
+    if st.planner == "dart-r":
+        if np_out is None:
+            np_out = run.milp(specs, get_objective("max-min"), no_partitioning=True)  # raises the InfeasibleError
+        models_out = dart_r(specs, run.cluster, run.levels, np_out.models, margin=st.margin)
+        z = min(m.throughput_rps / m.weight for m in models_out)
+        return models_out, SolverReport(name=np_out.result.solver, status="heuristic", gap=0.0, seconds=0.0, objective=z,
+                                        columns=np_out.columns)
+    out = run.milp(specs, obj, no_partitioning=st.planner == "np")
+    r = out.result
+    return out.models, SolverReport(name=r.solver, status=r.status, gap=r.gap, seconds=0.0, objective=r.objective,
+                                    columns=out.columns, method=r.method, nodes=r.nodes, lp_iterations=r.lp_iterations)
+
+
+def _placed(models_out, cluster: ClusterSpec, gpu_rule: str, place: bool):
+    """(vGPU placement or [], GPUs used per type)."""
+    if not place:
+        from ppipe.planner.formulation import gpus_needed
+
+        return [], gpus_needed(models_out, list(cluster.gpu_counts), gpu_rule)
+    from ppipe.planner.placement import gpus_used, place as place_vgpus
+
+    placement = place_vgpus(models_out, cluster, gpu_rule)
+    return placement, gpus_used(placement, cluster)
 
 
 def _headroom_target(headroom: bool | float | None, planner: str, formulation: str, objective: str) -> float | None:
@@ -393,18 +469,13 @@ def _headroom_target(headroom: bool | float | None, planner: str, formulation: s
     from ppipe.planner.headroom import DEFAULT_TARGET_UTIL
 
     if headroom is None:
-        # Both formulations: the pass only picks another optimal solution of the same MILP
-        # (ppipe.planner.headroom). The baselines keep the paper's definitions.
+        # Both formulations: the pass only picks another optimal solution of the paper's
+        # MILP (ppipe.planner.headroom). The baselines keep the paper's definitions.
         on = planner == "ppipe" and objective in ("max-min", "total")
         return DEFAULT_TARGET_UTIL if on else None
     if headroom is True:
         return DEFAULT_TARGET_UTIL
     if headroom is False:
         return None
-    try:
-        target = float(headroom)
-    except (TypeError, ValueError):
-        raise UserError(f"headroom must be True, False or a utilization in [0, 1), got {headroom!r}", fix="e.g. --headroom-util 0.8") from None
-    if not 0 <= target < 1:
-        raise UserError(f"headroom utilization target must be in [0, 1), got {target}", fix="e.g. --headroom-util 0.8, or --no-headroom")
-    return target
+    return float(headroom)
+

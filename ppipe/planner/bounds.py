@@ -1,59 +1,45 @@
-r"""An exact upper bound for the max-min objective that sees integer pool sizes: the cover bound.
+r"""Upper bounds on the max-min objective that see integer pools: one Lagrangian framework.
 
-Why it exists: the MILP's LP relaxation lets every pool hold a fraction of a vGPU, so on
-small or many-type clusters it sits 2-6 % above the optimum, and branch and bound needs
-minutes to close that gap although HiGHS finds the optimal plan at the root. This module
-proves such incumbents optimal in a fraction of a second instead.
+HiGHS often finds the optimal plan early, but the MILP's LP relaxation lets pools hold
+fractions of vGPUs and sits 1-6 % above the optimum, so branch and bound is slow to prove
+it. The planner proves incumbents instead (:func:`ppipe.planner.core.milp_plan`): when
+HiGHS holds a plan of objective ``z_inc``, it asks whether ``T = z_inc (1 + gap)`` is out of
+reach; if so, the incumbent is optimal within the gap and the search stops.
 
-The bound (a Lagrangian relaxation of the GPU constraint, with the throughput targets
-fixed, so that every model pays for its own integer pools at its real scale):
+The bound. A plan with ``z >= T`` gives every model m a throughput ``x_m >= T w_m`` and uses
+at most ``N_k`` GPUs of each type k. For prices ``mu >= 0`` on the GPU types, relaxing the
+GPU rows gives::
 
-Let ``T`` be a level of the max-min objective. A plan with ``z >= T`` gives every model m
-a throughput ``x_m >= t_m = T w_m``. Every pipeline of it, a configuration c with integer
-pool sizes g_d, occupies ``share_k = sum_{d: k_{c,d} = k} g_d / v_{c,d}`` GPUs of type k,
-and under either GPU rule (physical packing or the paper's rule) the GPUs of type k in use
-are at least the sum of those shares over all pipelines of all models, and at most N_k.
-So for any prices ``mu >= 0``::
+    sum_m B_m(mu, T w_m) <= mu . N,
+    B_m(mu, t) = a lower bound on min { mu . (GPUs model m uses) : model m alone reaches t }.
 
-    sum_m LB_m(mu, t_m) <= sum_k mu_k N_k,
-    LB_m(mu, t) = min { sum_pipelines mu . share  :  pipelines of model m with sum x >= t }.
+A price for which the left side exceeds the right refutes ``T``. The prices are searched
+by Kelley's cutting planes on this concave dual (:func:`kelley_lp`): the cuts are the GPU
+vectors (or shares) of each model's cheapest plans found so far; the LP's value bounds
+every price's left side from above, so where it is at most 1 (``mu . N = 1``) no price can
+refute ``T`` with those plans and the search ends.
 
-If some ``mu`` breaks this inequality, no plan reaches ``T``: the optimum is below ``T``.
+Two subproblems ``B_m``, from cheap to exact:
 
-``LB_m`` is a covering knapsack over *efficient pipeline patterns*: for every configuration
-and every pool size g of one slot taken as the bottleneck, the other slots get the fewest
-vGPUs that keep up (``ceil(X_d g / X_d')``). It is solved exactly by dynamic programming
-over throughput bins, with three relaxations that keep it a lower bound: a pattern may be
-used more than once and several configurations of one template may be combined (both
-only lower the minimum), and pattern throughputs are rounded *up* to the bin width.
-The prices are chosen by Kelley's cutting-plane method on the (concave) dual function,
-starting from the LP relaxation's GPU prices; its LP also tells when no price can succeed,
-which ends the search early. The search runs first on tables of ``COARSE_BINS`` bins (a
-weaker bound, still valid: coarser bins round each pattern up further, so any proof there
-holds) and then on the fine ones from its best price, with its covers kept as cuts: on
-the main and gain suites of ``scripts/bench_planner.py`` the bound's time falls from
-2.27 s to 1.66 s in all (fine Kelley iterations 102 -> 39), and where it fails, as on
-G1 HC2-L, it costs 0.35-0.45 s instead of 0.57-0.69 s.
-
-Used by :func:`ppipe.planner.core.milp_plan` for the max-min objective: when HiGHS finds
-an incumbent ``z_inc``, the bound is asked whether ``T = z_inc (1 + gap)`` is out of
-reach; if so the incumbent is optimal within the gap and the search stops.
-
-Where it is too weak (measured 2026-11-25, the 4-GPU-type case of
-``scripts/bench_planner.py --suite four``, 10 s limit): the lowest level it refutes is
-0.69 % above the incumbent for G2 and 2.66 % for G1 (HiGHS's own gaps then: 1.05 % and
-3.02 %). Not the pool sizes within a model are what it misses: an extended formulation
-with one binary per (configuration, bottleneck pool size) pattern (8 k columns for G2,
-dominated patterns removed) has a root LP bound only 0.1 % below the compact model's
-and closed G2 to 0.36 % in 60 s, no further. What is left lies in how whole GPUs are split,
-between the models and between the slots of one model (the paper's GPU rule rounds up
-per model, slot and type), which one price per type cannot see.
+* **cover bound** (this module, :class:`CoverBound`): a model's GPU *shares*
+  ``sum_d g_d / v_d`` per type, over *efficient pipeline patterns* (per configuration and
+  bottleneck pool size g of one slot, the other slots get the fewest vGPUs that keep up,
+  ``ceil(X_d g / X_d')``), relaxed to a covering knapsack: patterns may repeat and
+  configurations of one template mix (both only lower the minimum), and their throughputs
+  are rounded *up* to bins of width ``T w_m / BINS``. Dynamic programming solves it
+  exactly; coarse bins first (a weaker bound, any proof there holds), then fine ones from
+  the best coarse price. It holds under either GPU rule. It cannot see that pools round up
+  to whole GPUs per (slot, type) under the paper's rule, nor that a template takes one
+  configuration: on many-type clusters it stays about 1-3 % above the optimum.
+* **price bound** (:mod:`ppipe.planner.price_bound`): the model's own MILP with the
+  objective "fewest priced GPUs", solved by HiGHS, inside a branch and bound over the
+  models' GPU vectors. Exact for the paper's GPU rule (each model's GPUs are its own
+  integer vector), and seconds per solve: used only where the split search serves.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,9 +47,7 @@ from ppipe.planner.configs import ConfigSet
 from ppipe.planner.highs_util import new_highs
 
 BINS = 50_000  # throughput bins per model: the rounding-up costs < 2e-5 of the target per pattern
-# The prices are searched first on this many bins (10x cheaper tables, a weaker but still
-# valid bound), then refined on BINS from the best of them (see CoverBound.refutes).
-COARSE_BINS = 5_000
+COARSE_BINS = 5_000  # bins of the first price search (10x cheaper tables, a weaker but valid bound)
 MAX_KELLEY_ITERATIONS = 40
 _REL_TOL = 1e-7  # a proof needs the priced demand to exceed the priced capacity by this share
 
@@ -165,17 +149,6 @@ class _Model:
     coarse_bins: np.ndarray
 
 
-@dataclass
-class BoundStats:
-    """What the bound did (for the solver report and the benchmark)."""
-
-    calls: int = 0
-    proofs: int = 0
-    kelley_iterations: int = 0
-    seconds: float = 0.0
-    last_mu: list[float] = field(default_factory=list)
-
-
 class CoverBound:
     """The cover bound for one max-min planning problem (see the module docstring).
 
@@ -203,7 +176,6 @@ class CoverBound:
         self.z_max = float(z_max)
         self.J = int(num_bins)
         self.Jc = min(COARSE_BINS, self.J)
-        self.stats = BoundStats()
         self.models: list[_Model] = []
         for cs, w in zip(configs, weights):
             val, sh = pipeline_patterns(cs, self.counts, self.K)
@@ -243,42 +215,32 @@ class CoverBound:
             plans.append(plan)
         return total, plans
 
-    def refutes(self, T: float, deadline_s: float | None = None) -> bool:
+    def refutes(self, T: float) -> bool:
         """True if it is proven that no plan reaches objective ``T`` (False: not proven).
 
         Args:
             T: the objective level to refute.
-            deadline_s: stop the price search after this many seconds (not proven).
         """
-        t0 = time.perf_counter()
-        self.stats.calls += 1
-        try:
-            if T > self.z_max * (1 + 1e-9):
-                self.stats.proofs += 1
-                return True  # above the LP relaxation's bound
-            # Prices first on the coarse tables (any proof there is a proof), then on the
-            # fine ones from the best coarse price, which is close to the best fine one.
-            mu = self.mu0.copy()
-            cuts: list[list[np.ndarray]] = [[] for _ in self.models]
-            for coarse in (True, False):
-                proven, mu = self._kelley(T, mu, coarse, t0, deadline_s, cuts)
-                if proven:
-                    self.stats.proofs += 1
-                    self.stats.last_mu = [float(a) for a in mu]
-                    return True
-            return False
-        finally:
-            self.stats.seconds += time.perf_counter() - t0
+        if T > self.z_max * (1 + 1e-9):
+            return True  # above the LP relaxation's bound
+        # Prices first on the coarse tables (any proof there is a proof), then on the fine
+        # ones from the best coarse price, which is close to the best fine one.
+        mu = self.mu0.copy()
+        cuts: list[list[np.ndarray]] = [[] for _ in self.models]
+        for coarse in (True, False):
+            proven, mu = self._kelley(T, mu, coarse, cuts)
+            if proven:
+                return True
+        return False
 
     def _kelley(
-        self, T: float, mu: np.ndarray, coarse: bool, t0: float, deadline_s: float | None, cuts: list[list[np.ndarray]]
+        self, T: float, mu: np.ndarray, coarse: bool, cuts: list[list[np.ndarray]]
     ) -> tuple[bool, np.ndarray]:
         """Kelley's cutting planes from ``mu``, adding to ``cuts``: (proven, the price that
         proved it or, if none did, the one whose priced demand came closest to the priced
         capacity)."""
         best_mu, best_ratio = mu, -np.inf
         for _it in range(MAX_KELLEY_ITERATIONS):
-            self.stats.kelley_iterations += 1
             priced, plans = self._priced(mu, T, coarse)
             cap = float(mu @ self.counts)
             if priced > cap * (1 + _REL_TOL) + 1e-12:
@@ -287,8 +249,6 @@ class CoverBound:
                 best_mu, best_ratio = mu, priced / cap
             for m, p in enumerate(plans):
                 cuts[m].append(p)
-            if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
-                break
             # Kelley: max sum_m theta_m  s.t. theta_m <= mu . share_p (collected covers),
             # mu . N = 1, mu >= 0. Its value bounds every price's sum_m LB_m from above.
             value, x = kelley_lp(self.counts, cuts)

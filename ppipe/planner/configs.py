@@ -26,8 +26,7 @@ Under the paper's GPU rule a pool's resources are its *share* g/v of its (model,
 type), whatever its level, so the comparison also runs across levels: a pool of g vGPUs
 at level v and one of r g vGPUs at level r v hold the same share. A configuration whose
 level in every slot is a multiple r_d of another's, with r_d X'_d >= X_d, dominates it (the
-same shares give at least the throughput). On the 4-type case this drops 29-53 % of the
-configurations that the same-level comparison keeps (efficientnet-b8: 533 -> 322).
+same shares give at least the throughput).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import numpy as np
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.profile import MIN_BLOCK_LATENCY_US, ModelProfile
 
-BATCH_BUILD_FACTOR = 1.3  # PLANNING_MODEL.md: beta(b) = 1.3 * 1e6 * (b - 1) / x_hat
+BATCH_BUILD_FACTOR = 1.3  # docs/planning-model.md, 'Derived quantities': beta(b) = 1.3 * 1e6 * (b - 1) / x_hat
 
 
 @dataclass(frozen=True)
@@ -184,7 +183,7 @@ def enumerate_configs(
         across_levels: compare configurations of one template across vGPU levels, a
             level r v standing for r vGPUs of level v (exact under the paper's GPU rule only).
         authors_arithmetic: the arithmetic of the authors' ``ilp_v4.py`` where it differs
-            from PLANNING_MODEL.md: the margin is rounded to whole microseconds
+            from docs/planning-model.md: the margin is rounded to whole microseconds
             (``round(margin * T)``), and a partition's missing NIC side (the first one's
             input, the last one's output) counts as a 1 us transfer, capping X at
             1e6 / (v s_k) instead of not at all.
@@ -195,122 +194,176 @@ def enumerate_configs(
     no transfer between them, hence a smaller latency and no NIC cap at the removed cut;
     under physical packing it uses the same vGPUs. So those configurations are dominated.
     """
-    prof = spec.profile
-    M = prof.num_blocks
-    types = [g.name for g in cluster.gpu_types]
-    K = len(types)
+    times = _ModelTimes.of(spec, cluster, levels, margin, authors_arithmetic)
     D = max_partitions
-    batches = sorted({b for k in types for v in levels[k] for b in prof.batches(k, v)})
-    Bn = len(batches)
-    bvec = np.array(batches, dtype=float)
-    PT = _prefix_tables(prof, types, levels, batches)
-    # tau[k][j]: seconds*1e6 to send one sample over the cut after block j at type k's NIC.
-    cut_bits = np.array([prof.cut_bytes(j) * 8.0 for j in range(M)], dtype=float)
-    bw = np.array([cluster.effective_bandwidth_gbps(k) for k in types]) * 1e9
-    spp = np.array([cluster.gpus_per_server(k) for k in types], dtype=float)
-    slo_us = spec.slo_ms * 1000.0
-    budget_us = slo_us - round(margin * slo_us) if authors_arithmetic else slo_us * (1.0 - margin)
-    # ilp_v4.py: a missing NIC side is a transfer of 1 us (1e6 / 1 / v / s_k req/s).
-    no_cut_us = 1.0 if authors_arithmetic else np.inf
-    beta = np.zeros(Bn)
-    if spec.batch_build_rps:
-        beta = BATCH_BUILD_FACTOR * 1e6 * (bvec - 1.0) / spec.batch_build_rps
-
-    templates = templates_for(K, D)
-    cols: dict[str, list[np.ndarray]] = {key: [] for key in ("tmpl", "n", "b", "gpu", "lvl", "first", "last", "inf", "tr", "X", "lat")}
-    enumerated = 0
-    min_lat_b1 = float("inf")
-    b1 = batches.index(1) if 1 in batches else None
+    templates = templates_for(len(times.types), D)
+    parts: list[dict[str, np.ndarray]] = []
+    enumerated, min_lat_b1 = 0, float("inf")
     for ti, tmpl in enumerate(templates):
-        n = len(tmpl)
-        if n > M:
+        if len(tmpl) > times.blocks:
             continue
-        combos = list(itertools.combinations(range(1, M), n - 1))
-        cuts = np.array(combos, dtype=int).reshape(len(combos), n - 1)
-        Q = cuts.shape[0]
-        bnd = np.concatenate([np.zeros((Q, 1), int), cuts, np.full((Q, 1), M, int)], axis=1)  # (Q, n+1)
-        shape = [len(levels[types[k]]) for k in tmpl] + [Bn, Q]
-        lat = np.zeros(shape)
-        infer = []
-        trans = []
-        for d, k in enumerate(tmpl):
-            s, e = bnd[:, d], bnd[:, d + 1]
-            inf_d = PT[k][:, :, e] - PT[k][:, :, s]  # (V_d, B, Q)
-            view = [1] * n + [Bn, Q]
-            view[d] = inf_d.shape[0]
-            inf_d = inf_d.reshape(view)
-            infer.append(inf_d)
-            lat = lat + inf_d
-            if d < n - 1:
-                k2 = tmpl[d + 1]
-                # The batch crosses the slower of the two NICs.
-                tau = cut_bits[e - 1] / min(bw[k], bw[k2]) * 1e6  # (Q,)
-                tr_d = bvec[:, None] * tau[None, :]  # (B, Q)
-                trans.append(tr_d)
-                lat = lat + tr_d
-            else:
-                trans.append(np.zeros((Bn, Q)))
-        enumerated += int(np.isfinite(lat).sum())
-        if b1 is not None:
-            lb1 = lat[..., b1, :]
-            if np.isfinite(lb1).any():
-                min_lat_b1 = min(min_lat_b1, float(np.nanmin(lb1)))
+        tl = _template_latency(times, tmpl)
+        enumerated += int(np.isfinite(tl.latency).sum())
+        min_lat_b1 = min(min_lat_b1, tl.least_batch1_latency(times))
         with np.errstate(invalid="ignore"):
-            ok = np.isfinite(lat) & (lat + beta.reshape([1] * n + [Bn, 1]) <= budget_us)
+            ok = np.isfinite(tl.latency) & (tl.latency + times.beta.reshape([1] * len(tmpl) + [-1, 1]) <= times.budget_us)
         if prune and group_by_multiset:
-            for d in range(n - 1):
-                if tmpl[d] == tmpl[d + 1]:  # dominated where both slots have one level
-                    same = np.equal.outer(np.arange(shape[d]), np.arange(shape[d + 1]))
-                    view = [1] * (n + 2)
-                    view[d], view[d + 1] = shape[d], shape[d + 1]
-                    ok &= ~same.reshape(view)
-        idx = np.nonzero(ok)
-        if idx[0].size == 0:
-            continue
-        C = idx[0].size
-        bi, qi = idx[n], idx[n + 1]
-        gpu = np.full((C, D), -1, int)
-        lvl = np.zeros((C, D), int)
-        first = np.full((C, D), -1, int)
-        last = np.full((C, D), -1, int)
-        inf = np.zeros((C, D))
-        tr = np.zeros((C, D))
-        X = np.zeros((C, D))
-        bsz = bvec[bi]
-        for d, k in enumerate(tmpl):
-            vi = idx[d]
-            v = np.array(levels[types[k]])[vi]
-            gpu[:, d] = k
-            lvl[:, d] = v
-            first[:, d] = bnd[qi, d]
-            last[:, d] = bnd[qi, d + 1] - 1
-            inf[:, d] = _pick(infer[d], d, n, vi, bi, qi)
-            tr[:, d] = trans[d][bi, qi]
-            x = 1e6 * bsz / inf[:, d]
-            # NIC caps: a server's link is shared by its s_k GPUs and their v vGPUs.
-            share = v * spp[k]
-            t_in = cut_bits[bnd[qi, d] - 1] / bw[k] * 1e6 if d > 0 else np.full(C, no_cut_us)
-            t_out = cut_bits[bnd[qi, d + 1] - 1] / bw[k] * 1e6 if d < n - 1 else np.full(C, no_cut_us)
-            with np.errstate(divide="ignore"):
-                for t in (t_in, t_out):  # no cap where nothing is sent (t = 0 or inf)
-                    x = np.minimum(x, np.where(np.isfinite(t) & (t > 0), 1e6 / (t * share), np.inf))
-            X[:, d] = x
-        cols["tmpl"].append(np.full(C, ti))
-        cols["n"].append(np.full(C, n))
-        cols["b"].append(bsz.astype(int))
-        cols["gpu"].append(gpu)
-        cols["lvl"].append(lvl)
-        cols["first"].append(first)
-        cols["last"].append(last)
-        cols["inf"].append(inf)
-        cols["tr"].append(tr)
-        cols["X"].append(X)
-        cols["lat"].append(lat[ok])
+            ok &= _no_repeated_slot_level(tmpl, tl.latency.shape)
+        if ok.any():
+            parts.append(_configurations(times, ti, tmpl, tl, ok, D))
+    cs = _config_set(m, times.types, templates, parts, D, enumerated, min_lat_b1)
+    cs.stats["feasible"] = len(cs)
+    if prune and len(cs):
+        cs = subset(cs, pareto_keep(cs, group_by_multiset, across_levels))
+    cs.stats["kept"] = len(cs)
+    return cs
+
+
+@dataclass(frozen=True)
+class _ModelTimes:
+    """What the configurations of one model are computed from: prefix sums of block
+    latencies (``prefix[k]``: level x batch x block boundary), cut sizes, NICs, the
+    planning budget and the batch-gathering estimate per batch (``beta``)."""
+
+    types: list[str]
+    levels: dict[str, list[int]]
+    blocks: int
+    batches: np.ndarray
+    prefix: list[np.ndarray]
+    cut_bits: np.ndarray  # bits per sample over the cut after block j
+    bandwidth: np.ndarray  # bit/s per GPU type's NIC
+    gpus_per_server: np.ndarray
+    budget_us: float
+    no_cut_us: float  # a partition's missing NIC side: no cap (inf) or the authors' 1 us
+    beta: np.ndarray
+
+    @classmethod
+    def of(cls, spec: ModelSpec, cluster: ClusterSpec, levels, margin: float, authors_arithmetic: bool) -> "_ModelTimes":
+        prof = spec.profile
+        types = [g.name for g in cluster.gpu_types]
+        batches = sorted({b for k in types for v in levels[k] for b in prof.batches(k, v)})
+        bvec = np.array(batches, dtype=float)
+        slo_us = spec.slo_ms * 1000.0
+        beta = np.zeros(len(batches))
+        if spec.batch_build_rps:
+            beta = BATCH_BUILD_FACTOR * 1e6 * (bvec - 1.0) / spec.batch_build_rps
+        return cls(
+            types=types,
+            levels=levels,
+            blocks=prof.num_blocks,
+            batches=bvec,
+            prefix=_prefix_tables(prof, types, levels, batches),
+            cut_bits=np.array([prof.cut_bytes(j) * 8.0 for j in range(prof.num_blocks)], dtype=float),
+            bandwidth=np.array([cluster.effective_bandwidth_gbps(k) for k in types]) * 1e9,
+            gpus_per_server=np.array([cluster.gpus_per_server(k) for k in types], dtype=float),
+            budget_us=slo_us - round(margin * slo_us) if authors_arithmetic else slo_us * (1.0 - margin),
+            # ilp_v4.py: a missing NIC side is a transfer of 1 us (1e6 / 1 / v / s_k req/s).
+            no_cut_us=1.0 if authors_arithmetic else np.inf,
+            beta=beta,
+        )
+
+
+@dataclass(frozen=True)
+class _TemplateLatency:
+    """One template's latencies over (level per slot..., batch, cut points): in all, and
+    per slot its inference and outgoing transfer; ``bounds[q]`` the block boundaries."""
+
+    bounds: np.ndarray  # (Q, n + 1)
+    latency: np.ndarray  # (V_1, ..., V_n, B, Q)
+    infer: list[np.ndarray]
+    transfer: list[np.ndarray]  # (B, Q) per slot
+
+    def least_batch1_latency(self, times: _ModelTimes) -> float:
+        b1 = np.nonzero(times.batches == 1)[0]
+        if not b1.size:
+            return float("inf")
+        lb1 = self.latency[..., int(b1[0]), :]
+        return float(np.nanmin(lb1)) if np.isfinite(lb1).any() else float("inf")
+
+
+def _template_latency(times: _ModelTimes, tmpl: tuple[int, ...]) -> _TemplateLatency:
+    n, M, Bn = len(tmpl), times.blocks, times.batches.size
+    combos = list(itertools.combinations(range(1, M), n - 1))
+    cuts = np.array(combos, dtype=int).reshape(len(combos), n - 1)
+    Q = cuts.shape[0]
+    bnd = np.concatenate([np.zeros((Q, 1), int), cuts, np.full((Q, 1), M, int)], axis=1)
+    shape = [len(times.levels[times.types[k]]) for k in tmpl] + [Bn, Q]
+    lat = np.zeros(shape)
+    infer, trans = [], []
+    for d, k in enumerate(tmpl):
+        s, e = bnd[:, d], bnd[:, d + 1]
+        inf_d = times.prefix[k][:, :, e] - times.prefix[k][:, :, s]  # (V_d, B, Q)
+        view = [1] * n + [Bn, Q]
+        view[d] = inf_d.shape[0]
+        inf_d = inf_d.reshape(view)
+        infer.append(inf_d)
+        lat = lat + inf_d
+        if d < n - 1:
+            # The batch crosses the slower of the two NICs.
+            tau = times.cut_bits[e - 1] / min(times.bandwidth[k], times.bandwidth[tmpl[d + 1]]) * 1e6  # (Q,)
+            tr_d = times.batches[:, None] * tau[None, :]
+            trans.append(tr_d)
+            lat = lat + tr_d
+        else:
+            trans.append(np.zeros((Bn, Q)))
+    return _TemplateLatency(bnd, lat, infer, trans)
+
+
+def _no_repeated_slot_level(tmpl: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """Mask (broadcast over ``shape``) that drops two consecutive slots of one type at one
+    level: dominated under physical packing (see :func:`enumerate_configs`)."""
+    n = len(tmpl)
+    keep = np.ones([1] * len(shape), bool)
+    for d in range(n - 1):
+        if tmpl[d] == tmpl[d + 1]:
+            same = np.equal.outer(np.arange(shape[d]), np.arange(shape[d + 1]))
+            view = [1] * len(shape)
+            view[d], view[d + 1] = shape[d], shape[d + 1]
+            keep = keep & ~same.reshape(view)
+    return keep
+
+
+def _configurations(times: _ModelTimes, ti: int, tmpl: tuple[int, ...], tl: _TemplateLatency, ok: np.ndarray, D: int) -> dict:
+    """The columns of the feasible configurations ``ok`` of template ``ti``: per slot its
+    type, level, blocks, inference and transfer times and X (req/s per vGPU, NIC caps in)."""
+    n = len(tmpl)
+    idx = np.nonzero(ok)
+    C = idx[0].size
+    bi, qi = idx[n], idx[n + 1]
+    bnd = tl.bounds
+    out = dict(gpu=np.full((C, D), -1, int), lvl=np.zeros((C, D), int), first=np.full((C, D), -1, int),
+               last=np.full((C, D), -1, int), inf=np.zeros((C, D)), tr=np.zeros((C, D)), X=np.zeros((C, D)))
+    bsz = times.batches[bi]
+    for d, k in enumerate(tmpl):
+        vi = idx[d]
+        v = np.array(times.levels[times.types[k]])[vi]
+        out["gpu"][:, d] = k
+        out["lvl"][:, d] = v
+        out["first"][:, d] = bnd[qi, d]
+        out["last"][:, d] = bnd[qi, d + 1] - 1
+        out["inf"][:, d] = _pick(tl.infer[d], d, n, vi, bi, qi)
+        out["tr"][:, d] = tl.transfer[d][bi, qi]
+        x = 1e6 * bsz / out["inf"][:, d]
+        # NIC caps: a server's link is shared by its s_k GPUs and their v vGPUs.
+        share = v * times.gpus_per_server[k]
+        bw = times.bandwidth[k]
+        t_in = times.cut_bits[bnd[qi, d] - 1] / bw * 1e6 if d > 0 else np.full(C, times.no_cut_us)
+        t_out = times.cut_bits[bnd[qi, d + 1] - 1] / bw * 1e6 if d < n - 1 else np.full(C, times.no_cut_us)
+        with np.errstate(divide="ignore"):
+            for t in (t_in, t_out):  # no cap where nothing is sent (t = 0 or inf)
+                x = np.minimum(x, np.where(np.isfinite(t) & (t > 0), 1e6 / (t * share), np.inf))
+        out["X"][:, d] = x
+    out.update(tmpl=np.full(C, ti), n=np.full(C, n), b=bsz.astype(int), lat=tl.latency[ok])
+    return out
+
+
+def _config_set(m, types, templates, parts: list[dict], D: int, enumerated: int, min_lat_b1: float) -> ConfigSet:
+    """One ConfigSet from the templates' configuration columns."""
 
     def cat(key, shape):
-        return np.concatenate(cols[key]) if cols[key] else np.zeros(shape)
+        return np.concatenate([p[key] for p in parts]) if parts else np.zeros(shape)
 
-    cs = ConfigSet(
+    return ConfigSet(
         model=m,
         types=types,
         nparts=cat("n", (0,)).astype(int),
@@ -328,12 +381,6 @@ def enumerate_configs(
         enumerated=enumerated,
         min_latency_b1_us=min_lat_b1,
     )
-    cs.stats["feasible"] = len(cs)
-    if prune and len(cs):
-        keep = pareto_keep(cs, group_by_multiset, across_levels)
-        cs = subset(cs, keep)
-    cs.stats["kept"] = len(cs)
-    return cs
 
 
 def _pick(arr: np.ndarray, d: int, n: int, vi: np.ndarray, bi: np.ndarray, qi: np.ndarray) -> np.ndarray:

@@ -3,10 +3,17 @@
 :func:`milp_plan` is what the ``ppipe`` and ``np`` planners run; the DART-r baseline
 (:mod:`ppipe.planner.baselines`) builds on its NP result.
 
-Two helpers around the solve, both for the max-min objective: the split search
-(:mod:`ppipe.planner.split_search`) hands the solver a strong first plan on clusters of
-three or more GPU types, and the cover bound (:mod:`ppipe.planner.bounds`) proves HiGHS's
-incumbents optimal where branch and bound is slow to. Neither changes the optimum.
+Helpers around the solve, all for the max-min objective, none changing the optimum: a
+first plan for the solver (the split search of :mod:`ppipe.planner.split_search` for
+several models, the distinct-type restriction for one model under the paper's rule), and
+a bound that proves HiGHS's incumbents optimal where branch and bound is slow to (the
+framework of :mod:`ppipe.planner.bounds`: its cover bound under physical packing, the
+price bound of :mod:`ppipe.planner.price_bound` under the paper's rule).
+
+The same inputs give the same plan: every choice follows the solvers' search (HiGHS's
+incumbents and interrupt checks, the price bound's batches merged in order), never the
+clock or the threads' timing. The time limit only stops a search; a plan that a stopped
+search shaped reports ``time_limit`` with its proven gap.
 """
 
 from __future__ import annotations
@@ -100,34 +107,33 @@ def infeasible_slo(spec: ModelSpec, cs: ConfigSet, margin: float, cluster: Clust
     )
 
 
-# Solve time (s) before the cover bound is first asked: models HiGHS proves faster pay nothing.
-# Where the price bound serves (many types, many models, paper rule: branch and bound does
-# not close the gap within seconds), the prover is asked as soon as HiGHS's root bound exists.
-PROVER_AFTER_S = 0.2
-# Most seconds the split search may take before the solver starts (it gives up past it).
-SPLIT_SEARCH_BUDGET_S = 4.0
-# The price bound (a round of one single-model MILP solve of 0.3-6 s per model on the
-# 4-type case, where the restriction's dual does not rule it out at once) is not started
-# with less than this left of the time budget.
-PRICE_BOUND_MIN_S = 3.0
-# Where the requested gap is not proven, the prover tries this looser one once (the
-# benchmarks' "proven optimal"): a plan that ends at the time limit then reports the gap
-# that was proven rather than branch and bound's, e.g. 0.1 % instead of 1 % on the 4-type
-# case.
+# HiGHS's interrupt checks before the cover bound is first asked: models HiGHS proves at
+# once (the easy cases of the artifact end within this many) pay nothing. Where the price
+# bound serves (many types, many models), the prover is asked from the root on.
+PROVER_AFTER_POLLS = 8
+# Where the requested gap is not proven, the prover tries this looser one once: a plan that
+# ends at the time limit then reports the gap that was proven rather than branch and
+# bound's (the benchmarks' "proven within 0.1 %").
 FALLBACK_GAP = 1e-3
+# Share of the time limit that the split search, or the distinct-type start, may take.
+START_SHARE = 0.25
+# The distinct-type start serves plans of at most this many models (with several, the
+# restriction's solve costs more than it saves: scripts/bench_planner.py --suite main).
+DISTINCT_START_MAX_MODELS = 1
 
 
-class CoverProver:
-    """``prover(T, bound)`` for :meth:`HighsSolver.solve`: the cover bound of :mod:`ppipe.planner.bounds`,
-    then, where it fails and is given, the price bound of :mod:`ppipe.planner.price_bound`.
+class Prover:
+    """``prover(T, bound)`` for :meth:`HighsSolver.solve`: the cover bound of :mod:`ppipe.planner.bounds`
+    (unless ``cover`` is False), then, where it fails and is given, the price bound of
+    :mod:`ppipe.planner.price_bound`.
 
-    The cover bound is built on first use (the pipeline patterns are listed once), with its
-    throughput bins spanning HiGHS's upper bound at that time; GPU prices start at 1 / N_k.
-    The price bound is tried once per level and only while at least ``PRICE_BOUND_MIN_S``
-    of the time budget is left; ``method`` names the bound that gave the last proof. Where
-    it finds instead that known plans of the models reach the level together, that plan
-    (``columns`` turns it into column values, or None if it is not a solution of the MILP)
-    waits in ``solution`` for the solver to take as its new incumbent.
+    The cover bound is built on first use, with its throughput bins spanning HiGHS's upper
+    bound at that time. The price bound is tried once per level; ``method`` names the bound
+    that gave the last proof. Where the price bound finds instead that known plans of the
+    models reach the level together, that plan (``columns`` turns it into column values,
+    or None if it is not a solution of the MILP) waits in ``solution`` for the solver to
+    take as its new incumbent. Where the deadline stopped the price bound, ``timed_out``
+    is set and the solver stops: the wall clock ends the search, it never picks a plan.
 
     Given the solve's ``gap``, a level ``T = incumbent (1 + gap)`` that neither bound
     refutes is followed, once, by ``incumbent (1 + FALLBACK_GAP)``: if that is refuted,
@@ -146,8 +152,10 @@ class CoverProver:
         deadline: float | None = None,
         gap: float | None = None,
         columns: Callable[[list[ModelPlan]], np.ndarray | None] | None = None,
+        cover: bool = True,
     ):
         self._args = (configs, specs, cluster)
+        self._cover = cover
         self._columns = columns
         self.solution: np.ndarray | None = None
         self._offered = -math.inf  # objective of the best plan offered so far
@@ -156,35 +164,38 @@ class CoverProver:
         self.deadline = deadline
         self.gap = gap
         self.weak: tuple[float, str] | None = None
+        self.timed_out = False
         self._priced: set[float] = set()
 
     def __call__(self, T: float, upper_bound: float) -> bool:
-        if self.bound is None:
+        if self.bound is None and self._cover:
             configs, specs, cluster = self._args
             counts = np.array([cluster.gpu_counts[g.name] for g in cluster.gpu_types], dtype=float)
             self.bound = CoverBound(configs, [s.weight for s in specs], counts, z_max=upper_bound)
         fallback = self.weak is None and self.gap is not None and self.gap < FALLBACK_GAP
         # While the looser level is still to be tried, the requested one gets one round of
-        # exact solves (a proof there takes one, 4-type case), so that time is left for it.
+        # exact solves, so that room is left for the looser one.
         if self._refutes(T, max_rounds=1 if fallback else MAX_ITERATIONS):
             return True
-        if fallback:
+        if fallback and not self.timed_out:
             looser = T / (1.0 + self.gap) * (1.0 + FALLBACK_GAP)
             if looser < upper_bound and self._refutes(looser):
                 self.weak = (looser, self.method)
         return False
 
     def _refutes(self, T: float, max_rounds: int = MAX_ITERATIONS) -> bool:
-        if self.bound.refutes(T):
+        if self.bound is not None and self.bound.refutes(T):
             self.method = "cover bound"
             return True
-        left = math.inf if self.deadline is None else self.deadline - time.perf_counter()
-        if self.price_bound is None or T in self._priced or left < PRICE_BOUND_MIN_S:
+        if self.price_bound is None or T in self._priced:
             return False
         self._priced.add(T)
         if self.price_bound.refutes(T, deadline=self.deadline, max_rounds=max_rounds):
             self.method = "price bound"
             return True
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            self.timed_out = True
+            return False
         if self.price_bound.found and self._columns is not None:
             models, specs = self.price_bound.found, self._args[1]
             z = min(m.throughput_rps / s.weight for m, s in zip(models, specs))
@@ -194,67 +205,72 @@ class CoverProver:
         return False
 
 
-# The split search runs for max-min plans of >= 2 models on >= 3 GPU types. Measured
-# (scripts/bench_planner.py): on 4 types, 3 models HiGHS's own plan after 300 s is 0.12 %
-# below the split search's after 2 s; on 2 types HiGHS finds the optimum at the root and a
-# start only changes its path (G1 HC2-L 0.55 -> 1.04 s, HC3-L 0.62 -> 1.16 s); for one model
-# there is no split to search and the 3-partition tables cost 1-2 s (ablation suite).
-SPLIT_SEARCH_MIN_TYPES = 3
+# The split search runs for max-min plans of >= 2 models. Under the paper's GPU rule its
+# tables seed the price bound, which proves the plans of two-type clusters too; under
+# physical packing it is only a start, and on two types HiGHS finds the optimum at the root
+# itself (a start there only changes its path). scripts/bench_planner.py measures both.
+SPLIT_SEARCH_MIN_TYPES = {"paper": 2, "physical": 3}
 SPLIT_SEARCH_MIN_MODELS = 2
 
 
-def wants_split_start(objective, solver, specs, cluster) -> bool:
+def wants_split_start(objective, solver, specs, cluster, gpu_rule: str) -> bool:
     """Whether :func:`milp_plan` hands the solver a split-search start (see the constants above)."""
     return (
         isinstance(objective, MaxMinNormalized)
         and getattr(solver, "accepts_start", False)
         and len(specs) >= SPLIT_SEARCH_MIN_MODELS
-        and len(cluster.gpu_types) >= SPLIT_SEARCH_MIN_TYPES
+        and len(cluster.gpu_types) >= SPLIT_SEARCH_MIN_TYPES[gpu_rule]
     )
 
 
-def split_start(
-    configs, specs, cluster, milp, variables, time_limit_s, paper_templates: bool = False
-) -> tuple[np.ndarray | None, SplitPlan | None]:
-    """(a MIP start from :func:`~ppipe.planner.split_search.split_search` (max-min) or None, its plan or None).
+@dataclass(frozen=True)
+class Start:
+    """A MIP start: column values (None: no start), the split search's plan (or None), and
+    whether the wall clock stopped the search that made it (the plan then says time_limit)."""
 
-    ``paper_templates``: the MILP has constraint (6), so the restriction keeps it too.
+    x: np.ndarray | None = None
+    restricted: SplitPlan | None = None
+    timed_out: bool = False
 
-    The start is checked against every row and bound of ``milp`` before it is handed over,
-    so that a wrong start can never reach the solver.
+
+def split_start(configs, specs, cluster, milp, variables, time_limit_s, paper_templates: bool = False) -> Start:
+    """A MIP start from :func:`~ppipe.planner.split_search.split_search` (max-min).
+
+    ``paper_templates``: the MILP has constraint (6), so the restriction keeps it too. The
+    search may take ``START_SHARE`` of the time limit. The start is checked against every
+    row and bound of ``milp`` before it is handed over, so that a wrong start can never
+    reach the solver.
     """
     counts = np.array([cluster.gpu_counts[g.name] for g in cluster.gpu_types])
-    budget = SPLIT_SEARCH_BUDGET_S if time_limit_s is None else min(SPLIT_SEARCH_BUDGET_S, 0.25 * time_limit_s)
+    budget = None if time_limit_s is None else START_SHARE * time_limit_s
+    t0 = time.perf_counter()
     plan = split_search(configs, [s.weight for s in specs], counts, time_budget_s=budget, paper_templates=paper_templates)
+    # The search checks the clock only against its budget: past it, it may have stopped.
+    timed_out = budget is not None and time.perf_counter() - t0 > budget
     if plan is None:
-        return None, None
+        return Start(timed_out=timed_out)
     x = start_vector(plan, variables, milp.num_cols, variables.extra.get("z"))
-    return (x if is_feasible(milp, x) else None), plan
+    return Start(x if is_feasible(milp, x) else None, plan, timed_out)
 
 
-# Share of the time left that the MIP start of distinct_types_start may take.
-DISTINCT_TYPES_BUDGET = 0.25
-
-
-def distinct_types_start(specs, configs, cluster, milp, variables, solver, *, gpu_rule, deadline, gap) -> np.ndarray | None:
+def distinct_types_start(specs, configs, cluster, milp, variables, solver, *, gpu_rule, deadline, gap) -> Start:
     """A MIP start for the paper's formulation (max-min): the optimum over the configurations
-    whose consecutive slots have different GPU types, or None.
+    whose consecutive slots have different GPU types.
 
     Why: the authors' templates let one type fill consecutive slots, which about triples
     the configurations of two-type clusters, and HiGHS then often finds its first plan only
-    after tens of nodes (on one model with three partitions, only after seconds). The
-    distinct-type configurations with at most one per type tuple are a much smaller
-    restriction of the same MILP (the same rows over fewer columns, plus rows of their
-    own), so their optimum is a plan of it, and on the artifact's cases usually its
-    optimum. It is checked against every row before use; a restriction that finds no plan
-    within its share of the time gives no start.
+    late. The distinct-type configurations with at most one per type tuple are a much
+    smaller restriction of the same MILP (the same rows over fewer columns, plus rows of
+    their own), so their optimum is a plan of it. It is checked against every row before
+    use. The restriction may take ``START_SHARE`` of the time left; one stopped by it gives
+    no start and says so.
     """
     keep = []
     for cs in configs:
         distinct = [all(cs.gpu[c, d] != cs.gpu[c, d + 1] for d in range(int(cs.nparts[c]) - 1)) for c in range(len(cs))]
         keep.append(np.array(distinct, dtype=bool))
     if all(k.all() for k in keep) or not all(k.any() for k in keep):
-        return None
+        return Start()
     sub = [subset(cs, k) for cs, k in zip(configs, keep)]
     # At most one configuration per type tuple: within (6a), as the distinct-type tuples
     # that start with a prefix of length l number sum_{j <= D - l} (K - 1)^j <= K^(D - l).
@@ -262,13 +278,13 @@ def distinct_types_start(specs, configs, cluster, milp, variables, solver, *, gp
     MaxMinNormalized().apply(rmilp, rv)
     left = time_left(deadline)
     try:
-        res = solver.solve(rmilp, time_limit_s=None if left is None else DISTINCT_TYPES_BUDGET * left, gap=gap)
+        res = solver.solve(rmilp, time_limit_s=None if left is None else START_SHARE * left, gap=gap)
     except SolverTimeLimitError:
-        return None
-    if res.x is None:
-        return None
+        return Start(timed_out=True)
+    if res.status != "optimal" or res.x is None:
+        return Start(timed_out=res.status == "time_limit")
     x = solution_vector(extract(res.x, rv, specs), variables, milp.num_cols)
-    return x if is_feasible(milp, x) else None
+    return Start(x if is_feasible(milp, x) else None)
 
 
 def is_feasible(milp, x: np.ndarray, tol: float = 1e-6) -> bool:
@@ -324,50 +340,23 @@ def milp_plan(
     deadline = None if time_limit_s is None else t0 + time_limit_s
     solver = solver.tuned_for(gpu_rule, single_model=len(specs) == 1) if hasattr(solver, "tuned_for") else solver
 
-    kw = {}
-    restricted = None
-    if wants_split_start(objective, solver, specs, cluster):
-        kw["start"], restricted = split_start(
-            configs, specs, cluster, milp, variables, time_limit_s, paper_templates=one_config_per_template
-        )
-    elif one_config_per_template and isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_start", False):
-        kw["start"] = distinct_types_start(
-            specs, configs, cluster, milp, variables, solver, gpu_rule=gpu_rule, deadline=deadline, gap=gap
-        )
-    if isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_prover", False):
-        # The cover bound proves HiGHS's incumbents optimal where branch and bound is slow
-        # (it is only asked after prover_after_s, so easy models pay nothing). Gurobi takes it
-        # only to hand it to HiGHS when its licence refuses the model.
-        # The price bound needs per-model integer GPU vectors: the paper's GPU rule (under
-        # physical packing models share GPUs of a level, so a model's own count would
-        # overstate what it needs), and the split search's tables, which seed it.
-        price = (
-            PriceBound(
-                specs,
-                configs,
-                cluster,
-                dict(gpu_rule=gpu_rule, one_config_per_template=one_config_per_template),
-                tables=restricted.tables,
-            )
-            if gpu_rule == "paper" and restricted is not None
-            else None
-        )
-
-        def columns(models: list[ModelPlan]) -> np.ndarray | None:
-            x = solution_vector(models, variables, milp.num_cols)
-            return x if is_feasible(milp, x) else None
-
-        prover = CoverProver(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns)
-        after = 0.0 if price is not None else PROVER_AFTER_S
-        result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_s=after, **kw)
-        if result.status == "time_limit" and prover.weak is not None and result.objective > 0:
-            # Stopped short of the requested gap, but a looser level was proven out of reach.
-            level, how = prover.weak
-            proven = max(0.0, level / result.objective - 1.0)
-            if proven < result.gap:
-                result = replace(result, gap=proven, method=f"highs incumbent + {how}")
+    start = Start()
+    if wants_split_start(objective, solver, specs, cluster, gpu_rule):
+        start = split_start(configs, specs, cluster, milp, variables, time_limit_s, paper_templates=one_config_per_template)
+    elif (
+        one_config_per_template and len(specs) <= DISTINCT_START_MAX_MODELS and isinstance(objective, MaxMinNormalized)
+        and getattr(solver, "accepts_start", False)
+    ):
+        start = distinct_types_start(specs, configs, cluster, milp, variables, solver, gpu_rule=gpu_rule, deadline=deadline, gap=gap)
+    if isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_prover", False) and _has_prover(gpu_rule, start):
+        result = _proven_solve(milp, variables, specs, configs, cluster, solver, start, deadline=deadline, gap=gap,
+                               gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
     else:
-        result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, **kw)
+        result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, **({} if start.x is None else {"start": start.x}))
+    if start.timed_out and result.status == "optimal":
+        # The clock stopped the start's search, so another run may start elsewhere and end
+        # at another plan: the plan says that a time limit shaped it, with its proven gap.
+        result = replace(result, status="time_limit")
     if result.status == "infeasible":
         raise InfeasibleError(
             f"no plan meets objective '{objective.name}' on cluster '{cluster.name}' "
@@ -384,3 +373,44 @@ def milp_plan(
         configurations=sum(len(c) for c in configs),
         seconds=time.perf_counter() - t0,
     )
+
+
+def _has_prover(gpu_rule: str, start: Start) -> bool:
+    """Whether a bound serves this solve: the cover bound under physical packing, the price
+    bound under the paper's rule where the split search ran. (Under the paper's rule the
+    cover bound, which cannot see the per-model rounding to whole GPUs, proved no case of
+    scripts/bench_planner.py and only cost time.)"""
+    return gpu_rule == "physical" or start.restricted is not None
+
+
+def _proven_solve(milp, variables, specs, configs, cluster, solver, start: Start, *, deadline, gap, gpu_rule,
+                  one_config_per_template) -> SolveResult:
+    """The max-min solve with the bound that serves it as prover (see :func:`_has_prover`).
+
+    The bounds prove HiGHS's incumbents optimal where branch and bound is slow to. Gurobi
+    takes the prover only to hand it to HiGHS when its licence refuses the model. The price
+    bound needs per-model integer GPU vectors: the paper's GPU rule (under physical packing
+    models share GPUs of a level, so a model's own count would overstate its need), and the
+    split search's tables, which seed it.
+    """
+    price = None
+    if gpu_rule == "paper":
+        build_kw = dict(gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
+        price = PriceBound(specs, configs, cluster, build_kw, tables=start.restricted.tables)
+
+    def columns(models: list[ModelPlan]) -> np.ndarray | None:
+        x = solution_vector(models, variables, milp.num_cols)
+        return x if is_feasible(milp, x) else None
+
+    prover = Prover(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns,
+                         cover=gpu_rule == "physical")
+    after = 0 if price is not None else PROVER_AFTER_POLLS
+    kw = {} if start.x is None else {"start": start.x}
+    result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_polls=after, **kw)
+    if result.status == "time_limit" and prover.weak is not None and result.objective > 0:
+        # Stopped short of the requested gap, but a looser level was proven out of reach.
+        level, how = prover.weak
+        proven = max(0.0, level / result.objective - 1.0)
+        if proven < result.gap:
+            result = replace(result, gap=proven, method=f"highs incumbent + {how}")
+    return result

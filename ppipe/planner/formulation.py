@@ -150,102 +150,112 @@ def build(
     )
     # Terms of the GPU rows, collected over all models: key -> (cols, coefs).
     gpu_terms: dict[tuple, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-
     for mi, cs in enumerate(configs):
-        C, D = cs.X.shape
+        xmax, U = _pool_bounds(cs, N, None if rate_cap is None else rate_cap[mi], tight_bounds)
         mask = cs.gpu >= 0
-        Nk = np.where(mask, N[np.maximum(cs.gpu, 0)], 0.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            cap = np.where(mask, Nk * cs.level * cs.X, np.inf)
-            xmax = cap.min(axis=1) if C else np.zeros(0)
-            if rate_cap is not None:
-                xmax = np.minimum(xmax, rate_cap[mi])
-            U = np.where(mask, np.minimum(Nk * cs.level, np.ceil(xmax[:, None] / np.where(mask, cs.X, 1.0) - 1e-9)), 0.0)
-        if not tight_bounds:
-            U = np.where(mask, Nk * cs.level, 0.0)
-        U = np.maximum(U, 0.0)
-        gcols = milp.add_cols(int(mask.sum()), lb=0, ub=U[mask], integer=True, name="g")
-        gidx = np.full((C, D), -1, int)
-        gidx[mask] = gcols
+        gidx = np.full(mask.shape, -1, int)
+        gidx[mask] = milp.add_cols(int(mask.sum()), lb=0, ub=U[mask], integer=True, name="g")
         multi = cs.nparts >= 2
-        xcols = milp.add_cols(int(multi.sum()), lb=0, ub=xmax[multi], name="x_config")
-        xidx = np.full(C, -1, int)
-        xidx[multi] = xcols
+        xidx = np.full(len(cs), -1, int)
+        xidx[multi] = milp.add_cols(int(multi.sum()), lb=0, ub=xmax[multi], name="x_config")
         v.g.append(gidx)
         v.x_config.append(xidx)
+        _add_throughput_rows(milp, cs, int(x_model[mi]), gidx, xidx)
+        v.y.append(np.full(len(cs), -1, int))
+        if one_config_per_template and len(cs):
+            v.y[-1] = _add_template_rows(milp, cs, gidx, U, len(types), one_per_type_tuple)
+        _collect_gpu_terms(gpu_terms, cs, mi, gidx, gpu_rule)
+    v.agg = _add_gpu_rows(milp, gpu_terms, gpus, N, gpu_rule)
+    return milp, v
 
-        # (4) x_c - X_{c,d} g_{c,d} <= 0 for every used slot of a multi-partition configuration.
-        pc, pd = np.nonzero(mask & multi[:, None])
-        P = pc.size
-        if P:
-            r = np.arange(P)
-            milp.add_rows(
-                P,
-                np.concatenate([r, r]),
-                np.concatenate([xidx[pc], gidx[pc, pd]]),
-                np.concatenate([np.ones(P), -cs.X[pc, pd]]),
-                ub=0.0,
-                name="c4_pipeline",
-            )
-        # (5) x_m - sum x_c - sum X g (single-partition) = 0.
-        single = np.nonzero(~multi)[0]
-        cols = np.concatenate([[x_model[mi]], xcols, gidx[single, 0]])
-        vals = np.concatenate([[1.0], -np.ones(xcols.size), -cs.X[single, 0]])
-        milp.add_rows(1, np.zeros(cols.size, int), cols, vals, lb=0.0, ub=0.0, name="c5_model")
 
-        # (6) the paper's formulation: one configuration per template.
-        v.y.append(np.full(C, -1, int))
-        if one_config_per_template and C:
-            y = milp.add_cols(C, lb=0, ub=1, integer=True, name="y")
-            v.y[-1] = y
-            if one_per_type_tuple:
-                rows6 = [(np.nonzero(cs.template == t)[0], 1) for t in np.unique(cs.template)]
-            else:
-                rows6 = paper_template_rows(cs, len(types))
-            if rows6:
-                milp.add_rows(
-                    len(rows6),
-                    np.concatenate([np.full(m.size, i) for i, (m, _cap) in enumerate(rows6)]),
-                    np.concatenate([y[m] for m, _cap in rows6]),
-                    np.ones(sum(m.size for m, _cap in rows6)),
-                    ub=np.array([float(cap) for _m, cap in rows6]),
-                    name="c6a_one_config",
-                )
-            lc, ld = np.nonzero(mask)
-            L = lc.size
-            r = np.arange(L)
-            milp.add_rows(
-                L,
-                np.concatenate([r, r]),
-                np.concatenate([gidx[lc, ld], y[lc]]),
-                np.concatenate([np.ones(L), -U[lc, ld]]),
-                ub=0.0,
-                name="c6b_link",
-            )
+def _pool_bounds(cs: ConfigSet, N: np.ndarray, rate_cap: float | None, tight: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(x_max per configuration, U per slot): the most a configuration carries with every
+    GPU of each slot's type (capped at ``rate_cap``), and ``U_{c,d} = min(N_k v,
+    ceil(x_max / X_{c,d}))`` (``tight``; else ``N_k v``, the paper's bound)."""
+    mask = cs.gpu >= 0
+    Nk = np.where(mask, N[np.maximum(cs.gpu, 0)], 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cap = np.where(mask, Nk * cs.level * cs.X, np.inf)
+        xmax = cap.min(axis=1) if len(cs) else np.zeros(0)
+        if rate_cap is not None:
+            xmax = np.minimum(xmax, rate_cap)
+        U = np.where(mask, np.minimum(Nk * cs.level, np.ceil(xmax[:, None] / np.where(mask, cs.X, 1.0) - 1e-9)), 0.0)
+    if not tight:
+        U = np.where(mask, Nk * cs.level, 0.0)
+    return xmax, np.maximum(U, 0.0)
 
-        # Terms of (2): per (k, v) for the physical rule, per (m, d, k) for the paper rule.
-        lc, ld = np.nonzero(mask)
-        if gpu_rule == "physical":
-            keys = np.stack([cs.gpu[lc, ld], cs.level[lc, ld]], axis=1)
-            coef = np.ones(lc.size)
-        else:
-            keys = np.stack([np.full(lc.size, mi), ld, cs.gpu[lc, ld]], axis=1)
-            coef = PAPER_SCALE / cs.level[lc, ld]
-        if lc.size:
-            uk, inv = np.unique(keys, axis=0, return_inverse=True)
-            inv = inv.reshape(-1)
-            for j, key in enumerate(map(tuple, uk)):
-                sel = inv == j
-                cols_l, coefs_l = gpu_terms.setdefault(tuple(int(a) for a in key), ([], []))
-                cols_l.append(gidx[lc[sel], ld[sel]])
-                coefs_l.append(coef[sel])
 
-    # (2a)/(2b): one integer column per key, and its row.
+def _add_throughput_rows(milp: Milp, cs: ConfigSet, x_model: int, gidx: np.ndarray, xidx: np.ndarray) -> None:
+    """Rows (4) x_c <= X_{c,d} g_{c,d} per used slot of a multi-partition configuration, and
+    (5) x_m = sum x_c + sum X g over the single-partition ones."""
+    mask, multi = cs.gpu >= 0, cs.nparts >= 2
+    pc, pd = np.nonzero(mask & multi[:, None])
+    P = pc.size
+    if P:
+        r = np.arange(P)
+        milp.add_rows(P, np.concatenate([r, r]), np.concatenate([xidx[pc], gidx[pc, pd]]),
+                      np.concatenate([np.ones(P), -cs.X[pc, pd]]), ub=0.0, name="c4_pipeline")
+    single = np.nonzero(~multi)[0]
+    xcols = xidx[multi]
+    cols = np.concatenate([[x_model], xcols, gidx[single, 0]])
+    vals = np.concatenate([[1.0], -np.ones(xcols.size), -cs.X[single, 0]])
+    milp.add_rows(1, np.zeros(cols.size, int), cols, vals, lb=0.0, ub=0.0, name="c5_model")
+
+
+def _add_template_rows(milp: Milp, cs: ConfigSet, gidx: np.ndarray, U: np.ndarray, num_types: int, one_per_type_tuple: bool) -> np.ndarray:
+    """The paper's (6): a binary y_c per configuration, (6a) the authors' rows on them (or
+    at most one per type tuple), (6b) g_{c,d} <= U_{c,d} y_c. Returns the y columns."""
+    y = milp.add_cols(len(cs), lb=0, ub=1, integer=True, name="y")
+    if one_per_type_tuple:
+        rows6 = [(np.nonzero(cs.template == t)[0], 1) for t in np.unique(cs.template)]
+    else:
+        rows6 = paper_template_rows(cs, num_types)
+    if rows6:
+        milp.add_rows(
+            len(rows6),
+            np.concatenate([np.full(m.size, i) for i, (m, _cap) in enumerate(rows6)]),
+            np.concatenate([y[m] for m, _cap in rows6]),
+            np.ones(sum(m.size for m, _cap in rows6)),
+            ub=np.array([float(cap) for _m, cap in rows6]),
+            name="c6a_one_config",
+        )
+    lc, ld = np.nonzero(cs.gpu >= 0)
+    L = lc.size
+    r = np.arange(L)
+    milp.add_rows(L, np.concatenate([r, r]), np.concatenate([gidx[lc, ld], y[lc]]),
+                  np.concatenate([np.ones(L), -U[lc, ld]]), ub=0.0, name="c6b_link")
+    return y
+
+
+def _collect_gpu_terms(gpu_terms: dict, cs: ConfigSet, mi: int, gidx: np.ndarray, gpu_rule: str) -> None:
+    """Add one model's terms of (2): per (k, v) for the physical rule (vGPUs), per
+    (m, d, k) for the paper's rule (shares g / v, scaled by PAPER_SCALE)."""
+    lc, ld = np.nonzero(cs.gpu >= 0)
+    if not lc.size:
+        return
+    if gpu_rule == "physical":
+        keys = np.stack([cs.gpu[lc, ld], cs.level[lc, ld]], axis=1)
+        coef = np.ones(lc.size)
+    else:
+        keys = np.stack([np.full(lc.size, mi), ld, cs.gpu[lc, ld]], axis=1)
+        coef = PAPER_SCALE / cs.level[lc, ld]
+    uk, inv = np.unique(keys, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    for j, key in enumerate(map(tuple, uk)):
+        sel = inv == j
+        cols_l, coefs_l = gpu_terms.setdefault(tuple(int(a) for a in key), ([], []))
+        cols_l.append(gidx[lc[sel], ld[sel]])
+        coefs_l.append(coef[sel])
+
+
+def _add_gpu_rows(milp: Milp, gpu_terms: dict, gpus: np.ndarray, N: np.ndarray, gpu_rule: str) -> dict:
+    """(2a)/(2b): one integer column per key (GPUs of a (type, level), or of a (model, slot,
+    type)) and its row; (2c) gpus_k = the sum of type k's. Returns key -> column."""
     keys = sorted(gpu_terms)
+    key_type = np.array([k[0] if gpu_rule == "physical" else k[2] for k in keys], dtype=int)
+    agg = milp.add_cols(len(keys), lb=0, ub=N[key_type], integer=True, name="P" if gpu_rule == "physical" else "n") if keys else np.zeros(0, int)
     if keys:
-        key_type = np.array([k[0] if gpu_rule == "physical" else k[2] for k in keys])
-        agg = milp.add_cols(len(keys), lb=0, ub=N[key_type], integer=True, name="P" if gpu_rule == "physical" else "n")
-        v.agg = {key: int(col) for key, col in zip(keys, agg)}
         rows, cols, vals = [], [], []
         for i, key in enumerate(keys):
             cl, co = gpu_terms[key]
@@ -254,27 +264,14 @@ def build(
             rows.append(np.full(c_all.size + 1, i))
             cols.append(np.concatenate([[agg[i]], c_all]))
             vals.append(np.concatenate([[float(scale)], -np.concatenate(co)]))
-        milp.add_rows(
-            len(keys),
-            np.concatenate(rows),
-            np.concatenate(cols),
-            np.concatenate(vals),
-            lb=0.0,
-            name="c2a_level_gpus" if gpu_rule == "physical" else "c2b_paper_gpus",
-        )
-    else:
-        key_type = np.zeros(0, int)
-        agg = np.zeros(0, int)
-    # (2c) gpus_k = sum of the per-key GPU counts of type k.
-    rows = [np.arange(len(types))]
-    cols = [gpus]
-    vals = [np.ones(len(types))]
-    if len(keys):
-        rows.append(key_type)
-        cols.append(agg)
-        vals.append(-np.ones(len(keys)))
-    milp.add_rows(len(types), np.concatenate(rows), np.concatenate(cols), np.concatenate(vals), lb=0.0, ub=0.0, name="c2c_type_gpus")
-    return milp, v
+        milp.add_rows(len(keys), np.concatenate(rows), np.concatenate(cols), np.concatenate(vals), lb=0.0,
+                      name="c2a_level_gpus" if gpu_rule == "physical" else "c2b_paper_gpus")
+    T = gpus.size
+    rows = np.concatenate([np.arange(T), key_type])
+    cols = np.concatenate([gpus, agg])
+    vals = np.concatenate([np.ones(T), -np.ones(len(keys))])
+    milp.add_rows(T, rows, cols, vals, lb=0.0, ub=0.0, name="c2c_type_gpus")
+    return {key: int(col) for key, col in zip(keys, agg)}
 
 
 def extract(x: np.ndarray, v: PlanVariables, models: list[ModelSpec]) -> list[ModelPlan]:
@@ -375,7 +372,7 @@ def solution_vector(models: list[ModelPlan], v: PlanVariables, num_cols: int) ->
     Each pipeline is matched to the configuration with its block ranges, GPU types, levels
     and batch (then :func:`pipeline_columns`), and ``z`` (when the max-min objective added
     it) is ``min_m x_m / w_m``. With :func:`ppipe.planner.core.is_feasible` it tells whether
-    a plan changed after the solve (the headroom pass) is still a solution of the same MILP.
+    a plan changed after the solve (the headroom pass) is still a solution of a MILP.
 
     Raises:
         ValueError: a pipeline whose configuration is not among the MILP's columns.

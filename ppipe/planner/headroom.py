@@ -11,19 +11,20 @@ pool: the objective value, the pipelines' block ranges, levels and batches stay 
 MILP's, and so do the rates a load factor refers to (:func:`ppipe.sim.sweep.base_rates`
 uses the solver's objective).
 
-Still an optimal plan of the same MILP. The max-min MILP has many optimal solutions: the
+An optimal plan of the paper's MILP. The max-min MILP has many optimal solutions: the
 vGPU counts of pools that do not bind are free as long as the GPU rows hold, and nothing
 in the model (ppipe's or the paper's) says which of them to run. The pass only raises
-counts of existing pools within constraint (2), so every row of the MILP still holds and
-``z = min_m x_m / w_m`` keeps the solver's value: the grown plan is another optimal
-solution (with the paper's bound ``g <= N_k v``; ppipe's tighter ``U_{c,d}`` bound only
-excludes pools larger than their pipeline can ever use, which the pass may build).
-``tests/planner/test_headroom.py`` checks it row by row
-(:func:`ppipe.planner.formulation.solution_vector` and
-:func:`ppipe.planner.core.is_feasible`), and so did a check of the 24 main cases of
-``scripts/reproduce_fig6.py`` in the paper's formulation (2026-11-26: 24 of 24 feasible,
-objective unchanged, 0-16 vGPUs added per case). Hence the pass is on by default in both
-formulations.
+counts of existing pools within constraint (2), so every row still holds and
+``z = min_m x_m / w_m`` keeps the solver's value: the grown plan is an optimal solution of
+the MILP with the paper's pool bounds ``g <= N_k v``. It may exceed ppipe's own tighter
+bounds ``U_{c,d} = min(N_k v, ceil(x_max,c / X_{c,d}))`` (:func:`ppipe.planner.formulation.build`):
+those only cut pools larger than their pipeline could ever carry, which changes neither
+the optimum's value nor the rows, but is exactly the slack the pass adds (a pool sized
+for the rate its pipeline reaches with every GPU of its bottleneck type is at 100 %).
+``tests/planner/test_headroom.py`` checks the grown plan row by row against that MILP
+(``build(..., tight_bounds=False)``, :func:`ppipe.planner.formulation.solution_vector`,
+:func:`ppipe.planner.core.is_feasible`), and that the plan before the pass also meets the
+tight bounds. Hence the pass is on by default in both formulations.
 
 Rule (greedy, deterministic). For every pool (a partition of a pipeline):
 
@@ -39,10 +40,9 @@ Rule (greedy, deterministic). For every pool (a partition of a pipeline):
 N_k`` (so a free share of an already rounded-up GPU is used first). A pool whose type
 is exhausted never becomes growable again (counts only grow), so it leaves the queue.
 
-Measured (``scripts/reproduce_fig6.py``, simulator, 10 s points, seed 0, the paper's
-formulation and rates): PPipe's mean max load factor over the 24 cases 0.958 -> 0.972;
-targets 0.7, 0.8 and 0.85 gave the same figures as growing until no GPU is left, so
-the default stops at 0.8 and leaves the remaining GPUs idle.
+The default target 0.8 leaves the remaining GPUs idle: in the simulator
+(``scripts/reproduce_fig6.py``) lower targets, down to growing until no GPU is left, served
+no more load.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The planner decides *how many* vGPUs of which type and level each partition pool
 the data plane needs to know *where* they are, because NIC reservations are per server.
 This module turns pool sizes into :class:`~ppipe.spec.plan.VgpuPlacement` rows.
 
-Rules (the same two GPU rules as the planner, PLANNING_MODEL.md, constraint 2):
+Rules (the same two GPU rules as the planner, docs/planning-model.md, 'Constraints', constraint 2):
 
 * ``physical`` (default): a GPU at level v hosts exactly v vGPUs of level v. vGPUs are
   grouped by (GPU type, level) over all models, and each group of v consecutive vGPUs

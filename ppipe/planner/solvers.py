@@ -104,30 +104,22 @@ def _timeout(name: str, limit: float | None) -> SolverTimeLimitError:
     )
 
 
-# HiGHS options for the planner's MILPs, measured with scripts/bench_planner.py (one
-# thread, CPU time, same proven optima everywhere): main suite summed 11.5 s -> 5.7-6.6 s,
-# median 0.20 s -> 0.07 s, slowest case 2.9 s -> 1.3-1.6 s; ablation summed 20.1 s ->
-# 15.8 s. The models are small (hundreds to a few thousand columns), so presolve removes
-# almost nothing (8 rows of ~550) while its reductions steer the search worse; the
-# RINS/RENS sub-MIPs took about half the time without finding better plans than the
-# other heuristics. Neither setting affects the optimum (tests/planner/test_solver_options.py).
-# Tried and not kept: lower mip_pscost_minreliable, other heuristic efforts.
+# HiGHS options for the planner's MILPs (small models, hundreds to a few thousand columns):
+# presolve removes almost nothing there while its reductions steer the search worse, and
+# the RINS/RENS sub-MIPs cost time without finding better plans than the other heuristics.
+# None of these settings changes the optimum (tests/planner/test_solver_options.py); the
+# figures that chose them come from scripts/bench_planner.py.
 HIGHS_MIP_OPTIONS: dict[str, object] = {
     "presolve": "off",
     "mip_heuristic_run_rins": False,
     "mip_heuristic_run_rens": False,
 }
-# Under physical packing (the default formulation) RENS pays: its first plans are better,
-# and branch and bound needs half the nodes (scripts/bench_planner.py --suite gain, three
-# runs: median 0.16 -> 0.11-0.13 s, max 1.87-2.02 -> 1.66-2.07 s, nodes 12,053 -> 5,259-6,985).
-# Under the paper's rule it does not (main suite: max 0.99 -> 1.43 s), so it stays off there.
+# Under physical packing (the default formulation) RENS finds better first plans and halves
+# the nodes; under the paper's rule it does not pay.
 HIGHS_RULE_OPTIONS: dict[str, dict[str, object]] = {"physical": {"mip_heuristic_run_rens": True}, "paper": {}}
-# One model alone under the paper's rule with three partitions (the ablation suite, with
-# the authors' templates: 1-19 k columns) is where HiGHS's own presolve and sub-MIPs pay:
-# without them it found no plan at all within 20 s for efficientnet-b8 and convnext_large
-# and left encnet and rtmdet_x unproven; with them it proves those two and finds plans
-# within 0.6-0.9 % for the first two (with presolve alone efficientnet-b8 stalls at
-# 2155.26 after 300 s, with the sub-MIPs it reaches 2157.11 in 60 s).
+# One model alone under the paper's rule with three partitions (1-19 k columns with the
+# authors' templates) is where HiGHS's own presolve and sub-MIPs pay: without them some
+# such models get no plan at all within 20 s.
 HIGHS_SINGLE_PAPER_OPTIONS: dict[str, object] = {"presolve": "on", "mip_heuristic_run_rins": True, "mip_heuristic_run_rens": True}
 
 
@@ -158,7 +150,7 @@ class HighsSolver(Solver):
             return self
         return HighsSolver({**self.options, **extra})
 
-    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2, start=None, stop=None):
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_polls=0, start=None, stop=None):
         """Solve ``milp``.
 
         Args:
@@ -166,13 +158,17 @@ class HighsSolver(Solver):
                 split search's plan (:mod:`ppipe.planner.split_search`).
             prover: optional ``prover(T, bound) -> bool`` for a maximization: True means
                 it is proven that no solution reaches objective ``T`` (``bound`` is HiGHS's
-                current upper bound on the optimum). Asked about a better incumbent (once
-                ``prover_after_s`` seconds have passed, so that easy models pay nothing) with
-                ``T = incumbent * (1 + gap)``; a True answer stops the search with the
+                current upper bound on the optimum). Asked about each better incumbent
+                with ``T = incumbent * (1 + gap)``; a True answer stops the search with the
                 incumbent, proven optimal within ``gap``. Column values the prover leaves
                 in its ``solution`` attribute (a better plan it found instead of a proof)
-                are handed to HiGHS as a new incumbent, and the attribute is cleared.
-            prover_after_s: solve time before the prover is first asked.
+                are handed to HiGHS as a new incumbent, and the attribute is cleared. A
+                prover whose ``timed_out`` attribute is True (the wall clock stopped it)
+                stops the solve, which then ends as a time limit does.
+            prover_after_polls: HiGHS's interrupt checks before the prover is first asked,
+                so that models HiGHS proves at once pay nothing. The checks come at the
+                same points of the search in every run, unlike the clock, so the plan
+                does not depend on the machine's speed.
             stop: optional ``stop() -> bool``, asked during branch and bound (without a
                 ``prover``): True interrupts the solve, which then ends as a time limit does
                 (the price bound's workers stop each other's solves this way).
@@ -198,7 +194,7 @@ class HighsSolver(Solver):
             h.setSolution(sol)
         if prover is not None and stop is not None:
             raise ValueError("HighsSolver.solve: give a prover or a stop, not both")
-        proof = _attach_prover(h, prover, prover_after_s, gap, milp.sense) if (prover is not None and integ.any()) else None
+        proof = _attach_prover(h, prover, prover_after_polls, gap, milp.sense) if (prover is not None and integ.any()) else None
         if stop is not None and integ.any():
             _attach_stop(h, stop)
         h.run()
@@ -279,16 +275,19 @@ def _attach_stop(h, stop) -> None:
 PROVER_MAX_GAP = 0.10  # ask the prover only about incumbents within 10 % of HiGHS's bound
 
 
-def _attach_prover(h, prover, after_s: float, gap: float, sense: str) -> dict:
-    """Register HiGHS callbacks that ask ``prover`` about each better incumbent (see HighsSolver.solve)."""
+def _attach_prover(h, prover, after_polls: int, gap: float, sense: str) -> dict:
+    """Register HiGHS callbacks that ask ``prover`` about each better incumbent (see HighsSolver.solve).
+
+    Every decision here follows HiGHS's search (its incumbents, bounds and interrupt
+    checks), never the clock, so that the same model gives the same plan on any machine.
+    """
     import highspy
 
     if sense != "max":
         raise ValueError("a prover needs a maximization")
     cb = highspy.cb
-    state = {"target": None, "best": -math.inf, "tried": -math.inf, "spent": 0.0, "error": None,
+    state = {"target": None, "best": -math.inf, "tried": -math.inf, "polls": 0, "error": None,
              "method": "highs incumbent + " + getattr(prover, "method", "prover")}
-    t0 = time.perf_counter()
 
     def callback(kind, _msg, out, inp, _data):
         # An exception raised inside HiGHS's callback would end the solve as a bare "Solve
@@ -311,33 +310,27 @@ def _attach_prover(h, prover, after_s: float, gap: float, sense: str) -> dict:
                 inp.setSolution(prover.solution)
                 prover.solution = None
         elif kind == cb.HighsCallbackType.kCallbackMipInterrupt:
+            state["polls"] += 1
             if math.isfinite(out.mip_primal_bound):
                 state["best"] = max(state["best"], float(out.mip_primal_bound))
             # Asked here (HiGHS polls this often) rather than on the improvement itself, so
-            # that an incumbent found before after_s is still tried once after_s has passed.
-            elapsed = time.perf_counter() - t0
-            # A failed try costs up to about a second; later tries (better incumbents are
-            # easier to prove) may take at most a quarter of the solve time in all.
+            # that an incumbent found before after_polls is still tried once they have passed.
             # Incumbents more than PROVER_MAX_GAP below HiGHS's bound are not worth a try.
             bound = float(out.mip_dual_bound)
             if (
                 state["target"] is None
                 and state["best"] > state["tried"]
                 and state["best"] > 0
-                and elapsed >= after_s
-                and state["spent"] <= 0.25 * elapsed
+                and state["polls"] > after_polls
                 and math.isfinite(bound)
                 and bound <= state["best"] * (1.0 + PROVER_MAX_GAP)
             ):
                 state["tried"] = state["best"]
                 T = state["best"] * (1.0 + gap)
-                t1 = time.perf_counter()
                 if prover(T, bound):
                     state["target"] = T
                     state["method"] = "highs incumbent + " + getattr(prover, "method", "prover")
-                if getattr(prover, "solution", None) is None:  # a try that found a better plan paid for itself
-                    state["spent"] += time.perf_counter() - t1
-            if state["target"] is not None:
+            if state["target"] is not None or getattr(prover, "timed_out", False):
                 inp.user_interrupt = True
 
     h.setCallback(callback, None)
@@ -424,8 +417,8 @@ class GurobiSolver(Solver):
         """Gurobi with its defaults; the HiGHS fallback tuned for ``gpu_rule``."""
         return GurobiSolver(self.fallback.tuned_for(gpu_rule, single_model))
 
-    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_s=0.2, start=None):
-        """Solve ``milp``; ``start`` is a MIP start, ``prover``/``prover_after_s`` only serve the HiGHS fallback (see :meth:`HighsSolver.solve`)."""
+    def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_polls=0, start=None):
+        """Solve ``milp``; ``start`` is a MIP start, ``prover``/``prover_after_polls`` only serve the HiGHS fallback (see :meth:`HighsSolver.solve`)."""
         try:
             import gurobipy as gp
             from gurobipy import GRB
@@ -483,7 +476,7 @@ class GurobiSolver(Solver):
             if getattr(exc, "errno", None) in (GUROBI_NO_LICENSE, GUROBI_SIZE_LIMIT):
                 warnings.warn(f"Gurobi refused the model ({exc}); solving with HiGHS instead", stacklevel=2)
                 return self.fallback.solve(
-                    milp, time_limit_s=time_limit_s, gap=gap, threads=threads, prover=prover, prover_after_s=prover_after_s, start=start
+                    milp, time_limit_s=time_limit_s, gap=gap, threads=threads, prover=prover, prover_after_polls=prover_after_polls, start=start
                 )
             raise SolverError(f"Gurobi failed: {exc}") from None
         finally:

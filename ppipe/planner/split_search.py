@@ -1,8 +1,8 @@
 r"""Split search: the best plan in which no two pools share a GPU, found exactly and fast.
 
-Why it exists: on clusters with several GPU types, branch and bound needs minutes to find
-good max-min plans (4 types, 3 models: HiGHS's plan after 300 s is 0.12 % below the one
-found here in about 2 s). What makes the search hard is the split of every type's GPUs
+Why it exists: on clusters with three or more GPU types, branch and bound needs minutes
+to find good max-min plans, while this search finds a plan as good or better in seconds
+(``scripts/bench_planner.py --suite four`` prints both). What makes the search hard is the split of every type's GPUs
 among the models, and each model's rough value as a function of its GPUs (one
 configuration per template). This module searches the split exactly, over a restriction
 of the MILP that keeps that structure and drops the rest. Its plan is handed to the MILP
@@ -60,7 +60,7 @@ NARROW = 1e-3  # bracket width (share of its top) below which the bisection trie
 
 
 @dataclass(frozen=True)
-class Pipeline:
+class DedicatedPipeline:
     """One pipeline of the restricted plan: configuration ``config`` with ``gpus[d]`` whole
     GPUs in slot d (``vgpus`` = the fewest vGPUs that carry ``throughput_rps``)."""
 
@@ -80,7 +80,7 @@ class SplitPlan:
 
     objective: float
     gpus: list[tuple[int, ...]]
-    pipelines: list[list[Pipeline]]
+    pipelines: list[list[DedicatedPipeline]]
     seconds: float
     tables: list[np.ndarray] = field(default_factory=list, repr=False, compare=False)
 
@@ -146,7 +146,7 @@ class _Template:
         self._H, self._arg, self._tidx, self._fits, self._dims = H, arg, tidx, fits, dims
         self._n = n
 
-    def realize(self, p: np.ndarray, value: float, cs: ConfigSet) -> Pipeline:
+    def realize(self, p: np.ndarray, value: float, cs: ConfigSet) -> DedicatedPipeline:
         """A pipeline of this template with at most ``p`` GPUs per type and throughput >= value."""
         ok = self._fits & (self._tidx <= p[:, None]).all(axis=0) & (self._H.reshape(-1) >= np.float32(value) * (1 - 1e-6))
         flat = int(np.nonzero(ok)[0][np.argmin(self._tidx[:, ok].sum(axis=0))])
@@ -156,7 +156,7 @@ class _Template:
         X = cs.X[c, :n]
         thr = float((X * cs.level[c, :n] * np.array(u)).min())
         vg = np.ceil(thr / X - 1e-9).astype(int)
-        return Pipeline(config=c, gpus=tuple(int(a) for a in u), vgpus=tuple(int(a) for a in vg), throughput_rps=float((X * vg).min()))
+        return DedicatedPipeline(config=c, gpus=tuple(int(a) for a in u), vgpus=tuple(int(a) for a in vg), throughput_rps=float((X * vg).min()))
 
 
 class _ModelTable:
@@ -196,7 +196,7 @@ class _ModelTable:
             self.steps.append(V)
         self.table = V
 
-    def pipelines(self, r: np.ndarray, cs: ConfigSet) -> list[Pipeline]:
+    def pipelines(self, r: np.ndarray, cs: ConfigSet) -> list[DedicatedPipeline]:
         """Backtrack the DP: the pipelines of an optimal restricted plan within GPU vector r."""
         r = np.array(r, dtype=np.int64)
         out = []
@@ -217,9 +217,9 @@ class _ModelTable:
         return out
 
 
-def restricted_pipelines(cs: ConfigSet, counts: np.ndarray, r: np.ndarray, paper_templates: bool = False) -> list[Pipeline]:
+def restricted_pipelines(cs: ConfigSet, counts: np.ndarray, r: np.ndarray, paper_templates: bool = False) -> list[DedicatedPipeline]:
     """The pipelines of one model's best restricted plan within GPU vector ``r`` (its
-    throughput is the model's L_m(r); the table is rebuilt, 0.15-0.4 s on 4 types of 25)."""
+    throughput is the model's L_m(r); the model's table is rebuilt)."""
     table = _ModelTable(cs, np.asarray(counts, dtype=np.int64), paper_templates)
     return table.pipelines(np.asarray(r, dtype=np.int64), cs)
 
@@ -341,7 +341,7 @@ def split_search(
     weights: list[float],
     counts: np.ndarray,
     *,
-    time_budget_s: float = 5.0,
+    time_budget_s: float | None = None,
     paper_templates: bool = False,
 ) -> SplitPlan | None:
     """The best max-min plan of the restriction R (module docstring), or None.
@@ -356,26 +356,28 @@ def split_search(
         configs: per model, its configurations (the MILP's columns).
         weights: per model, w_m.
         counts: N_k per GPU type, cluster order.
-        time_budget_s: give up after about this many seconds.
+        time_budget_s: give up after about this many seconds (None: no limit; the size
+            budgets MAX_GRID and MAX_PAIRS always hold).
         paper_templates: one configuration per template of the authors (constraint 6 of
             :mod:`ppipe.planner.formulation`), so that R's plans are the MILP's; else
             one per type tuple (a restriction of the MILP without constraint 6).
     """
     t0 = time.perf_counter()
+    budget = np.inf if time_budget_s is None else time_budget_s
     counts = np.asarray(counts, dtype=np.int64)
     grid = int(np.prod(counts + 1))
     if grid > MAX_GRID or any(len(cs) == 0 for cs in configs):
         return None
     w = np.asarray(weights, dtype=float)
-    # numpy releases the GIL in the tables' array work: two threads build them in 0.43-0.47 s
-    # instead of 0.55-0.76 s (4-type case, three models).
+    # numpy releases the GIL in the tables' array work, so two threads build them sooner;
+    # each table is built alone, so they do not depend on the threads.
     with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1, len(configs)))) as pool:
         models = list(pool.map(lambda cs: _ModelTable(cs, counts, paper_templates), configs))
-    if time.perf_counter() - t0 > time_budget_s:
+    if time.perf_counter() - t0 > budget:
         return None
     tables = [m.table for m in models]
     try:
-        lo, split = _best_level(tables, w, counts, deadline=t0 + time_budget_s)
+        lo, split = _best_level(tables, w, counts, deadline=t0 + budget)
     except _Budget:
         return None
     if split is None or lo <= 0:
@@ -409,8 +411,7 @@ def _best_level(tables: list[np.ndarray], w: np.ndarray, counts: np.ndarray, dea
     # value lies strictly between the bracket's ends, lo is the optimum's level. A
     # reachable level's split reaches the level of its own values, min_m L_m(r_m) / w_m,
     # often the optimum's: the bracket's low end jumps there. Near the end, the next
-    # level above it is tried first: unreachable there, the split is optimal (4-type
-    # case, G3: 27 -> 14 reachability checks, the split search 1.24 -> 0.85 s).
+    # level above it is tried first: unreachable there, the split is optimal.
     while hi - lo > 1e-7 * max(hi, 1e-12) and _values_between(tables, w, lo, hi):
         if time.perf_counter() > deadline:
             break  # anytime: lo is reachable, its plan is as good a start as we have

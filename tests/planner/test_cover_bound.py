@@ -132,7 +132,7 @@ def test_bound_never_refutes_a_two_model_optimum():
 @pytest.fixture
 def prover_at_once(monkeypatch):
     # Ask the cover bound from the first incumbent on, so that small models take that path too.
-    monkeypatch.setattr(core, "PROVER_AFTER_S", 0.0)
+    monkeypatch.setattr(core, "PROVER_AFTER_POLLS", 0)
 
 
 @pytest.mark.parametrize("formulation", ["ppipe", "ppipe-atc25"])
@@ -166,7 +166,7 @@ def test_a_prover_that_refutes_stops_the_search_with_its_method(monkeypatch):
             asked.append((T, bound))
             return True
 
-    monkeypatch.setattr(core, "CoverProver", Yes)
+    monkeypatch.setattr(core, "Prover", Yes)
     plan = ppipe.plan(place=False)
     assert asked, "the prover was never asked"
     T, bound = asked[-1]
@@ -195,13 +195,13 @@ def test_prover_keeps_the_looser_level_it_proves_and_answers_no(monkeypatch):
     inc = 1000.0
     monkeypatch.setattr(_RefutesFrom, "level", inc * (1 + 5e-4))
     monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
-    prover = core.CoverProver([], [], cl, gap=1e-4)
+    prover = core.Prover([], [], cl, gap=1e-4)
     assert not prover(inc * (1 + 1e-4), inc * 1.01)  # the requested gap is not proven ...
     assert prover.weak == (pytest.approx(inc * (1 + core.FALLBACK_GAP)), "cover bound")  # ... the looser one is
     # No fallback when the requested gap is already that loose, or HiGHS's bound is below it.
-    loose = core.CoverProver([], [], cl, gap=core.FALLBACK_GAP)
+    loose = core.Prover([], [], cl, gap=core.FALLBACK_GAP)
     assert not loose(inc * (1 + 1e-4), inc * 1.01) and loose.weak is None
-    tight = core.CoverProver([], [], cl, gap=1e-4)
+    tight = core.Prover([], [], cl, gap=1e-4)
     assert not tight(inc * (1 + 1e-4), inc * (1 + 5e-4)) and tight.weak is None
 
 
@@ -218,7 +218,7 @@ def test_a_plan_stopped_by_its_time_limit_reports_the_gap_a_looser_proof_gives(m
     class OutOfTime:
         name, accepts_prover, accepts_start = "highs", True, False
 
-        def solve(self, milp, *, time_limit_s=None, gap=1e-4, prover=None, prover_after_s=0.0, **kw):
+        def solve(self, milp, *, time_limit_s=None, gap=1e-4, prover=None, prover_after_polls=0, **kw):
             res = HighsSolver().solve(milp, gap=1e-9)  # the real plan; only the time limit is pretended
             monkeypatch.setattr(_RefutesFrom, "level", res.objective * (1 + 5e-4))
             assert not prover(res.objective * (1 + gap), res.objective * 1.05)
@@ -226,7 +226,7 @@ def test_a_plan_stopped_by_its_time_limit_reports_the_gap_a_looser_proof_gives(m
 
     monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
     out = core.milp_plan(specs, cl, [usable_levels(m, cl) for m in models], objective=MaxMinNormalized(), solver=OutOfTime(),
-                         max_partitions=2, margin=0.2, gpu_rule="paper", one_config_per_template=True, time_limit_s=60, gap=1e-4)
+                         max_partitions=2, margin=0.2, gpu_rule="physical", one_config_per_template=False, time_limit_s=60, gap=1e-4)
     r = out.result
     assert r.status == "time_limit" and r.method == "highs incumbent + cover bound"
     assert r.gap == pytest.approx(core.FALLBACK_GAP)  # not the 5 % branch and bound reported
@@ -259,7 +259,7 @@ def test_a_better_plan_the_prover_offers_becomes_highs_incumbent():
 
     alone, helped = Offering(None), Offering(best.x.copy())
     for prover in (alone, helped):
-        HighsSolver().solve(milp, gap=1e-9, prover=prover, prover_after_s=0.0)
+        HighsSolver().solve(milp, gap=1e-9, prover=prover, prover_after_polls=0)
     assert alone.asked[0] < best.objective * (1 - 1e-3)  # what the test needs: a worse first incumbent
     assert helped.solution is None, "the offered plan was never taken"
     assert helped.asked[0] == pytest.approx(best.objective * (1 + 1e-9))
@@ -280,7 +280,7 @@ def test_the_prover_offers_the_plans_the_price_bound_finds_when_better(monkeypat
     monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
     offered = []
     specs = [NS(weight=1.0), NS(weight=2.0)]
-    prover = core.CoverProver([], specs, cluster({"A": 2, "B": 2}, LEVELS), price_bound=Reachable(),
+    prover = core.Prover([], specs, cluster({"A": 2, "B": 2}, LEVELS), price_bound=Reachable(),
                               columns=lambda models: offered.append(models) or np.array([models[0].throughput_rps]))
     assert not prover(100.0, 110.0) and prover.solution.tolist() == [100.0]
     prover.solution = None  # taken by the solver
@@ -304,4 +304,27 @@ def test_an_error_in_the_prover_surfaces_as_itself():
         raise ZeroDivisionError("a planner bug")
 
     with pytest.raises(ZeroDivisionError, match="a planner bug"):
-        HighsSolver().solve(milp, gap=1e-9, prover=broken, prover_after_s=0.0)
+        HighsSolver().solve(milp, gap=1e-9, prover=broken, prover_after_polls=0)
+
+
+def test_the_cover_bound_serves_physical_packing_and_not_the_papers_rule(monkeypatch):
+    # Under the paper's rule the cover bound cannot see each model's rounding to whole GPUs
+    # and proved no benchmark case: a two-type plan there runs without a prover; under
+    # physical packing it is asked.
+    from ppipe.planner.solvers import HighsSolver
+
+    provers = []
+    real = HighsSolver.solve
+
+    def spy(self, milp, **kw):
+        provers.append(kw.get("prover"))
+        return real(self, milp, **kw)
+
+    monkeypatch.setattr(HighsSolver, "solve", spy)
+    cl = cluster({"A": 2, "B": 2}, LEVELS)
+    models = [profile("m1", LAT_1, [200_000, 100_000], LEVELS), profile("m2", LAT_2, [50_000, 300_000], LEVELS)]
+    kw = dict(slo_ms=25.0, weights=[1.0, 2.0], max_partitions=2, batch_build=False, margin=0.2, time_limit_s=60)
+    ppipe.plan(cl, models, formulation="ppipe-atc25", **kw)
+    assert provers and provers[-1] is None
+    ppipe.plan(cl, models, formulation="ppipe", **kw)
+    assert isinstance(provers[-1], core.Prover)

@@ -134,8 +134,8 @@ def test_cli_flags_set_the_headroom_target(tmp_path):
 # Why this matters: the max-min MILP has many optimal solutions that differ in the counts
 # of pools that do not bind. The headroom pass picks one of them (idle GPUs to the busiest
 # pools); these tests check, row by row, that what it returns is still a solution of the
-# same MILP (with the paper's bound g <= N_k v instead of ppipe's tighter U) with the same
-# objective value -- so a PPipe plan with headroom is an optimal plan of the paper's model.
+# MILP with the paper's pool bounds g <= N_k v (ppipe's tighter U_{c,d} cut exactly the
+# slack the pass adds) with the same objective value, as headroom.py claims.
 
 LEVELS = {"A": [1, 2], "B": [1, 2]}
 LATS = (

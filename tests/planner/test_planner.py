@@ -190,3 +190,24 @@ def test_artifact_hc2_small(artifact_dir):
 
     assert load_profile_ref(pp.model("repvgg-b3").profile).name == "repvgg-b3"
     assert math.isfinite(pp.solver.seconds)
+
+
+@pytest.mark.parametrize(
+    "kw, field, fix",
+    [
+        (dict(planner="bogus"), "planner", "--planner"),
+        (dict(formulation="paper"), "formulation", "--formulation"),
+        (dict(gpu_rule="shared"), "gpu_rule", "--gpu-rule"),
+        (dict(configs_per_template="two"), "configs_per_template", "--configs-per-template"),
+        (dict(margin=1.5), "margin", "--margin"),
+        (dict(max_partitions=0), "max_partitions", "--max-partitions"),
+        (dict(gap=-1.0), "gap", "--gap"),
+        (dict(time_limit_s=0), "time_limit_s", "--time-limit-s"),
+        (dict(headroom=1.5), "headroom", "--headroom-util"),
+    ],
+)
+def test_a_bad_option_names_its_field_and_fix(kw, field, fix):
+    # Checked before any profile is read: the message names the argument, the fix its flag.
+    with pytest.raises(UserError) as exc:
+        ppipe.plan("HC2-S", ["no-such-model"], **kw)
+    assert exc.value.message.startswith(f"{field}: ") and fix in exc.value.fix

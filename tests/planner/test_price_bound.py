@@ -4,6 +4,7 @@ refutes levels just above the optimum where the cover bound cannot."""
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -100,15 +101,15 @@ def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
             return False
 
     monkeypatch.setattr(core, "PriceBound", Spy)
-    # Where the price bound serves, the prover is asked from the root on; elsewhere easy
-    # models keep their head start.
+    # Where the price bound serves, the prover is asked from the root on; elsewhere models
+    # HiGHS proves at once keep their head start.
     after = []
     from ppipe.planner.solvers import HighsSolver
 
     real_solve = HighsSolver.solve
 
     def solve(self, milp, **kw):
-        after.append(kw.get("prover_after_s"))
+        after.append(kw.get("prover_after_polls"))
         return real_solve(self, milp, **kw)
 
     monkeypatch.setattr(HighsSolver, "solve", solve)
@@ -116,9 +117,9 @@ def test_only_the_papers_gpu_rule_gets_it(monkeypatch):
     models = [profile(f"m{i}", lat, [200_000, 100_000], LEVELS) for i, lat in enumerate(LATS)]
     kw = dict(weights=[0.3, 0.33, 0.37], slo_ms=25.0, max_partitions=2, margin=0.2, batch_build=False, time_limit_s=30)
     ppipe.plan(cl, models, gpu_rule="physical", **kw)
-    assert made == [] and after == [core.PROVER_AFTER_S]
+    assert made == [] and after == [core.PROVER_AFTER_POLLS]
     ppipe.plan(cl, models, gpu_rule="paper", configs_per_template="one", **kw)
-    assert made and made[-1]["gpu_rule"] == "paper" and after[-1] == 0.0
+    assert made and made[-1]["gpu_rule"] == "paper" and after[-1] == 0
 
 
 def test_branching_splits_where_the_weaker_box_scores_highest(monkeypatch):
@@ -216,12 +217,13 @@ def test_a_new_plan_that_completes_a_fitting_combination_ends_the_search():
             g[c[0]:, c[1]:] = True
         return g
 
-    bound = PriceBound.__new__(PriceBound)  # only the bookkeeping of _learn is exercised
-    bound.N = np.array([3.0, 3.0])
-    bound._reach = [up(), up((1, 1)), up((1, 0))]
-    assert not bound._learn(0, np.array([2.0, 2.0]))  # (1, 1) left: model 1 fits, model 2 not
-    assert bound._reach[0][2, 2] and not bound._reach[0][1, 3]  # the plan was recorded, upward
-    budgets = bound._learn(0, np.array([1.0, 2.0]))  # (2, 1) left: (1, 1) + (1, 0)
+    from ppipe.planner.price_bound import _fitting_combination
+
+    N = np.array([3.0, 3.0])
+    reach = [up(), up((1, 1)), up((1, 0))]
+    assert not _fitting_combination(reach, N, 0, np.array([2.0, 2.0]))  # (1, 1) left: model 1 fits, model 2 not
+    assert reach[0][2, 2] and not reach[0][1, 3]  # the plan was recorded, upward
+    budgets = _fitting_combination(reach, N, 0, np.array([1.0, 2.0]))  # (2, 1) left: (1, 1) + (1, 0)
     assert [list(r) for r in budgets] == [[1, 2], [1, 1], [1, 0]]
 
 
@@ -235,47 +237,118 @@ def test_a_round_solves_the_quickest_model_first(monkeypatch, work, first):
     assert [len(c) for c in configs] == sorted((len(c) for c in configs), reverse=True)
     bound = _bound(cl, specs, configs)
     if work is not None:
-        bound._work = np.array(work)
+        bound.work = np.array(work)
     order = []
-    real = PriceBound._price
+    real = PriceBound._solve_model
 
-    def spy(self, sub, *args, **kw):
+    def spy(self, know, sub, *args, **kw):
         order.append(sub[2])
-        return real(self, sub, *args, **kw)
+        return real(self, know, sub, *args, **kw)
 
-    monkeypatch.setattr(PriceBound, "_price", spy)
+    monkeypatch.setattr(PriceBound, "_solve_model", spy)
     assert bound.refutes(z * 1.001)
     assert order[0] == first
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e6])
 def test_models_not_solved_yet_are_estimated_from_the_solved_ones(scale):
-    # A round that stopped early, or another worker, left some models solved and some not:
+    # A round that stopped early left some models solved and some not:
     # those count as their size times the solved ones' median work per configuration, so
     # the raw scale of HiGHS's work never decides (the size placeholders once put a 0.02 s
     # model last behind two unsolved ones).
+    from ppipe.planner.price_bound import _quickest_first
+
     cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
-    bound = _bound(cl, specs, configs)
     size = np.array([len(c) for c in configs], dtype=float)
-    bound._work = np.array([np.nan, scale * size[1], np.nan])  # one solved: all by size
-    assert list(bound._order()) == list(np.argsort(size, kind="stable"))
-    bound._work = np.array([0.5 * scale * size[0], np.nan, 4.0 * scale * size[2]])  # model 1: 2.25 per config
-    assert list(bound._order()) == [0, 1, 2]
+    work = np.array([np.nan, scale * size[1], np.nan])  # one solved: all by size
+    assert list(_quickest_first(work, configs)) == list(np.argsort(size, kind="stable"))
+    work = np.array([0.5 * scale * size[0], np.nan, 4.0 * scale * size[2]])  # model 1: 2.25 per config
+    assert list(_quickest_first(work, configs)) == [0, 1, 2]
+
+
+def _force_a_branch_at_the_root(monkeypatch):
+    """Small cases are refuted at the root: make the root's Kelley LP answer that no price
+    refutes, with a mix of two of model 0's plans, so that the search must branch."""
+    import ppipe.planner.price_bound as pbm
+
+    real = pbm.kelley_lp
+    calls = []
+
+    def root_says_no(N, cuts, weights=False):
+        value, x, w = real(N, cuts, weights=True)
+        if not calls:
+            calls.append(1)
+            plans = np.asarray(cuts[0])
+            j = next(i for i in range(1, len(plans)) if (plans[i] != plans[0]).any())
+            w = [np.zeros(len(c)) for c in cuts]
+            w[0][[0, j]] = 0.5
+            for m in range(1, len(cuts)):
+                w[m][0] = 1.0
+            value = 1.0
+        return value, x, w
+
+    monkeypatch.setattr(pbm, "kelley_lp", root_says_no)
+    return calls
+
+
+def _solve_log(monkeypatch, workers, delay=None):
+    """(outcomes, the found plans, boxes of the second search, each model's work, whether
+    any model was solved) of two searches, the second one forced to branch, with ``workers`` threads and ``delay(box) -> seconds``
+    slept before each solve."""
+    import time as _time
+
+    import ppipe.planner.price_bound as pbm
+
+    monkeypatch.setattr(pbm, "WORKERS", workers)
+    cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
+    real = PriceBound._solve_model
+    log = []
+
+    def spy(self, know, sub, mu, deadline, box, *args, **kw):
+        if delay is not None:
+            _time.sleep(delay(box))
+        out = real(self, know, sub, mu, deadline, box, *args, **kw)
+        log.append((sub[2], tuple(box[0]), tuple(box[1]), None if out[1] is None else tuple(out[1])))
+        return out
+
+    monkeypatch.setattr(PriceBound, "_solve_model", spy)
+    bound = _bound(cl, specs, configs)
+    outcome = [bound.refutes(z * 1.001)]
+    _force_a_branch_at_the_root(monkeypatch)
+    before = bound.nodes
+    outcome.append(bound.refutes(z))
+    found = [m.model_dump() for m in bound.found or []]
+    # The solves' order across threads, and those of a box stopped because one before it
+    # was not proven, follow the timing; what the search keeps does not.
+    return outcome, found, bound.nodes - before, bound.work.tolist(), len(log) > 0
+
+
+def test_the_search_does_not_depend_on_workers_or_their_timing(monkeypatch):
+    # Each batch of boxes is bounded from the same knowledge and merged in box order: one
+    # worker, two, and two whose solves are delayed unevenly (the later box first) make
+    # the same solves, the same outcome and the same plan.
+    from ppipe.planner import price_bound
+
+    if (os.cpu_count() or 1) < 2:
+        monkeypatch.setattr(price_bound.os, "cpu_count", lambda: 2)  # two threads even on one core
+    serial = _solve_log(monkeypatch, 1)
+    assert serial[0] == [True, False] and serial[4] and serial[1], "the second search should end at a plan"
+    assert serial[2] >= 2, "the search did not branch"
+    assert _solve_log(monkeypatch, 2) == serial
+    # The later box's solves first: the box above the root's cut waits.
+    assert _solve_log(monkeypatch, 2, delay=lambda box: 0.05 if box[0].sum() > 0 else 0.0) == serial
 
 
 def test_the_search_does_not_depend_on_the_clock(monkeypatch):
-    # The order of the solves (hence the search, and whether it ends in time) follows
-    # HiGHS's work, not the wall clock: a clock that jumps at random changes nothing. (The
-    # second call's first round is ordered by the first call's solves.) With one worker:
-    # two at once share what they learn as it comes, and that order is the clock's.
+    # The order of the solves follows HiGHS's work, not the wall clock: a clock that jumps
+    # at random (but never past a deadline) changes nothing.
     import random
     import types
 
     from ppipe.planner import price_bound
 
-    monkeypatch.setattr(price_bound, "WORKERS", 1)
     cl, specs, configs, z = _case({"A": 4, "B": 6, "C": 4})
-    real = PriceBound._price
+    real = PriceBound._solve_model
     runs = []
     for seed in (1, 2, 3):
         rng = random.Random(seed)
@@ -283,13 +356,13 @@ def test_the_search_does_not_depend_on_the_clock(monkeypatch):
         bound, order = _bound(cl, specs, configs), []
         assert bound.refutes(z * 1.001)
 
-        def spy(self, sub, *args, _order=order, **kw):
+        def spy(self, know, sub, *args, _order=order, **kw):
             _order.append(sub[2])
-            return real(self, sub, *args, **kw)
+            return real(self, know, sub, *args, **kw)
 
-        monkeypatch.setattr(PriceBound, "_price", spy)
+        monkeypatch.setattr(PriceBound, "_solve_model", spy)
         assert bound.refutes(z * 1.0005)
-        monkeypatch.setattr(PriceBound, "_price", real)
+        monkeypatch.setattr(PriceBound, "_solve_model", real)
         runs.append(order)
     assert len(runs[0]) >= 3 and runs[0] == runs[1] == runs[2]
 
@@ -320,8 +393,8 @@ def test_a_known_plan_prunes_the_solve_but_not_the_bound():
     box = (np.zeros(3), bound.N)
     mu = 1000.0 / (3 * bound.N)
     for sub in subs:
-        lb, u = bound._price(sub, mu, None, box)
-        lb_known, u_known = bound._price(sub, mu, None, box, known=float(u @ mu))
+        lb, u = bound._solve_model(bound.knowledge(1.0), sub, mu, None, box)
+        lb_known, u_known = bound._solve_model(bound.knowledge(1.0), sub, mu, None, box, known=float(u @ mu))
         assert lb_known == pytest.approx(lb, rel=1e-6)
         assert u_known is not None and float(u_known @ mu) <= float(u @ mu) * (1 + 1e-9)
 
@@ -339,9 +412,9 @@ def test_a_known_price_set_too_low_only_weakens_the_bound():
     # would find nothing below the cutoff, and the bound falls back to that price: lower
     # than the true one, never above it, never "infeasible".
     bound, sub, box, mu = _one_subproblem()
-    lb, _ = bound._price(sub, mu, None, box)
+    lb, _ = bound._solve_model(bound.knowledge(1.0), sub, mu, None, box)
     for share in (0.5, 0.99):
-        weak, _ = bound._price(sub, mu, None, box, known=share * lb)
+        weak, _ = bound._solve_model(bound.knowledge(1.0), sub, mu, None, box, known=share * lb)
         assert np.isfinite(weak) and weak <= lb * (1 + 1e-9)
 
 
@@ -350,11 +423,11 @@ def test_a_solve_asked_only_for_enough_bounds_by_it_and_never_above_the_truth():
     # P_m, the solve proves at least that much (never more than the truth); above P_m, it
     # still finds the optimal plan and its price.
     bound, sub, box, mu = _one_subproblem()
-    lb, u = bound._price(sub, mu, None, box)
+    lb, u = bound._solve_model(bound.knowledge(1.0), sub, mu, None, box)
     for share in (0.9, 0.999):
-        got, plan = bound._price(sub, mu, None, box, known=float(u @ mu), enough=share * lb)
+        got, plan = bound._solve_model(bound.knowledge(1.0), sub, mu, None, box, known=float(u @ mu), enough=share * lb)
         assert share * lb <= got <= lb * (1 + 1e-6)
-    got, plan = bound._price(sub, mu, None, box, known=float(u @ mu), enough=1.01 * lb)
+    got, plan = bound._solve_model(bound.knowledge(1.0), sub, mu, None, box, known=float(u @ mu), enough=1.01 * lb)
     assert got == pytest.approx(lb, rel=1e-6) and plan is not None
 
 
@@ -365,7 +438,7 @@ def test_a_solve_stopped_by_its_time_limit_proves_only_its_dual_bound(monkeypatc
     from ppipe.planner.solvers import SolveResult
 
     bound, sub, box, mu = _one_subproblem()
-    lb, u = bound._price(sub, mu, None, box)
+    lb, u = bound._solve_model(bound.knowledge(1.0), sub, mu, None, box)
     x = np.zeros(sub[0].num_cols)
     stopped = SolveResult("highs", "time_limit", x, 2.0 * lb, 0.9, 0.01)  # dual bound 0.2 lb
 
@@ -377,7 +450,7 @@ def test_a_solve_stopped_by_its_time_limit_proves_only_its_dual_bound(monkeypatc
             return stopped
 
     monkeypatch.setattr(pbm, "HighsSolver", Clocked)
-    got, plan = bound._price(sub, mu, None, box, known=float(u @ mu), enough=0.99 * lb)
+    got, plan = bound._solve_model(bound.knowledge(1.0), sub, mu, None, box, known=float(u @ mu), enough=0.99 * lb)
     assert got <= 0.25 * lb and plan is None
 
 
@@ -391,42 +464,43 @@ def _two_workers(monkeypatch):
     return bound, z
 
 
-def test_a_box_not_proven_stops_the_other_worker(monkeypatch):
-    # Two workers: the root splits; one worker's box waits, the other's is not proven. The
-    # search ends False, and the waiting worker is told to stop (a solve it runs would be
-    # interrupted) instead of running on to its deadline.
+def test_a_box_not_proven_stops_the_boxes_after_it(monkeypatch):
+    # Two workers: the root splits; the batch's first box is not proven, so the search ends
+    # False and the second box, still being bounded, is told to stop (a solve it runs
+    # would be interrupted) instead of running on to its deadline.
     import threading
 
     bound, z = _two_workers(monkeypatch)
     calls, told, lock = [], threading.Event(), threading.Lock()
 
-    def node(self, lo, hi, known, subs, deadline, stopped):
+    def bound_box(self, know, lo, hi, subs, deadline, stopped):
         with lock:
             calls.append(1)
             n = len(calls)
         if n == 1:
             return (0, 0, 0.0)  # the root: two boxes
-        if n == 3:
-            return False  # the second box: not proven
-        for _ in range(1000):  # the first box: bounded until told
+        if lo[0, 0] == 1.0:  # the batch's first box (the stack's top, above the cut): not proven
+            threading.Event().wait(0.05)
+            return False
+        for _ in range(1000):  # the other box: bounded until told
             if stopped():
                 told.set()
                 return False
             threading.Event().wait(0.01)
         return None
 
-    monkeypatch.setattr(PriceBound, "_node", node)
+    monkeypatch.setattr(PriceBound, "_bound_box", bound_box)
     assert not bound.refutes(z * 1.001)
-    assert told.is_set(), "the worker still bounding a box was not told that the search ended"
+    assert told.is_set(), "the box after the one not proven was not told that the search ended"
 
 
 def test_an_error_in_a_worker_is_raised_to_the_caller(monkeypatch):
     bound, z = _two_workers(monkeypatch)
 
-    def node(self, *args):
+    def bound_box(self, *args):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(PriceBound, "_node", node)
+    monkeypatch.setattr(PriceBound, "_bound_box", bound_box)
     with pytest.raises(RuntimeError, match="boom"):
         bound.refutes(z * 1.001)
 
@@ -471,8 +545,8 @@ def test_a_solve_stopped_at_its_target_only_raises_the_models_work(monkeypatch):
             return results.pop(0)
 
     monkeypatch.setattr(pbm, "HighsSolver", Scripted)
-    m = sub[2]
+    m, know = sub[2], bound.knowledge(1.0)
     for status, its, want in [("optimal", 5000, 5000), ("time_limit", 300, 5000), ("time_limit", 9000, 9000), ("optimal", 200, 200)]:
         results.append(SolveResult("highs", status, x, 1.0, 0.0, 0.01, nodes=1, lp_iterations=its))
-        bound._price(sub, mu, None, box)
-        assert bound._work[m] == want, (status, its)
+        bound._solve_model(know, sub, mu, None, box)
+        assert know.work[m] == want, (status, its)

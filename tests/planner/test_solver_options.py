@@ -67,12 +67,16 @@ def test_the_planner_solves_with_the_options_of_its_gpu_rule(monkeypatch):
     specs = [ModelSpec(profile=profile(f"m{i}", lat, [200_000, 100_000], LEVELS), slo_ms=30.0) for i, lat in enumerate((LAT_1, LAT_2))]
     _solve(HighsSolver(), specs, cl, gpu_rule="physical", one=False)
     assert seen == [True]
-    # The paper's rule: its MIP start (distinct types in consecutive slots), then the MILP.
+    # The paper's rule, several models: the MILP first (the price bound's subproblem solves,
+    # asked from inside it, come after), without RENS.
+    seen.clear()
     _solve(HighsSolver(), specs, cl, gpu_rule="paper")
-    assert seen[1:] == [False, False]
-    # One model alone under the paper's rule: HiGHS's sub-MIPs (and presolve) on.
+    assert seen[0] is False
+    # One model alone under the paper's rule: its MIP start (distinct types in consecutive
+    # slots), then the MILP, with HiGHS's sub-MIPs (and presolve) on.
+    seen.clear()
     _solve(HighsSolver(), specs[:1], cl, gpu_rule="paper")
-    assert seen[3:] == [True, True]
+    assert seen == [True, True]
 
 
 @pytest.mark.parametrize("counts", [{"A": 1, "B": 2}, {"A": 2, "B": 1}, {"A": 2, "B": 2}])
@@ -158,7 +162,7 @@ def test_a_solve_stopped_at_its_objective_target_keeps_its_plan():
     assert res.objective - res.gap * max(1.0, abs(res.objective)) <= exact.objective + 1e-9  # its dual bound stays valid
 
 
-def test_distinct_types_start_is_a_solution_and_a_restriction_out_of_time_gives_none():
+def test_distinct_types_start_is_a_solution_and_a_restriction_out_of_time_gives_none_and_says_so():
     from ppipe.planner.core import distinct_types_start, is_feasible
     from ppipe.planner.formulation import build
     from ppipe.planner.solvers import SolverTimeLimitError
@@ -169,11 +173,13 @@ def test_distinct_types_start_is_a_solution_and_a_restriction_out_of_time_gives_
     milp, v = build(specs, configs, cl, gpu_rule="paper", one_config_per_template=True)
     get_objective("max-min").apply(milp, v)
     kw = dict(gpu_rule="paper", deadline=None, gap=1e-9)
-    x = distinct_types_start(specs, configs, cl, milp, v, HighsSolver(), **kw)
-    assert x is not None and is_feasible(milp, x) and x[v.extra["z"]] > 0
+    start = distinct_types_start(specs, configs, cl, milp, v, HighsSolver(), **kw)
+    x = start.x
+    assert x is not None and is_feasible(milp, x) and x[v.extra["z"]] > 0 and not start.timed_out
 
     class OutOfTime(HighsSolver):
         def solve(self, milp, **kw):
             raise SolverTimeLimitError("out of time", fix="-")
 
-    assert distinct_types_start(specs, configs, cl, milp, v, OutOfTime(), **kw) is None
+    stopped = distinct_types_start(specs, configs, cl, milp, v, OutOfTime(), **kw)
+    assert stopped.x is None and stopped.timed_out

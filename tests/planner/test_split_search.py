@@ -195,7 +195,7 @@ def test_is_feasible_rejects_a_broken_start():
     specs, configs = _specs_configs([profile("m1", LAT_1, [200_000, 100_000], LEVELS)], cl, 25.0, 2)
     milp, v = build(specs, configs, cl, gpu_rule="paper", one_config_per_template=True)
     MaxMinNormalized().apply(milp, v)
-    x, _ = split_start(configs, specs, cl, milp, v, None)
+    x = split_start(configs, specs, cl, milp, v, None).x
     assert x is not None and is_feasible(milp, x)
     bad = x.copy()
     bad[v.extra["z"]] *= 1.5  # more than the model carries: breaks c3_maxmin
@@ -251,22 +251,31 @@ def test_plan_with_and_without_the_start_has_the_same_optimum(monkeypatch):
     models = [profile("m1", LAT_1, [200_000, 100_000], LEVELS), profile("m2", LAT_2, [50_000, 300_000], LEVELS)]
     kw = dict(slo_ms=25.0, weights=[1.0, 2.0], max_partitions=2, batch_build=False, margin=0.2, gap=1e-9,
               formulation="ppipe-atc25", place=False)
-    monkeypatch.setattr(core, "SPLIT_SEARCH_MIN_TYPES", 2)  # this cluster has 2 types
+    assert core.SPLIT_SEARCH_MIN_TYPES["paper"] == 2  # this cluster has 2 types: the start serves ppipe-atc25
     starts = []
     real = core.split_start
 
     def counted(*a, **k):
-        x, plan = real(*a, **k)
-        starts.append(x)
-        return x, plan
+        start = real(*a, **k)
+        starts.append(start.x)
+        return start
 
     monkeypatch.setattr(core, "split_start", counted)
     with_start = ppipe.plan(cl, models, **kw)
     assert starts and starts[-1] is not None, "the start was never made"
-    monkeypatch.setattr(core, "split_start", lambda *a, **k: (None, None))
+    monkeypatch.setattr(core, "split_start", lambda *a, **k: core.Start())
     without = ppipe.plan(cl, models, **kw)
     assert with_start.solver.status == without.solver.status == "optimal"
     assert with_start.solver.objective == pytest.approx(without.solver.objective, rel=1e-7)  # HiGHS row tolerance 1e-6
+
+
+def test_two_types_get_the_start_under_the_papers_rule_only():
+    import ppipe.planner.core as core
+
+    cl = cluster({"A": 3, "B": 3}, LEVELS)
+    specs = [None, None]  # only their number counts
+    assert core.wants_split_start(MaxMinNormalized(), HighsSolver(), specs, cl, "paper")
+    assert not core.wants_split_start(MaxMinNormalized(), HighsSolver(), specs, cl, "physical")
 
 
 def test_three_types_two_models_start_is_used_and_never_beats_the_milp():
@@ -279,11 +288,11 @@ def test_three_types_two_models_start_is_used_and_never_beats_the_milp():
     models = [profile("m1", lat1, [200_000, 100_000], levels), profile("m2", lat2, [50_000, 300_000], levels)]
     w = [1.0, 1.5]
     specs, configs = _specs_configs(models, cl, 25.0, 2, weights=w)
-    assert core.wants_split_start(MaxMinNormalized(), HighsSolver(), specs, cl)
-    assert not core.wants_split_start(MaxMinNormalized(), HighsSolver(), specs[:1], cl)
+    assert core.wants_split_start(MaxMinNormalized(), HighsSolver(), specs, cl, "paper")
+    assert not core.wants_split_start(MaxMinNormalized(), HighsSolver(), specs[:1], cl, "paper")
     milp, v = build(specs, configs, cl, gpu_rule="paper", one_config_per_template=True)
     MaxMinNormalized().apply(milp, v)
-    x, _ = split_start(configs, specs, cl, milp, v, None)
+    x = split_start(configs, specs, cl, milp, v, None).x
     assert x is not None and is_feasible(milp, x)
     exact = HighsSolver().solve(milp, gap=1e-9, time_limit_s=60)
     assert exact.status == "optimal" and x[v.extra["z"]] <= exact.objective * (1 + 1e-9)
