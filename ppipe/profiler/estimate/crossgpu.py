@@ -58,33 +58,19 @@ training data) and produced by :func:`fit_cross_gpu` from an artifact folder.
 
 **What a user gets.** ``ppipe profile --measure L4 --estimate-from L4`` times every ONNX
 node of the model on the L4 with TensorRT (``per-node`` mode: each node its own kernel,
-like the artifact's per-layer tables, whose sums are 1.8-8.4x the whole-model latency),
-keeps them in ``layers.csv`` with the op types of the graph, and passes them here with
-node -> block from model.yaml (:func:`ppipe.profiler.layers.cross_gpu_layer_inputs`): the
-per-layer model below. A profile without per-node timings of the source (``--trt-layers
-fused``, timings measured elsewhere, an imported profile) gets the blocks-only model; the
-provenance of each estimated GPU type says which. ``tests/profiler/test_user_path.py``
-profiles an artifact model through that path and gets the benchmark's predictions. Not
-checked (no GPU here): that TensorRT's per-node times on a user's GPU are distributed like
-the artifact's (a ``fused`` profile is not: element-wise nodes get almost nothing, so it
-is not used as features).
+like the artifact's per-layer tables), keeps them in ``layers.csv`` with the op types of
+the graph, and passes them here with node -> block from model.yaml
+(:func:`ppipe.profiler.layers.cross_gpu_layer_inputs`): the per-layer model. A profile
+without per-node timings of the source (``--trt-layers fused``, timings measured
+elsewhere, an imported profile) gets the blocks-only model; the provenance of each
+estimated GPU type says which. A ``fused`` profile's per-node times are not used as
+features: element-wise nodes get almost nothing there, unlike the artifact's.
+``tests/profiler/test_user_path.py`` profiles an artifact model through that path and gets
+the benchmark's predictions.
 
-Measured (``python scripts/bench_estimator.py``, nested leave-one-model-out over the 28
-artifact models), per-layer model: block latency from L4 median 9.5 %, p90 34.4 %; all 12
-pairs 6.5 % / 26.8 %; per-block ratios of the paper's cluster pairs from L4 8.1 % / 29.3 %,
-from every source 6.5 % / 26.3 % (naive global ratio from L4: blocks 22.8 / 98.0 %, ratios
-21.4 / 47.2 %). The worst held-out models are the architectures alone of their kind in the
-artifact (TextSnake, ConvNeXt, EfficientDet, EfficientNet, CycleGAN: p90 45-76 %).
-Blocks-only model (``--blocks-only``): from L4 10.8 / 41.8 %, all pairs 8.7 / 36.0 %,
-ratios from L4 8.4 / 30.5 %, from every source 8.9 / 32.9 % (the block-latency p90 target
-is NOT met without per-layer timings). What was decided by
-looking at outer figures: the design (these features, this regressor) was run once; the
-grid's lambda range was then widened once to 100 because inner selections sat on its
-edge (outer result before 9.4 / 34.3 %, after 9.5 / 34.4 %; kept); the offset option was
-run once and left off (see :func:`fit_cross_gpu_from_models`). Picking among these few
-runs can bias the figure by a few tenths of a point at most. The previous version (fixed
-hyper-parameters chosen on the same 28 models, ~29 settings scored) reported
-9.4 / 35.6 % with selection bias.
+Accuracy: ``scripts/bench_estimator.py`` (nested leave-one-model-out over the artifact's
+models); its figures, and how the design was chosen, are in ``docs/benchmarks.md``
+("Cross-GPU estimator").
 """
 
 from __future__ import annotations
@@ -716,9 +702,8 @@ def fit_cross_gpu_from_models(
             then fits the difference, and shrinks towards that physically derived ratio
             rather than towards the training mean): the candidates, chosen like the
             hyper-parameters. One grid entry and one offset option skip the selection.
-            Default: no offset. Offered as a candidate, it changed the nested figures by
-            noise only (from L4 9.3 / 34.7 % vs 9.5 / 34.4 %; all pairs 6.5 / 27.2 vs
-            6.5 / 26.8 %) at a third more fitting time, so it is off.
+            Default: no offset (as a candidate it moved the benchmark by noise only, at a
+            third more fitting time; ``docs/benchmarks.md``).
     """
     only = set(pairs) if pairs is not None else None
     feature_sets = sorted(set(with_layers))
