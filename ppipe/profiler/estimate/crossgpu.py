@@ -732,9 +732,13 @@ def fit_cross_gpu_from_models(
     """
     feature_sets = sorted(set(with_layers))
     t = _Training.of(list(models), pairs)
+    # 1. layer ratio models (per-layer feature set only)
     layer_full, layer_wo = _fit_layer_models(t) if True in feature_sets else ({}, {})
+    # 2. static features of every training block, per source
     t.static = {s: _training_features(t, s, layer_wo if True in feature_sets else None) for s in t.sources}
+    # 3. one design per (source, source level, batch)
     designs = _designs(t)
+    # 4. hyper-parameters per (source, target, feature set) by leave-one-model-out
     grid, offset_options = list(hyper_grid), sorted(set(offsets))
     if len(grid) == 1 and len(offset_options) == 1:
         g0, r0, l0 = grid[0]
@@ -744,6 +748,7 @@ def fit_cross_gpu_from_models(
         }
     else:
         chosen = _select_hyper_parameters(t, designs, feature_sets, grid, offset_options)
+    # 5. final fits on every training model
     regs = _final_fits(t, designs, feature_sets, chosen)
     return CrossGpuModel(regressors=regs, models=[am.name for am in t.models], layer_models=layer_full, selection=chosen)
 
