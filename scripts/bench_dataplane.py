@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ARTIFACT = Path(os.environ.get("PPIPE_ARTIFACT", REPO.parent / "shared" / "data" / "ppipe-artifact"))
 
-# PLANNING_MODEL.md: model groups and Poisson weights.
+# docs/planning-model.md, "The paper's settings": model groups and Poisson weights.
 GROUPS = {
     "G1": ["efficientnet-b8_3rdparty_8xb32-aa-advprop_in1k", "encnet_r101-d8_4xb2-40k_cityscapes-512x1024", "rtmdet_x_8xb32-300e_coco"],
     "G2": ["colorization-v2", "googlenet-v3-pytorch", "repvgg-b3"],

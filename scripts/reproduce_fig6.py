@@ -10,8 +10,8 @@ the PPipe artifact's, imported in memory.
 
 Rates: load factor 1.0 is the throughput in the output of PPipe's MILP (paper §7.1),
 shared by weight: model m gets ``w_m * z`` with z the plan's max-min throughput
-(``ppipe.sim.sweep.base_rates``, ``--rate-basis share``, the default; PLANNING_MODEL.md's
-"plan throughput x load factor x weight share"). The authors' scripts drive each model at
+(``ppipe.sim.sweep.base_rates``, ``--rate-basis share``, the default; docs/planning-model.md,
+"How serving is measured"). The authors' scripts drive each model at
 the ``xput`` of its MILP solution, a variable bounded above by the pools' capacity and
 below by ``w_m z``; ``--rate-basis planned`` uses the capacity instead (stricter for the
 models that do not bind the objective). NP and DART-r are driven at PPipe's rates (the
@@ -22,8 +22,8 @@ placement puts them. The authors' simulator runs one model per process with a NI
 pool and server; ``--isolate-models`` reproduces that (each model alone on its vGPUs,
 same plan, placement and arrival stream).
 
-Ablation (Fig. 10): by default each of the 18 models alone on HC2-L (PLANNING_MODEL.md:
-3 partitions, margin 0.1), planned once and simulated under the ``reservation`` and the
+Ablation (Fig. 10): by default each of the 18 models alone on HC2-L (docs/planning-model.md,
+"The paper's settings": 3 partitions, margin 0.1), planned once and simulated under the ``reservation`` and the
 ``reactive`` policy, each at its own plan's rates; ``--ablation-mode groups`` instead reuses
 the six group plans on HC2-L.
 

@@ -4,9 +4,9 @@ The scheduler is pure logic: it reads time from an injected :class:`Clock`, take
 (a request arrived, a timer fired, a worker reported, a worker died) and returns
 *decisions* (:class:`Dispatch`, :class:`Drop`, :class:`WakeAt`). It never sleeps, never
 does I/O and never calls ``time.time()``. The simulator turns decisions into events under
-a virtual clock; the runtime turns them into data-path messages under the wall clock. Both use
-the same scheduler objects (DESIGN.md: "the scheduler that the simulator runs is the
-scheduler that `ppipe serve` runs").
+a virtual clock; the runtime turns them into data-path messages under the wall clock.
+Both use the same scheduler objects (docs/architecture.md, "The one-scheduler rule": the
+scheduler that the simulator runs is the scheduler that `ppipe serve` runs).
 
 Units: every time is in microseconds (``*_us``), on the clock's time line.
 

@@ -1,21 +1,25 @@
 """Scheduler options: the ``**options`` of :func:`ppipe.dataplane.build_scheduler`.
 
-A frozen dataclass rather than a pydantic model: the scheduler reads these on its hot path.
-Unknown option names are a :class:`~ppipe.errors.UserError` with a "did you mean".
+A frozen pydantic model, as every other configuration of ppipe: the values are checked
+once, when the scheduler is built (an unknown name is a :class:`~ppipe.errors.UserError`
+with a "did you mean", a bad value one that names the field); the hot path then reads
+plain attributes. Defaults follow the paper's Algorithm 1 and 2, except where a field
+says otherwise; ``docs/benchmarks.md`` ("Data-plane options") has the measurements behind
+the defaults that depart from it.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from ppipe.errors import UserError
 
 
-@dataclass(frozen=True)
-class SchedulerOptions:
-    """Tunables of the data plane. Every field has a default that follows the paper.
+class SchedulerOptions(BaseModel):
+    """Tunables of the data plane. The defaults follow the paper; those that do not say so.
 
     Attributes:
         max_queue: admission control. Bound on the number of queued (not yet dispatched)
@@ -34,31 +38,26 @@ class SchedulerOptions:
             take now itself waits for resources, wake at the latest start at which the path
             (probed from that start on the current tables) still meets the oldest deadline,
             rather than at ``now + slack`` (which assumes the path's waiting stays and so
-            wakes early, then again). One probe() more per such wait. Off by default: on the
-            NP plan of G2 on HC2-L (simulator, 3 s, loads 0.8 and 0.95) it changed no
-            attainment and cost ~1 probe() per dispatch more, as arrivals end most waits.
+            wakes early, then again). One probe() more per such wait; off by default,
+            because arrivals end most waits before either moment.
         try_other_pipelines: not in the paper's Algorithm 1 (default on). When no batch size
             fits the oldest deadline on the pipeline step 1 chose, try the model's other
             pipelines (least waiting first) before dropping the request. Algorithm 1 drops
             the head as soon as the least-waiting pipeline cannot serve it, although a
-            pipeline with a shorter path but more waiting could (googlenet-v3 on HC3-L: a
-            whole-model V100 pipeline of 11.4 ms next to a V100+P4 one of 13.7 ms, SLO 23.4
-            ms). The authors' simulator (``ReservationSlaLoadBalancer`` in their artifact)
-            does the same in substance: its pipeline choice adds a full SLO of penalty to a
-            pipeline whose batch-1 path misses the head's deadline. Default on because a
-            request should be dropped only when no pipeline can serve it in time; it changes
-            nothing for models with one pipeline and costs probes only where Algorithm 1
-            would drop. Measured (simulator, seed 0, 10 s points, rates = planned capacity): googlenet-v3
-            on HC3-L at load 0.85 attainment 0.9882 -> 0.9904, rtmdet_x at 0.9 0.9857 ->
-            0.9885; no max load factor of G1/G2 changed. ``False`` = Algorithm 1 exactly.
+            pipeline with a shorter path but more waiting could (a whole-model pipeline
+            next to a longer two-partition one). The authors' simulator does the same in
+            substance (its pipeline choice adds a full SLO of penalty to a pipeline whose
+            batch-1 path misses the head's deadline). On because a request should be
+            dropped only when no pipeline can serve it in time; it changes nothing for
+            models with one pipeline and costs probes only where Algorithm 1 would drop.
+            ``False`` = Algorithm 1 exactly.
         reevaluate_on_report: after feedback correction, re-run the batcher of models that
             are waiting (WakeAt pending), because a corrected table can move their last
             feasible moment earlier.
         propagate_delays: when a stage is reported to have ended late, move the batch's
             not yet reported downstream reservations (transfer, then inference) to when their
             input can really be there, pushing back what they now overlap. Off: only the
-            reported resource is corrected (the paper's text says no more). In simulations
-            with jitter the two differ by less than run-to-run noise.
+            reported resource is corrected (the paper's text says no more).
         inflight_grace_us: an in-flight batch is forgotten when its last stage is reported,
             or when its expected end (planned end, pushed back by reported delays) is more
             than this many us in the past.
@@ -68,12 +67,8 @@ class SchedulerOptions:
             finishes earliest; ties go to the earlier finish, then to the server whose
             uplink frees first. The paper's greedy (off) ignores the next transfer, so with
             many equally fast candidates it keeps choosing the lowest ids and piles a pool's
-            output on one or two servers' uplinks while the others idle (colorization-v2 on
-            HC2-L: 291 of 515 first-stage batches on one server). Off = Algorithm 2 exactly.
-            Measured (simulator, 10 s points, seed 0, same plans): Fig. 10 ablation on six
-            models alone on HC2-L, reservation 0.850 -> 0.950 (colorization-v2 0.35 ->
-            0.95); Fig. 6 PPipe mean over the 24 cases 0.944 -> 0.947 (four models +0.05,
-            none lower: the rest is bounded by queueing in the plans, not by placement).
+            output on one or two servers' uplinks while the others idle. Off = Algorithm 2
+            exactly.
         prune_threshold: a reservation table is pruned of past intervals when it holds more
             than this many (amortises the list deletion).
         late_drop: (reactive policy) when a stage report shows a batch can no longer meet
@@ -98,20 +93,35 @@ class SchedulerOptions:
             few ms. Under the simulator's exact clock 0 is right.
     """
 
-    max_queue: int | Mapping[str, int] | None = None
-    local_transfer_gbps: float | None = None
-    reuse_step1_probe: bool = True
-    reevaluate_on_report: bool = True
-    exact_last_moment: bool = False
-    try_other_pipelines: bool = True
-    propagate_delays: bool = True
-    inflight_grace_us: float = 0.0
-    probe_lookahead: bool = True
-    prune_threshold: int = 64
-    late_drop: bool = True
-    min_batch_on_overload: int = 0
-    defer_small_batches: bool = False
-    wake_lead_us: float = 0.0
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_queue: StrictInt | Mapping[str, StrictInt] | None = Field(
+        default=None, description="Bound on the queued requests of a model (per model name, or one for all); None: unbounded."
+    )
+    local_transfer_gbps: float | None = Field(
+        default=None, gt=0, description="Bandwidth of a same-server copy in Gbit/s; None: such a copy takes no time."
+    )
+    reuse_step1_probe: bool = Field(default=True, description="Reuse step 1's probe at the planned batch in step 2.")
+    reevaluate_on_report: bool = Field(default=True, description="Re-run waiting models' batchers after a correction.")
+    exact_last_moment: bool = Field(default=False, description="Wake a waiting batch at its exact latest feasible start.")
+    try_other_pipelines: bool = Field(default=True, description="Try the model's other pipelines before dropping.")
+    propagate_delays: bool = Field(default=True, description="Push a late stage's downstream reservations back.")
+    inflight_grace_us: float = Field(default=0.0, ge=0, description="How long past its expected end an in-flight batch is kept, us.")
+    probe_lookahead: bool = Field(default=True, description="In non-last pools, pick the vGPU whose output can leave earliest.")
+    prune_threshold: int = Field(default=64, ge=1, description="Intervals a reservation table holds before it drops past ones.")
+    late_drop: bool = Field(default=True, description="(reactive) drop a batch's requests once a report shows it will be late.")
+    min_batch_on_overload: int = Field(default=0, ge=0, description="Shed the oldest requests to keep batches this large (0: off).")
+    defer_small_batches: bool = Field(default=False, description="Hold a small batch whose first vGPU is busy until it frees.")
+    wake_lead_us: float = Field(default=0.0, description="Wake this long before a waiting batch's last moment, us.")
+
+    @field_validator("max_queue")
+    @classmethod
+    def _positive_bounds(cls, v: int | Mapping[str, int] | None) -> int | Mapping[str, int] | None:
+        bounds = v.values() if isinstance(v, Mapping) else ([] if v is None else [v])
+        for b in bounds:
+            if b < 1:
+                raise ValueError(f"max_queue must be a positive integer per model, got {b!r}")
+        return v
 
     def queue_bound(self, model: str) -> int | None:
         if self.max_queue is None:
@@ -122,8 +132,13 @@ class SchedulerOptions:
 
     @classmethod
     def from_kwargs(cls, options: Mapping[str, Any]) -> "SchedulerOptions":
-        """Build from ``build_scheduler(**options)``; unknown names raise UserError."""
-        known = [f.name for f in fields(cls)]
+        """Build from ``build_scheduler(**options)``.
+
+        Raises:
+            UserError: an unknown option name (with the closest known one), or a value
+                that fails its field's check (naming the field).
+        """
+        known = list(cls.model_fields)
         for name in options:
             if name not in known:
                 close = difflib.get_close_matches(name, known, n=1)
@@ -132,30 +147,18 @@ class SchedulerOptions:
                     f"unknown data-plane option '{name}'{hint}",
                     fix=f"use one of: {', '.join(sorted(known))}",
                 )
-        opts = cls(**dict(options))
-        opts.validate()
-        return opts
+        try:
+            return cls(**dict(options))
+        except ValidationError as err:
+            raise UserError(
+                "invalid data-plane option: " + "; ".join(_describe(e) for e in err.errors()),
+                fix="correct the value named above (the fields of SchedulerOptions say what each takes)",
+            ) from None
 
-    def validate(self) -> None:
-        bounds = (
-            self.max_queue.values()
-            if isinstance(self.max_queue, Mapping)
-            else ([] if self.max_queue is None else [self.max_queue])
-        )
-        for b in bounds:
-            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-                raise UserError(f"max_queue must be a positive integer per model, got {b!r}", fix="set max_queue >= 1 or None")
-        if self.local_transfer_gbps is not None and not self.local_transfer_gbps > 0:
-            raise UserError(
-                f"local_transfer_gbps must be > 0 or None, got {self.local_transfer_gbps!r}",
-                fix="leave it unset for free same-server copies",
-            )
-        if self.inflight_grace_us < 0:
-            raise UserError(f"inflight_grace_us must be >= 0, got {self.inflight_grace_us}", fix="use 0 or more")
-        if self.prune_threshold < 1:
-            raise UserError(f"prune_threshold must be >= 1, got {self.prune_threshold}", fix="use e.g. 64")
-        if self.min_batch_on_overload < 0:
-            raise UserError(
-                f"min_batch_on_overload must be >= 0, got {self.min_batch_on_overload}",
-                fix="0 keeps the paper's behaviour",
-            )
+
+def _describe(error: Mapping[str, Any]) -> str:
+    """One pydantic error as 'field: problem (got value)'."""
+    if error["type"] == "value_error":  # our own validators name the field and the value
+        return str(error["msg"]).removeprefix("Value error, ")
+    field = str(error["loc"][0]) if error["loc"] else "options"
+    return f"{field}: {error['msg']} (got {error['input']!r})"

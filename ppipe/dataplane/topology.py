@@ -279,11 +279,8 @@ class Pipeline:
         self.model = model
         self.index = index
         self.planned_batch = planned_batch
-        # Usable batch sizes <= planned, descending. (Larger batches under backlog were
-        # tried, 2026-11-25: deferring a planned batch whose path waits, then sending up
-        # to 8 requests when the head's deadline allows. On HC1-L G1 at load 1.0 a larger
-        # batch fitted in 766 of 452 k probes, and encnet's attainment fell 98.5 -> 95.8 %:
-        # the SLO leaves PPipe's batch-1 plans no room for them.)
+        # Usable batch sizes <= planned, descending: the batcher only shrinks a batch
+        # (Algorithm 1); a larger one would break the latency the plan was sized for.
         self.batches: tuple[int, ...] = ()
         self.pools: list[Pool] = []
         self.alive = True

@@ -40,9 +40,11 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from ppipe.errors import NotAvailableError, UserError
+from tqdm import tqdm
+
+from ppipe.errors import UserError
 from ppipe.profiler.blocks import (
     DEFAULT_BLOCKS,
     DEFAULT_SIZE_WEIGHT,
@@ -55,6 +57,9 @@ from ppipe.profiler.blocks import (
 )
 from ppipe.profiler.graph import GraphInfo, analyze, file_sha256, load_onnx, prepare_model
 from ppipe.spec.base import dump_yaml
+
+if TYPE_CHECKING:
+    from ppipe.spec.profile import LayersSpec, LayerTimings
 
 log = logging.getLogger(__name__)
 
@@ -268,24 +273,16 @@ def _dtype(info: GraphInfo, name: str) -> str:
 
 
 def _offered_levels(gpu: str, levels: Sequence[int]) -> list[int]:
-    """The levels of ``levels`` that the spec sheet offers for ``gpu`` (all, in a build
-    whose estimate package has no spec sheet)."""
-    from ppipe.profiler import estimate
+    """The levels of ``levels`` that the spec sheet offers for ``gpu``."""
+    from ppipe.profiler.estimate import gpu_spec
 
-    gpu_spec = getattr(estimate, "gpu_spec", None)
-    if gpu_spec is None:
-        return list(levels)
     return [v for v in levels if v in gpu_spec(gpu).mps_levels]
 
 
 def _estimate(block_paths: list[Path], gpus: list[str], levels: Sequence[int], batches: Sequence[int]) -> dict[Key, float]:
-    try:
-        from ppipe.profiler.estimate import roofline_table
-    except ImportError as exc:
-        raise NotAvailableError(
-            f"GPU estimates are not available in this build ({exc})",
-            fix="drop --estimate, or install a ppipe build with ppipe.profiler.estimate",
-        ) from None
+    """Roofline estimates of ``gpus`` from the block ONNX graphs."""
+    from ppipe.profiler.estimate import roofline_table
+
     # only the MPS levels the GPU type offers (a P4 has no thread-percentage limits)
     levels_by_gpu = {g: _offered_levels(g, levels) for g in gpus}
     grid = batch_grid(batches, levels)
@@ -296,14 +293,9 @@ def _estimate(block_paths: list[Path], gpus: list[str], levels: Sequence[int], b
 def _estimate_cross(profile, source: str, gpu: str, levels: Sequence[int], batches: Sequence[int]) -> tuple[dict[Key, float], str]:
     """Cross-GPU estimates of ``gpu`` from ``source``, and which model made them (per-layer
     features where ``layers.csv`` has per-node timings of the source, else blocks-only)."""
+    from ppipe.profiler.estimate import cross_gpu_table
     from ppipe.profiler.layers import cross_gpu_layer_inputs
 
-    try:
-        from ppipe.profiler.estimate import cross_gpu_table
-    except ImportError as exc:
-        raise NotAvailableError(
-            f"the cross-GPU estimator is not available in this build ({exc})", fix="drop --estimate-from"
-        ) from None
     levels = _offered_levels(gpu, levels)  # a P4 has no MPS levels, as for the roofline
     kwargs, how = cross_gpu_layer_inputs(profile, source)
     table = cross_gpu_table(profile, source, gpu, levels=list(levels), batches_by_level=batch_grid(batches, levels), **kwargs)
@@ -370,18 +362,6 @@ def _check_estimate_source(source: str, provenance: str) -> None:
         )
 
 
-def _estimate_provenance(gpu: str) -> str:
-    try:
-        from ppipe.profiler import estimate
-
-        fn = getattr(estimate, "provenance", None)
-        if callable(fn):
-            return str(fn(gpu))
-    except ImportError:
-        pass
-    return f"estimated: roofline model of the block graphs on the {gpu} spec sheet (ppipe.profiler.estimate), not measured"
-
-
 def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[str], None] | None = None):
     """Run the whole profiler for one model and write its folder.
 
@@ -397,183 +377,245 @@ def profile_model(req: ProfileRequest, progress: bool = True, echo: Callable[[st
         UserError: bad input file, shapes, flags; NotAvailableError: a backend is missing.
     """
     from ppipe.profiler.ort_backend import default_threads
-    from ppipe.spec.profile import LayerMethod, LayerRow, LayerTimingSpec, LayersSpec, ModelProfile, make_layer_timings
 
     say = echo or (lambda _m: None)
-    if req.measure is None and not req.estimate:
-        raise UserError("nothing to do: no --measure and no --estimate", fix="give --measure cpu and/or --estimate L4,T4")
+    _check_request(req)
+    model, src, default_name, src_path = _load(req)
+    name = req.name or default_name
+    out = Path(req.out_dir) if req.out_dir is not None else Path("models") / name
+    info = analyze(prepare_model(model, input_shape=req.input_shape, source=str(src_path)))
+    threads = req.threads or default_threads()
+    out.mkdir(parents=True, exist_ok=True)
+    run = _cut(req, name, src, info, out, threads, say)  # 1. cuts and per-layer timings
+    _write_blocks_and_manifest(run)  # 2. block files, then model.yaml and layers.csv
+    if req.measure is not None:  # 3. measure on the local device
+        _measure(req, run, threads, progress, say)
+    if req.estimate:  # 4. estimates for the GPU types that are not here
+        _add_estimates(req, run, say)
+    return _write_profile(run)  # 5. model.yaml with the table's figures, profile.csv
+
+
+@dataclass
+class _Run:
+    """The state of one :func:`profile_model` run, filled in step by step.
+
+    Attributes:
+        name, src, info, out: the model's name, source spec, analysed graph and folder.
+        blocks: the cuts (reused from an existing model.yaml, or made afresh).
+        resumed: whether the cuts were reused.
+        layer_times: per device type, (per-node times in compute order, method, provenance).
+        table: latency rows, starting with those of a resumed run.
+        provenance: per GPU type, how its rows were obtained in this run.
+        old_provenance: per GPU type, the provenance of the resumed model.yaml.
+    """
+
+    name: str
+    src: dict
+    info: GraphInfo
+    out: Path
+    blocks: list[Block]
+    resumed: bool
+    layer_times: dict[str, tuple[list[float], str, str]]
+    table: dict[Key, float]
+    provenance: dict[str, str] = field(default_factory=dict)
+    old_provenance: dict[str, str] = field(default_factory=dict)
+    block_paths: list[Path] = field(default_factory=list)
+    onnx_rel: list[str] | None = None
+    layers_spec: LayersSpec | None = None
+    layer_timings: LayerTimings | None = None
+
+    def manifest(self, latency_bs1: dict[str, float], provenance: dict[str, str]):
+        return _manifest(self.name, self.src, self.info, self.blocks, self.onnx_rel, latency_bs1, provenance, self.layers_spec)
+
+
+def _check_request(req: ProfileRequest) -> None:
     from ppipe.profiler.trt_backend import LAYER_MODES, PRECISIONS
 
+    if req.measure is None and not req.estimate:
+        raise UserError("nothing to do: no --measure and no --estimate", fix="give --measure cpu and/or --estimate L4,T4")
     if req.trt_layers not in LAYER_MODES:
         raise UserError(f"--trt-layers {req.trt_layers!r} is not one of {', '.join(LAYER_MODES)}", fix="use --trt-layers per-node (default) or fused")
     if req.backend not in ("auto", "torch"):
         raise UserError(f"--backend {req.backend!r} is not auto or torch", fix="use --backend auto (default) or torch")
     if req.precision not in PRECISIONS:
         raise UserError(f"--precision {req.precision!r} is not one of {', '.join(PRECISIONS)}", fix="use --precision tf32 (default) or fp16")
-    model, src, default_name, src_path = _load(req)
-    name = req.name or default_name
-    out = Path(req.out_dir) if req.out_dir is not None else Path("models") / name
-    info = analyze(prepare_model(model, input_shape=req.input_shape, source=str(src_path)))
-    threads = req.threads or default_threads()
 
-    # 1. cuts: reuse those of an existing model.yaml for the same model, else cut afresh
-    out.mkdir(parents=True, exist_ok=True)
+
+def _cut(req: ProfileRequest, name: str, src: dict, info: GraphInfo, out: Path, threads: int, say) -> _Run:
+    """Step 1: reuse the cuts (and rows, and per-layer timings) of an existing model.yaml
+    for the same model, else time the layers and cut afresh."""
     last_nodes = _reusable_cuts(out / "model.yaml", src, info.input_shape, req.num_blocks)
-    # per-layer timings: device -> (times in compute order, method, provenance)
     layer_times: dict[str, tuple[list[float], str, str]] = {}
-    if last_nodes is not None:
-        blocks = blocks_from_last_nodes(info, last_nodes)
-        say(f"resuming: reusing the {len(blocks)} blocks of {out / 'model.yaml'}")
-        existing = _read_rows(out / "profile.csv")
-        existing.update(_read_rows(out / PARTIAL_CSV))
-        old = _old_layers(out)
-        old_spec = _old_layer_spec(out)
-        if old is not None:
-            names_now = [info.node(p).name for p in range(len(info.compute_nodes))]
-            if old.nodes() == names_now:
-                for g in old.gpus():
-                    lat = old.latency_us(g)
-                    layer_times[g] = ([lat[n] for n in names_now], old.methods[g].value, old_spec.get(g, ""))
-            else:
-                say("the existing layers.csv lists other nodes than this model has: its rows are dropped")
-        if req.measure is not None and req.measure not in layer_times:
-            layer_times[req.measure] = _time_layers(req, info, req.measure, threads, say)  # recorded, not cut on
-    else:
+    if last_nodes is None:
         device = req.measure or CPU
         layer_times[device] = _time_layers(req, info, device, threads, say)
         say(f"cutting {req.num_blocks} blocks by the {device} layer times")
         blocks = partition(info, layer_times[device][0], req.num_blocks, req.size_weight)
-        existing = {}
         for stale in (out / PARTIAL_CSV, out / "profile.csv", out / "layers.csv"):
             stale.unlink(missing_ok=True)  # rows of other cuts are meaningless now
+        return _Run(name, src, info, out, list(blocks), resumed=False, layer_times=layer_times, table={})
+    blocks = blocks_from_last_nodes(info, last_nodes)
+    say(f"resuming: reusing the {len(blocks)} blocks of {out / 'model.yaml'}")
+    existing = _read_rows(out / "profile.csv")
+    existing.update(_read_rows(out / PARTIAL_CSV))
+    layer_times.update(_kept_layer_times(info, out, say))
+    if req.measure is not None and req.measure not in layer_times:
+        layer_times[req.measure] = _time_layers(req, info, req.measure, threads, say)  # recorded, not cut on
+    return _Run(
+        name, src, info, out, list(blocks), resumed=True, layer_times=layer_times, table=existing,
+        old_provenance=_old_provenance(out),
+    )
 
-    # 2. block files: next to model.yaml for a user's file, in the cache for built-ins
-    if src["kind"] == "builtin":
-        block_dir = cache_root() / name
-        onnx_rel = None
+
+def _kept_layer_times(info: GraphInfo, out: Path, say) -> dict[str, tuple[list[float], str, str]]:
+    """The per-layer timings of the profile being resumed, where it lists this model's nodes."""
+    old = _old_layers(out)
+    if old is None:
+        return {}
+    names_now = [info.node(p).name for p in range(len(info.compute_nodes))]
+    if old.nodes() != names_now:
+        say("the existing layers.csv lists other nodes than this model has: its rows are dropped")
+        return {}
+    old_spec = _old_layer_spec(out)
+    kept = {}
+    for g in old.gpus():
+        lat = old.latency_us(g)
+        kept[g] = ([lat[n] for n in names_now], old.methods[g].value, old_spec.get(g, ""))
+    return kept
+
+
+def _write_blocks_and_manifest(run: _Run) -> None:
+    """Step 2: block files (next to model.yaml for a user's file, in the cache for
+    built-ins), then model.yaml without a table (an interrupted run resumes from its cuts)
+    and layers.csv."""
+    from ppipe.spec.profile import LayerMethod, LayerRow, LayerTimingSpec, LayersSpec, make_layer_timings, write_layers_csv
+
+    if run.src["kind"] == "builtin":
+        block_dir = cache_root() / run.name
     else:
-        block_dir = out / "blocks"
-        onnx_rel = [f"blocks/block_{b.index:02d}.onnx" for b in blocks]
-    block_paths = write_blocks(info, blocks, block_dir, name)
-    old_provenance = _old_provenance(out) if last_nodes is not None else {}
-    layers_spec = None
-    if layer_times:
-        layers_spec = LayersSpec(
-            gpus={g: LayerTimingSpec(method=LayerMethod(m), provenance=prov) for g, (_t, m, prov) in sorted(layer_times.items())}
+        block_dir = run.out / "blocks"
+        run.onnx_rel = [f"blocks/block_{b.index:02d}.onnx" for b in run.blocks]
+    run.block_paths = write_blocks(run.info, run.blocks, block_dir, run.name)
+    if run.layer_times:
+        run.layers_spec = LayersSpec(
+            gpus={g: LayerTimingSpec(method=LayerMethod(m), provenance=prov) for g, (_t, m, prov) in sorted(run.layer_times.items())}
         )
-    manifest = _manifest(name, src, info, blocks, onnx_rel, {}, old_provenance, layers_spec)
-    layer_timings = None
-    if layers_spec is not None:
+    manifest = run.manifest({}, run.old_provenance)
+    if run.layers_spec is not None:
+        info = run.info
         node_ops = [(info.node(p).name, info.node(p).op_type) for p in range(len(info.compute_nodes))]
-        layer_timings = make_layer_timings(
+        run.layer_timings = make_layer_timings(
             manifest,
-            {g: [LayerRow(n, op, round(float(t), 3)) for (n, op), t in zip(node_ops, times)] for g, (times, _m, _p) in layer_times.items()},
-            {g: LayerMethod(m) for g, (_t, m, _p) in layer_times.items()},
+            {g: [LayerRow(n, op, round(float(t), 3)) for (n, op), t in zip(node_ops, times)] for g, (times, _m, _p) in run.layer_times.items()},
+            {g: LayerMethod(m) for g, (_t, m, _p) in run.layer_times.items()},
         )
-    # model.yaml goes first (without a table): an interrupted run resumes from its cuts
-    dump_yaml(manifest.model_dump(mode="json", exclude_none=True), out / "model.yaml")
-    if layer_timings is not None:
-        from ppipe.spec.profile import write_layers_csv
+    dump_yaml(manifest.model_dump(mode="json", exclude_none=True), run.out / "model.yaml")
+    if run.layer_timings is not None:
+        write_layers_csv(run.out / run.layers_spec.csv, run.layer_timings)
+    if run.src["kind"] == "builtin":
+        (block_dir / "blocks.stamp.json").write_text(json.dumps({"fingerprint": block_fingerprint(manifest), "model": run.name}))
 
-        write_layers_csv(out / layers_spec.csv, layer_timings)
-    if src["kind"] == "builtin":
-        (block_dir / "blocks.stamp.json").write_text(json.dumps({"fingerprint": block_fingerprint(manifest), "model": name}))
 
-    table: dict[Key, float] = dict(existing)
-    provenance: dict[str, str] = {}
-    # 3. measure on the local device
-    if req.measure is not None:
-        if req.backend == "torch":
-            from ppipe.profiler.torch_backend import profile_timer
+def _measure(req: ProfileRequest, run: _Run, threads: int, progress: bool, say) -> None:
+    """Step 3: time every missing (level, block, batch) of the grid on ``req.measure``,
+    appending each row to the partial CSV as it is taken."""
+    if req.backend == "torch":
+        from ppipe.profiler.torch_backend import profile_timer
 
-            levels, timer = profile_timer(req)
-            measure_fn = timer.latency_us
-            provenance[req.measure] = timer.provenance()
-        elif req.measure == CPU:
-            from ppipe.profiler.ort_backend import BlockTimer, provenance as ort_provenance
+        levels, timer = profile_timer(req)
+        run.provenance[req.measure] = timer.provenance()
+    elif req.measure == CPU:
+        from ppipe.profiler.ort_backend import BlockTimer, provenance as ort_provenance
 
-            levels = [v for v in req.cpu_levels if v <= threads]
-            if len(levels) < len(req.cpu_levels):
-                say(f"skipping CPU levels {sorted(set(req.cpu_levels) - set(levels))}: only {threads} thread(s)")
-            timer = BlockTimer(threads, reps=req.reps, statistic=req.statistic)
-            measure_fn = timer.latency_us
-            provenance[CPU] = ort_provenance(threads, req.reps, req.statistic)
-        else:
-            from ppipe.profiler.trt_backend import TensorRTTimer
+        levels = [v for v in req.cpu_levels if v <= threads]
+        if len(levels) < len(req.cpu_levels):
+            say(f"skipping CPU levels {sorted(set(req.cpu_levels) - set(levels))}: only {threads} thread(s)")
+        timer = BlockTimer(threads, reps=req.reps, statistic=req.statistic)
+        run.provenance[CPU] = ort_provenance(threads, req.reps, req.statistic)
+    else:
+        from ppipe.profiler.trt_backend import TensorRTTimer
 
-            levels = list(req.gpu_levels)
-            timer = TensorRTTimer(reps=req.reps, precision=req.precision)
-            measure_fn = timer.latency_us
-            provenance[req.measure] = timer.provenance()
-        grid = batch_grid(req.batches, levels)
-        todo = [
-            (v, blk, b)
-            for v, bs in grid.items()
-            for blk in range(len(blocks))
-            for b in bs
-            if (req.measure, v, b, blk) not in table
-        ]
-        done = sum(len(bs) for bs in grid.values()) * len(blocks) - len(todo)
-        say(f"measuring {len(todo)} (level, block, batch) points on {req.measure}" + (f" ({done} already done)" if done else ""))
-        if not todo and req.measure in old_provenance:
-            provenance[req.measure] = old_provenance[req.measure]  # nothing measured now: the rows keep their record
-        writer = _PartialWriter(out / PARTIAL_CSV)
-        try:
-            bar = _progress(len(todo), f"{name} on {req.measure}", progress)
+        levels = list(req.gpu_levels)
+        timer = TensorRTTimer(reps=req.reps, precision=req.precision)
+        run.provenance[req.measure] = timer.provenance()
+    grid = batch_grid(req.batches, levels)
+    todo = [
+        (v, blk, b)
+        for v, bs in grid.items()
+        for blk in range(len(run.blocks))
+        for b in bs
+        if (req.measure, v, b, blk) not in run.table
+    ]
+    done = sum(len(bs) for bs in grid.values()) * len(run.blocks) - len(todo)
+    say(f"measuring {len(todo)} (level, block, batch) points on {req.measure}" + (f" ({done} already done)" if done else ""))
+    if not todo and req.measure in run.old_provenance:
+        run.provenance[req.measure] = run.old_provenance[req.measure]  # nothing measured now: the rows keep their record
+    writer = _PartialWriter(run.out / PARTIAL_CSV)
+    try:
+        with _progress(len(todo), f"{run.name} on {req.measure}", progress) as bar:
             for v, blk, b in todo:
-                lat = round(measure_fn(block_paths[blk], v, b), 3)  # as profile.csv stores it
+                lat = round(timer.latency_us(run.block_paths[blk], v, b), 3)  # as profile.csv stores it
                 key = (req.measure, v, b, blk)
-                table[key] = lat
+                run.table[key] = lat
                 writer.add(key, lat)
                 bar.update(1)
-            bar.close()
-        finally:
-            writer.close()
-        if hasattr(timer, "close"):
-            timer.close()
-    # 4. estimates for the GPU types that are not here
-    if req.estimate:
-        gpus = [g for g in req.estimate if g != req.measure]
-        if req.refresh_estimates:
-            table = {k: lat for k, lat in table.items() if k[0] not in gpus}
-        missing_gpus = [g for g in gpus if not any(k[0] == g for k in table)]
-        if missing_gpus and req.estimate_from:
-            src_gpu = req.estimate_from
-            _check_estimate_source(src_gpu, provenance.get(src_gpu) or old_provenance.get(src_gpu, ""))
-            partial = ModelProfile(
-                manifest=_manifest(name, src, info, blocks, onnx_rel, {}, {}, layers_spec), table=table, directory=out,
-                layers=layer_timings,
-            )
-            for g in missing_gpus:
-                est, how = _estimate_cross(partial, src_gpu, g, req.gpu_levels, req.batches)
-                say(f"estimating {g} from the {src_gpu} timings: cross-GPU {how}")
-                for k, lat in est.items():
-                    table.setdefault(k, lat)
-                provenance[g] = (
-                    f"estimated: cross-GPU model (ppipe.profiler.estimate.cross_gpu_table) from the {src_gpu} "
-                    f"timings of this profile, {how}; not measured"
-                )
-        elif missing_gpus:
-            say(f"estimating {', '.join(missing_gpus)}")
-            est = _estimate(block_paths, missing_gpus, req.gpu_levels, req.batches)
-            for k, lat in est.items():
-                table.setdefault(k, lat)
-            for g in missing_gpus:
-                provenance[g] = _estimate_provenance(g)
-    # keep the provenance of GPU types measured in earlier runs
-    for g in {k[0] for k in table}:
-        provenance.setdefault(g, old_provenance.get(g, "unknown (rows kept from an earlier run)"))
+    finally:
+        writer.close()
+    if hasattr(timer, "close"):
+        timer.close()
 
-    # 5. write
-    gpus_here = sorted({k[0] for k in table})
+
+def _add_estimates(req: ProfileRequest, run: _Run, say) -> None:
+    """Step 4: rows for the ``req.estimate`` GPU types that have none: the cross-GPU model
+    from ``req.estimate_from``, else the roofline."""
+    from ppipe.profiler.estimate import provenance as roofline_provenance
+    from ppipe.spec.profile import ModelProfile
+
+    gpus = [g for g in req.estimate if g != req.measure]
+    if req.refresh_estimates:
+        run.table = {k: lat for k, lat in run.table.items() if k[0] not in gpus}
+    missing_gpus = [g for g in gpus if not any(k[0] == g for k in run.table)]
+    if not missing_gpus:
+        return
+    if not req.estimate_from:
+        say(f"estimating {', '.join(missing_gpus)}")
+        est = _estimate(run.block_paths, missing_gpus, req.gpu_levels, req.batches)
+        for k, lat in est.items():
+            run.table.setdefault(k, lat)
+        for g in missing_gpus:
+            run.provenance[g] = roofline_provenance(g)
+        return
+    src_gpu = req.estimate_from
+    _check_estimate_source(src_gpu, run.provenance.get(src_gpu) or run.old_provenance.get(src_gpu, ""))
+    partial = ModelProfile(manifest=run.manifest({}, {}), table=run.table, directory=run.out, layers=run.layer_timings)
+    for g in missing_gpus:
+        est, how = _estimate_cross(partial, src_gpu, g, req.gpu_levels, req.batches)
+        say(f"estimating {g} from the {src_gpu} timings: cross-GPU {how}")
+        for k, lat in est.items():
+            run.table.setdefault(k, lat)
+        run.provenance[g] = (
+            f"estimated: cross-GPU model (ppipe.profiler.estimate.cross_gpu_table) from the {src_gpu} "
+            f"timings of this profile, {how}; not measured"
+        )
+
+
+def _write_profile(run: _Run):
+    """Step 5: model.yaml with each GPU type's batch-1 latency and provenance (kept from
+    earlier runs for types not touched now), profile.csv; the partial CSV goes."""
+    from ppipe.spec.profile import ModelProfile
+
+    table, nb = run.table, len(run.blocks)
+    provenance = dict(run.provenance)
+    for g in {k[0] for k in table}:
+        provenance.setdefault(g, run.old_provenance.get(g, "unknown (rows kept from an earlier run)"))
     latency_bs1 = {}
-    for g in gpus_here:
-        if all((g, 1, 1, blk) in table for blk in range(len(blocks))):
-            latency_bs1[g] = round(sum(max(table[(g, 1, 1, blk)], 1.0) for blk in range(len(blocks))), 3)
-    manifest = _manifest(name, src, info, blocks, onnx_rel, latency_bs1, dict(sorted(provenance.items())), layers_spec)
-    profile = ModelProfile(manifest=manifest, table=table, directory=out, layers=layer_timings)
-    profile.save(out)
-    (out / PARTIAL_CSV).unlink(missing_ok=True)
+    for g in sorted({k[0] for k in table}):
+        if all((g, 1, 1, blk) in table for blk in range(nb)):
+            latency_bs1[g] = round(sum(max(table[(g, 1, 1, blk)], 1.0) for blk in range(nb)), 3)
+    manifest = run.manifest(latency_bs1, dict(sorted(provenance.items())))
+    profile = ModelProfile(manifest=manifest, table=table, directory=run.out, layers=run.layer_timings)
+    profile.save(run.out)
+    (run.out / PARTIAL_CSV).unlink(missing_ok=True)
     return profile
 
 
@@ -601,20 +643,8 @@ def _old_provenance(out: Path) -> dict[str, str]:
         return {}
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled or total == 0:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="pt")
+def _progress(total: int, desc: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="pt", disable=not enabled or total == 0)
 
 
 __all__ = ["ProfileRequest", "batch_grid", "parse_batches", "profile_model"]

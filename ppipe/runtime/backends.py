@@ -158,13 +158,10 @@ def block_model_paths(profile: ModelProfile, first: int, last: int) -> list[str]
     """Runnable ONNX files of blocks first..last, generating them for built-in models."""
     paths = [profile.block_onnx_path(b) for b in range(first, last + 1)]
     if any(p is None or not p.exists() for p in paths):
-        try:  # the profiler regenerates block sub-models of built-in models deterministically
-            from ppipe.profiler import ensure_block_models  # type: ignore[attr-defined]
-        except ImportError:
-            ensure_block_models = None
-        if ensure_block_models is not None:
-            generated = list(ensure_block_models(profile))
-            paths = [generated[b] for b in range(first, last + 1)]
+        from ppipe.profiler import ensure_block_models  # regenerates a built-in model's blocks deterministically
+
+        generated = list(ensure_block_models(profile))
+        paths = [generated[b] for b in range(first, last + 1)]
     missing = [first + i for i, p in enumerate(paths) if p is None or not os.path.exists(p)]
     if missing:
         raise NotAvailableError(

@@ -16,12 +16,16 @@ gRPC API (``ppipe serve --grpc-port``; :class:`GrpcInferClient`). The model's me
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from ppipe.errors import UserError
 from ppipe.runtime.protocol import DATATYPES, encode_infer_request
@@ -275,7 +279,7 @@ async def run_bench(
 
 
 def format_table(res: BenchResult) -> str:
-    """The figures as an aligned text table."""
+    """The figures as a two-column text table (rich, plain text)."""
 
     def f(x, unit=""):
         return "-" if x is None else (f"{x:.2f}{unit}" if isinstance(x, float) else f"{x}{unit}")
@@ -291,8 +295,14 @@ def format_table(res: BenchResult) -> str:
         ("other errors", ", ".join(f"{k}: {v}" for k, v in sorted(res.errors.items())) or "0"),
         ("client lag p99", f"{f(res.client_lag_p99_ms)} ms"),
     ]
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+    table = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))
+    table.add_column(no_wrap=True)
+    table.add_column()
+    for k, v in rows:
+        table.add_row(Text(k), Text(v))
+    console = Console(file=io.StringIO(), width=200, color_system=None, highlight=False)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())
 
 
 def to_json(res: BenchResult) -> str:

@@ -1,4 +1,4 @@
-"""Schemas and file I/O: clusters, model profiles, plans (see DESIGN.md, Formats)."""
+"""Schemas and file I/O: clusters, model profiles, plans (docs/formats.md)."""
 
 from ppipe.spec.cluster import ClusterSpec, GpuType, ServerGroup, load_cluster, resolve_cluster_path
 from ppipe.spec.plan import (

@@ -54,7 +54,7 @@ from ppipe.spec.base import SCHEMA_VERSION, StrictModel, dump_yaml, load_yaml_mo
 
 PROFILE_COLUMNS = ("gpu", "vgpu", "batch", "block", "latency_us")
 LAYER_COLUMNS = ("gpu", "node", "op_type", "latency_us")
-MIN_BLOCK_LATENCY_US = 1.0  # PLANNING_MODEL.md: C = sum of max(L, 1 us)
+MIN_BLOCK_LATENCY_US = 1.0  # docs/planning-model.md, Derived quantities: C = sum of max(L, 1 us)
 
 
 class TensorSpec(StrictModel):

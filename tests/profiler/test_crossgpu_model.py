@@ -9,16 +9,22 @@ from ppipe.errors import UserError
 
 
 def _explicit_refit_errors(z, phi, y, groups, rho, lam, offset=None):
-    """Kernel ridge refitted without each group, the slow way (the reference)."""
+    """Kernel ridge refitted without each group, the slow way (the reference): scikit-learn's
+    KernelRidge on every LeaveOneGroupOut fold."""
+    from sklearn.kernel_ridge import KernelRidge
+    from sklearn.model_selection import LeaveOneGroupOut
+
     from ppipe.profiler.estimate.crossgpu import INTERCEPT_PRIOR
 
     m = INTERCEPT_PRIOR + z @ z.T + rho * (phi @ phi.T)
     off = np.zeros_like(y) if offset is None else offset
+    labels = np.empty(len(y), dtype=int)
+    for k, g in enumerate(groups):
+        labels[g] = k
     out = np.empty_like(y)
-    for g in groups:
-        rest = np.setdiff1d(np.arange(len(y)), g)
-        alpha = np.linalg.solve(m[np.ix_(rest, rest)] / lam + np.eye(len(rest)), y[rest] - off[rest])
-        pred = off[g] + m[np.ix_(g, rest)] @ alpha / lam
+    for rest, g in LeaveOneGroupOut().split(z, groups=labels):
+        fit = KernelRidge(alpha=lam, kernel="precomputed").fit(m[np.ix_(rest, rest)], y[rest] - off[rest])
+        pred = off[g] + fit.predict(m[np.ix_(g, rest)])
         pred = np.clip(pred, y[rest].min(axis=0), y[rest].max(axis=0))
         out[g] = np.exp(pred - y[g]) - 1
     return out

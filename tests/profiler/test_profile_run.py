@@ -3,8 +3,6 @@ bad inputs (exit code 2), and deterministic regeneration of built-in block model
 
 from __future__ import annotations
 
-import sys
-import types
 
 import pytest
 from click.testing import CliRunner
@@ -104,9 +102,7 @@ def test_estimates_are_added_for_absent_gpu_types(tiny_onnx, tmp_path, monkeypat
             for g in gpus for v in levels_by_gpu[g] for b in batches_by_level[v] for blk in range(len(block_onnx_paths))
         }
 
-    fake = types.ModuleType("ppipe.profiler.estimate")
-    fake.roofline_table = roofline_table
-    monkeypatch.setitem(sys.modules, "ppipe.profiler.estimate", fake)
+    monkeypatch.setattr("ppipe.profiler.estimate.roofline_table", roofline_table)
     out = tmp_path / "tiny"
     req = ProfileRequest(onnx_path=tiny_onnx, out_dir=out, num_blocks=2, batches=list(range(1, 9)), measure=None, estimate=["L4", "T4"], threads=2)
     prof = profile_model(req, progress=False)
@@ -211,9 +207,7 @@ def test_estimate_from_a_measured_type_uses_the_cross_gpu_model(tiny_onnx, tmp_p
             for v in levels for b in batches_by_level[v] for blk in range(profile.num_blocks)
         }
 
-    fake = types.ModuleType("ppipe.profiler.estimate")
-    fake.cross_gpu_table = cross_gpu_table
-    monkeypatch.setitem(sys.modules, "ppipe.profiler.estimate", fake)
+    monkeypatch.setattr("ppipe.profiler.estimate.cross_gpu_table", cross_gpu_table)
     out = tmp_path / "tiny"
     req = ProfileRequest(
         onnx_path=tiny_onnx, out_dir=out, num_blocks=2, batches=[1, 2], reps=1, threads=2, cpu_levels=(1,),
@@ -226,9 +220,6 @@ def test_estimate_from_a_measured_type_uses_the_cross_gpu_model(tiny_onnx, tmp_p
 
 
 def test_roofline_estimates_with_the_real_estimator(tiny_onnx, tmp_path):
-    estimate = pytest.importorskip("ppipe.profiler.estimate")
-    if not hasattr(estimate, "roofline_table"):
-        pytest.skip("ppipe.profiler.estimate has no roofline_table in this build")
     res = CliRunner().invoke(
         main,
         ["profile", str(tiny_onnx), "-o", str(tmp_path / "t"), "--blocks", "2", "--measure", "none", "--estimate", "L4,T4", "--no-progress"],

@@ -6,41 +6,63 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-# Hundreds of small solves: one BLAS thread is faster than a contended pool.
+# Hundreds of small solves: one BLAS thread is faster than a contended pool (set before
+# numpy loads).
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+import click  # noqa: E402
+
+from ppipe.errors import UserError  # noqa: E402
+from ppipe.profiler.estimate.crossgpu import DATA_FILE, fit_cross_gpu  # noqa: E402
+from ppipe.profiler.estimate.roofline import PARAMS_FILE, fit_roofline  # noqa: E402
+
+_ARTIFACT = click.argument("artifact", type=click.Path(file_okay=False))
+
+
+@click.group(
+    name="python -m ppipe.profiler.estimate",
+    help=__doc__.split("\n\n")[0],
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+def cli() -> None:
+    pass
+
+
+@cli.command("fit-cross-gpu")
+@_ARTIFACT
+@click.option("--out", default=str(DATA_FILE), show_default=True, help="Where to write the parameters (.npz).")
+def fit_cross_gpu_cmd(artifact: str, out: str) -> None:
+    """Fit the cross-GPU model (writes cross_gpu.npz)."""
+    m = fit_cross_gpu(artifact, out=out)
+    click.echo(f"fitted {len(m.regressors)} regressors on {len(m.models)} models -> {out}")
+
+
+@cli.command("fit-roofline")
+@_ARTIFACT
+@click.option("--out", default=str(PARAMS_FILE), show_default=True, help="Where to write the constants (.json).")
+def fit_roofline_cmd(artifact: str, out: str) -> None:
+    """Fit the roofline constants (writes roofline_params.json)."""
+    doc = fit_roofline(artifact, out=out)
+    for g, p in doc["gpus"].items():
+        click.echo(f"{g} {({k: round(v, 4) for k, v in p.items()})}")
+    click.echo(f"-> {out}")
+
 
 def main(argv: list[str] | None = None) -> int:
-    from ppipe.errors import UserError
-    from ppipe.profiler.estimate.crossgpu import DATA_FILE, fit_cross_gpu
-    from ppipe.profiler.estimate.roofline import PARAMS_FILE, fit_roofline
-
-    ap = argparse.ArgumentParser(prog="python -m ppipe.profiler.estimate", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("fit-cross-gpu", help="fit the cross-GPU model (writes cross_gpu.npz)")
-    c.add_argument("artifact")
-    c.add_argument("--out", default=str(DATA_FILE))
-    r = sub.add_parser("fit-roofline", help="fit the roofline constants (writes roofline_params.json)")
-    r.add_argument("artifact")
-    r.add_argument("--out", default=str(PARAMS_FILE))
-    args = ap.parse_args(argv)
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit code
+    (2 for a :class:`~ppipe.errors.UserError` or a usage error, printed on stderr)."""
     try:
-        if args.cmd == "fit-cross-gpu":
-            m = fit_cross_gpu(args.artifact, out=args.out)
-            print(f"fitted {len(m.regressors)} regressors on {len(m.models)} models -> {args.out}")
-        else:
-            doc = fit_roofline(args.artifact, out=args.out)
-            for g, p in doc["gpus"].items():
-                print(g, {k: round(v, 4) for k, v in p.items()})
-            print(f"-> {args.out}")
+        cli.main(args=argv, standalone_mode=False)
     except UserError as exc:
-        print(exc.render(), file=sys.stderr)
-        return 2
+        click.echo(exc.render(), err=True)
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
     return 0
 
 

@@ -28,10 +28,11 @@ Features of a block (:func:`static_features`, :func:`dynamic_feature`):
   on an L4, a tiny one about as fast), which the op shares alone leave to the block
   regressor to learn from ~270 blocks.
 
-``f`` is a kernel ridge regression with the kernel ``c + z.z' + rho * k_gamma(z, z')`` on
-the standardized features z (linear part + RBF part, approximated by random Fourier
-features so that the fitted parameters are weights, not training samples), penalty
-``lambda``. One ``f`` per (s, t, v, b, v', feature set). Optionally (off by default, see
+``f`` is a kernel ridge regression (scikit-learn's ``KernelRidge`` on the precomputed
+kernel) with the kernel ``c + z.z' + rho * k_gamma(z, z')`` on the standardized features z
+(linear part + RBF part, the RBF part approximated by random Fourier features,
+scikit-learn's ``RBFSampler``, so that the fitted parameters are weights, not training
+samples), penalty ``lambda``. One ``f`` per (s, t, v, b, v', feature set). Optionally (off by default, see
 :func:`fit_cross_gpu_from_models`), ``f`` takes the per-layer predicted ratio to t as its
 prior mean (an offset: it fits the difference and, for a block unlike the training
 blocks, shrinks towards that physically derived ratio instead of the training mean),
@@ -40,9 +41,10 @@ chosen or not like the hyper-parameters.
 Hyper-parameters (gamma, rho, lambda) are chosen by **leave-one-model-out on the
 training models** every time the model is fitted (:func:`fit_cross_gpu_from_models`),
 per GPU pair and feature set, from :data:`HYPER_GRID`, by the median + 90th percentile of
-the held-out block errors. The held-out predictions come from the exact closed form of
-kernel ridge regression with a group of rows deleted (no refit per fold), so the
-selection costs little. An evaluation that holds a model out and fits on the others
+the held-out block errors. The folds are scikit-learn's ``LeaveOneGroupOut`` over the
+models; the held-out predictions come from the exact closed form of kernel ridge
+regression with a group of rows deleted (:func:`_group_loo_errors`, no refit per fold),
+so the selection costs little. An evaluation that holds a model out and fits on the others
 therefore runs a nested cross-validation: the held-out model never takes part in
 choosing the hyper-parameters (``scripts/bench_estimator.py`` reports that figure). Two
 approximations inside the inner loop, both free of target timings of the inner held-out
@@ -58,33 +60,19 @@ training data) and produced by :func:`fit_cross_gpu` from an artifact folder.
 
 **What a user gets.** ``ppipe profile --measure L4 --estimate-from L4`` times every ONNX
 node of the model on the L4 with TensorRT (``per-node`` mode: each node its own kernel,
-like the artifact's per-layer tables, whose sums are 1.8-8.4x the whole-model latency),
-keeps them in ``layers.csv`` with the op types of the graph, and passes them here with
-node -> block from model.yaml (:func:`ppipe.profiler.layers.cross_gpu_layer_inputs`): the
-per-layer model below. A profile without per-node timings of the source (``--trt-layers
-fused``, timings measured elsewhere, an imported profile) gets the blocks-only model; the
-provenance of each estimated GPU type says which. ``tests/profiler/test_user_path.py``
-profiles an artifact model through that path and gets the benchmark's predictions. Not
-checked (no GPU here): that TensorRT's per-node times on a user's GPU are distributed like
-the artifact's (a ``fused`` profile is not: element-wise nodes get almost nothing, so it
-is not used as features).
+like the artifact's per-layer tables), keeps them in ``layers.csv`` with the op types of
+the graph, and passes them here with node -> block from model.yaml
+(:func:`ppipe.profiler.layers.cross_gpu_layer_inputs`): the per-layer model. A profile
+without per-node timings of the source (``--trt-layers fused``, timings measured
+elsewhere, an imported profile) gets the blocks-only model; the provenance of each
+estimated GPU type says which. A ``fused`` profile's per-node times are not used as
+features: element-wise nodes get almost nothing there, unlike the artifact's.
+``tests/profiler/test_user_path.py`` profiles an artifact model through that path and gets
+the benchmark's predictions.
 
-Measured (``python scripts/bench_estimator.py``, nested leave-one-model-out over the 28
-artifact models), per-layer model: block latency from L4 median 9.5 %, p90 34.4 %; all 12
-pairs 6.5 % / 26.8 %; per-block ratios of the paper's cluster pairs from L4 8.1 % / 29.3 %,
-from every source 6.5 % / 26.3 % (naive global ratio from L4: blocks 22.8 / 98.0 %, ratios
-21.4 / 47.2 %). The worst held-out models are the architectures alone of their kind in the
-artifact (TextSnake, ConvNeXt, EfficientDet, EfficientNet, CycleGAN: p90 45-76 %).
-Blocks-only model (``--blocks-only``): from L4 10.8 / 41.8 %, all pairs 8.7 / 36.0 %,
-ratios from L4 8.4 / 30.5 %, from every source 8.9 / 32.9 % (the block-latency p90 target
-is NOT met without per-layer timings). What was decided by
-looking at outer figures: the design (these features, this regressor) was run once; the
-grid's lambda range was then widened once to 100 because inner selections sat on its
-edge (outer result before 9.4 / 34.3 %, after 9.5 / 34.4 %; kept); the offset option was
-run once and left off (see :func:`fit_cross_gpu_from_models`). Picking among these few
-runs can bias the figure by a few tenths of a point at most. The previous version (fixed
-hyper-parameters chosen on the same 28 models, ~29 settings scored) reported
-9.4 / 35.6 % with selection bias.
+Accuracy: ``scripts/bench_estimator.py`` (nested leave-one-model-out over the artifact's
+models); its figures, and how the design was chosen, are in ``docs/benchmarks.md``
+("Cross-GPU estimator").
 """
 
 from __future__ import annotations
@@ -96,6 +84,9 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+from sklearn.kernel_approximation import RBFSampler
+from sklearn.kernel_ridge import KernelRidge
+from sklearn.model_selection import LeaveOneGroupOut
 
 from ppipe.errors import UserError
 from ppipe.spec.profile import ModelProfile
@@ -103,7 +94,7 @@ from ppipe.spec.profile import ModelProfile
 from ppipe.profiler.estimate.artifact_data import ArtifactModel, load_all, op_type_of
 
 DATA_FILE = Path(__file__).with_name("cross_gpu.npz")
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7  # 7: random Fourier features drawn by scikit-learn's RBFSampler
 
 # Candidate hyper-parameters (gamma: RBF width factor, the squared distance is divided by
 # 2 * gamma * n_features; rho: weight of the RBF part against the linear part; lambda:
@@ -165,11 +156,6 @@ _OP_CLASS = {
         "shape",
     ),
 }
-
-
-# Op types whose own share separates families the classes lump together (SiLU = Sigmoid +
-# Mul in EfficientNets, LayerNorm's ReduceMean in ConvNeXt, plain ReLU ResNets).
-SHARE_OPS = ("Sigmoid", "Mul", "Relu", "Add", "ReduceMean", "Transpose")
 
 
 # Op types whose own share separates families the classes lump together (SiLU = Sigmoid +
@@ -373,18 +359,32 @@ def dynamic_feature(profile: ModelProfile, source_gpu: str, v_src: int, batch: i
 # ---------------------------------------------------------------------------------
 # regression
 # ---------------------------------------------------------------------------------
-@lru_cache(maxsize=8)
-def _rff_base(n_feat: int) -> tuple[np.ndarray, np.ndarray]:
-    # Fixed seed: the projection is part of the model, regenerated identically at load.
-    rng = np.random.default_rng(RFF_SEED)
-    return rng.normal(0.0, 1.0, size=(n_feat, RFF_FEATURES)), rng.uniform(0.0, 2 * np.pi, size=RFF_FEATURES)
+@lru_cache(maxsize=64)
+def _rbf_sampler(n_feat: int, gamma: float) -> RBFSampler:
+    """The random Fourier features of the RBF part of the kernel for ``n_feat`` features.
+
+    The kernel is exp(-|z - z'|^2 / (2 * gamma * n_feat)), scikit-learn's RBF kernel with
+    its gamma = 1 / (2 * gamma * n_feat). The seed is fixed: the projection is part of the
+    fitted model and is drawn again, identically, when the parameters are loaded (the
+    draws for one n_feat are the same for every gamma, only scaled).
+    """
+    sampler = RBFSampler(gamma=1.0 / (2.0 * gamma * n_feat), n_components=RFF_FEATURES, random_state=RFF_SEED)
+    return sampler.fit(np.zeros((1, n_feat)))
 
 
 def _rff(z: np.ndarray, gamma: float) -> np.ndarray:
-    """Random Fourier features of exp(-|z - z'|^2 / (2 * gamma * n_features))."""
-    base, phase = _rff_base(z.shape[1])
-    omega = base / np.sqrt(gamma * z.shape[1])
-    return np.sqrt(2.0 / RFF_FEATURES) * np.cos(z @ omega + phase)
+    """Random Fourier features phi(z), phi(z).phi(z') ~ exp(-|z - z'|^2 / (2 * gamma * n_features))."""
+    return _rbf_sampler(z.shape[1], float(gamma)).transform(z)
+
+
+def _kernel(z: np.ndarray, phi: np.ndarray, rho: float) -> np.ndarray:
+    """The regression's kernel matrix ``c + z z' + rho phi phi'`` (c = :data:`INTERCEPT_PRIOR`)."""
+    return INTERCEPT_PRIOR + z @ z.T + rho * (phi @ phi.T)
+
+
+def _dual_coef(kernel: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
+    """Kernel ridge regression's dual coefficients ``(K + lam I)^-1 y`` (every column of y)."""
+    return KernelRidge(alpha=lam, kernel="precomputed").fit(kernel, y).dual_coef_
 
 
 @dataclass
@@ -416,23 +416,22 @@ class _Regressor:
         mu, sd = _standardizer(x)
         z = (x - mu) / sd
         phi = _rff(z, gamma)
-        m = INTERCEPT_PRIOR + z @ z.T + rho * (phi @ phi.T)
         y_fit = y - x[:, offset_col] if offset_col >= 0 else y
-        alpha = np.linalg.solve(m / lam + np.eye(len(y)), y_fit)
-        return _Regressor.from_dual(alpha, z, phi, y, mu=mu, sd=sd, gamma=gamma, rho=rho, lam=lam, offset_col=offset_col)
+        dual = _dual_coef(_kernel(z, phi, rho), y_fit, lam)
+        return _Regressor.from_dual(dual, z, phi, y, mu=mu, sd=sd, gamma=gamma, rho=rho, offset_col=offset_col)
 
     @staticmethod
     def from_dual(
-        alpha: np.ndarray, z: np.ndarray, phi: np.ndarray, y: np.ndarray, *, mu: np.ndarray, sd: np.ndarray,
-        gamma: float, rho: float, lam: float, offset_col: int = -1,
+        dual: np.ndarray, z: np.ndarray, phi: np.ndarray, y: np.ndarray, *, mu: np.ndarray, sd: np.ndarray,
+        gamma: float, rho: float, offset_col: int = -1,
     ) -> "_Regressor":
-        """The primal weights of a dual solution ``alpha`` (fitted to ``y`` minus the offset
-        column, if any); ``y`` are the full targets, whose range is the clip."""
-        # K = (c 11' + z z' + rho phi phi') / lam and f = K alpha, so the primal weights are:
+        """The primal weights of dual coefficients ``dual`` (fitted to ``y`` minus the
+        offset column, if any); ``y`` are the full targets, whose range is the clip."""
+        # K = c 11' + z z' + rho phi phi' and f = K dual, so the primal weights are:
         span = float(y.max() - y.min())
         return _Regressor(
-            b0=float(INTERCEPT_PRIOR * alpha.sum() / lam), w=z.T @ alpha / lam, mu=mu, sd=sd,
-            beta=rho * (phi.T @ alpha) / lam, gamma=float(gamma),
+            b0=float(INTERCEPT_PRIOR * dual.sum()), w=z.T @ dual, mu=mu, sd=sd,
+            beta=rho * (phi.T @ dual), gamma=float(gamma),
             ylo=float(y.min() - CLIP_MARGIN * span), yhi=float(y.max() + CLIP_MARGIN * span), offset_col=int(offset_col),
         )
 
@@ -461,6 +460,13 @@ class _Regressor:
 
 def _standardizer(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return x.mean(axis=0), x.std(axis=0) + 1e-9
+
+
+def _model_groups(models: Sequence[ArtifactModel]) -> list[np.ndarray]:
+    """Row indices of each model's blocks in the stacked training rows: the held-out sets of
+    leave-one-model-out, in model order."""
+    labels = np.repeat(np.arange(len(models)), [am.profile.num_blocks for am in models])
+    return [test for _train, test in LeaveOneGroupOut().split(labels, groups=labels)]
 
 
 def _group_index(groups: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -492,10 +498,15 @@ def _group_loo_errors(
 ) -> np.ndarray:
     """Relative latency errors exp(f_{-g} - y) - 1 of kernel ridge predictions for every
     row, each predicted by the fit WITHOUT its group (model), all targets (columns of y) at
-    once, from the eigendecomposition ``M = u diag(d) u'`` of the unscaled kernel.
+    once, from the eigendecomposition ``M = u diag(d) u'`` of the kernel.
 
     With A = M / lam + I and alpha = A^-1 y, deleting group g gives the residuals
-    ``y_g - f_{-g}(x_g) = (A^-1)_gg^-1 alpha_g`` (exact for kernel ridge regression).
+    ``y_g - f_{-g}(x_g) = (A^-1)_gg^-1 alpha_g`` (exact for kernel ridge regression). This
+    replaces one refit per held-out model (scikit-learn's ``KernelRidge`` on each
+    ``LeaveOneGroupOut`` fold, as ``tests/profiler/test_crossgpu_model.py`` does to check
+    it): one eigendecomposition per (gamma, rho) then serves every lambda and every fold,
+    where refits would cost a solve per fold, setting and design, in every outer fold of
+    the benchmark.
     Predictions are clipped to the range of the other groups' targets (``bounds``, from
     :func:`_rest_bounds`), as a fit would be. ``stacked`` comes from :func:`_group_index`.
     With ``offset`` (same shape as y), the regression fits ``y - offset`` and predicts
@@ -716,180 +727,242 @@ def fit_cross_gpu_from_models(
             then fits the difference, and shrinks towards that physically derived ratio
             rather than towards the training mean): the candidates, chosen like the
             hyper-parameters. One grid entry and one offset option skip the selection.
-            Default: no offset. Offered as a candidate, it changed the nested figures by
-            noise only (from L4 9.3 / 34.7 % vs 9.5 / 34.4 %; all pairs 6.5 / 27.2 vs
-            6.5 / 26.8 %) at a third more fitting time, so it is off.
+            Default: no offset (as a candidate it moved the benchmark by noise only, at a
+            third more fitting time; ``docs/benchmarks.md``).
     """
-    only = set(pairs) if pairs is not None else None
     feature_sets = sorted(set(with_layers))
-    models = list(models)
-    gpus = sorted({g for am in models for g in am.profile.gpus()})
-    # Only models with every GPU type are used, so that every variant has the same rows.
-    usable = [am for am in models if set(am.profile.gpus()) == set(gpus) and all(g in am.layer_us for g in gpus)]
-    if len(usable) < 3:
-        raise UserError(
-            "fitting the cross-GPU model needs at least three models with every GPU type "
-            "(the hyper-parameters are chosen by leave-one-model-out among them)",
-            fix="point at the full artifact folder",
-        )
-    wanted = [(s, t) for s in gpus for t in gpus if s != t and (only is None or (s, t) in only)]
-    sources = sorted({s for s, _ in wanted})
-    names = [am.name for am in usable]
-    groups: list[np.ndarray] = []
-    start = 0
-    for am in usable:
-        groups.append(np.arange(start, start + am.profile.num_blocks))
-        start += am.profile.num_blocks
+    t = _Training.of(list(models), pairs)
+    # 1. layer ratio models (per-layer feature set only)
+    layer_full, layer_wo = _fit_layer_models(t) if True in feature_sets else ({}, {})
+    # 2. static features of every training block, per source
+    t.static = {s: _training_features(t, s, layer_wo if True in feature_sets else None) for s in t.sources}
+    # 3. one design per (source, source level, batch)
+    designs = _designs(t)
+    # 4. hyper-parameters per (source, target, feature set) by leave-one-model-out
+    grid, offset_options = list(hyper_grid), sorted(set(offsets))
+    if len(grid) == 1 and len(offset_options) == 1:
+        g0, r0, l0 = grid[0]
+        chosen = {
+            (s, tg, wl): Selection(g0, r0, l0, float("nan"), float("nan"), offset=offset_options[0] and wl)
+            for s, tg in t.wanted for wl in feature_sets
+        }
+    else:
+        chosen = _select_hyper_parameters(t, designs, feature_sets, grid, offset_options)
+    # 5. final fits on every training model
+    regs = _final_fits(t, designs, feature_sets, chosen)
+    return CrossGpuModel(regressors=regs, models=[am.name for am in t.models], layer_models=layer_full, selection=chosen)
 
-    # 1. layer ratio models, for every ordered pair out of a source: the full fit (used on
-    #    new models) and, per training model, one fitted without it (its own features).
-    layer_full: dict[tuple[str, str], LayerRatioModel] = {}
-    layer_wo: dict[tuple[str, str], list[LayerRatioModel]] = {}
-    if True in feature_sets:
-        ops = _layer_vocabulary(usable)
-        for s in sources:
-            for t in gpus:
-                if t == s:
-                    continue
-                st = [_layer_stats(am.op_types, am.layer_us[s], am.layer_us[t], ops) for am in usable]
-                xtx = sum(a for a, _ in st)
-                xty = sum(b for _, b in st)
-                layer_full[(s, t)] = LayerRatioModel(ops=ops, coef=_layer_solve(xtx, xty))
-                layer_wo[(s, t)] = [LayerRatioModel(ops=ops, coef=_layer_solve(xtx - a, xty - b)) for a, b in st]
 
-    # 2. per-source features of every training model's blocks
-    static: dict[str, np.ndarray] = {}
-    for s in sources:
-        rows = []
-        for m, am in enumerate(usable):
-            if True in feature_sets:
-                layer, nodes = artifact_layer_inputs(am, s)
-                lms = [layer_wo[(s, g)][m] for g in gpus if g != s]
-                rows.append(static_features(am.profile, s, layer_latency_us=layer, node_blocks=nodes, layer_models=lms))
-            else:
-                rows.append(static_features(am.profile, s))
-        static[s] = np.concatenate(rows)
+@dataclass
+class _Training:
+    """The training rows: the usable models (every GPU type, per-layer timings on each),
+    the (source, target) pairs to fit, and, once computed, each source's static features
+    of every training block (rows stacked in model order)."""
 
-    # 3. designs: one per (source, source level, batch); targets every (target, level) that
-    #    every training model has
-    designs: dict[tuple[str, int, int], _Design] = {}
-    for s, t in wanted:
-        p0 = usable[0].profile
-        for v in p0.levels(t):
-            for b in p0.batches(t, v):
-                for vs in sorted({1, v} if v in p0.levels(s) else {1}):
-                    if not all(
-                        v in am.profile.levels(t) and b in am.profile.batches(t, v)
-                        and vs in am.profile.levels(s) and b in am.profile.batches(s, vs)
-                        for am in usable
-                    ):
-                        continue  # some training model lacks this (level, batch): no fit for it
-                    d = designs.get((s, vs, b))
-                    if d is None:
-                        d = designs[(s, vs, b)] = _Design(s, vs, b, dyn=[dynamic_feature(am.profile, s, vs, b) for am in usable])
-                    d.columns.append((t, v))
-                    d.ys.append([
-                        np.log(np.maximum(_source_latency(am.profile, t, v, b), 1.0))
-                        - np.log(np.maximum(_source_latency(am.profile, s, vs, b), 1.0))
-                        for am in usable
-                    ])
+    models: list[ArtifactModel]
+    gpus: list[str]
+    wanted: list[tuple[str, str]]
+    static: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def design_matrix(d: _Design, wl: bool) -> tuple[np.ndarray, np.ndarray]:
-        feats = static[d.source] if wl else static[d.source][:, :N_STATIC_BLOCKS_ONLY]
+    @staticmethod
+    def of(models: list[ArtifactModel], pairs: Iterable[tuple[str, str]] | None) -> "_Training":
+        only = set(pairs) if pairs is not None else None
+        gpus = sorted({g for am in models for g in am.profile.gpus()})
+        # Only models with every GPU type are used, so that every variant has the same rows.
+        usable = [am for am in models if set(am.profile.gpus()) == set(gpus) and all(g in am.layer_us for g in gpus)]
+        if len(usable) < 3:
+            raise UserError(
+                "fitting the cross-GPU model needs at least three models with every GPU type "
+                "(the hyper-parameters are chosen by leave-one-model-out among them)",
+                fix="point at the full artifact folder",
+            )
+        wanted = [(s, t) for s in gpus for t in gpus if s != t and (only is None or (s, t) in only)]
+        return _Training(models=usable, gpus=gpus, wanted=wanted)
+
+    @property
+    def sources(self) -> list[str]:
+        return sorted({s for s, _ in self.wanted})
+
+    def design_matrix(self, d: "_Design", with_layers: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(x, y) of a design: static features (all, or the blocks-only ones) and its
+        dynamic feature; one target column per (target, level)."""
+        feats = self.static[d.source] if with_layers else self.static[d.source][:, :N_STATIC_BLOCKS_ONLY]
         x = np.concatenate([feats, np.concatenate(d.dyn)[:, None]], axis=1)
         y = np.stack([np.concatenate(c) for c in d.ys], axis=1)
         return x, y
 
-    def offset_col(source: str, target: str, wl: bool) -> int:
-        """Column of the per-layer predicted log ratio source -> target (the offset)."""
-        if not wl:
+    def offset_col(self, source: str, target: str, with_layers: bool) -> int:
+        """Column of the per-layer predicted log ratio source -> target (the offset), or -1."""
+        if not with_layers:
             return -1
-        others = [g for g in gpus if g != source]
-        return static[source].shape[1] - len(others) + others.index(target)
+        others = [g for g in self.gpus if g != source]
+        return self.static[source].shape[1] - len(others) + others.index(target)
 
-    # 4. hyper-parameters per (source, target, feature set) by leave-one-model-out; with
-    #    the per-layer features also whether the per-layer predicted ratio is the prior
-    #    mean (offset) or just a feature
-    grid = list(hyper_grid)
-    offset_options = sorted(set(offsets))
+
+def _fit_layer_models(
+    t: _Training,
+) -> tuple[dict[tuple[str, str], LayerRatioModel], dict[tuple[str, str], list[LayerRatioModel]]]:
+    """Layer ratio models for every ordered pair out of a source: the full fit (used on new
+    models) and, per training model, one fitted without it (its own training features)."""
+    ops = _layer_vocabulary(t.models)
+    full: dict[tuple[str, str], LayerRatioModel] = {}
+    without: dict[tuple[str, str], list[LayerRatioModel]] = {}
+    for s in t.sources:
+        for g in t.gpus:
+            if g == s:
+                continue
+            st = [_layer_stats(am.op_types, am.layer_us[s], am.layer_us[g], ops) for am in t.models]
+            xtx = sum(a for a, _ in st)
+            xty = sum(b for _, b in st)
+            full[(s, g)] = LayerRatioModel(ops=ops, coef=_layer_solve(xtx, xty))
+            without[(s, g)] = [LayerRatioModel(ops=ops, coef=_layer_solve(xtx - a, xty - b)) for a, b in st]
+    return full, without
+
+
+def _training_features(
+    t: _Training, source: str, layer_wo: dict[tuple[str, str], list[LayerRatioModel]] | None
+) -> np.ndarray:
+    """Static features on ``source`` of every training block; with ``layer_wo`` the
+    per-layer ones too, each model's from layer models fitted without it."""
+    rows = []
+    for m, am in enumerate(t.models):
+        if layer_wo is None:
+            rows.append(static_features(am.profile, source))
+            continue
+        layer, nodes = artifact_layer_inputs(am, source)
+        lms = [layer_wo[(source, g)][m] for g in t.gpus if g != source]
+        rows.append(static_features(am.profile, source, layer_latency_us=layer, node_blocks=nodes, layer_models=lms))
+    return np.concatenate(rows)
+
+
+def _designs(t: _Training) -> dict[tuple[str, int, int], "_Design"]:
+    """One design per (source, source level, batch), with a target column for every
+    (target, level) at that batch that every training model has."""
+    designs: dict[tuple[str, int, int], _Design] = {}
+    p0 = t.models[0].profile
+    for s, tg in t.wanted:
+        for v in p0.levels(tg):
+            for b in p0.batches(tg, v):
+                for vs in sorted({1, v} if v in p0.levels(s) else {1}):
+                    if not all(
+                        v in am.profile.levels(tg) and b in am.profile.batches(tg, v)
+                        and vs in am.profile.levels(s) and b in am.profile.batches(s, vs)
+                        for am in t.models
+                    ):
+                        continue  # some training model lacks this (level, batch): no fit for it
+                    d = designs.get((s, vs, b))
+                    if d is None:
+                        dyn = [dynamic_feature(am.profile, s, vs, b) for am in t.models]
+                        d = designs[(s, vs, b)] = _Design(s, vs, b, dyn=dyn)
+                    d.columns.append((tg, v))
+                    d.ys.append([
+                        np.log(np.maximum(_source_latency(am.profile, tg, v, b), 1.0))
+                        - np.log(np.maximum(_source_latency(am.profile, s, vs, b), 1.0))
+                        for am in t.models
+                    ])
+    return designs
+
+
+def _select_hyper_parameters(
+    t: _Training,
+    designs: Mapping[tuple[str, int, int], "_Design"],
+    feature_sets: Sequence[bool],
+    grid: Sequence[tuple[float, float, float]],
+    offset_options: Sequence[bool],
+) -> dict[tuple[str, str, bool], Selection]:
+    """Per (source, target, feature set), the (gamma, rho, lambda, offset) whose
+    leave-one-model-out block errors, pooled over the pair's designs at
+    :data:`SELECT_BATCHES`, have the least median + 90th percentile."""
+    errs: dict[tuple[str, str, bool], dict[tuple[float, float, float, bool], list[np.ndarray]]] = {}
+    stacked = _group_index(_model_groups(t.models))
+    for wl in feature_sets:
+        for d in designs.values():
+            if d.batch in SELECT_BATCHES:
+                _score_design(t, d, wl, grid, offset_options if wl else [False], stacked, errs)
     chosen: dict[tuple[str, str, bool], Selection] = {}
-    if len(grid) == 1 and len(offset_options) == 1:
-        g0, r0, l0 = grid[0]
-        chosen = {
-            (s, t, wl): Selection(g0, r0, l0, float("nan"), float("nan"), offset=offset_options[0] and wl)
-            for s, t in wanted for wl in feature_sets
-        }
-    else:
-        # (s, t, wl) -> (gamma, rho, lam, offset) -> held-out errors, per design
-        errs: dict[tuple[str, str, bool], dict[tuple[float, float, float, bool], list[np.ndarray]]] = {}
-        src_levels = {s: usable[0].profile.levels(s) for s in sources}
-        stacked = _group_index(groups)
-        for wl in feature_sets:
-            for d in designs.values():
-                if d.batch not in SELECT_BATCHES:
-                    continue
-                x, y = design_matrix(d, wl)
-                scored = [c for c, (_t, v) in enumerate(d.columns) if not (d.v_src != v and v in src_levels[d.source])]
-                if not scored:
-                    continue  # only fallback variants: predictions use level v of the source
-                y = y[:, scored]
-                mu, sd = _standardizer(x)
-                z = (x - mu) / sd
-                zz = INTERCEPT_PRIOR + z @ z.T
-                off_cols = [offset_col(d.source, d.columns[c][0], wl) for c in scored]
-                opts = offset_options if wl else [False]
-                # every offset option as more columns of one problem: the kernel, and so the
-                # held-out blocks' solves, are the same for all of them
-                n_y = y.shape[1]
-                offset = np.concatenate([x[:, off_cols] if o else np.zeros_like(y) for o in opts], axis=1)
-                y = np.concatenate([y] * len(opts), axis=1)
-                bounds = _rest_bounds(y, stacked)
-                for gamma in sorted({g for g, _, _ in grid}):
-                    phi = _rff(z, gamma)
-                    pp = phi @ phi.T
-                    for rho in sorted({r for g, r, _ in grid if g == gamma}):
-                        evals, evecs = np.linalg.eigh(zz + rho * pp)
-                        evals = np.maximum(evals, 0.0)
-                        for g, r, lam in grid:
-                            if (g, r) != (gamma, rho):
-                                continue
-                            e = np.abs(_group_loo_errors(evecs, evals, lam, y, stacked, bounds, offset)).astype(np.float32)
-                            for k, off in enumerate(opts):
-                                for j, c in enumerate(scored):
-                                    per = errs.setdefault((d.source, d.columns[c][0], wl), {})
-                                    per.setdefault((g, r, lam, off), []).append(e[:, k * n_y + j])
-        for key, per_setting in errs.items():
-            stats = []
-            for setting, parts in per_setting.items():
-                e = np.concatenate(parts)
-                med, p90 = float(np.median(e)), float(np.percentile(e, 90))
-                stats.append((med + p90, setting, med, p90))
-            _score, (g, r, lam, off), med, p90 = min(stats)
-            chosen[key] = Selection(g, r, lam, med, p90, offset=off)
+    for key, per_setting in errs.items():
+        stats = []
+        for setting, parts in per_setting.items():
+            e = np.concatenate(parts)
+            med, p90 = float(np.median(e)), float(np.percentile(e, 90))
+            stats.append((med + p90, setting, med, p90))
+        _score, (g, r, lam, off), med, p90 = min(stats)
+        chosen[key] = Selection(g, r, lam, med, p90, offset=off)
+    return chosen
 
-    # 5. final fits with the chosen hyper-parameters
+
+def _score_design(
+    t: _Training,
+    d: "_Design",
+    wl: bool,
+    grid: Sequence[tuple[float, float, float]],
+    opts: Sequence[bool],
+    stacked: Sequence[np.ndarray],
+    errs: dict[tuple[str, str, bool], dict[tuple[float, float, float, bool], list[np.ndarray]]],
+) -> None:
+    """Add one design's held-out errors, per setting and target, to ``errs``."""
+    src_levels = t.models[0].profile.levels(d.source)
+    # A column at a level the source has, fitted from source level 1, is only the
+    # fallback for sources without that level: it does not score.
+    scored = [c for c, (_t, v) in enumerate(d.columns) if not (d.v_src != v and v in src_levels)]
+    if not scored:
+        return
+    x, y = t.design_matrix(d, wl)
+    y = y[:, scored]
+    mu, sd = _standardizer(x)
+    z = (x - mu) / sd
+    off_cols = [t.offset_col(d.source, d.columns[c][0], wl) for c in scored]
+    # every offset option as more columns of one problem: the kernel, and so the held-out
+    # blocks' solves, are the same for all of them
+    n_y = y.shape[1]
+    offset = np.concatenate([x[:, off_cols] if o else np.zeros_like(y) for o in opts], axis=1)
+    y = np.concatenate([y] * len(opts), axis=1)
+    bounds = _rest_bounds(y, stacked)
+    for gamma in sorted({g for g, _, _ in grid}):
+        phi = _rff(z, gamma)
+        for rho in sorted({r for g, r, _ in grid if g == gamma}):
+            evals, evecs = np.linalg.eigh(_kernel(z, phi, rho))
+            evals = np.maximum(evals, 0.0)
+            for lam in [lam for g, r, lam in grid if (g, r) == (gamma, rho)]:
+                e = np.abs(_group_loo_errors(evecs, evals, lam, y, stacked, bounds, offset)).astype(np.float32)
+                for k, off in enumerate(opts):
+                    for j, c in enumerate(scored):
+                        per = errs.setdefault((d.source, d.columns[c][0], wl), {})
+                        per.setdefault((gamma, rho, lam, off), []).append(e[:, k * n_y + j])
+
+
+def _final_fits(
+    t: _Training,
+    designs: Mapping[tuple[str, int, int], "_Design"],
+    feature_sets: Sequence[bool],
+    chosen: Mapping[tuple[str, str, bool], Selection],
+) -> dict[VariantKey, _Regressor]:
+    """One regressor per variant, fitted on every training model with its pair's chosen
+    hyper-parameters (the columns that share a setting share one kernel)."""
     regs: dict[VariantKey, _Regressor] = {}
     for wl in feature_sets:
         for d in designs.values():
-            x, y = design_matrix(d, wl)
+            x, y = t.design_matrix(d, wl)
             mu, sd = _standardizer(x)
             z = (x - mu) / sd
             by_setting: dict[tuple[float, float, float], list[int]] = {}
-            for c, (t, _v) in enumerate(d.columns):
-                sel = chosen[(d.source, t, wl)]
+            for c, (tg, _v) in enumerate(d.columns):
+                sel = chosen[(d.source, tg, wl)]
                 by_setting.setdefault((sel.gamma, sel.rho, sel.lam), []).append(c)
             for (gamma, rho, lam), cols in by_setting.items():
                 phi = _rff(z, gamma)
-                m = INTERCEPT_PRIOR + z @ z.T + rho * (phi @ phi.T)
-                cols_off = [offset_col(d.source, d.columns[c][0], wl) if chosen[(d.source, d.columns[c][0], wl)].offset else -1 for c in cols]
+                cols_off = [
+                    t.offset_col(d.source, d.columns[c][0], wl) if chosen[(d.source, d.columns[c][0], wl)].offset else -1
+                    for c in cols
+                ]
                 y_fit = np.stack([y[:, c] - (x[:, oc] if oc >= 0 else 0.0) for c, oc in zip(cols, cols_off)], axis=1)
-                alpha = np.linalg.solve(m / lam + np.eye(len(z)), y_fit)
+                dual = _dual_coef(_kernel(z, phi, rho), y_fit, lam)
                 for j, (c, oc) in enumerate(zip(cols, cols_off)):
-                    t, v = d.columns[c]
-                    regs[(d.source, t, v, d.batch, d.v_src, wl)] = _Regressor.from_dual(
-                        alpha[:, j], z, phi, y[:, c], mu=mu, sd=sd, gamma=gamma, rho=rho, lam=lam, offset_col=oc
+                    tg, v = d.columns[c]
+                    regs[(d.source, tg, v, d.batch, d.v_src, wl)] = _Regressor.from_dual(
+                        dual[:, j], z, phi, y[:, c], mu=mu, sd=sd, gamma=gamma, rho=rho, offset_col=oc
                     )
-    return CrossGpuModel(regressors=regs, models=names, layer_models=layer_full, selection=chosen)
+    return regs
 
 
 def fit_cross_gpu(artifact_dir: str | Path, *, exclude: Iterable[str] = (), out: str | Path | None = None) -> CrossGpuModel:

@@ -58,10 +58,9 @@ class NodeCost:
 
 
 def _onnx():
-    try:
-        import onnx
-    except ImportError as exc:  # pragma: no cover - onnx is a dependency
-        raise UserError(f"the onnx package is needed for roofline estimates ({exc})", fix="pip install onnx") from None
+    """The onnx package (a dependency of ppipe; imported on first use: it is slow to load)."""
+    import onnx
+
     return onnx
 
 
