@@ -1,6 +1,6 @@
 r"""The planner's MILP: build it from configurations, and read a plan back from a solution.
 
-This is the model of PLANNING_MODEL.md in column form (one column group per SLO-feasible
+This is the model of docs/planning-model.md in column form (one column group per SLO-feasible
 pipeline configuration, :mod:`ppipe.planner.configs`). Names in the code follow the math.
 
 Sets

@@ -83,8 +83,7 @@ def test_serve_refuses_a_policy_that_dispatches_partial_paths(tmp_path, tinynet)
     from .conftest import make_plan
 
     partial = [name for name, f in POLICIES.items() if getattr(f, "partial_dispatches", False)]
-    if not partial:
-        pytest.skip("the data plane has no partial-path policy")
+    assert partial == ["reactive-pool"]  # the data plane's per-pool baseline (ppipe.dataplane.reactive_pool)
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
     plan.save(tmp_path / "plan.yaml")
     r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--policy", partial[0]])
