@@ -52,6 +52,11 @@ class PlanSwitcher:
         self.start_timeout_s = start_timeout_s
         self.started: list[Any] = []  # every worker this switcher started (for shutdown)
         self._lock = asyncio.Lock()
+        # imported now, at start-up: a first import inside a switch (scipy's takes ~1 s) would
+        # hold the GIL while requests are being served
+        import scipy.optimize  # noqa: F401  (keep_live's matching)
+
+        import ppipe.planner.placement  # noqa: F401
 
     # ---- what a switch is asked with -----------------------------------------------------
     def plan_from_text(self, text: str, source: str = "request body") -> Plan:
@@ -83,9 +88,9 @@ class PlanSwitcher:
             raise SwitchBusy("a plan switch is already running", fix="wait for it to end (GET /v2/admin/plan shows the last one)")
         async with self._lock:
             t0 = time.perf_counter()
-            if keep_live:
-                plan = self._keeping_live(plan)
-            dep = self._deployment(plan, source)
+            # off the loop: loading profiles (an artifact's CSVs take ~1 s) would stall every request
+            dep = await asyncio.to_thread(self._prepare, plan, source, keep_live)
+            plan = dep.plan
             record = await self.runtime.switch_plan(plan, dep.profiles, lambda ids: self._start(dep, ids), self._stop)
             self.dep = dep
             self._point_respawn(dep)
@@ -113,6 +118,9 @@ class PlanSwitcher:
         dep = replace(self.dep, plan=plan, profiles=profiles, plan_file=self.dep.plan_file)
         worker_specs(replace(dep, plan_file=source))  # placement covers every pool, servers exist
         return dep
+
+    def _prepare(self, plan: Plan, source: str, keep_live: bool) -> Any:
+        return self._deployment(self._keeping_live(plan) if keep_live else plan, source)
 
     def _keeping_live(self, plan: Plan) -> Plan:
         from ppipe.planner.placement import keep_live
