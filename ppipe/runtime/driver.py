@@ -192,6 +192,7 @@ class Runtime:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count()
         self._wakes: set[float] = set()
+        self._late_peak_us = 0.0  # recent peak lateness of the wake timers (_timer_was_late)
         self._inflight: dict[int, _InFlight] = {}  # batch id -> the batch, until its last report
         self._inbox: Inbox | None = None
         self._outbox = Outbox()
@@ -496,9 +497,32 @@ class Runtime:
                 self.clock.call_at(t_us, fire)
                 return
             self._wakes.discard(t_us)
+            self._timer_was_late(self.clock.now_us() - t_us)
             self._apply(self.scheduler.wake())
 
         self.clock.call_at(t_us, fire)
+
+    def _timer_was_late(self, late_us: float) -> None:
+        """Keep the scheduler's wake lead above how late this loop's timers fire.
+
+        A batch waiting for more requests is woken ``wake_lead_us`` before its last
+        feasible moment; a timer that fires later than that (a busy loop, a loaded host)
+        turns the waiting head into a deadline drop. The lead is the larger of the one
+        configured and twice the recent peak lateness ``L``, at most a quarter of the
+        smallest SLO. ``L`` jumps to a new peak at once and decays by 0.5 % per timer
+        (halving over ~140 timers), so one slow moment widens the lead for a while.
+        """
+        opts = getattr(self._current_scheduler(), "options", None)
+        if opts is None or not hasattr(opts, "wake_lead_us"):
+            return  # a scheduler without the option (test doubles)
+        self._late_peak_us = max(late_us, 0.995 * self._late_peak_us)
+        cap = 0.25 * min(m.slo_ms for m in self.plan.models) * 1e3
+        lead = min(max(self._options.get("wake_lead_us", 0.0), 2.0 * self._late_peak_us), cap)
+        if abs(lead - opts.wake_lead_us) > 250.0:  # (not on every timer: a copy of the options)
+            self._current_scheduler().options = opts.model_copy(update={"wake_lead_us": lead})
+
+    def _current_scheduler(self) -> Any:
+        return self.scheduler.current if isinstance(self.scheduler, SwitchingScheduler) else self.scheduler
 
     def _mark_dispatched(self, req: Request) -> None:
         p = self._pending.get(req.id)

@@ -607,3 +607,39 @@ def test_a_batch_whose_reports_stop_is_answered_worker_failed_not_left_to_time_o
     assert err.reason == "worker-failed" and f"no report from vGPU {second}" in err.detail
     assert waited < 10.0  # not the 30 s answer grace
     assert ok["y"].tolist() == [2.0, 2.0] and not rt._inflight
+
+
+@pytest.mark.parametrize("adapt", [True, False])
+def test_the_wake_lead_follows_late_timers_so_a_waiting_request_is_not_dropped(tinynet, adapt):
+    """A lone request of a batch-4 plan waits for partners until its last feasible moment
+    less the wake lead. Timers that fire 15 ms late (a busy host) dropped it at 2 ms of lead;
+    the runtime widens the lead to twice the lateness it sees."""
+    from ppipe.runtime.driver import DroppedError
+
+    cluster = load_cluster("local-cpu")
+    cluster = cluster.model_copy(update={"servers": [s.model_copy(update={"gpus_per_server": 2}) for s in cluster.servers]})
+    plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 1, 1), (2, 2, "cpu", 1, 1)], batch=4, slo_ms=200.0)
+    peers = {p.vgpu_id: FakeWorker(p.vgpu_id) for p in plan.placement}
+    rt = Runtime(plan, {"tinynet": tinynet}, cluster, peers, scheduler_options={"wake_lead_us": 2000.0})
+    if not adapt:
+        rt._timer_was_late = lambda late_us: None
+
+    async def main():
+        await rt.start()
+        call_at = rt.clock.call_at
+        rt.clock.call_at = lambda t, fn: call_at(t + 15_000.0, fn)  # every timer 15 ms late
+        outcomes = []
+        for i in range(8):
+            try:
+                await rt.infer("tinynet", {"x": np.zeros(2, np.float32)})
+                outcomes.append("ok")
+            except DroppedError as exc:
+                outcomes.append(exc.reason)
+        await rt.stop()
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    if adapt:
+        assert outcomes[1:] == ["ok"] * 7, outcomes  # the first late timer teaches the lead
+    else:
+        assert outcomes.count("deadline-unreachable") >= 6, outcomes
