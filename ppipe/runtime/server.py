@@ -222,6 +222,11 @@ class BodyDecoder:
         return out
 
 
+DECODE_SHARE_OF_SLACK = 0.5
+"""A pool decode must be expected to end within this share of the model's slack (SLO less its
+fastest pipeline and the answer budget), else the request is dropped before decoding: under
+JSON overload, the decode queue then stays short enough that what it admits is served."""
+
 DROP_STATUS = {"timeout": 504, "worker-error": 500, "unknown-model": 404}
 
 
@@ -342,7 +347,9 @@ class Frontend:
         if not dec.in_pool(body, header_length):
             req = await dec.decode(body, header_length)
             return (req, *check_infer_inputs(name, man, req.inputs, req.requested_outputs))
-        latest_us = arrival_us + self._decode_slack_us[name]
+        # the decode must leave the pipeline at least half of the slack: a request decoded at
+        # the last moment would find the pipeline's queue (and the estimate's error) in its way
+        latest_us = arrival_us + DECODE_SHARE_OF_SLACK * self._decode_slack_us[name]
         try:
             end_us = self.runtime.clock.true_now_us() + dec.expected_end_s(len(body)) * 1e6
             if end_us > latest_us:
