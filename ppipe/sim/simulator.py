@@ -139,6 +139,9 @@ class SimConfig:
         scheduler_options: extra keyword options for ``build_scheduler``.
         stop_below: stop the run once every model's attainment is certain to end below
             this (module docstring, "Early stop"); ``None`` = always run to the end.
+        stop_overall: with ``stop_below``, stop once the attainment over *all* requests is
+            certain to end below it (their misses exceed ``1 - stop_below`` of all arrivals)
+            instead of every model's: for searches on the overall attainment.
         execution: how dispatched batches are carried out (module docstring, "Exact
             execution"): ``"auto"`` writes a batch's stage times from its plan when nothing
             can make them differ, and simulates every transfer and stage as events
@@ -154,6 +157,7 @@ class SimConfig:
     policy: str = "reservation"
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
     stop_below: float | None = None
+    stop_overall: bool = False
     execution: str = "auto"
     replan: "ReplanSetup | None" = None
 
@@ -471,6 +475,8 @@ class Simulator:
         if self.config.stop_below is not None:
             share = 1.0 - self.config.stop_below
             self._miss_budget = {m: share * t.size for m, t in zip(names, times) if t.size}
+            if self.config.stop_overall and self._miss_budget:
+                self._miss_budget = {"*": share * sum(t.size for t in times)}
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
@@ -548,7 +554,10 @@ class Simulator:
     def _all_below_target(self) -> bool:
         """Every model with arrivals has missed more than its budget (it ends below target)."""
         missed = self.missed
-        return all(missed[m] > budget for m, budget in self._miss_budget.items())
+        budget = self._miss_budget
+        if "*" in budget:
+            return sum(missed.values()) > budget["*"]
+        return all(missed[m] > b for m, b in budget.items())
 
     # ---- decisions -> events ---------------------------------------------------------------
 

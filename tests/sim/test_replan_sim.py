@@ -100,3 +100,14 @@ def test_replan_off_leaves_the_run_as_it_was():
 def test_a_negative_load_delay_is_refused():
     with pytest.raises(UserError, match="load delay"):
         Simulator(PLANS[2], PROFILES, CLUSTER, SimConfig(replan=ReplanSetup(PickBest(), load_delay_s=-1.0)))
+
+
+def test_stop_overall_cuts_a_run_that_one_model_sinks():
+    # static plan, shifting mix: m1 overflows at its peak (t ~ 15 s) while m2 stays on time
+    # until its own peak (t ~ 45 s), so the per-model early stop waits for that; the overall
+    # one stops once 1 % of all requests is missed
+    per_model, overall = _run(False, stop_below=0.99), _run(False, stop_below=0.99, stop_overall=True)
+    assert overall.stopped_at_us is not None and per_model.stopped_at_us is not None
+    assert overall.stopped_at_us < 30e6 < per_model.stopped_at_us
+    missed = sum(r.outcome in (Outcome.DROPPED, Outcome.LATE) for r in overall.records)
+    assert missed > 0.01 * sum(len(v) for v in shifting_poisson_arrivals(["m1", "m2"], 480.0, 60e6, 0, period_s=60.0).values())
