@@ -29,7 +29,7 @@ wall time only.
 Examples::
 
     python scripts/bench_replan.py                 # the issue's setting
-    python scripts/bench_replan.py --quick         # one 5-minute period, 2 bisection steps
+    python scripts/bench_replan.py --quick         # one 10-minute period, 2 bisection steps
     python scripts/bench_replan.py --groups G1 --load 0.8 --bisect-steps 0
 """
 
@@ -139,7 +139,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--artifact", default=str(DEFAULT_ARTIFACT))
     ap.add_argument("--groups", nargs="+", default=["G1", "G2"], choices=sorted(GROUPS))
-    ap.add_argument("--load", type=float, default=0.9, help="load of the comparison (fraction of the static plan's max-min throughput)")
+    ap.add_argument("--load", type=float, default=0.75, help="load of the comparison (fraction of the static plan's max-min throughput)")
     ap.add_argument("--duration-s", type=float, default=1800.0)
     ap.add_argument("--period-s", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -147,13 +147,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--load-delay-s", type=float, default=10.0, help="virtual time from a re-plan decision to the switch")
     ap.add_argument("--replan-time-limit-s", type=float, default=1.5)
     ap.add_argument("--bisect-steps", type=int, default=4)
-    ap.add_argument("--lo", type=float, default=0.3, help="bisection bracket's low end (assumed to pass)")
-    ap.add_argument("--hi", type=float, default=1.3, help="bisection bracket's high end (assumed to fail)")
+    ap.add_argument("--lo", type=float, default=0.4, help="bisection bracket's low end (assumed to pass)")
+    ap.add_argument("--hi", type=float, default=1.1, help="bisection bracket's high end (assumed to fail)")
     ap.add_argument("--jobs", type=int, default=2, help="processes")
-    ap.add_argument("--quick", action="store_true", help="one 5-minute period of arrivals (period 300 s), 2 bisection steps")
+    ap.add_argument("--quick", action="store_true", help="one period (600 s) of arrivals, 2 bisection steps")
     args = ap.parse_args()
     if args.quick:
-        args.duration_s, args.period_s, args.bisect_steps = 300.0, 300.0, 2
+        args.duration_s, args.bisect_steps = 600.0, 2
     return args
 
 
