@@ -168,10 +168,12 @@ def main() -> int:
           f"planner time limit {args.replan_time_limit_s:g} s; bisection {args.bisect_steps} steps in [{args.lo}, {args.hi}]", flush=True)
     t0 = time.perf_counter()
     items = [(g, m, args) for g in args.groups for m in ("static", "auto")]
+    results = []
     with mp.get_context("spawn").Pool(max(1, min(args.jobs, len(items)))) as pool:
-        results = pool.map(task, items)
-    for r in results:
-        report(r, args)
+        for r in pool.imap_unordered(task, items):  # each (group, mode) as it ends: a long run shows progress
+            report(r, args)
+            sys.stdout.flush()
+            results.append(r)
     by = {m: [r for r in results if r["mode"] == m] for m in ("static", "auto")}
     att = {m: sum(r["attainment"] for r in rs) / len(rs) for m, rs in by.items()}
     print(f"mean attainment at load {args.load}: static {100 * att['static']:.2f} % auto {100 * att['auto']:.2f} % "
