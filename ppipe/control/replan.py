@@ -187,7 +187,10 @@ class ReplanController:
         policy: tunables.
 
     Drivers call :meth:`observe` for every arrival (its time may precede ``now``) and
-    :meth:`poll` often (each arrival is fine: it returns at once between checks).
+    :meth:`poll` often (each arrival is fine: it returns at once between checks). A check
+    that re-plans calls ``replan`` synchronously (up to its time limit): a driver on an
+    event loop runs :meth:`poll` off it when ``clock.now_us() >= next_check_us``. A
+    decision is taken as applied; :meth:`refused` undoes it.
     """
 
     def __init__(self, plan: Any, replan: Callable[[dict[str, float]], Any], clock: Clock, policy: ReplanPolicy = ReplanPolicy()):
@@ -201,6 +204,7 @@ class ReplanController:
         self.next_check_us = self._start_us + policy.window_s * 1e6
         self._last_switch_us = -math.inf
         self._last_attempt: _Attempt | None = None
+        self._previous: Any = None  # the plan before the last decision (refused() restores it)
         self.decisions: list[ReplanDecision] = []
         self.attempts: list[ReplanDecision] = []
 
@@ -285,9 +289,18 @@ class ReplanController:
         self.attempts.append(d)
         if not applied:
             return None
+        self._previous = self.plan
         self.plan, self._last_switch_us, self._last_attempt = new, now, None
         self.decisions.append(d)
         return d
+
+    def refused(self, decision: ReplanDecision) -> None:
+        """The driver could not apply ``decision`` (e.g. the plan does not fit the running
+        cluster): the plan before it is current again. The minimum interval still counts
+        from the decision, so a refused plan is not retried at the next check."""
+        if self.decisions and self.decisions[-1] is decision and self._previous is not None:
+            self.plan, self._previous = self._previous, None
+            self.decisions.pop()
 
     def _capacity(self, model: str) -> float:
         return self.plan.model(model).throughput_rps

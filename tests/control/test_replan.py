@@ -165,3 +165,23 @@ def test_kept_placements_counts_unchanged_workers():
                                                                 part(1, 1, 2, [("n-1", 0, 0), ("n-1", 0, 1)])])])])
     assert kept_placements(OLD, NEW) == (1, len(NEW.placement))
     assert kept_placements(OLD, OLD) == (len(OLD.placement), len(OLD.placement))
+
+
+def test_a_refused_decision_restores_the_plan_and_is_not_retried_at_once():
+    arr = shifting_poisson_arrivals(MODELS, 0.8 * CAPACITY, 300e6, seed=2, period_s=600.0)
+    clock = ManualClock()
+    start = FakePlan({m: CAPACITY / 3 for m in MODELS})
+    ctl = ReplanController(start, IdealPlanner(), clock)
+    first = None
+    for t, m in sorted((t, m) for m, ts in arr.items() for t in ts):
+        clock.t_us = t
+        ctl.observe(m, t)
+        d = ctl.poll()
+        if d is not None and first is None:
+            first = d
+            ctl.refused(d)
+            assert ctl.plan is start and ctl.decisions == []
+        elif d is not None:
+            assert d.at_us - first.at_us >= 60e6  # the refused decision still counts for the interval
+            break
+    assert first is not None
