@@ -760,6 +760,11 @@ class Simulator:
 
         if setup.load_delay_s < 0:
             raise UserError(f"re-plan load delay must be >= 0 s, got {setup.load_delay_s}", fix="give e.g. --replan-load-delay-s 10")
+        if getattr(self.scheduler, "partial_dispatches", False):  # (hand_over would refuse it at the first switch)
+            raise UserError(
+                f"re-planning needs a policy that dispatches whole paths; '{self.config.policy}' does not",
+                fix="simulate with --policy reservation (the paper's) or reactive",
+            )
         policy = setup.policy or replace(ReplanPolicy(), load_delay_s=setup.load_delay_s)
         self.scheduler = SwitchingScheduler(self.scheduler)
         return ReplanController(self.plan, setup.replan, self.clock, policy)

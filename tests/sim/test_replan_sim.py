@@ -111,3 +111,8 @@ def test_stop_overall_cuts_a_run_that_one_model_sinks():
     assert overall.stopped_at_us < 30e6 < per_model.stopped_at_us
     missed = sum(r.outcome in (Outcome.DROPPED, Outcome.LATE) for r in overall.records)
     assert missed > 0.01 * sum(len(v) for v in shifting_poisson_arrivals(["m1", "m2"], 480.0, 60e6, 0, period_s=60.0).values())
+
+
+def test_a_per_pool_policy_is_refused_before_the_run():
+    with pytest.raises(UserError, match="whole paths"):
+        Simulator(PLANS[2], PROFILES, CLUSTER, SimConfig(policy="reactive-pool", replan=ReplanSetup(PickBest())))
