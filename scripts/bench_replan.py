@@ -146,14 +146,16 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--min-interval-s", type=float, default=60.0)
     ap.add_argument("--load-delay-s", type=float, default=10.0, help="virtual time from a re-plan decision to the switch")
     ap.add_argument("--replan-time-limit-s", type=float, default=1.5)
-    ap.add_argument("--bisect-steps", type=int, default=4)
+    ap.add_argument("--bisect-steps", type=int, default=None, help="default 4 (2 with --quick)")
     ap.add_argument("--lo", type=float, default=0.4, help="bisection bracket's low end (assumed to pass)")
     ap.add_argument("--hi", type=float, default=1.1, help="bisection bracket's high end (assumed to fail)")
     ap.add_argument("--jobs", type=int, default=2, help="processes")
     ap.add_argument("--quick", action="store_true", help="one period (600 s) of arrivals, 2 bisection steps")
     args = ap.parse_args()
     if args.quick:
-        args.duration_s, args.bisect_steps = 600.0, 2
+        args.duration_s = 600.0
+    if args.bisect_steps is None:
+        args.bisect_steps = 2 if args.quick else 4
     return args
 
 
