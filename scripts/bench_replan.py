@@ -26,6 +26,12 @@ time limit can return a different plan on a busier host (the one wall-clock depe
 :mod:`ppipe.control.replan`). The simulator runs in virtual time, so host load changes the
 wall time only.
 
+Cost: the simulator handles ~5 k requests per CPU second here, and HC2-L at load 0.75
+offers ~1.6 k req/s (G1) to ~2.5 k req/s (G2), so one 30-minute run takes ~10-15 CPU
+minutes and the full script (4 runs at ``--load`` plus 4 bisection runs each) several CPU
+hours: more than the issue's 30 minutes on the project's 2-core host. ``--quick`` (one
+600 s period, 2 bisection steps) took 20 min wall with ``--jobs 4`` (2026-11-27).
+
 Examples::
 
     python scripts/bench_replan.py                 # the setting
