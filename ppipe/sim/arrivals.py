@@ -39,6 +39,7 @@ class ArrivalKind(str, enum.Enum):
     POISSON = "poisson"
     BURSTY = "bursty"
     TRACE = "trace"
+    SHIFTING = "shifting"  # a sinusoidal model mix at a steady total rate (ppipe.sim.workloads)
 
 
 def model_rng(seed: int, index: int) -> np.random.Generator:
@@ -173,10 +174,21 @@ def make_arrivals(
     cv: float = 2.0,
     trace_s: np.ndarray | None = None,
     models: Sequence[str] | None = None,
+    period_s: float = 600.0,
 ) -> dict[str, np.ndarray]:
-    """Arrival times (us) per model. Models are seeded in ``models`` order (default: sorted names)."""
+    """Arrival times (us) per model. Models are seeded in ``models`` order (default: sorted names).
+
+    ``shifting``: the total of ``rates_rps`` at a steady rate, shared among the models by
+    the sinusoidal mix of :mod:`ppipe.sim.workloads` (period ``period_s``; each model's mean
+    share is 1/n whatever its own rate).
+    """
     kind = ArrivalKind(kind)
     order = list(models) if models is not None else sorted(rates_rps)
+    if kind is ArrivalKind.SHIFTING:
+        from ppipe.sim.workloads import shifting_poisson_arrivals
+
+        total = sum(float(rates_rps.get(name, 0.0)) for name in order)
+        return shifting_poisson_arrivals(order, total, duration_us, seed, period_s=period_s)
     out: dict[str, np.ndarray] = {}
     for i, name in enumerate(order):
         rate = float(rates_rps.get(name, 0.0))

@@ -36,8 +36,18 @@ def _policies() -> list[str]:
 @click.option("--target", type=float, default=0.99, show_default=True, help="Attainment target of the sweep.")
 @click.option("--full-points", is_flag=True,
               help="Run every sweep point to its end (default: a point stops once every model is certain to miss --target: the same pass or fail at every point, faster; with --search scan, the same answers).")
-@click.option("--arrivals", type=click.Choice(["poisson", "bursty", "trace"]), default=None,
-              help="Arrival process (default poisson; 'trace' with --trace FILE).")
+@click.option("--arrivals", type=click.Choice(["poisson", "bursty", "trace", "shifting"]), default=None,
+              help="Arrival process (default poisson; 'trace' with --trace FILE; 'shifting': the models' total rate, "
+                   "shared by a sinusoidal mix of period --period-s: share_i = 1/n + (0.6/n) sin(2 pi t/P + 2 pi i/n)).")
+@click.option("--period-s", type=float, default=600.0, show_default=True, help="Period of the shifting mix (--arrivals shifting).")
+@click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="auto: re-plan when the mix shifts (ppipe.control.replan) and switch plans live, under the virtual clock. "
+                   "Needs a plan made with the max-min objective and the reservation or reactive policy.")
+@click.option("--replan-time-limit-s", type=float, default=1.5, show_default=True, help="Planner time limit of each re-plan (--replan auto).")
+@click.option("--replan-load-delay-s", type=float, default=10.0, show_default=True,
+              help="Virtual time from a re-plan decision to the switch (planning and loading the new workers; the old plan serves meanwhile).")
+@click.option("--replan-min-interval-s", type=float, default=60.0, show_default=True, help="Least time between two plan switches.")
+@click.option("--replan-window-s", type=float, default=60.0, show_default=True, help="Window over which the controller estimates each model's rate and trend.")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
               help="Trace to replay: Azure Functions 2021 CSV (end_timestamp,duration) or one timestamp (s) per line; implies --arrivals trace.")
 @click.option("--cv", type=float, default=2.0, show_default=True, help="Coefficient of variation of the gaps for --arrivals bursty.")
@@ -54,7 +64,8 @@ def _policies() -> list[str]:
 @click.option("--records", "records_out", type=click.Path(dir_okay=False), default=None,
               help="Write one CSV row per request (arrival, dispatch, stages, completion or drop reason/place) of the run shown.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
-def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full_points, arrivals, trace_file, cv, duration_s, seed,
+def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full_points, arrivals, period_s, replan,
+             replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s, trace_file, cv, duration_s, seed,
              policy, jitter_cv, feedback, rates_from, plot_dir, records_out, json_out) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
@@ -75,7 +86,9 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
     kind = ArrivalKind(arrivals or ("trace" if trace_file else "poisson"))
     if kind is ArrivalKind.TRACE and not trace_file:
         raise UserError("--arrivals trace needs --trace FILE", fix="give the trace file with --trace")
-    workload = Workload(kind=kind, cv=cv, trace_s=read_trace(trace_file) if trace_file else None)
+    if period_s <= 0:
+        raise UserError(f"--period-s must be > 0, got {period_s}", fix="e.g. --period-s 600")
+    workload = Workload(kind=kind, cv=cv, trace_s=read_trace(trace_file) if trace_file else None, period_s=period_s)
 
     plan, profiles, spec = load_inputs(plan_file, cluster)
     rates = None
@@ -85,7 +98,8 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
         rates = check_rates(plan, base_rates(load_plan(rates_from)), f"--rates-from {rates_from}")
     if feedback is None:
         feedback = default_feedback(policy)
-    config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy)
+    setup = _replan_setup(plan, profiles, spec, replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s) if replan == "auto" else None
+    config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy, replan=setup)
     base = rates or base_rates(plan)
 
     if sweep:
@@ -106,6 +120,7 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
         f = 1.0 if load is None else load
         shown = run_point(plan, profiles, spec, f, rates_rps=rates, workload=workload, config=config)
         _print_point(shown, f, base)
+        _print_switches(shown.switches)
         payload = {"plan": str(plan_file), "policy": policy, "arrivals": kind.value, "load": f, "base_rates_rps": base, **shown.to_dict()}
         result = None
 
@@ -130,6 +145,27 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
             written.append(plots.plot_utilization(shown, d / "utilization.png"))
         for p in written:
             click.echo(f"wrote {p}")
+
+
+def _replan_setup(plan, profiles, spec, time_limit_s: float, load_delay_s: float, min_interval_s: float, window_s: float):
+    """``--replan auto``: the planner with the plan's settings behind the controller (ppipe.control.replan)."""
+    from ppipe.control.replan import ReplanPolicy, planner_replan
+    from ppipe.sim.simulator import ReplanSetup
+
+    if not (time_limit_s > 0):
+        raise UserError(f"--replan-time-limit-s must be > 0, got {time_limit_s}", fix="e.g. --replan-time-limit-s 1.5")
+    policy = ReplanPolicy(window_s=window_s, min_interval_s=min_interval_s, load_delay_s=load_delay_s)
+    return ReplanSetup(planner_replan(plan, profiles, spec, time_limit_s=time_limit_s), policy, load_delay_s=load_delay_s)
+
+
+def _print_switches(switches: list[dict]) -> None:
+    if not switches:
+        return
+    click.echo(f"plan switches: {len(switches)}")
+    for s in switches:
+        w = " ".join(f"{m}={v:.2f}" for m, v in s["weights"].items())
+        click.echo(f"  decided {s['decided_s']:.1f} s, switched {s['switched_s']:.1f} s: planner {s['planner_s']:.2f} s, "
+                   f"{s['kept']}/{s['vgpus']} vGPUs kept, Z {s['z_old']:.2f} -> {s['z_new']:.2f} (trigger {s['trigger']}), weights {w}")
 
 
 def _pct(x: float | None) -> str:

@@ -76,6 +76,7 @@ class SimResult:
     records: list[RequestRecord] = field(default_factory=list, repr=False)
     batches: list[BatchRecord] = field(default_factory=list, repr=False)
     vgpus: dict[str, Any] = field(default_factory=dict, repr=False)
+    switches: list[dict] = field(default_factory=list)  # plan switches of a run with re-planning (SimConfig.replan)
 
     @property
     def attainment(self) -> float:
@@ -85,6 +86,8 @@ class SimResult:
         d = asdict(self)
         for k in ("records", "batches", "vgpus"):
             d.pop(k)
+        if not d["switches"]:
+            d.pop("switches")  # (a run without re-planning writes what it always wrote)
         return d
 
 
@@ -161,7 +164,8 @@ def summarize(sim, wall_s: float, cpu_s: float | None = None) -> SimResult:
         batches_by_model.setdefault(b.model, []).append(b)
     models = {m: model_metrics(m, recs, batches_by_model[m], dur) for m, recs in by_model.items()}
     overall = model_metrics("all", sim.records, sim.batches, dur)
-    util, util_used = utilization(sim.vgpus, sim.cluster.gpu_counts, dur * 1e6)
+    retired = getattr(sim, "retired_vgpus", None)
+    util, util_used = utilization({**sim.vgpus, **retired} if retired else sim.vgpus, sim.cluster.gpu_counts, dur * 1e6)
     dispatches = len(sim.batches)
     probes = _probe_count(sim.scheduler)
     # simulated time = the arrival window (the drain after it is bookkeeping, not load)
@@ -189,6 +193,7 @@ def summarize(sim, wall_s: float, cpu_s: float | None = None) -> SimResult:
         records=sim.records,
         batches=sim.batches,
         vgpus=sim.vgpus,
+        switches=list(getattr(sim, "switch_log", [])),
     )
 
 

@@ -40,6 +40,19 @@ in flight. The records are the events' own, bit for bit
 (tests/sim/test_exact_execution.py; busy times up to summation order); HC1-L G1 at load
 1.0 then handles 8.5 k events (arrivals and timers) instead of 50 k.
 
+**Re-planning** (``SimConfig.replan``, ``ppipe simulate --replan auto``): the scheduler is
+wrapped in a :class:`~ppipe.dataplane.handover.SwitchingScheduler` and every arrival is fed
+to a :class:`~ppipe.control.replan.ReplanController` on the virtual clock -- the code the
+runtime runs. A decision at ``t`` switches at ``t + load_delay_s`` (planning and loading
+the new workers; the old plan serves meanwhile): the new plan's scheduler takes over
+(``switch``), its decisions are applied, and the new plan's vGPUs get execution states. A
+vGPU the handover keeps (same id, GPU, level, model and blocks) keeps its state; any
+other old state is retired but stays with the batches dispatched on it (a batch holds the
+states of the plan that dispatched it), so old batches finish on their old vGPUs even
+where a new vGPU has the same id. The reservations the handover copies keep exact
+execution exact. Utilization sums the retired states too. Without ``replan`` nothing of
+this runs and the records are those of a plain run.
+
 A request completes when the stage of its pipeline's last partition ends. A dispatch
 may cover only some partitions (a per-pool policy dispatches stage by stage); the
 request then waits at the server of its last stage for the next dispatch.
@@ -126,6 +139,9 @@ class SimConfig:
         scheduler_options: extra keyword options for ``build_scheduler``.
         stop_below: stop the run once every model's attainment is certain to end below
             this (module docstring, "Early stop"); ``None`` = always run to the end.
+        stop_overall: with ``stop_below``, stop once the attainment over *all* requests is
+            certain to end below it (their misses exceed ``1 - stop_below`` of all arrivals)
+            instead of every model's: for searches on the overall attainment.
         execution: how dispatched batches are carried out (module docstring, "Exact
             execution"): ``"auto"`` writes a batch's stage times from its plan when nothing
             can make them differ, and simulates every transfer and stage as events
@@ -141,7 +157,27 @@ class SimConfig:
     policy: str = "reservation"
     scheduler_options: Mapping[str, Any] = field(default_factory=dict)
     stop_below: float | None = None
+    stop_overall: bool = False
     execution: str = "auto"
+    replan: "ReplanSetup | None" = None
+
+
+@dataclass(frozen=True)
+class ReplanSetup:
+    """Re-planning during a run (``ppipe simulate --replan auto``; module docstring, "Re-planning").
+
+    Attributes:
+        replan: ``replan(weights) -> Plan`` (e.g. :func:`ppipe.control.replan.planner_replan`).
+        policy: the controller's tunables (a :class:`ppipe.control.replan.ReplanPolicy`;
+            ``None``: its defaults with ``load_delay_s`` set to this setup's).
+        load_delay_s: virtual time from a decision to the switch: the new plan's planning
+            (at most the planner's time limit) and the loading of its workers, while the
+            old plan keeps serving.
+    """
+
+    replan: Callable[[dict], Any]
+    policy: Any = None
+    load_delay_s: float = 10.0
 
 
 @dataclass(slots=True)
@@ -160,13 +196,14 @@ class VgpuState:
 class _BatchRun:
     """A dispatched batch in execution (internal)."""
 
-    __slots__ = ("record", "dispatch", "last_partition", "lost")
+    __slots__ = ("record", "dispatch", "last_partition", "lost", "vgpus")
 
-    def __init__(self, record: BatchRecord, dispatch: Dispatch, last_partition: int):
+    def __init__(self, record: BatchRecord, dispatch: Dispatch, last_partition: int, vgpus: dict):
         self.record = record
         self.dispatch = dispatch
         self.last_partition = last_partition
         self.lost = False
+        self.vgpus = vgpus  # the vGPU states of the plan that dispatched it (they outlive a switch)
 
 
 # ---- events (one class per kind; each handler returns its follow-ups) -------------------
@@ -251,6 +288,20 @@ class FailureEvent(Event):
 
     def handle(self):
         return self.sim.on_failure(self.vgpu_id)
+
+
+class SwitchEvent(Event):
+    """The re-plan controller's new plan takes over (its workers are loaded)."""
+
+    __slots__ = ("sim", "decision")
+    priority = Priority.TIMER
+
+    def __init__(self, time_us: float, sim: "Simulator", decision: Any):
+        self.time_us = time_us
+        self.sim, self.decision = sim, decision
+
+    def handle(self):
+        return self.sim.on_switch(self.decision)
 
 
 # ---- the simulator -------------------------------------------------------------------------
@@ -351,7 +402,11 @@ class Simulator:
             (m.name, pi): len(p.partitions) - 1 for m in plan.models for pi, p in enumerate(m.pipelines)
         }
         factory = scheduler_factory or default_scheduler_factory(config.policy, **dict(config.scheduler_options))
+        self._factory = factory
         self.scheduler = factory(plan, self.profiles, cluster, self.clock)
+        self.retired_vgpus: dict[str, VgpuState] = {}  # states of vGPUs a switch replaced, keyed "<id>@<switch>"
+        self.switch_log: list[dict] = []
+        self.controller = self._controller(config.replan) if config.replan is not None else None
         # Exact execution (module docstring): nothing can make a stage differ from its plan.
         self.exact = (
             config.execution == "auto"
@@ -420,6 +475,8 @@ class Simulator:
         if self.config.stop_below is not None:
             share = 1.0 - self.config.stop_below
             self._miss_budget = {m: share * t.size for m, t in zip(names, times) if t.size}
+            if self.config.stop_overall and self._miss_budget:
+                self._miss_budget = {"*": share * sum(t.size for t in times)}
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
@@ -478,7 +535,7 @@ class Simulator:
                 if start > t:
                     hi = w if w < end else end
                     if hi > start:
-                        self.vgpus[st.vgpu_id].busy_in_window_us -= hi - start
+                        run.vgpus[st.vgpu_id].busy_in_window_us -= hi - start
                     st.start_us = st.end_us = -1.0
                 else:
                     if start > last:
@@ -497,7 +554,10 @@ class Simulator:
     def _all_below_target(self) -> bool:
         """Every model with arrivals has missed more than its budget (it ends below target)."""
         missed = self.missed
-        return all(missed[m] > budget for m, budget in self._miss_budget.items())
+        budget = self._miss_budget
+        if "*" in budget:
+            return sum(missed.values()) > budget["*"]
+        return all(missed[m] > b for m, b in budget.items())
 
     # ---- decisions -> events ---------------------------------------------------------------
 
@@ -581,7 +641,7 @@ class Simulator:
         if last is None:
             self._anomaly(f"dispatch {d.batch_id} on unknown pipeline {d.model}/{d.pipeline}")
             return None
-        run = _BatchRun(rec, d, last)
+        run = _BatchRun(rec, d, last, self.vgpus)
         self.batches.append(rec)
         self._runs_by_id[d.batch_id] = run
         for rid in rids:
@@ -664,6 +724,13 @@ class Simulator:
         out = self.apply(decisions)
         if i + 1 < len(arr):
             out.append(ArrivalEvent(arr[i + 1], self, i + 1))
+        ctl = self.controller
+        if ctl is not None:
+            ctl.observe(model, t)
+            if t >= ctl.next_check_us:
+                d = ctl.poll()
+                if d is not None:
+                    out.append(SwitchEvent(t + self.config.replan.load_delay_s * 1e6, self, d))
         return out
 
     def on_wake(self, t: float) -> list[Event]:
@@ -676,8 +743,58 @@ class Simulator:
         return self.apply(self._call(self.scheduler.wake))
 
     def on_failure(self, vgpu_id: str) -> list[Event]:
-        self.vgpus[vgpu_id].failed_at_us = self.clock.now_us()
+        now = self.clock.now_us()
+        for key, vg in [(vgpu_id, self.vgpus.get(vgpu_id)), *self.retired_vgpus.items()]:
+            if vg is not None and vg.vgpu_id == vgpu_id and vg.failed_at_us > now:
+                vg.failed_at_us = now  # (a retired state of that id may still run old batches)
         return self.apply(self._call(self.scheduler.mark_failed, vgpu_id))
+
+    # ---- re-planning (module docstring, "Re-planning") ------------------------------------------
+
+    def _controller(self, setup: "ReplanSetup"):
+        """Wrap the scheduler for switches and build the re-plan controller on the virtual clock."""
+        from dataclasses import replace
+
+        from ppipe.control.replan import ReplanController, ReplanPolicy
+        from ppipe.dataplane.handover import SwitchingScheduler
+
+        if setup.load_delay_s < 0:
+            raise UserError(f"re-plan load delay must be >= 0 s, got {setup.load_delay_s}", fix="give e.g. --replan-load-delay-s 10")
+        if getattr(self.scheduler, "partial_dispatches", False):  # (hand_over would refuse it at the first switch)
+            raise UserError(
+                f"re-planning needs a policy that dispatches whole paths; '{self.config.policy}' does not",
+                fix="simulate with --policy reservation (the paper's) or reactive",
+            )
+        policy = setup.policy or replace(ReplanPolicy(), load_delay_s=setup.load_delay_s)
+        self.scheduler = SwitchingScheduler(self.scheduler)
+        return ReplanController(self.plan, setup.replan, self.clock, policy)
+
+    def on_switch(self, decision) -> list[Event]:
+        """Hand over to ``decision.plan``: new scheduler, new vGPU states (kept ones carried over)."""
+        new_plan = decision.plan
+        states = vgpus_of_plan(new_plan, self.cluster)
+        sched = self._factory(new_plan, self.profiles, self.cluster, self.clock)
+        t0 = time.perf_counter()
+        h = self.scheduler.switch(sched)
+        self.scheduler_s += time.perf_counter() - t0
+        n = len(self.switch_log)
+        for v, vg in self.vgpus.items():
+            if v in h.kept:
+                states[v] = vg  # the same worker: its queue of stages goes on
+            else:
+                self.retired_vgpus[f"{v}@{n}"] = vg  # old batches finish on it (run.vgpus)
+        self.vgpus = states
+        for m in new_plan.models:
+            self._slo_us.setdefault(m.name, m.slo_ms * 1e3)
+            for pi, p in enumerate(m.pipelines):
+                self._last_partition[(m.name, pi)] = len(p.partitions) - 1
+        self.switch_log.append({
+            "decided_s": decision.at_us / 1e6, "switched_s": self.clock.now_us() / 1e6,
+            "planner_s": decision.planner_s, "kept": len(h.kept), "vgpus": len(states), "moved_requests": h.moved,
+            "z_old": decision.z_old, "z_new": decision.z_new, "trigger": decision.trigger,
+            "weights": dict(decision.weights),
+        })
+        return self.apply(h.decisions)
 
     def _jitter(self) -> float:
         if self._jit_sigma == 0.0:
@@ -700,7 +817,7 @@ class Simulator:
 
     def on_stage_ready(self, run: _BatchRun, k: int) -> list[Event]:
         st = run.record.stages[k]
-        vg = self.vgpus.get(st.vgpu_id)
+        vg = run.vgpus.get(st.vgpu_id)
         if vg is None:
             self._anomaly(f"batch {run.record.batch_id} stage {k} on unknown vGPU {st.vgpu_id}")
             self._lose(run, k)
@@ -724,7 +841,7 @@ class Simulator:
         rec = run.record
         st = rec.stages[k]
         now = self.clock._now_us
-        vg = self.vgpus[st.vgpu_id]
+        vg = run.vgpus[st.vgpu_id]
         if vg.failed_at_us < now:  # died mid-inference: this stage never finishes
             self._lose(run, k)
             return []

@@ -158,6 +158,7 @@ class Workload:
     kind: ArrivalKind = ArrivalKind.POISSON
     cv: float = 2.0
     trace_s: np.ndarray | None = field(default=None, compare=False)
+    period_s: float = 600.0  # of the shifting mix (ArrivalKind.SHIFTING)
 
 
 def run_point(
@@ -178,6 +179,7 @@ def run_point(
     rates = {m: load * r for m, r in base.items()}
     arrivals = make_arrivals(
         workload.kind, rates, config.duration_s * 1e6, config.seed, cv=workload.cv, trace_s=workload.trace_s,
+        period_s=workload.period_s,
         models=[m.name for m in plan.models],
     )
     return simulate(plan, profiles, cluster, arrivals, config, scheduler_factory)

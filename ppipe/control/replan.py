@@ -1,0 +1,339 @@
+"""Re-planning as a control loop: when the model mix shifts, make and hand over a better plan.
+
+A max-min plan made for weights ``w`` gives model ``m`` a capacity ``x_m`` (req/s,
+``ModelPlan.throughput_rps``) with ``x_m >= w_m z``. When the mix moves, the capacity sits
+in the wrong pools: one model's queue overflows while other pools idle. The controller
+watches the arrivals and decides when a new plan is worth a switch; the driver (simulator
+or runtime) builds the new plan's workers and scheduler and hands over
+(:class:`ppipe.dataplane.handover.SwitchingScheduler`).
+
+Estimate
+--------
+Arrivals are counted per model in bins of ``bin_s`` seconds. At a check at time ``t`` the
+complete bins of the last ``window_s`` seconds give a least-squares line
+``c(tau) = alpha + beta (tau - tau_bar)`` through the counts (bin centres ``tau``), hence
+
+* the current rate   ``r_m = (alpha + beta (t - tau_bar)) / bin_s``,
+* its trend          ``g_m = beta / bin_s``   (req/s per s),
+* the rate to plan for, the peak over the coming ``horizon_s = H`` (a plan has to last at
+  least until the next switch is allowed):  ``p_m = max(r_m, r_m + g_m H, 0)``.
+
+A line over the window, rather than the window's mean, removes the mean's lag of
+``window_s / 2`` behind a moving rate; ``H`` looks ahead as far as the plan must hold.
+
+Decide
+------
+With ``p`` as weights, the value of a plan is ``Z(plan) = min_m x_m / p_m``: the factor by
+which every model's planned-for rate could grow before one exceeds its capacity (the
+max-min objective under the observed weights; ``Z >= 1``: every model fits). A check
+
+1. **triggers** when some model's planned-for rate passes ``trigger_load`` (90 %) of its
+   capacity: ``Z(current) < 1 / trigger_load``;
+2. is **allowed** when ``min_interval_s`` (60 s) have passed since the last switch, and
+   the mix moved by ``retry_shift`` (in share, max over models) since the last re-plan
+   that was not applied, or ``min_interval_s`` passed since it (hysteresis: a mix the
+   planner could not improve on is not re-planned at every check);
+3. **re-plans** through the injected ``replan(weights) -> Plan`` (the planner with a time
+   limit) with ``weights = p / sum(p)`` (each floored at ``min_share`` of the total so
+   that a model with no traffic for a while keeps some capacity), and
+4. **switches** when ``Z(new) >= (1 + min_gain) Z(current)`` (10 %): the driver applies
+   the returned :class:`ReplanDecision`.
+
+The controller takes the decision's plan as current at once (the driver may start it
+after a load delay; the old plan serves meanwhile).
+
+Determinism: the decisions are a function of the arrivals fed, the check times and the
+plans ``replan`` returns. The planner's time limit is the one wall-clock dependence: a
+MILP stopped by its limit may return a different plan on a slower or busier host (then
+so may the decisions after it). :attr:`ReplanDecision.planner_s` is measured on the wall
+clock for the report and is never read by a decision.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
+
+from ppipe.errors import UserError
+
+
+class Clock(Protocol):
+    """Time source (us): the data plane's clock has this method."""
+
+    def now_us(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class ReplanPolicy:
+    """Tunables of :class:`ReplanController` (module docstring: "Estimate", "Decide").
+
+    Attributes:
+        window_s: estimation window.
+        bin_s: arrival-count bin width.
+        horizon_s: look-ahead ``H`` of the planned-for rate; ``None`` = ``min_interval_s``
+            plus ``load_delay_s``.
+        check_every_s: how often a check runs.
+        trigger_load: a model whose planned-for rate passes this share of its capacity triggers.
+        min_gain: a new plan is applied if it raises ``Z`` by at least this share.
+        min_interval_s: least time between two switches.
+        retry_shift: after a re-plan that was not applied, the shift in share (max over
+            models) that allows another before ``min_interval_s``.
+        min_share: floor of each model's weight, as a share of the total.
+        load_delay_s: time the driver needs to load a new plan's workers (for ``H`` only).
+    """
+
+    window_s: float = 60.0
+    bin_s: float = 1.0
+    horizon_s: float | None = None
+    check_every_s: float = 5.0
+    trigger_load: float = 0.9
+    min_gain: float = 0.10
+    min_interval_s: float = 60.0
+    retry_shift: float = 0.03
+    min_share: float = 0.01
+    load_delay_s: float = 0.0
+
+    def __post_init__(self):
+        checks = [
+            (self.window_s >= 2 * self.bin_s > 0, "window_s must be >= 2 x bin_s > 0", "e.g. window_s=60, bin_s=1"),
+            (self.check_every_s > 0, "check_every_s must be > 0", "e.g. check_every_s=5"),
+            (0 < self.trigger_load <= 1, "trigger_load must be in (0, 1]", "e.g. trigger_load=0.9"),
+            (self.min_gain >= 0, "min_gain must be >= 0", "e.g. min_gain=0.1"),
+            (self.min_interval_s >= 0 and self.load_delay_s >= 0, "min_interval_s and load_delay_s must be >= 0", "e.g. 60 and 0"),
+            (0 <= self.min_share < 1, "min_share must be in [0, 1)", "e.g. min_share=0.01"),
+            (self.horizon_s is None or self.horizon_s >= 0, "horizon_s must be >= 0", "or None (the default)"),
+        ]
+        for ok, what, fix in checks:
+            if not ok:
+                raise UserError(f"re-plan policy: {what}", fix=fix)
+
+    @property
+    def horizon(self) -> float:
+        return self.min_interval_s + self.load_delay_s if self.horizon_s is None else self.horizon_s
+
+
+@dataclass(frozen=True)
+class ReplanDecision:
+    """A switch to apply (or, in :attr:`ReplanController.attempts`, a re-plan not applied).
+
+    Attributes:
+        at_us: the check's time.
+        plan: the new plan.
+        weights: the weights given to the planner (sum 1).
+        rate_rps: each model's estimated current rate ``r_m``.
+        planned_for_rps: each model's planned-for rate ``p_m``.
+        z_old: ``Z(current plan)`` under ``p``.
+        z_new: ``Z(new plan)`` under ``p``.
+        trigger: the model furthest over ``trigger_load`` of its capacity.
+        planner_s: wall time of the ``replan`` call (report only).
+        kept: vGPUs of the new plan that the current one has unchanged
+            (:func:`kept_placements`); ``total``: the new plan's vGPUs.
+        applied: whether it is a switch.
+    """
+
+    at_us: float
+    plan: Any
+    weights: dict[str, float]
+    rate_rps: dict[str, float]
+    planned_for_rps: dict[str, float]
+    z_old: float
+    z_new: float
+    trigger: str
+    planner_s: float
+    kept: int
+    total: int
+    applied: bool
+
+
+def plan_value(plan: Any, rates: Mapping[str, float]) -> float:
+    """``Z = min_m x_m / p_m`` over the models with ``p_m > 0`` (``inf`` if none; 0 if a model lacks capacity)."""
+    cap = {m.name: m.throughput_rps for m in plan.models}
+    return min((cap.get(m, 0.0) / p for m, p in rates.items() if p > 0), default=math.inf)
+
+
+def _identity(plan: Any) -> dict[str, tuple]:
+    """vGPU id -> what its worker is (server, GPU, slot, level, model, blocks): as the data plane's ``vgpu_identity``."""
+    out = {}
+    for p in plan.placement:
+        part = plan.model(p.model).pipelines[p.pipeline].partitions[p.partition]
+        out[p.vgpu_id] = (p.server, p.gpu_index, p.slot, p.vgpu, p.model, part.first_block, part.last_block)
+    return out
+
+
+def kept_placements(old: Any, new: Any) -> tuple[int, int]:
+    """``(kept, total)``: the new plan's vGPUs whose worker the old plan has unchanged, and all of them."""
+    a, b = _identity(old), _identity(new)
+    return sum(1 for v, ident in b.items() if a.get(v) == ident), len(b)
+
+
+@dataclass
+class _Attempt:
+    at_us: float
+    shares: dict[str, float]
+
+
+class ReplanController:
+    """Watches arrivals; on :meth:`poll`, returns a :class:`ReplanDecision` when a switch is due.
+
+    Args:
+        plan: the plan being served.
+        replan: ``replan(weights) -> Plan``: plans the same models and cluster for the weights
+            (``{model: w}``, sum 1), e.g. :func:`planner_replan`. It may raise
+            :class:`~ppipe.errors.UserError` (e.g. infeasible): the check then keeps the plan.
+        clock: ``now_us()``; the simulator's virtual clock or the runtime's wall clock.
+        policy: tunables.
+
+    Drivers call :meth:`observe` for every arrival (its time may precede ``now``) and
+    :meth:`poll` often (each arrival is fine: it returns at once between checks). A check
+    that re-plans calls ``replan`` synchronously (up to its time limit): a driver on an
+    event loop runs :meth:`poll` off it when ``clock.now_us() >= next_check_us``. A
+    decision is taken as applied; :meth:`refused` undoes it.
+    """
+
+    def __init__(self, plan: Any, replan: Callable[[dict[str, float]], Any], clock: Clock, policy: ReplanPolicy = ReplanPolicy()):
+        self.plan = plan
+        self.models = [m.name for m in plan.models]
+        self._replan = replan
+        self.clock = clock
+        self.policy = policy
+        self._bins: dict[str, dict[int, int]] = {m: defaultdict(int) for m in self.models}
+        self._start_us = clock.now_us()
+        self.next_check_us = self._start_us + policy.window_s * 1e6
+        self._last_switch_us = -math.inf
+        self._last_attempt: _Attempt | None = None
+        self._previous: Any = None  # the plan before the last decision (refused() restores it)
+        self.decisions: list[ReplanDecision] = []
+        self.attempts: list[ReplanDecision] = []
+
+    def observe(self, model: str, t_us: float) -> None:
+        """One arrival of ``model`` at ``t_us`` (models the plan does not serve are ignored)."""
+        bins = self._bins.get(model)
+        if bins is not None:
+            bins[int(t_us // (self.policy.bin_s * 1e6))] += 1
+
+    def estimate(self, now_us: float) -> tuple[dict[str, float], dict[str, float]]:
+        """``(r, g)``: each model's current rate (req/s) and trend (req/s per s) (module docstring)."""
+        b = self.policy.bin_s
+        last = int(now_us // (b * 1e6))  # the bin now filling: not complete
+        ks = range(last - int(round(self.policy.window_s / b)), last)
+        taus = [(k + 0.5) * b for k in ks]
+        tau_bar = sum(taus) / len(taus)
+        sxx = sum((x - tau_bar) ** 2 for x in taus)
+        rate, trend = {}, {}
+        for m, bins in self._bins.items():
+            counts = [bins.get(k, 0) for k in ks]
+            alpha = sum(counts) / len(counts)
+            beta = sum((x - tau_bar) * c for x, c in zip(taus, counts)) / sxx
+            rate[m] = max(0.0, (alpha + beta * (now_us / 1e6 - tau_bar)) / b)
+            trend[m] = beta / b
+            for k in [k for k in bins if k < ks.start]:
+                del bins[k]  # older than the window: never read again
+        return rate, trend
+
+    def planned_for(self, rate: Mapping[str, float], trend: Mapping[str, float]) -> dict[str, float]:
+        """``p_m = max(r_m, r_m + g_m H, 0)``."""
+        h = self.policy.horizon
+        return {m: max(rate[m], rate[m] + trend[m] * h, 0.0) for m in rate}
+
+    def poll(self) -> ReplanDecision | None:
+        """Run a check if one is due; a decision to apply, or None."""
+        now = self.clock.now_us()
+        if now < self.next_check_us:
+            return None
+        self.next_check_us = now + self.policy.check_every_s * 1e6
+        rate, trend = self.estimate(now)
+        peak = self.planned_for(rate, trend)
+        total = sum(peak.values())
+        if total <= 0:
+            return None
+        z_old = plan_value(self.plan, peak)
+        if z_old >= 1.0 / self.policy.trigger_load or not self._allowed(now, peak, total):
+            return None
+        return self._replan_and_decide(now, rate, peak, total, z_old)
+
+    def _allowed(self, now: float, peak: Mapping[str, float], total: float) -> bool:
+        """Minimum interval since the last switch; hysteresis after a re-plan that was not applied."""
+        p = self.policy
+        if now - self._last_switch_us < p.min_interval_s * 1e6:
+            return False
+        a = self._last_attempt
+        if a is None or now - a.at_us >= p.min_interval_s * 1e6:
+            return True
+        return max(abs(peak[m] / total - a.shares.get(m, 0.0)) for m in peak) >= p.retry_shift
+
+    def weights(self, peak: Mapping[str, float], total: float) -> dict[str, float]:
+        """``max(p_m, min_share x total)``, normalized to sum 1."""
+        w = {m: max(v, self.policy.min_share * total) for m, v in peak.items()}
+        s = sum(w.values())
+        return {m: v / s for m, v in w.items()}
+
+    def _replan_and_decide(self, now: float, rate, peak, total: float, z_old: float) -> ReplanDecision | None:
+        weights = self.weights(peak, total)
+        t0 = time.perf_counter()  # report only (module docstring, "Determinism")
+        try:
+            new = self._replan(weights)
+        except UserError:
+            new = None
+        planner_s = time.perf_counter() - t0
+        self._last_attempt = _Attempt(now, {m: v / total for m, v in peak.items()})
+        if new is None:
+            return None
+        z_new = plan_value(new, peak)
+        kept, n = kept_placements(self.plan, new)
+        trigger = min(peak, key=lambda m: (self._capacity(m) / peak[m]) if peak[m] > 0 else math.inf)
+        applied = z_new >= (1.0 + self.policy.min_gain) * z_old
+        d = ReplanDecision(now, new, weights, dict(rate), dict(peak), z_old, z_new, trigger, planner_s, kept, n, applied)
+        self.attempts.append(d)
+        if not applied:
+            return None
+        self._previous = self.plan
+        self.plan, self._last_switch_us, self._last_attempt = new, now, None
+        self.decisions.append(d)
+        return d
+
+    def refused(self, decision: ReplanDecision) -> None:
+        """The driver could not apply ``decision`` (e.g. the plan does not fit the running
+        cluster): the plan before it is current again. The minimum interval still counts
+        from the decision, so a refused plan is not retried at the next check."""
+        if self.decisions and self.decisions[-1] is decision and self._previous is not None:
+            self.plan, self._previous = self._previous, None
+            self.decisions.pop()
+
+    def _capacity(self, model: str) -> float:
+        return self.plan.model(model).throughput_rps
+
+
+def planner_replan(plan: Any, profiles: Mapping[str, Any], cluster: Any, *, time_limit_s: float = 1.5) -> Callable[[dict[str, float]], Any]:
+    """``replan(weights)`` that calls the planner with ``plan``'s settings, SLOs and models, and new weights.
+
+    The planner's ``time_limit_s`` bounds each call (its MILP; building the model adds a
+    little). Headroom is as ``plan`` had it (``settings.headroom_util``).
+
+    Raises:
+        UserError: ``plan`` was not made with the max-min objective (weights mean nothing to
+            another objective).
+    """
+    s = plan.settings
+    if s.objective != "max-min":
+        raise UserError(
+            f"re-planning needs a plan made with the max-min objective; this one used '{s.objective}'",
+            fix="plan with --objective max-min, or serve without --replan",
+        )
+    models = [profiles[m.name] for m in plan.models]
+    slo = {m.name: m.slo_ms for m in plan.models}
+    headroom = s.headroom_util if s.headroom_util is not None else False
+
+    def replan(weights: dict[str, float]):
+        from ppipe.planner.api import plan as make_plan
+
+        return make_plan(
+            cluster, models, objective="max-min", planner=s.planner, formulation=s.formulation, gpu_rule=s.gpu_rule,
+            configs_per_template=s.configs_per_template, batch_build=s.batch_build, slo_ms=slo,
+            weights={m: weights[m] for m in slo}, margin=s.margin, max_partitions=s.max_partitions,
+            time_limit_s=time_limit_s, headroom=headroom,
+        )
+
+    return replan

@@ -1,0 +1,187 @@
+"""The re-plan controller (ppipe.control.replan) on a fake clock with a fake planner."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from ppipe.control.replan import ReplanController, ReplanPolicy, kept_placements, plan_value, planner_replan
+from ppipe.dataplane.testing import ManualClock
+from ppipe.errors import UserError
+from ppipe.sim.arrivals import poisson_arrivals, model_rng
+from ppipe.sim.workloads import shifting_poisson_arrivals
+
+MODELS = ["a", "b", "c"]
+CAPACITY = 600.0  # the fake cluster's total capacity, req/s, shared as the weights say
+
+
+@dataclass
+class _M:
+    name: str
+    throughput_rps: float
+
+
+@dataclass
+class FakePlan:
+    caps: dict
+    placement: list = field(default_factory=list)
+
+    @property
+    def models(self):
+        return [_M(m, c) for m, c in self.caps.items()]
+
+    def model(self, name):
+        return _M(name, self.caps[name])
+
+
+class IdealPlanner:
+    """Capacity exactly proportional to the weights; records its calls."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __call__(self, weights):
+        self.calls.append(dict(weights))
+        return FakePlan({m: CAPACITY * w for m, w in weights.items()})
+
+
+def drive(arrivals: dict[str, np.ndarray], policy=ReplanPolicy(), end_s=None):
+    """Feed arrivals in time order on a manual clock, polling after each; the controller and planner."""
+    clock = ManualClock()
+    planner = IdealPlanner()
+    ctl = ReplanController(FakePlan({m: CAPACITY / 3 for m in MODELS}), planner, clock, policy)
+    events = sorted((t, m) for m, ts in arrivals.items() for t in ts)
+    for t, m in events:
+        clock.t_us = t
+        ctl.observe(m, t)
+        ctl.poll()
+    return ctl, planner
+
+
+def steady(total_rps, duration_s, seed=0):
+    return {m: poisson_arrivals(total_rps / 3, duration_s * 1e6, model_rng(seed, i)) for i, m in enumerate(MODELS)}
+
+
+def test_steady_mix_below_the_trigger_never_calls_the_planner():
+    ctl, planner = drive(steady(0.8 * CAPACITY, 300))
+    assert planner.calls == [] and ctl.decisions == []
+
+
+def test_steady_mix_above_the_trigger_replans_rarely_and_never_switches():
+    # 95 % of capacity: the trigger fires, but the planner cannot do 10 % better
+    ctl, planner = drive(steady(0.95 * CAPACITY, 300))
+    assert ctl.decisions == []
+    assert 1 <= len(planner.calls) <= 300 / 60 + 1  # hysteresis: at most one re-plan per min_interval, not one per 5 s check
+    assert all(abs(w - 1 / 3) < 0.03 for c in planner.calls for w in c.values())
+
+
+def test_shifting_mix_switches_at_least_min_interval_apart_with_weights_that_follow_the_rates():
+    arr = shifting_poisson_arrivals(MODELS, 0.8 * CAPACITY, 1200e6, seed=2, period_s=600.0)
+    ctl, planner = drive(arr)
+    times = [d.at_us / 1e6 for d in ctl.decisions]
+    assert len(times) >= 4
+    assert all(b - a >= 60.0 for a, b in zip(times, times[1:]))
+    for d in ctl.decisions:
+        assert d.applied and d.z_new >= 1.1 * d.z_old
+        assert math.isclose(sum(d.weights.values()), 1.0)
+        # the planned-for rates lie near the true rates over [t, t + H] (a line extrapolated past a peak overshoots it: up to ~25 % here)
+        t = d.at_us / 1e6
+        grid = np.linspace(t, t + 60.0, 61)
+        true = 0.8 * CAPACITY * (1 / 3 + 0.2 * np.sin(2 * np.pi * grid[None, :] / 600 + np.arange(3)[:, None] * 2 * np.pi / 3))
+        for i, m in enumerate(MODELS):
+            assert true[i].min() * 0.85 <= d.planned_for_rps[m] <= true[i].max() * 1.3, (t, m, d.planned_for_rps[m])
+
+
+def test_min_interval_is_a_parameter():
+    arr = shifting_poisson_arrivals(MODELS, 0.8 * CAPACITY, 1200e6, seed=2, period_s=600.0)
+    ctl, _ = drive(arr, ReplanPolicy(min_interval_s=200.0))
+    times = [d.at_us / 1e6 for d in ctl.decisions]
+    assert times and all(b - a >= 200.0 for a, b in zip(times, times[1:]))
+
+
+def test_a_gain_below_min_gain_is_not_applied():
+    arr = shifting_poisson_arrivals(MODELS, 0.8 * CAPACITY, 600e6, seed=2, period_s=600.0)
+    ctl, planner = drive(arr, ReplanPolicy(min_gain=10.0))  # no plan can be 11 x better
+    assert planner.calls and ctl.decisions == [] and all(not a.applied for a in ctl.attempts)
+
+
+def test_same_inputs_same_decisions():
+    arr = shifting_poisson_arrivals(MODELS, 0.8 * CAPACITY, 900e6, seed=5, period_s=600.0)
+    a, _ = drive(arr)
+    b, _ = drive(arr)
+    key = lambda c: [(d.at_us, d.weights, d.z_new) for d in c.decisions]
+    assert key(a) == key(b) and key(a)
+
+
+def test_estimate_of_a_ramp_recovers_rate_and_trend():
+    # deterministic arrivals whose rate rises linearly: r(t) = 100 + 2 t req/s
+    t = np.arange(0, 120, 0.0005)
+    r = 100 + 2 * t
+    cum = np.cumsum(r * 0.0005)
+    times = np.interp(np.arange(1, int(cum[-1])), cum, t) * 1e6
+    clock = ManualClock()
+    ctl = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock)
+    for x in times:
+        ctl.observe("a", x)
+    rate, trend = ctl.estimate(100e6)
+    assert rate["a"] == pytest.approx(300.0, rel=0.02) and trend["a"] == pytest.approx(2.0, rel=0.05)
+    assert ctl.planned_for(rate, trend)["a"] == pytest.approx(300.0 + 2.0 * 60, rel=0.03)
+
+
+def test_plan_value_is_min_capacity_over_rate():
+    assert plan_value(FakePlan({"a": 100.0, "b": 300.0}), {"a": 50.0, "b": 200.0}) == 1.5
+    assert plan_value(FakePlan({"a": 100.0}), {"a": 0.0}) == math.inf
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"trigger_load": 1.5}, "trigger_load"),
+    ({"window_s": 1.0, "bin_s": 1.0}, "window_s"),
+    ({"min_share": 1.0}, "min_share"),
+])
+def test_bad_policy_is_refused(kw, match):
+    with pytest.raises(UserError, match=match):
+        ReplanPolicy(**kw)
+
+
+def test_planner_replan_needs_a_max_min_plan():
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(settings=SimpleNamespace(objective="total"), models=[])
+    with pytest.raises(UserError, match="max-min"):
+        planner_replan(plan, {}, None)
+
+
+def test_kept_placements_counts_unchanged_workers():
+    from ppipe.dataplane.testing import ToyModel, ToyPartition, ToyPipeline, toy_cluster, toy_plan
+
+    cluster = toy_cluster([("n", "A", 1, 3, 8.0)])
+    part = lambda lo, hi, level, where: ToyPartition(lo, hi, "A", level, where)
+    OLD = toy_plan(cluster, [ToyModel("m", 6.0, [ToyPipeline(2, [part(0, 0, 1, [("n-0", 0, 0)]), part(1, 1, 1, [("n-1", 0, 0)])])])])
+    # n-0 kept; n-1 re-cut into two level-2 shares
+    NEW = toy_plan(cluster, [ToyModel("m", 6.0, [ToyPipeline(2, [part(0, 0, 1, [("n-0", 0, 0)]),
+                                                                part(1, 1, 2, [("n-1", 0, 0), ("n-1", 0, 1)])])])])
+    assert kept_placements(OLD, NEW) == (1, len(NEW.placement))
+    assert kept_placements(OLD, OLD) == (len(OLD.placement), len(OLD.placement))
+
+
+def test_a_refused_decision_restores_the_plan_and_is_not_retried_at_once():
+    arr = shifting_poisson_arrivals(MODELS, 0.8 * CAPACITY, 300e6, seed=2, period_s=600.0)
+    clock = ManualClock()
+    start = FakePlan({m: CAPACITY / 3 for m in MODELS})
+    ctl = ReplanController(start, IdealPlanner(), clock)
+    first = None
+    for t, m in sorted((t, m) for m, ts in arr.items() for t in ts):
+        clock.t_us = t
+        ctl.observe(m, t)
+        d = ctl.poll()
+        if d is not None and first is None:
+            first = d
+            ctl.refused(d)
+            assert ctl.plan is start and ctl.decisions == []
+        elif d is not None:
+            assert d.at_us - first.at_us >= 60e6  # the refused decision still counts for the interval
+            break
+    assert first is not None
