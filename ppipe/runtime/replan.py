@@ -12,8 +12,8 @@ runtime's clock:
 * a decision is applied like ``ppipe apply``: the new plan's workers start while the old
   plan serves, and the switch itself is one step on the loop
   (:class:`ppipe.runtime.switch.PlanSwitcher`, which also renames the new plan's GPUs to
-  keep running workers). A switch that fails is logged and the controller goes on from
-  the plan actually served.
+  keep running workers). A switch that fails is logged and handed back to the controller
+  (``refused``), which goes on from the plan actually served.
 """
 
 from __future__ import annotations
@@ -41,19 +41,22 @@ class ReplanLoop:
         switcher: the server's :class:`~ppipe.runtime.switch.PlanSwitcher` (its runtime is served).
         policy: the controller's tunables (:class:`ppipe.control.replan.ReplanPolicy`).
         time_limit_s: the planner's time limit per re-plan.
+        replan: ``replan(weights) -> Plan`` instead of the planner in its process (tests).
 
     Raises:
         UserError: the served plan was not made with the max-min objective.
     """
 
-    def __init__(self, switcher: Any, policy: Any, time_limit_s: float = 1.5):
+    def __init__(self, switcher: Any, policy: Any, time_limit_s: float = 1.5, replan: Any = None):
         from ppipe.control.replan import planner_replan
 
         self.switcher, self.runtime = switcher, switcher.runtime
         self.policy, self.time_limit_s = policy, time_limit_s
         dep = switcher.dep
-        planner_replan(dep.plan, dep.profiles, dep.cluster, time_limit_s=time_limit_s)  # refuses a plan it cannot re-make
+        if replan is None:
+            planner_replan(dep.plan, dep.profiles, dep.cluster, time_limit_s=time_limit_s)  # refuses a plan it cannot re-make
         self.controller: Any = None
+        self._injected_replan = replan
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._task: asyncio.Task | None = None
 
@@ -61,9 +64,10 @@ class ReplanLoop:
         from ppipe.control.replan import ReplanController
 
         rt = self.runtime
-        self.controller = ReplanController(rt.plan, self._replan, rt.clock, self.policy)
+        self.controller = ReplanController(rt.plan, self._injected_replan or self._replan, rt.clock, self.policy)
         rt.arrival_log = []
-        self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        if self._injected_replan is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -102,7 +106,7 @@ class ReplanLoop:
             await self.switcher.apply(decision.plan, "re-plan", keep_live=True)
         except UserError as exc:
             log.error("re-plan: the switch was refused: %s", exc.render())
-            self.controller.plan = self.runtime.plan
+            self.controller.refused(decision)
         except Exception:
             log.exception("re-plan: the switch failed; the old plan keeps serving")
-            self.controller.plan = self.runtime.plan
+            self.controller.refused(decision)
