@@ -107,3 +107,15 @@ def test_serve_refuses_a_negative_answer_budget(tmp_path):
     r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--answer-budget-ms", "-1"])
     assert r.exit_code == 2
     assert "--answer-budget-ms must be >= 0" in r.output
+
+
+def test_serve_replan_auto_is_checked_before_anything_starts(tmp_path, tinynet):
+    from ppipe.spec.cluster import load_cluster
+    from .conftest import make_plan
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])  # objective "none"
+    plan.save(tmp_path / "plan.yaml")
+    sharded = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--replan", "auto", "--shards", "2"])
+    not_max_min = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--replan", "auto", "--shards", "1"])
+    assert sharded.exit_code == 2 and "--shards 1" in sharded.output
+    assert not_max_min.exit_code == 2 and "max-min" in not_max_min.output
