@@ -145,7 +145,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--artifact", default=str(DEFAULT_ARTIFACT))
     ap.add_argument("--groups", nargs="+", default=["G1", "G2"], choices=sorted(GROUPS))
-    ap.add_argument("--load", type=float, default=0.75, help="load of the comparison (fraction of the static plan's max-min throughput)")
+    ap.add_argument("--load", type=float, default=0.7, help="load of the comparison (fraction of the static plan's max-min throughput)")
     ap.add_argument("--duration-s", type=float, default=1800.0)
     ap.add_argument("--period-s", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
