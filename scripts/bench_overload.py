@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -101,6 +100,7 @@ def main() -> None:
     ap.add_argument("--scan-s", type=float, default=6.0, help="length of each capacity-scan run")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
+    from bench_serve import stop_server
     from hostspeed import host_line
 
     print(host_line())
@@ -123,11 +123,7 @@ def main() -> None:
                 print(f"   on time from 5 s after the overload: {100 * r['on_time_5s_after']:.2f} % of {r['after_count']} "
                       f"(target >= 99 %)")
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 if __name__ == "__main__":

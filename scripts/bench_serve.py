@@ -389,15 +389,20 @@ def scaleout(duration_s: float, seed: int, tmp: Path, rates: list[float], shard_
             out[str(n)] = {"max_rps": best, "points": points}
             print(f"   {n} shard(s): highest total rate at >= 99 %: {best} req/s")
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     one, two = out.get("1", {}).get("max_rps"), out.get("2", {}).get("max_rps")
     if one and two:
         print(f"   2 shards / 1 shard: {two / one:.2f}x (target >= 1.7 on a host whose cores are not also the load generator's)")
     return out
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a `ppipe serve` subprocess as Ctrl-C does (it answers what is in flight), or kill it after 60 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def parallel_bench(url: str, models: list[str], rate_each: float, duration_s: float, seed: int) -> list[dict]:

@@ -187,23 +187,7 @@ def test_branching_keeps_every_plan_in_one_of_the_boxes(monkeypatch, above, refu
     monkeypatch.setattr(pbm, "WORKERS", workers)
 
     cl, specs, configs, z = _case({"A": 2, "B": 4, "C": 4})
-    real = pbm.kelley_lp
-    calls = []
-
-    def root_says_no(N, cuts, weights=False):
-        value, x, w = real(N, cuts, weights=True)
-        if not calls:
-            calls.append(1)
-            plans = np.asarray(cuts[0])
-            j = next(i for i in range(1, len(plans)) if (plans[i] != plans[0]).any())
-            w = [np.zeros(len(c)) for c in cuts]
-            w[0][[0, j]] = 0.5
-            for m in range(1, len(cuts)):
-                w[m][0] = 1.0
-            value = 1.0
-        return value, x, w
-
-    monkeypatch.setattr(pbm, "kelley_lp", root_says_no)
+    calls = _force_a_branch_at_the_root(monkeypatch)
     bound = _bound(cl, specs, configs)
     assert bound.refutes(z * above) is refuted
     assert calls, "the root was never asked"
