@@ -9,7 +9,7 @@ Traces
 ------
 * Azure Functions 2021 (``AzureFunctionsInvocationTraceForTwoWeeksJan2021``): a CSV with a
   header that has ``end_timestamp`` and ``duration`` columns, both in seconds. The arrival
-  of an invocation is ``end_timestamp - duration`` (PLANNING_MODEL.md).
+  of an invocation is ``end_timestamp - duration`` (docs/planning-model.md, "How serving is measured").
 * A plain list of timestamps: one number (seconds) per line, optionally with the header
   ``timestamp``/``arrival``/``time``.
 

@@ -78,8 +78,9 @@ class SolverReport(StrictModel):
     method: str = Field(
         default="",
         description="What proved the status: '' = the solver's own search (branch and bound); "
-        "'highs incumbent + cover bound' = HiGHS's plan, proven within the gap by ppipe's cover bound "
-        "(or price bound). With status time_limit: what proved the gap reported.",
+        "'highs incumbent + cover bound' or 'highs incumbent + price bound' = HiGHS's plan, proven within "
+        "the gap by that bound of ppipe's (docs/planning-model.md, 'Bounds'). With status time_limit: what "
+        "proved the gap reported.",
     )
     nodes: int = Field(default=-1, ge=-1, description="Branch-and-bound nodes of the final solve (-1: not reported).")
     lp_iterations: int = Field(default=-1, ge=-1, description="Simplex iterations of the final solve (-1: not reported).")
