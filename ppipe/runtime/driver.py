@@ -193,6 +193,7 @@ class Runtime:
         self._ids = itertools.count()
         self._wakes: set[float] = set()
         self._late_peak_us = 0.0  # recent peak lateness of the wake timers (_timer_was_late)
+        self._lead_cap_us = 0.25e3 * min(m.slo_ms for m in plan.models)  # the wake lead's ceiling
         self._inflight: dict[int, _InFlight] = {}  # batch id -> the batch, until its last report
         self._inbox: Inbox | None = None
         self._outbox = Outbox()
@@ -339,6 +340,7 @@ class Runtime:
             if revival is not None:
                 revival.cancel()
         self.plan, self._placement = plan, {p.vgpu_id: p for p in plan.placement}
+        self._lead_cap_us = 0.25e3 * min(m.slo_ms for m in plan.models)
         self.profiles = dict(profiles)
         self.workers = {**{v: self.workers[v] for v in kept}, **handles}
         self.addresses = {**{v: self.addresses[v] for v in kept}, **fresh_addrs}
@@ -516,8 +518,7 @@ class Runtime:
         if opts is None or not hasattr(opts, "wake_lead_us"):
             return  # a scheduler without the option (test doubles)
         self._late_peak_us = max(late_us, 0.995 * self._late_peak_us)
-        cap = 0.25 * min(m.slo_ms for m in self.plan.models) * 1e3
-        lead = min(max(self._options.get("wake_lead_us", 0.0), 2.0 * self._late_peak_us), cap)
+        lead = min(max(self._options.get("wake_lead_us", 0.0), 2.0 * self._late_peak_us), self._lead_cap_us)
         if abs(lead - opts.wake_lead_us) > 250.0:  # (not on every timer: a copy of the options)
             self._current_scheduler().options = opts.model_copy(update={"wake_lead_us": lead})
 

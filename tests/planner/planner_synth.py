@@ -10,6 +10,8 @@ import itertools
 import math
 from functools import lru_cache
 
+import numpy as np
+
 from ppipe.spec.cluster import ClusterSpec, GpuType, ServerGroup
 from ppipe.spec.profile import BlockSpec, ModelManifest, ModelProfile, SourceSpec
 
@@ -167,3 +169,15 @@ def brute_force_paper(configs, counts, D: int) -> float:
                         new[tuple(s)] = thr
         states = new
     return max(states.values())
+
+
+def unrefuted_root_weights(cuts) -> list[np.ndarray]:
+    """Kelley weights that tell the price bound's root "no price refutes": a mix of two of
+    model 0's plans (so the search must branch), the first plan of every other model."""
+    plans = np.asarray(cuts[0])
+    j = next(i for i in range(1, len(plans)) if (plans[i] != plans[0]).any())
+    w = [np.zeros(len(c)) for c in cuts]
+    w[0][[0, j]] = 0.5
+    for m in range(1, len(cuts)):
+        w[m][0] = 1.0
+    return w

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 import ppipe
 import ppipe.planner.core as core
 import ppipe.planner.price_bound as pbm
-from planner_synth import cluster, profile
+from planner_synth import cluster, profile, unrefuted_root_weights
 from ppipe.planner.bounds import CoverBound
 from ppipe.planner.price_bound import PriceBound
 
@@ -37,13 +36,7 @@ def _plan_text(monkeypatch, tmp_path, workers: int, delay_s: float = 0.0) -> tup
         value, x, w = real_kelley(N, cuts, weights=True)
         seen["kelley"] += 1
         if seen["kelley"] == 1:  # the root: a mix of two of model 0's plans, so the search branches
-            plans = np.asarray(cuts[0])
-            j = next(i for i in range(1, len(plans)) if (plans[i] != plans[0]).any())
-            w = [np.zeros(len(c)) for c in cuts]
-            w[0][[0, j]] = 0.5
-            for m in range(1, len(cuts)):
-                w[m][0] = 1.0
-            value = 1.0
+            value, w = 1.0, unrefuted_root_weights(cuts)
         return (value, x, w) if weights else (value, x)
 
     def solve(self, know, sub, mu, deadline, box, *args, **kw):

@@ -11,7 +11,7 @@ import pytest
 
 import ppipe
 import ppipe.planner.core as core
-from planner_synth import cluster, profile
+from planner_synth import cluster, profile, unrefuted_root_weights
 from ppipe.planner.api import usable_levels
 from ppipe.planner.bounds import CoverBound
 from ppipe.planner.configs import ModelSpec
@@ -262,13 +262,7 @@ def _force_a_branch_at_the_root(monkeypatch):
         value, x, w = real(N, cuts, weights=True)
         if not calls:
             calls.append(1)
-            plans = np.asarray(cuts[0])
-            j = next(i for i in range(1, len(plans)) if (plans[i] != plans[0]).any())
-            w = [np.zeros(len(c)) for c in cuts]
-            w[0][[0, j]] = 0.5
-            for m in range(1, len(cuts)):
-                w[m][0] = 1.0
-            value = 1.0
+            value, w = 1.0, unrefuted_root_weights(cuts)
         return value, x, w
 
     monkeypatch.setattr(pbm, "kelley_lp", root_says_no)

@@ -122,13 +122,19 @@ def _shard_server(plan, tinynet_dir, models, index, owner):
     return BackgroundServer(router), router
 
 
-def test_sharded_server_is_ready_while_some_shard_has_a_ready_model(tmp_path):
+def _two_shards(tmp_path):
+    """Models a and b, each on a shard of its own: (server 0, router 0, server 1, router 1)."""
     plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
     for m in ("a", "b"):
         write_tinynet(tmp_path / m, name=m)
     owner = {"a": 0, "b": 1}
     srv0, r0 = _shard_server(plan, tmp_path, ["a"], 0, owner)
     srv1, r1 = _shard_server(plan, tmp_path, ["b"], 1, owner)
+    return srv0, r0, srv1, r1
+
+
+def test_sharded_server_is_ready_while_some_shard_has_a_ready_model(tmp_path):
+    srv0, r0, srv1, r1 = _two_shards(tmp_path)
     runtimes = {"a": r0.app.fe.runtime, "b": r1.app.fe.runtime}
     with srv0, srv1, httpx.Client(base_url=srv0.url, timeout=30) as c:
         r0.set_peers([r0.address, r1.address])
@@ -149,12 +155,7 @@ def test_sharded_server_is_ready_while_some_shard_has_a_ready_model(tmp_path):
 def test_a_shard_passes_other_models_requests_to_their_owner_and_answers_for_all(tmp_path):
     from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
 
-    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
-    for m in ("a", "b"):
-        write_tinynet(tmp_path / m, name=m)
-    owner = {"a": 0, "b": 1}
-    srv0, r0 = _shard_server(plan, tmp_path, ["a"], 0, owner)
-    srv1, r1 = _shard_server(plan, tmp_path, ["b"], 1, owner)
+    srv0, r0, srv1, r1 = _two_shards(tmp_path)
     auth = {"authorization": "Bearer t0k"}
     with srv0, srv1:
         with httpx.Client(base_url=srv0.url, timeout=30) as c:
