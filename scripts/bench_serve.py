@@ -123,10 +123,11 @@ def worker_pids(workers) -> list[int]:
     return [p["pid"] for p in ray.get([h.ping.remote() for h in workers.values()])]
 
 
-def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lead_ms=None, keep_traces=0, answer_budget_ms=None):
+def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lead_ms=None, keep_traces=0, answer_budget_ms=None,
+                     report_tolerance_ms=None):
     """Start emulated workers and the frontend (uvicorn thread) with `ppipe serve`'s
     defaults; returns (server, workers, runtime)."""
-    from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_WAKE_LEAD_MS
+    from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
     from ppipe.runtime.deploy import Deployment, start_workers
     from ppipe.runtime.driver import Runtime
     from ppipe.runtime.server import BackgroundServer, create_app
@@ -135,8 +136,10 @@ def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lea
     workers = start_workers(dep, backend="emulated", backend_options=backend_options)
     lead = DEFAULT_DISPATCH_LEAD_MS if dispatch_lead_ms is None else dispatch_lead_ms
     budget = DEFAULT_ANSWER_BUDGET_MS if answer_budget_ms is None else answer_budget_ms
+    tol = DEFAULT_REPORT_TOLERANCE_MS if report_tolerance_ms is None else report_tolerance_ms
     rt = Runtime(plan, profiles, cluster, workers, scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1000.0},
-                 dispatch_lead_us=lead * 1000.0, keep_traces=keep_traces, answer_budget_us=budget * 1000.0)
+                 dispatch_lead_us=lead * 1000.0, keep_traces=keep_traces, answer_budget_us=budget * 1000.0,
+                 report_tolerance_us=None if tol < 0 else tol * 1000.0)
     srv = BackgroundServer(create_app(rt)).__enter__()
     return srv, workers, rt
 
@@ -185,7 +188,8 @@ def lateness(rt, since: int) -> dict[str, float]:
 
 
 def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: float, dispatch_lead_ms: float | None = None,
-              answer_budget_ms: float | None = None) -> dict:
+              answer_budget_ms: float | None = None, report_tolerance_ms: float | None = None, binary: bool = False,
+              loads: list[float] | None = None) -> dict:
     from ppipe.planner.api import plan as make_plan
     from ppipe.sim.simulator import SimConfig
     from ppipe.sim.sweep import run_point
@@ -246,7 +250,8 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
     # feature maps capped at 4 KiB per sample (the plan cuts 2-13 MB ones; this host cannot
     # move that many bytes per second); each transfer still waits its planned NIC time
     srv, workers, rt = serve_in_process(plan, profiles, cluster, {"max_bytes_per_sample": 4096}, dispatch_lead_ms, keep_traces=10**6,
-                                        answer_budget_ms=answer_budget_ms)
+                                        answer_budget_ms=answer_budget_ms, report_tolerance_ms=report_tolerance_ms)
+    print(f"   runtime: report tolerance {rt.report_tolerance_us} us, requests {'binary' if binary else 'JSON'}")
     pids = worker_pids(workers)
     idle_rate = idle_cpu_rate(pids)
     print(f"   runtime idle: the {len(pids)} workers spend {idle_rate:.3f} CPU-s per s with nothing to serve (Ray's threads; "
@@ -256,10 +261,11 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
     def rt_attainment(load: float) -> float:
         # artifact profiles carry no input spec; emulated workers ignore input values and
         # the first stage has no transfer, so a 16-float input stands in for the image
-        since = len(rt.traces)
-        r = bench(srv.url, model, load * mp.throughput_rps, duration_s, seed, input_shape="16", worker_pids=pids)
+        since, messages = len(rt.traces), rt.report_messages
+        r = bench(srv.url, model, load * mp.throughput_rps, duration_s, seed, binary=binary, input_shape="16", worker_pids=pids)
         r.update(lateness(rt, since))
         stages = sum(len(t.reports) for t in rt.traces[since:])
+        r["report_messages_per_stage"] = (rt.report_messages - messages) / max(1, stages)
         r["worker_cpu_ms_per_stage"] = 1e3 * (r["workers_cpu_s"] - idle_rate * r["wall_s"]) / max(1, stages)
         points[f"{load:.2f}"] = r
         late = "  ".join(f"stage {k[5]} starts late p50/p99 {r[k]:.1f}/{r[k.replace('p50', 'p99')]:.1f} ms"
@@ -267,12 +273,15 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
         print(f"   runtime   load {load:.2f}: goodput {r['goodput_rps']:.1f} req/s  p50 {r['p50_ms'] or 0:.1f} ms  "
               f"p99 {r['p99_ms'] or 0:.1f} ms  drops {r['drops']}  client lag p99 {r['client_lag_p99_ms']:.1f} ms  "
               f"CPU: frontend {r['frontend_cpu_ms_per_request']:.2f} ms/request, workers {r['worker_cpu_ms_per_stage']:.2f} ms/stage, "
-              f"client {r['client_cpu_ms_per_request']:.2f} ms/request  "
+              f"client {r['client_cpu_ms_per_request']:.2f} ms/request  report messages per stage {r['report_messages_per_stage']:.2f}  "
               f"dispatch->worker p50/p99 {r.get('call_delay_p50_ms', 0):.1f}/{r.get('call_delay_p99_ms', 0):.1f} ms  {late}")
         return r["slo_attainment"]
 
     try:
-        best, _ = scan(rt_attainment, "runtime  ")
+        if loads:
+            best = max((x for x in loads if rt_attainment(x) >= 0.99), default=None)
+        else:
+            best, _ = scan(rt_attainment, "runtime  ")
     finally:
         stop(srv, workers)
     print(f"   runtime:   max load factor at 99 % = {best}")
@@ -431,6 +440,10 @@ def main() -> None:
                          "for the plan's real rate (default 1: full speed)")
     ap.add_argument("--dispatch-lead-ms", type=float, default=None, help="the runtime's dispatch lead (default: ppipe serve's)")
     ap.add_argument("--answer-budget-ms", type=float, default=None, help="the runtime's answer budget (default: ppipe serve's)")
+    ap.add_argument("--report-tolerance-ms", type=float, default=None,
+                    help="the runtime's report tolerance (default: ppipe serve's; -1: every stage reports at once)")
+    ap.add_argument("--binary", action="store_true", help="rehearsal: send binary-tensor requests instead of JSON")
+    ap.add_argument("--loads", default=None, help="rehearsal: run the runtime at these load factors only (e.g. 0.6,0.7) instead of the scan")
     ap.add_argument("--rates", default="500,1000,1500,2000,3000", help="offered rates of the ceiling part")
     ap.add_argument("--scaleout-rates", default="300,450,600,800,1000,1200,1500,1800,2200", help="total offered rates of the scale-out part")
     ap.add_argument("--json-out", default=None, help="write all figures to this JSON file")
@@ -451,7 +464,8 @@ def main() -> None:
             results["scaleout"] = scaleout(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.scaleout_rates.split(",")])
         if args.part in ("all", "rehearsal"):
             results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), args.dilation, args.dispatch_lead_ms,
-                                             args.answer_budget_ms)
+                                             args.answer_budget_ms, args.report_tolerance_ms, args.binary,
+                                             [float(x) for x in args.loads.split(",")] if args.loads else None)
     ray.shutdown()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))

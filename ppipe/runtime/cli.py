@@ -18,6 +18,7 @@ from ppipe.errors import UserError
 DEFAULT_WAKE_LEAD_MS = 2.0
 DEFAULT_DISPATCH_LEAD_MS = 3.0
 DEFAULT_ANSWER_BUDGET_MS = 3.0
+DEFAULT_REPORT_TOLERANCE_MS = 1.0  # Runtime(report_tolerance_us=...)
 # Slow clients: the same values as ppipe.runtime.server's defaults (a test checks), written
 # out here so that the CLI does not import the server (and the driver) to show its help.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -100,6 +101,10 @@ class _NullClock:
 @click.option("--answer-budget-ms", default=DEFAULT_ANSWER_BUDGET_MS, show_default=True, type=float,
               help="The scheduler must end every batch this long before the SLO: the time its answer still needs to reach "
               "the client (last report to the frontend, HTTP reply). Lateness is still judged at arrival + SLO (runtime option; no YAML field).")
+@click.option("--report-tolerance-ms", default=DEFAULT_REPORT_TOLERANCE_MS, show_default=True, type=float,
+              help="A stage that starts and ends within this of its reservation sends no report of its own; its report "
+              "rides on with the batch's next one (fewer messages per batch). -1: every stage reports at once (runtime "
+              "option; no YAML field).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; use 0.0.0.0 to expose (with --token). On a loopback address the local Ray instance "
               "listens on loopback only, too.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")
@@ -133,7 +138,7 @@ class _NullClock:
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
-def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, host, port, grpc_port, token, max_body_mb,
+def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, host, port, grpc_port, token, max_body_mb,
           header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, replan, replan_time_limit_s, replan_min_interval_s,
           replan_window_s, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API.
@@ -197,7 +202,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         raise
     settings = ServeSettings(
         runtime={"policy": policy, "scheduler_options": options, "dispatch_lead_us": dispatch_lead_ms * 1000.0,
-                 "answer_budget_us": answer_budget_ms * 1000.0},
+                 "answer_budget_us": answer_budget_ms * 1000.0,
+                 "report_tolerance_us": None if report_tolerance_ms < 0 else report_tolerance_ms * 1000.0},
         app={"token": token, "max_body_bytes": int(max_body_mb * 1024 * 1024), "body_timeout_s": body_timeout_s,
              "decode_workers": decode_workers},
         server={"header_timeout_s": header_timeout_s, "shutdown_timeout_s": shutdown_timeout_s},

@@ -260,9 +260,18 @@ class StageServer:
     the reservation in wall-clock us), ``links`` (per stage, its NCCL edges or None) and
     ``sent`` (wall-clock us when the tensors left their sender). After stage k, the output
     goes to ``addr[k+1]`` as stage k+1's message, unless that edge is NCCL (then the
-    frontend has posted stage k+1 itself and the tensors go over the edge). The report goes
-    to the frontend: the stage's wall-clock stamps, with the outputs for the last stage, or
-    ``err`` when the stage failed.
+    frontend has posted stage k+1 itself and the tensors go over the edge).
+
+    The report (the stage's wall-clock stamps, with the outputs for the last stage, or
+    ``err`` when the stage failed) goes to the frontend at once, or rides on: with ``tol``
+    in the header (the frontend's report tolerance, us), a stage that ran as reserved --
+    start, end and NIC transfer each within ``tol`` of the reservation
+    (:func:`ran_as_reserved`) -- adds its report to the header's ``carried`` list instead,
+    and the next report that goes to the frontend (the last stage's, a late stage's or a
+    failed one's, or the one before an NCCL edge) takes the list along. A stage's report
+    tells the scheduler something only where reality left the reservation, so the common
+    batch costs the frontend one report message instead of one per stage, and each worker
+    but the last one send instead of two.
     """
 
     def __init__(self, vgpu_id: str, run: StageRunner):
@@ -310,22 +319,51 @@ class StageServer:
         k, route = h["k"], h["route"]
         links = h.get("links") or [None] * len(route)
         link = links[k]
+        carried = h.get("carried") or []
         payload = {"tensors": tensors or None, "sent_wall_us": h.get("sent")}
         try:
             report, output = await self.run(h["b"], k, route[k], payload, h["n"], h.get("timing"), link)
         except Exception as exc:
-            self._report({"batch_id": h["b"], "partition": k, "vgpu_id": self.vgpu_id, "err": f"{type(exc).__name__}: {exc}"})
+            self._report({"batch_id": h["b"], "partition": k, "vgpu_id": self.vgpu_id, "err": f"{type(exc).__name__}: {exc}"}, carried)
             return
         if k + 1 < len(route) and not (link and "send" in link):
+            tol, timing = h.get("tol"), h.get("timing")
+            rides_on = tol is not None and timing is not None and ran_as_reserved(report, timing[k], tol)
+            message = {**h, "k": k + 1, "sent": output["sent_wall_us"], "carried": [*carried, report] if rides_on else []}
             try:
-                self.outbox.send(h["addr"][k + 1], pack({**h, "k": k + 1, "sent": output["sent_wall_us"]}, output["tensors"]))
+                self.outbox.send(h["addr"][k + 1], pack(message, output["tensors"]))
+                if rides_on:
+                    return
             except DataPathFull as exc:
                 report["err"] = f"DataPathFull: {exc}"
         outputs = report.pop("outputs", None)
-        self._report(report, outputs)
+        self._report(report, carried, outputs)
 
-    def _report(self, report: dict[str, Any], outputs: dict[str, Any] | None = None) -> None:
+    def _report(self, report: dict[str, Any], carried: list[dict[str, Any]], outputs: dict[str, Any] | None = None) -> None:
+        """Send a report to the frontend, with the earlier stages' reports that rode on to here."""
+        if carried:
+            report["carried"] = carried
         try:
             self.outbox.send(self.frontend, pack(report, outputs))
         except DataPathFull:
             log.error("%s: the frontend stopped reading reports; batch %s's report is lost", self.vgpu_id, report.get("batch_id"))
+
+
+def ran_as_reserved(report: dict[str, Any], reserved: list[Any], tol_us: float) -> bool:
+    """Whether a stage's report lies within ``tol_us`` of its reservation.
+
+    ``reserved`` is the stage's entry of the header's ``timing``: ``(transfer_start,
+    transfer_us, start, end)`` in wall-clock us (``transfer_start`` None where the stage
+    reserves no NIC). The stage's ``start_us`` and ``end_us`` are compared with ``start``
+    and ``end``; where a NIC transfer is reserved, the reported ``transfer_start_us`` and
+    ``transfer_end_us`` with ``transfer_start`` and ``transfer_start + transfer_us``.
+    """
+    if len(reserved) < 4:  # a frontend that does not send the reserved end
+        return False
+    xfer_start, xfer_us, start, end = reserved[:4]
+    if abs(report["start_us"] - start) > tol_us or abs(report["end_us"] - end) > tol_us:
+        return False
+    if xfer_start is None or not xfer_us:
+        return True
+    ts, te = report.get("transfer_start_us"), report.get("transfer_end_us")
+    return ts is not None and te is not None and abs(ts - xfer_start) <= tol_us and abs(te - xfer_start - xfer_us) <= tol_us

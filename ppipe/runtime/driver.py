@@ -142,6 +142,14 @@ class Runtime:
         keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
         dispatch_lead_us: the scheduler plans each decision this far ahead of the wall clock,
             the time a dispatch takes to reach its first worker (:class:`~ppipe.runtime.clock.WallClock`).
+        report_tolerance_us: a stage whose start, end and NIC transfer each lie within this
+            of its reservation sends no report of its own: its report rides on to the next
+            report the batch sends (see :class:`~ppipe.runtime.datapath.StageServer`), so a
+            batch that runs as reserved costs one report message, not one per stage. The
+            scheduler then learns of such small deviations when the batch's next report
+            comes, and a worker's death fails the batches whose reports it carried on
+            (the scheduler still holds their stages as running). None: every stage reports
+            at once.
         answer_budget_us: the deadline the scheduler gets is ``arrival + SLO - answer_budget``:
             a batch must end this long before the SLO, which is the time its answer still
             needs (the last report reaching the frontend, the HTTP reply). Without it, a
@@ -172,6 +180,7 @@ class Runtime:
         edges: dict[tuple[str, str], Any] | None = None,
         dispatch_lead_us: float = 0.0,
         answer_budget_us: float = 0.0,
+        report_tolerance_us: float | None = 1000.0,
     ):
         self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
         self._factory = scheduler_factory or default_scheduler_factory
@@ -185,6 +194,10 @@ class Runtime:
         if answer_budget_us < 0:
             raise ValueError(f"answer_budget_us must be >= 0, got {answer_budget_us}")
         self.answer_budget_us = answer_budget_us
+        if report_tolerance_us is not None and report_tolerance_us < 0:
+            raise ValueError(f"report_tolerance_us must be >= 0 or None, got {report_tolerance_us}")
+        self.report_tolerance_us = report_tolerance_us
+        self.report_messages = 0  # report messages received (each with one or more stages' reports)
         self.traces: list[BatchTrace] = []
         self.failed: dict[str, float] = {}  # vGPU id -> scheduler time it was marked failed
         self.clock: WallClock | None = None
@@ -585,12 +598,14 @@ class Runtime:
         inputs = {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
         to_wall = self.clock.to_wall_us
         timing = [
-            (None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us, to_wall(s.start_us))
+            (None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us, to_wall(s.start_us),
+             to_wall(s.start_us + s.infer_us))
             for s in d.stages
         ]
         links = self._links(route)
         addrs = [self.addresses[v] for v in route]
-        header = {"b": d.batch_id, "k": 0, "route": route, "addr": addrs, "n": d.batch, "timing": timing, "links": links, "sent": wall_us()}
+        header = {"b": d.batch_id, "k": 0, "route": route, "addr": addrs, "n": d.batch, "timing": timing, "links": links,
+                  "tol": self.report_tolerance_us, "sent": wall_us()}
         self._outbox.send(addrs[0], pack(header, inputs))
         for j in range(1, len(route)):
             if links is not None and links[j] and "recv" in links[j]:
@@ -615,10 +630,19 @@ class Runtime:
         report answers every request of the batch with its row of the outputs.
 
         Reports of one batch come from different workers over different connections, so
-        they may arrive in any order: stage k+1's before stage k's. The batch is answered by
-        the last stage's report and forgotten once every stage has reported.
+        they may arrive in any order: stage k+1's before stage k's. A message may also hold
+        the reports of earlier stages that ran as reserved (``carried``, see
+        :class:`~ppipe.runtime.datapath.StageServer`); they are taken first, in stage order.
+        The batch is answered by the last stage's report and forgotten once every stage has
+        reported.
         """
+        self.report_messages += 1
         rep, outputs = unpack(message)
+        for earlier in rep.pop("carried", None) or ():
+            self._take_report(earlier, {})
+        self._take_report(rep, outputs)
+
+    def _take_report(self, rep: dict[str, Any], outputs: dict[str, np.ndarray]) -> None:
         batch = self._inflight.get(rep.get("batch_id"))
         if batch is None:  # a batch already failed (a worker on its route died)
             return

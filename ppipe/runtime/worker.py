@@ -227,7 +227,7 @@ class VgpuWorker:
                 it left the previous worker. With an NCCL ``recv`` link the tensors come
                 over NCCL instead and ``payload`` holds none.
             timing: per stage, the reservation in wall-clock us: ``(transfer_start,
-                transfer_us, start)``. A stage does not start before its reserved start
+                transfer_us, start, end)``. A stage does not start before its reserved start
                 (as in the simulator): running a batch early could push an earlier-reserved
                 batch, whose data is still on its way, past its slot. With
                 ``emulate_network`` (emulated backend), a feature map from another stage
@@ -264,7 +264,7 @@ class VgpuWorker:
                 t_xfer_start, t_xfer_end = (sent_us, received) if index > 0 else (None, None)
                 not_before = received
                 if timing is not None:
-                    xfer_start, xfer_us, _ = timing[index]
+                    xfer_start, xfer_us = timing[index][:2]
                     if index > 0 and self.emulate_network and xfer_us > 0:
                         t_xfer_start = max(sent_us, xfer_start if xfer_start is not None else sent_us)
                         t_xfer_end = t_xfer_start + xfer_us

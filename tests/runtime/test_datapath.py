@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, StageServer, is_loopback_address
+from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, StageServer, is_loopback_address, ran_as_reserved
 from ppipe.runtime.wire import WireError, pack, unpack
 
 
@@ -64,8 +64,13 @@ def test_loopback_addresses():
 
 
 # ---- sockets ---------------------------------------------------------------------------------------------
-def _three_stage_route():
-    """Three StageServers (stage k adds k + 1) and a frontend inbox; returns what each saw."""
+def _three_stage_route(tol=None, late=()):
+    """Three StageServers (stage k adds k + 1) and a frontend inbox; returns the report
+    messages the frontend got, ``(header, tensors)`` each.
+
+    Stage k of batch b is reserved at ``[100 b + 10 k, 100 b + 10 k + 5)`` (us) and reports
+    that, except the ``(b, k)`` pairs in ``late``, which report a start 5 ms late.
+    """
 
     async def main():
         reports = []
@@ -73,7 +78,7 @@ def _three_stage_route():
 
         def on_report(message):
             reports.append(unpack(message))
-            if len(reports) == 3 * 4:
+            if sum(1 + len(h.get("carried", [])) for h, _ in reports) == 3 * 4:
                 done.set()
 
         inbox = Inbox(on_report)
@@ -82,7 +87,9 @@ def _three_stage_route():
             async def run(batch_id, index, vgpu_id, payload, batch, timing, link):
                 x = payload["tensors"]["x"]
                 assert index == k and vgpu_id == f"v{k}" and batch == len(x)
-                rep = {"batch_id": batch_id, "partition": index, "vgpu_id": vgpu_id}
+                start = timing[k][2] + (5000.0 if (batch_id, k) in late else 0.0)
+                rep = {"batch_id": batch_id, "partition": index, "vgpu_id": vgpu_id, "start_us": start, "end_us": start + 5.0,
+                       "transfer_start_us": None, "transfer_end_us": None}
                 out = {"x": x + k + 1}
                 if index == 2:
                     rep["outputs"] = out
@@ -97,7 +104,9 @@ def _three_stage_route():
             servers[k].connect([addrs[k + 1]])
         out = Outbox()
         for b in range(4):
-            header = {"b": b, "k": 0, "route": ["v0", "v1", "v2"], "addr": addrs, "n": 2, "timing": None, "links": None, "sent": 0.0}
+            timing = [(None, 0.0, 100.0 * b + 10 * k, 100.0 * b + 10 * k + 5) for k in range(3)]
+            header = {"b": b, "k": 0, "route": ["v0", "v1", "v2"], "addr": addrs, "n": 2, "timing": timing, "links": None,
+                      "tol": tol, "sent": 0.0}
             out.send(addrs[0], pack(header, {"x": np.full(2, 10.0 * b, np.float32)}))
         # a malformed message is dropped by the worker, which keeps serving
         out.send(addrs[0], [(5).to_bytes(4, "little"), b"\1\0\0\0\xc1"])
@@ -115,6 +124,7 @@ def test_a_batch_travels_the_route_worker_to_worker_and_every_stage_reports():
     reports = _three_stage_route()
     by_batch: dict[int, list] = {}
     for rep, tensors in reports:
+        assert "carried" not in rep  # no tolerance: every stage reports on its own
         by_batch.setdefault(rep["batch_id"], []).append((rep["partition"], tensors))
     assert sorted(by_batch) == [0, 1, 2, 3]
     for b, reps in by_batch.items():
@@ -122,6 +132,35 @@ def test_a_batch_travels_the_route_worker_to_worker_and_every_stage_reports():
         (last,) = [t for k, t in reps if k == 2]
         assert last["x"].tolist() == [10.0 * b + 6] * 2  # 1 + 2 + 3 added along the route
         assert all(t == {} for k, t in reps if k < 2)  # only the last report carries tensors
+
+
+def test_stages_that_ran_as_reserved_ride_on_to_the_next_report_and_late_ones_report_at_once():
+    reports = _three_stage_route(tol=1000.0, late={(1, 1), (2, 0), (3, 2)})
+    messages = {}
+    for rep, tensors in reports:
+        messages.setdefault(rep["batch_id"], []).append(([c["partition"] for c in rep.get("carried", [])], rep["partition"], tensors))
+    for b in messages:
+        messages[b].sort(key=lambda m: m[1])
+    # (the partitions carried, the sender's partition) of each report message, per batch
+    assert {b: [(c, k) for c, k, _ in m] for b, m in messages.items()} == {
+        0: [([0, 1], 2)],  # all on time: one message
+        1: [([0], 1), ([], 2)],  # stage 1 late: it reports at once, with stage 0's report
+        2: [([], 0), ([1], 2)],  # stage 0 late
+        3: [([0, 1], 2)],  # the last stage always reports (late or not), with what it carries
+    }
+    for b, m in messages.items():
+        assert m[-1][2]["x"].tolist() == [10.0 * b + 6] * 2  # the outputs ride in the last report
+
+
+def test_ran_as_reserved_compares_start_end_and_a_reserved_transfer_within_the_tolerance():
+    rep = {"start_us": 1000.0, "end_us": 2000.0, "transfer_start_us": 500.0, "transfer_end_us": 900.0}
+    assert ran_as_reserved(rep, [None, 0.0, 1000.5, 1999.5], 1.0)  # no NIC reserved: the transfer is not compared
+    assert not ran_as_reserved(rep, [None, 0.0, 1002.0, 2000.0], 1.0)
+    assert not ran_as_reserved(rep, [None, 0.0, 1000.0, 1998.0], 1.0)
+    assert ran_as_reserved(rep, [500.0, 400.0, 1000.0, 2000.0], 1.0)
+    assert not ran_as_reserved(rep, [500.0, 300.0, 1000.0, 2000.0], 1.0)  # the transfer ended 100 us late
+    assert not ran_as_reserved({**rep, "transfer_start_us": None}, [500.0, 400.0, 1000.0, 2000.0], 1.0)
+    assert not ran_as_reserved(rep, [None, 0.0, 1000.0], 1.0)  # a timing without the reserved end
 
 
 def test_a_failing_stage_reports_its_error_and_forwards_nothing():

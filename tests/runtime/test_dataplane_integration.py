@@ -141,7 +141,10 @@ def test_killed_worker_fails_its_requests_and_the_rest_keeps_serving(ray_cluster
     def killer():
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            busy = [t for t in list(rt.traces) if t.route[0] == victim and not t.reports and t.error is None]
+            # a batch whose first stage, on the victim, is reserved to run now or later (its
+            # report may ride on to the last stage's, so "no report yet" would not tell)
+            now = rt.clock.now_us()
+            busy = [t for t in list(rt.traces) if t.route[0] == victim and not t.reports and t.error is None and t.reserved_us[0][1] > now]
             if busy and time.monotonic() - start > 1.0:
                 killed_at["t"] = time.monotonic()
                 killed_at["clock_us"] = rt.clock.now_us()
