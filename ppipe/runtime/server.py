@@ -749,6 +749,7 @@ def uvicorn_config(
         http=timed_http_protocol(header_timeout_s),
         timeout_keep_alive=keep_alive_s,
         timeout_graceful_shutdown=shutdown_timeout_s,
+        proxy_headers=False,  # nothing here reads the client's address: no X-Forwarded-* rewriting per request
     )
 
 
