@@ -8,7 +8,11 @@ total rate is steady, the shares move as ``1/2 +- a sin(2 pi t / P)``), written 
 timestamp file and replayed by `ppipe bench --arrivals trace` (one process per model).
 The total rate is set so that each model's peak demand is ``--peak`` times its capacity in
 the served plan: a fixed plan must drop requests at the peaks, while a plan re-made for
-the observed mix can move the capacity to where the load is.
+the observed mix can move the capacity to where the load is. The defaults are the
+simulator's benchmark setting (`scripts/bench_replan.py`: a 600 s period, a 60 s window,
+60 s between switches); the controller's look-ahead is the least interval plus the
+server's load delay, so compressing the period alone makes its straight-line forecast
+overshoot (see docs/benchmarks.md).
 
 Two runs on the same arrivals:
 
@@ -19,11 +23,10 @@ Two runs on the same arrivals:
 For each it prints requests sent and answered (0 unanswered is the target), SLO
 attainment per model and overall, and for ``auto`` every switch the server made (from
 ``GET /v2/admin/plan``): when, what triggered it, vGPUs kept and started, and the
-switch step. The time scale is compressed (a period of minutes, not the paper's hours);
-the re-plans still run the real planner, in a process of the server's.
+switch step. The re-plans run the real planner, in a process of the server's.
 
-    python scripts/bench_replan_live.py                    # 120 s per run, peak 1.2
-    python scripts/bench_replan_live.py --duration-s 60 --runs auto
+    python scripts/bench_replan_live.py                    # 600 s per run (one period), peak 1.2
+    python scripts/bench_replan_live.py --duration-s 120 --window-s 10 --min-interval-s 20   # compressed
 """
 
 from __future__ import annotations
@@ -137,8 +140,8 @@ def report(name: str, r: dict, t0_wall_us: float | None = None) -> None:
     print(f"\n== {name}: sent {sent}, answered {answered} (unanswered {sent - answered}), SLO attainment {100 * on_time / max(1, sent):.2f} %")
     for model, x in res.items():
         print(f"   {model}: sent {x['sent']}, on time {100 * x['on_time'] / max(1, x['sent']):.2f} %, drops {x['drops']}, errors {x['errors']}")
-    for s in r["switches"]:
-        print(f"   switch from {s.get('source')}: {s.get('kept')} vGPUs kept, {s.get('started')} started, {s.get('retiring')} retired; "
+    for i, s in enumerate(r["switches"]):
+        print(f"   switch {i + 1}: {s.get('kept')} vGPUs kept, {s.get('started')} started, {s.get('retiring')} retired; "
               f"loading {s.get('load_s', 0):.2f} s, switch step {s.get('switch_us', 0) / 1e3:.2f} ms")
 
 
@@ -146,10 +149,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="atss_r101_fpn_1x_coco,rtmdet_x_8xb32-300e_coco", help="two PPipe-artifact models")
     ap.add_argument("--peak", type=float, default=1.2, help="each model's peak demand, as a multiple of the smaller planned capacity")
-    ap.add_argument("--duration-s", type=float, default=120.0, help="arrival window of each run")
+    ap.add_argument("--duration-s", type=float, default=600.0, help="arrival window of each run")
     ap.add_argument("--period-s", type=float, default=None, help="period of the mix (default: the duration)")
-    ap.add_argument("--window-s", type=float, default=10.0, help="the controller's estimation window (--replan-window-s)")
-    ap.add_argument("--min-interval-s", type=float, default=20.0, help="least time between switches (--replan-min-interval-s)")
+    ap.add_argument("--window-s", type=float, default=60.0, help="the controller's estimation window (--replan-window-s)")
+    ap.add_argument("--min-interval-s", type=float, default=60.0, help="least time between switches (--replan-min-interval-s)")
     ap.add_argument("--runs", default="static,auto")
     ap.add_argument("--port", type=int, default=8613)
     ap.add_argument("--seed", type=int, default=0)

@@ -245,8 +245,10 @@ def test_driver_answers_drops_with_their_reason(tinynet):
     assert rt._queued["tinynet"] == 0
 
 
-def test_driver_marks_a_dead_worker_failed_and_fails_its_batch(tinynet):
+@pytest.mark.parametrize("tolerance_us", [None, 1e12])
+def test_driver_marks_a_dead_worker_failed_and_fails_its_batch(tinynet, tolerance_us):
     rt, peers = _runtime(tinynet, max_batch=1)
+    rt.report_tolerance_us = tolerance_us  # None: stage 0 reports at once; 1e12: its report rides on with the batch
     victim = rt.plan.placements_of("tinynet", 0, 1)[0].vgpu_id
 
     async def main():
@@ -259,7 +261,9 @@ def test_driver_marks_a_dead_worker_failed_and_fails_its_batch(tinynet):
     asyncio.run(main())
     assert victim in rt.failed and victim in rt.scheduler.failed
     assert not rt.model_ready("tinynet")
-    assert rt.traces[0].error.startswith("worker-failed") and len(rt.traces[0].reports) == 1  # stage 0 had reported
+    assert rt.traces[0].error.startswith("worker-failed")
+    # stage 0's report came on its own, or died with the worker that carried it on
+    assert len(rt.traces[0].reports) == (1 if tolerance_us is None else 0)
 
 
 def test_a_request_dropped_by_the_scheduler_and_the_driver_is_answered_and_counted_once(tinynet):
