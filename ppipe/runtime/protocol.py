@@ -12,17 +12,22 @@ and a message that says what is wrong and how to fix it; no input makes the pars
 anything else. Its work is bounded by the body's size: a shape is checked (at most
 :data:`MAX_DIMS` dimensions, no more elements than the body has bytes) before anything is
 allocated for it, so a small body cannot make it compute or allocate a lot.
+
+JSON is read and written with orjson: a ResNet-50 input (150,528 numbers) decodes about
+five times and encodes about twenty times faster than with the standard library's ``json``,
+and orjson is strict where the protocol wants it (no ``NaN`` literals, numbers beyond a
+double and nesting beyond 1,024 levels are errors, so they become a 400).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -159,10 +164,13 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
     else:
         head_bytes, tail = body, memoryview(b"")
     try:
-        head = json.loads(head_bytes)
-    except RecursionError:
-        raise ProtocolError(400, "request body is nested too deeply to decode; a tensor's data is a flat or shape-nested list") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
+        head = orjson.loads(head_bytes)
+    except orjson.JSONDecodeError as exc:  # not JSON, not UTF-8, a number beyond a double, nested too deeply
+        if "depth limit" in str(exc):
+            raise ProtocolError(400, "request body is nested too deeply to decode; a tensor's data is a flat or shape-nested list") from None
+        if "infinity" in str(exc):
+            raise ProtocolError(400, f"request body holds a number beyond a double's range (|x| > 1.8e308): {brief(str(exc))}; "
+                                     "integers must fit in 64 bits") from None
         hint = " (binary tensors need the Inference-Header-Content-Length header)" if header_length is None else ""
         raise ProtocolError(400, f"request body is not valid JSON: {brief(str(exc))}{hint}") from None
     if not isinstance(head, dict):
@@ -285,7 +293,7 @@ def _encode_body(head: dict[str, Any], key: str, tensors: dict[str, np.ndarray],
         else:
             entry["data"] = _json_numbers(arr)
         entries.append(entry)
-    head_bytes = json.dumps(head, separators=(",", ":")).encode()
+    head_bytes = orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY)
     if not binary:
         return head_bytes, {"content-type": "application/json"}
     return head_bytes + b"".join(blobs), {
@@ -294,15 +302,16 @@ def _encode_body(head: dict[str, Any], key: str, tensors: dict[str, np.ndarray],
     }
 
 
-def _json_numbers(arr: np.ndarray) -> list:
-    """A tensor's values as a flat JSON list. JSON has no NaN or infinity (``json.dumps``
-    would write bare ``NaN``, which strict parsers refuse), so non-finite floats are written
-    as the strings "NaN", "Infinity" and "-Infinity", which ``float()`` and numpy read back."""
+def _json_numbers(arr: np.ndarray) -> np.ndarray | list:
+    """A tensor's values as a flat JSON list: the array itself (orjson writes a C-contiguous
+    array in native byte order as a list of numbers), or, where it holds non-finite floats,
+    a list in which they are the strings "NaN", "Infinity" and "-Infinity". JSON has no NaN
+    or infinity (orjson would write ``null``, the standard library a bare ``NaN`` that strict
+    parsers refuse); ``float()`` and numpy read those strings back."""
     flat = arr.reshape(-1)
-    values = flat.tolist()
     if arr.dtype.kind == "f" and not np.isfinite(flat).all():
-        values = [v if math.isfinite(v) else ("NaN" if v != v else "Infinity" if v > 0 else "-Infinity") for v in values]
-    return values
+        return [v if math.isfinite(v) else ("NaN" if v != v else "Infinity" if v > 0 else "-Infinity") for v in flat.tolist()]
+    return flat if flat.dtype.isnative else flat.astype(flat.dtype.newbyteorder("="))
 
 
 def encode_infer_response(
@@ -331,7 +340,7 @@ def encode_infer_request(
 def decode_infer_response(body: bytes, header_length: str | None = None) -> dict[str, np.ndarray]:
     """Client side: decode a response body into {output name: array}."""
     n = int(header_length) if header_length is not None else len(body)
-    head = json.loads(body[:n])
+    head = orjson.loads(body[:n])
     tail = memoryview(body)[n:]
     out: dict[str, np.ndarray] = {}
     offset = 0
