@@ -2,33 +2,37 @@
 """Micro-benchmark of the reservation probe (``ReservationScheduler.probe``) on real plans.
 
 Plans two of the paper's cases from the PPipe artifact's profiles (``ppipe-atc25``
-formulation, at most 2 partitions): model group G1 on HC1-L (efficientnet-b8's pool of 75
-P4 vGPUs) and G2 on HC2-L. Each case is replayed under a manual clock with Poisson arrivals
-at ``--load`` times the planned rates, every stage reported at its planned start with a
-uniform jitter of its duration (so feedback correction moves reservations), with the
+formulation, at most 2 partitions): model group G1 on HC1-L (efficientnet-b8's pool of
+dozens of P4 vGPUs) and G2 on HC2-L. Each is replayed under a manual clock with Poisson
+arrivals at ``--load`` times the planned rates, every stage reported at its planned start
+with a uniform jitter of its duration (so feedback correction moves reservations), with the
 look-ahead probe (the default) and the paper's greedy one (``probe_lookahead=False``).
 
-Per run it prints: the mean wall time of one ``probe`` call (``perf_counter`` around each
-call), the scheduler's CPU time (``thread_time``) per dispatched batch over all its calls
-(submit, wake, report), probes per dispatch, and a digest of every decision the scheduler
-took (so two versions of the code can be checked to decide the same).
+Printed per case: the mean wall time of one ``probe`` call (``perf_counter`` around each
+call), the scheduler's mean wall time per dispatched batch over all its calls (submit,
+wake, report), probes per dispatch, and a digest of every decision taken.
 
-``--baseline REV`` also runs the ``ppipe`` package of git revision REV (exported to a
-temporary folder), alternating with the working tree, ``--repeat`` times each, and
-prints both: timings of different code compare only within one such run.
+``--baseline REV`` runs the ``ReservationScheduler`` of ``ppipe/dataplane/reservation.py``
+at git revision REV (on the working tree's other modules) in lockstep with the working
+tree's: both get every event, one after the other (alternating which goes first), and
+their decisions must be equal. On a shared host this pairs each call with its twin under
+the same load; the calls the host interrupted (a pair's slower call above 5 times the
+median of its kind) are left out of both sums, and the share left out is printed.
 
 Usage::
 
-    python scripts/bench_probe.py                       # the working tree, 3 runs per case
-    python scripts/bench_probe.py --baseline HEAD~3 --repeat 5 --seconds 3
+    python scripts/bench_probe.py                          # the working tree
+    python scripts/bench_probe.py --baseline HEAD~3 --seconds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
+import heapq
+import importlib.util
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -47,78 +51,88 @@ CASES = {
 }
 WEIGHTS = [0.30, 0.33, 0.37]
 PROBES = {"lookahead": {}, "greedy": {"probe_lookahead": False}}
+OUTLIER = 5.0
 
 
-def make_plans(artifact: Path, folder: Path) -> dict[str, Path]:
-    """Plan every case once (with the working tree's planner) and save it as YAML."""
+def make_plan(artifact: Path, case: str):
+    """The case's plan (max-min, the paper's formulation) and its profiles."""
     from ppipe.planner.api import plan
     from ppipe.spec.artifact import load_artifact_model
 
-    out = {}
-    for case, (cluster, names) in CASES.items():
-        profiles = [load_artifact_model(artifact, n) for n in names]
-        p = plan(cluster, profiles, formulation="ppipe-atc25", max_partitions=2, weights=dict(zip(names, WEIGHTS)),
-                 time_limit_s=60.0)
-        path = folder / (case.replace("/", "-") + ".yaml")
-        p.save(path)
-        vgpus = len(p.placement)
-        biggest = max(q.count for m in p.models for pp in m.pipelines for q in pp.partitions)
-        print(f"plan {case}: {len(p.models)} models, {sum(len(m.pipelines) for m in p.models)} pipelines, "
-              f"{vgpus} vGPUs (largest pool {biggest})")
-        out[case] = path
-    return out
+    cluster, names = CASES[case]
+    profiles = {n: load_artifact_model(artifact, n) for n in names}
+    p = plan(cluster, list(profiles.values()), formulation="ppipe-atc25", max_partitions=2,
+             weights=dict(zip(names, WEIGHTS)), time_limit_s=60.0)
+    biggest = max(q.count for m in p.models for pp in m.pipelines for q in pp.partitions)
+    print(f"plan {case}: {len(p.models)} models, {sum(len(m.pipelines) for m in p.models)} pipelines, "
+          f"{len(p.placement)} vGPUs (largest pool {biggest})")
+    return p, profiles
 
 
-def replay(plan_path: Path, artifact: Path, options: dict, load: float, seconds: float, jitter: float, seed: int) -> dict:
-    """One timed run of the scheduler of whichever ``ppipe`` is on the path."""
-    import heapq
-    import random
+def arrivals(plan, load: float, seconds: float, seed: int):
+    from ppipe.dataplane import Request
 
-    from ppipe.dataplane import Dispatch, Request, StageReport, WakeAt, build_scheduler
-    from ppipe.dataplane.testing import ManualClock
-    from ppipe.spec.artifact import load_artifact_model
-    from ppipe.spec.cluster import load_cluster
-    from ppipe.spec.plan import load_plan
-
-    plan = load_plan(plan_path)
-    profiles = {m.name: load_artifact_model(artifact, m.name) for m in plan.models}
-    clock = ManualClock()
-    sched = build_scheduler(plan, profiles, load_cluster(plan.cluster), clock, policy="reservation", **options)
     rnd = random.Random(seed)
-    ev: list = []
-    seq = 0
+    out = []
     for m in plan.models:
-        rate = m.throughput_rps * load
-        t, slo_us = 0.0, m.slo_ms * 1000.0
+        rate_per_us, slo_us, t = m.throughput_rps * load / 1e6, m.slo_ms * 1000.0, 0.0
         while True:
-            t += rnd.expovariate(rate / 1e6)
+            t += rnd.expovariate(rate_per_us)
             if t >= seconds * 1e6:
                 break
-            ev.append((t, 1, seq, "arrive", Request(seq, m.name, t, t + slo_us)))
-            seq += 1
+            out.append((t, m.name, slo_us))
+    out.sort()
+    return [Request(i, name, t, t + slo_us) for i, (t, name, slo_us) in enumerate(out)]
+
+
+class Timed:
+    """A scheduler whose probe() calls are timed (the batcher calls ``self.probe``)."""
+
+    def __init__(self, sched, clock):
+        self.sched, self.clock = sched, clock
+        self.probe_s = 0.0
+        real = sched.probe
+        pc = time.perf_counter
+
+        def timed_probe(pipeline, bs, t0=None):
+            a = pc()
+            r = real(pipeline, bs, t0)
+            self.probe_s += pc() - a
+            return r
+
+        sched.probe = timed_probe
+
+    def call(self, kind, x, t):
+        """(decisions, wall s of the call, wall s inside probe)."""
+        self.clock.t_us = max(self.clock.t_us, t)
+        p0 = self.probe_s
+        a = time.perf_counter()
+        out = self.sched.submit(x) if kind == "arrive" else self.sched.wake() if kind == "wake" else self.sched.report(x)
+        return out, time.perf_counter() - a, self.probe_s - p0
+
+
+def replay(scheds: list[Timed], reqs, jitter: float, seed: int) -> list[dict]:
+    """Drive every scheduler through the same events; returns per scheduler its figures."""
+    from ppipe.dataplane import Dispatch, StageReport, WakeAt
+
+    rnd = random.Random(seed)
+    ev = [(r.arrival_us, 1, i, "arrive", r) for i, r in enumerate(reqs)]
     heapq.heapify(ev)
-
-    pc = time.perf_counter
-    probe_s = 0.0
-    real_probe = sched.probe
-
-    def timed_probe(pipeline, bs, t0=None):
-        nonlocal probe_s
-        a = pc()
-        r = real_probe(pipeline, bs, t0)
-        probe_s += pc() - a
-        return r
-
-    sched.probe = timed_probe  # the batcher calls self.probe: every probe is timed
+    seq = len(ev)
     digest = hashlib.sha256()
-    tc = time.thread_time
-    cpu_s = 0.0
+    rows: list[tuple[str, list[float], list[float]]] = []  # (kind, call s per scheduler, probe s per scheduler)
+    n = 0
     while ev:
         t, _p, _s, kind, x = heapq.heappop(ev)
-        clock.t_us = max(clock.t_us, t)
-        c0 = tc()
-        out = sched.submit(x) if kind == "arrive" else sched.wake() if kind == "wake" else sched.report(x)
-        cpu_s += tc() - c0
+        order = range(len(scheds)) if n % 2 == 0 else range(len(scheds) - 1, -1, -1)
+        n += 1
+        res = [None] * len(scheds)
+        for i in order:
+            res[i] = scheds[i].call(kind, x, t)
+        out = res[0][0]
+        if any(r[0] != out for r in res[1:]):
+            raise SystemExit(f"the two probes decided differently at t={t:.3f} us ({kind})")
+        rows.append((kind, [r[1] for r in res], [r[2] for r in res]))
         for d in out:
             digest.update(repr(d).encode())
             if isinstance(d, Dispatch):
@@ -134,78 +148,79 @@ def replay(plan_path: Path, artifact: Path, options: dict, load: float, seconds:
             elif isinstance(d, WakeAt):
                 heapq.heappush(ev, (d.t_us, 3, seq, "wake", None))
                 seq += 1
-    st = sched.stats()
-    return {
-        "probe_us": 1e6 * probe_s / max(st["probes"], 1),
-        "cpu_us_per_dispatch": 1e6 * cpu_s / max(st["dispatches"], 1),
-        "probes": st["probes"],
-        "dispatches": st["dispatches"],
-        "digest": digest.hexdigest()[:16],
-    }
+    # Leave out the events whose slower call the host interrupted, for every scheduler alike.
+    medians = {k: statistics.median(max(r[1]) for r in rows if r[0] == k) for k in {r[0] for r in rows}}
+    kept = [r for r in rows if max(r[1]) <= OUTLIER * medians[r[0]]]
+    stats = scheds[0].sched.stats()
+    out = []
+    for i in range(len(scheds)):
+        out.append({
+            "probe_us": 1e6 * sum(r[2][i] for r in kept) / max(stats["probes"], 1) * len(rows) / len(kept),
+            "us_per_dispatch": 1e6 * sum(r[1][i] for r in kept) / max(stats["dispatches"], 1) * len(rows) / len(kept),
+            "left_out": 1 - len(kept) / len(rows),
+            "probes_per_dispatch": stats["probes_per_dispatch"],
+            "dispatches": stats["dispatches"],
+            "digest": digest.hexdigest()[:16],
+        })
+    return out
 
 
-def export_tree(rev: str, folder: Path) -> Path:
-    """``ppipe/`` of git revision ``rev``, extracted under ``folder``."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "ppipe"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    return folder
-
-
-def run_worker(tree: Path, plan_path: Path, args, probe: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", str(plan_path), "--probe", probe, "--artifact", str(args.artifact),
-           "--load", str(args.load), "--seconds", str(args.seconds), "--jitter", str(args.jitter), "--seed", str(args.seed)]
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def baseline_scheduler(rev: str):
+    """``ReservationScheduler`` of ``ppipe/dataplane/reservation.py`` at git revision ``rev``."""
+    src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:ppipe/dataplane/reservation.py"], check=True,
+                         capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="bench-probe-")) / "baseline_reservation.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("baseline_reservation", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.ReservationScheduler
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT, help="PPipe artifact folder")
     ap.add_argument("--load", type=float, default=1.0, help="load factor (1.0 = planned throughput)")
-    ap.add_argument("--seconds", type=float, default=2.0, help="seconds of arrivals (virtual time) per run")
+    ap.add_argument("--seconds", type=float, default=3.0, help="seconds of arrivals (virtual time) per case")
     ap.add_argument("--jitter", type=float, default=0.1, help="uniform +-share of inference time in the reports")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per case and code version (the fastest is least disturbed)")
-    ap.add_argument("--baseline", metavar="REV", help="also time the ppipe package of this git revision, alternately")
-    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--probe", default="lookahead", choices=sorted(PROBES), help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", metavar="REV", help="also run reservation.py of this git revision, in lockstep")
     args = ap.parse_args(argv)
 
     if not (args.artifact / "block-timing").is_dir():
-        print(f"skipped: PPipe artifact not found at {args.artifact} (set PPIPE_ARTIFACT or --artifact)", file=sys.stderr)
+        print(f"skipped: PPipe artifact not found at {args.artifact} (set PPIPE_ARTIFACT or --artifact)")
         return 0
-    if args.worker:
-        res = replay(args.worker, args.artifact, PROBES[args.probe], args.load, args.seconds, args.jitter, args.seed)
-        print(json.dumps(res))
-        return 0
-
     sys.path.insert(0, str(REPO / "scripts"))
     from hostspeed import host_line
 
+    from ppipe.dataplane import build_scheduler
+    from ppipe.dataplane.reservation import ReservationScheduler
+    from ppipe.dataplane.testing import ManualClock
+    from ppipe.spec.cluster import load_cluster
+
     print(host_line())
-    print(f"load {args.load}, {args.seconds:g} s of arrivals, jitter {args.jitter}, seed {args.seed}, {args.repeat} runs each")
-    with tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
-        tmp = Path(tmp)
-        plans = make_plans(args.artifact, tmp)
-        trees = {"working tree": REPO}
-        if args.baseline:
-            trees = {f"baseline {args.baseline}": export_tree(args.baseline, Path(tempfile.mkdtemp(dir=tmp))), **trees}
-        results: dict[tuple[str, str, str], list[dict]] = {}
-        for _ in range(args.repeat):
-            for case, plan_path in plans.items():
-                for probe in PROBES:
-                    for name, tree in trees.items():  # alternate the versions: the host's drift hits both
-                        results.setdefault((case, probe, name), []).append(run_worker(tree, plan_path, args, probe))
-    print(f"\n{'case':10s} {'probe':9s} {'code':22s} {'probe us/call (min, median)':>28s} "
-          f"{'sched CPU us/dispatch (min, median)':>36s} {'probes/disp':>11s}  decisions")
-    for (case, probe, name), runs in results.items():
-        p = [r["probe_us"] for r in runs]
-        c = [r["cpu_us_per_dispatch"] for r in runs]
-        digests = sorted({r["digest"] for r in runs})
-        print(f"{case:10s} {probe:9s} {name:22s} {min(p):14.2f} {statistics.median(p):13.2f} "
-              f"{min(c):18.1f} {statistics.median(c):17.1f} {runs[0]['probes'] / max(runs[0]['dispatches'], 1):11.2f}  "
-              f"{','.join(digests)} ({runs[0]['dispatches']} dispatches)")
+    print(f"load {args.load}, {args.seconds:g} s of arrivals, jitter {args.jitter}, seed {args.seed}")
+    versions = {"working tree": ReservationScheduler}
+    if args.baseline:
+        versions = {f"baseline {args.baseline}": baseline_scheduler(args.baseline), **versions}
+    lines = []
+    for case in CASES:
+        plan, profiles = make_plan(args.artifact, case)
+        cluster = load_cluster(plan.cluster)
+        reqs = arrivals(plan, args.load, args.seconds, args.seed)
+        for probe, options in PROBES.items():
+            scheds = []
+            for cls in versions.values():
+                clock = ManualClock()
+                s = build_scheduler(plan, profiles, cluster, clock, policy="reservation", **options)
+                s.__class__ = cls  # the version's probe on the same compiled plan and batcher
+                scheds.append(Timed(s, clock))
+            for name, r in zip(versions, replay(scheds, reqs, args.jitter, args.seed)):
+                lines.append(f"{case:9s} {probe:9s} {name:22s} {r['probe_us']:13.2f} {r['us_per_dispatch']:21.1f} "
+                             f"{r['probes_per_dispatch']:11.2f} {100 * r['left_out']:8.1f} %  {r['digest']} ({r['dispatches']} dispatches)")
+    print(f"\n{'case':9s} {'probe':9s} {'code':22s} {'probe us/call':>13s} {'scheduler us/dispatch':>21s} "
+          f"{'probes/disp':>11s} {'left out':>10s}  decisions")
+    print("\n".join(lines))
     return 0
 
 
