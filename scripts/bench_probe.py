@@ -12,9 +12,9 @@ Printed per case: the mean wall time of one ``probe`` call (``perf_counter`` aro
 call), the scheduler's mean wall time per dispatched batch over all its calls (submit,
 wake, report), probes per dispatch, and a digest of every decision taken.
 
-``--baseline REV`` runs the ``ReservationScheduler`` of ``ppipe/dataplane/reservation.py``
-at git revision REV (on the working tree's other modules) in lockstep with the working
-tree's: both get every event, one after the other (alternating which goes first), and
+``--baseline REV`` runs the probe of git revision REV (its ``ppipe/dataplane/reservation.py``
+and ``topology.py``: the probe and the pools' indexes; the working tree's other modules)
+in lockstep with the working tree's: both get every event, one after the other (alternating which goes first), and
 their decisions must be equal. On a shared host this pairs each call with its twin under
 the same load; the calls the host interrupted (a pair's slower call above 5 times the
 median of its kind) are left out of both sums, and the share left out is printed.
@@ -165,16 +165,16 @@ def replay(scheds: list[Timed], reqs, jitter: float, seed: int) -> list[dict]:
     return out
 
 
-def baseline_scheduler(rev: str):
-    """``ReservationScheduler`` of ``ppipe/dataplane/reservation.py`` at git revision ``rev``."""
-    src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:ppipe/dataplane/reservation.py"], check=True,
+def load_baseline(rev: str, name: str):
+    """Module ``ppipe/dataplane/<name>.py`` at git revision ``rev`` (its ``ppipe`` imports: the working tree's)."""
+    src = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:ppipe/dataplane/{name}.py"], check=True,
                          capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="bench-probe-")) / "baseline_reservation.py"
+    path = Path(tempfile.mkdtemp(prefix="bench-probe-")) / f"baseline_{name}.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location("baseline_reservation", path)
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.ReservationScheduler
+    return mod
 
 
 def main(argv=None) -> int:
@@ -193,16 +193,17 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "scripts"))
     from hostspeed import host_line
 
-    from ppipe.dataplane import build_scheduler
-    from ppipe.dataplane.reservation import ReservationScheduler
+    from ppipe.dataplane import reservation, topology
+    from ppipe.dataplane.options import SchedulerOptions
     from ppipe.dataplane.testing import ManualClock
     from ppipe.spec.cluster import load_cluster
 
     print(host_line())
     print(f"load {args.load}, {args.seconds:g} s of arrivals, jitter {args.jitter}, seed {args.seed}")
-    versions = {"working tree": ReservationScheduler}
+    versions = {"working tree": (topology, reservation)}
     if args.baseline:
-        versions = {f"baseline {args.baseline}": baseline_scheduler(args.baseline), **versions}
+        versions = {f"baseline {args.baseline}": (load_baseline(args.baseline, "topology"),
+                                                  load_baseline(args.baseline, "reservation")), **versions}
     lines = []
     for case in CASES:
         plan, profiles = make_plan(args.artifact, case)
@@ -210,10 +211,9 @@ def main(argv=None) -> int:
         reqs = arrivals(plan, args.load, args.seconds, args.seed)
         for probe, options in PROBES.items():
             scheds = []
-            for cls in versions.values():
+            for topo, res in versions.values():
                 clock = ManualClock()
-                s = build_scheduler(plan, profiles, cluster, clock, policy="reservation", **options)
-                s.__class__ = cls  # the version's probe on the same compiled plan and batcher
+                s = res.ReservationScheduler(topo.compile_plan(plan, profiles, cluster), clock, SchedulerOptions.from_kwargs(options))
                 scheds.append(Timed(s, clock))
             for name, r in zip(versions, replay(scheds, reqs, args.jitter, args.seed)):
                 lines.append(f"{case:9s} {probe:9s} {name:22s} {r['probe_us']:13.2f} {r['us_per_dispatch']:21.1f} "
