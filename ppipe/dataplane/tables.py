@@ -72,7 +72,12 @@ class ReservationTable:
 
     # ---- queries -----------------------------------------------------------------
     def earliest(self, t: float, duration: float) -> float:
-        """Earliest start ``>= t`` of a free gap of ``duration`` us in this table."""
+        """Earliest start ``>= t`` of a free gap of ``duration`` us in this table.
+
+        The gap search of the paper's ``earliestSlot`` for one resource. The probe's scan
+        (:func:`ppipe.dataplane.reservation._scan`) writes this loop out for speed: a change
+        here is a change there.
+        """
         ends = self.ends
         i = bisect_right(ends, t + EPS_US)  # first interval that ends after t
         n = len(ends)

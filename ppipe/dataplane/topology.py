@@ -94,13 +94,13 @@ class Pool:
     ``earliest`` grows with ``t`` and ``l``; a reservation (``add``) only makes it later
     (the entry becomes a looser bound, repaired when a scan reaches it); an update that
     may make it *earlier* (remove, correct, delay) calls the table's ``on_free``, which
-    pushes a ``-inf`` entry for that vGPU. Several entries of one vGPU may coexist; the
-    smallest is the one that counts.
+    pushes a ``-inf`` entry for that vGPU (unless it has one: ``gap_unknown``). Several
+    entries of one vGPU may coexist; the smallest is the one that counts.
     """
 
     __slots__ = (
         "index", "first_block", "last_block", "gpu", "level", "vgpus", "infer_us", "out_bits", "servers",
-        "max_bw_gbps", "heap", "by_id", "gap_heap", "gap_min_us", "gap_tau",
+        "max_bw_gbps", "heap", "by_id", "gap_heap", "gap_min_us", "gap_tau", "gap_unknown",
     )
 
     def __init__(self, index: int, first_block: int, last_block: int, gpu: str, level: int):
@@ -119,6 +119,7 @@ class Pool:
         self.gap_heap: list[tuple[float, str, int]] = []
         self.gap_min_us = 0.0  # shortest inference of the pool (0: no gap heap)
         self.gap_tau = _NEG_INF  # the latest query time a gap-heap entry was computed for
+        self.gap_unknown: set[str] = set()  # the vGPUs with a -inf entry in the gap heap
 
     def refresh(self) -> None:
         """Recompute derived sets after vGPUs were added or removed (or tables changed)."""
@@ -130,6 +131,7 @@ class Pool:
         self.gap_min_us = min(self.infer_us.values(), default=0.0)
         # -inf: unknown; the first scan_set computes every entry
         self.gap_heap = [(_NEG_INF, g.id, -1) for g in self.vgpus]
+        self.gap_unknown = set(self.by_id)
         for g in self.vgpus:
             g.table.on_free = self._freed_callback(g.id)
 
@@ -137,6 +139,10 @@ class Pool:
         """The ``on_free`` of a vGPU's table: its gap-heap bound is unknown again."""
 
         def freed() -> None:
+            unknown = self.gap_unknown
+            if vid in unknown:
+                return  # its -inf entry, not yet brought up to date, is still the bound
+            unknown.add(vid)
             heap = self.gap_heap
             heapq.heappush(heap, (_NEG_INF, vid, -1))
             if len(heap) > 4 * len(self.vgpus) + 16:
@@ -177,10 +183,13 @@ class Pool:
         n = len(heap)
         by_id = self.by_id
         dmin = self.gap_min_us
+        unknown = self.gap_unknown  # (a -inf entry that is overwritten leaves it)
         # 0. Repair the root while it is out of date (under load it is usually the vGPU
         # the last dispatch reserved). Then, if neither child qualifies, it alone does.
         while n and heap[0][0] <= lim:
             h, vid, ver = heap[0]
+            if h == _NEG_INF:
+                unknown.discard(vid)
             g = by_id.get(vid)
             if g is None:
                 heapq.heappop(heap)
@@ -219,8 +228,17 @@ class Pool:
         lower: list[tuple[float, str, int]] = []
         for i in idx:
             h, vid, ver = heap[i]
+            if h == _NEG_INF:
+                unknown.discard(vid)  # every entry of the walk gets a finite bound, or sinks
             g = by_id.get(vid)
             if g is None:  # left the pool (its old table was released): sink the entry
+                heap[i] = (_INF, vid, -1)
+                _sift_down(heap, i)
+                continue
+            if vid in done:
+                # A deeper entry of this vGPU was brought up to date in this walk: it is a
+                # valid bound, so this copy (copies come from `on_free`) is redundant; sink
+                # it, so that later walks do not visit it again.
                 heap[i] = (_INF, vid, -1)
                 _sift_down(heap, i)
                 continue
@@ -228,18 +246,15 @@ class Pool:
             if ver == tab.version and h >= tau:
                 h2 = h
             else:
-                h2 = done.get(vid)
-                if h2 is None:
-                    h2 = tab.earliest(tau, dmin)
+                h2 = tab.earliest(tau, dmin)
                 if h2 > h:
                     heap[i] = (h2, vid, tab.version)
                     _sift_down(heap, i)
                 elif h2 < h:  # float tolerance only: add the lower entry, keep this one
                     lower.append((h2, vid, tab.version))
-            if vid not in done:
-                done[vid] = h2
-                if h2 <= lim:
-                    out.append(g)
+            done[vid] = h2
+            if h2 <= lim:
+                out.append(g)
         for e in lower:
             heapq.heappush(heap, e)
         if len(out) > 1:
