@@ -110,14 +110,24 @@ def test_switch_keeps_one_answer_per_request_and_books_nothing_twice(arrivals, s
         if r.model == "fresh" and outcome[r.id][0] == "dispatched":
             assert r.arrival_us >= switch_at
     first_new = sched.switches[0].first_batch_id
-    # nothing double-booked: per vGPU id and per NIC, the planned intervals of both plans are disjoint
+    # nothing double-booked: per vGPU id and per NIC, the planned intervals of both plans are
+    # disjoint -- but for those a failure voided: a batch the failed worker held is dropped,
+    # and its reservations from that worker's stage on (with the transfer into it) are
+    # released, since they will never run; another worker may take that time
     busy = defaultdict(list)
     recut_old, recut_new = [], []
     for d in log:
         if not isinstance(d, Dispatch):
             continue
         era = int(d.batch_id >= first_new)
+        void_from = float("inf")
+        if fail and all(outcome[r.id] == ("dropped", DropReason.WORKER_FAILED) for r in d.requests):
+            k = next((j for j, st in enumerate(d.stages) if st.vgpu_id == fail[1]), None)
+            if k is not None:
+                void_from = d.stages[k].start_us if d.stages[k].transfer_start_us is None else d.stages[k].transfer_start_us
         for res in d.reservations:
+            if res.start_us >= void_from - 1e-6:
+                continue
             busy[res.resource].append((res.start_us, res.end_us))
             if res.resource.startswith("vgpu:n-1/") or res.resource.startswith("vgpu:n-2/"):
                 (recut_new if era else recut_old).append((res.resource, res.start_us, res.end_us))
