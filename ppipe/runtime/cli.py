@@ -100,7 +100,9 @@ class _NullClock:
               "so reserved stages do not all start late (runtime option; no YAML field).")
 @click.option("--answer-budget-ms", default=DEFAULT_ANSWER_BUDGET_MS, show_default=True, type=float,
               help="The scheduler must end every batch this long before the SLO: the time its answer still needs to reach "
-              "the client (last report to the frontend, HTTP reply). Lateness is still judged at arrival + SLO (runtime option; no YAML field).")
+              "the client (last report to the frontend, HTTP reply). It grows by the 95th percentile of how late the last "
+              "batches' answers came after their planned end (at most a quarter of the SLO). Lateness is still judged at "
+              "arrival + SLO (runtime option; no YAML field).")
 @click.option("--report-tolerance-ms", default=DEFAULT_REPORT_TOLERANCE_MS, show_default=True, type=float,
               help="A stage that starts and ends within this of its reservation sends no report of its own; its report "
               "rides on with the batch's next one (fewer messages per batch). -1: every stage reports at once (runtime "

@@ -49,6 +49,8 @@ from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
 
 log = logging.getLogger("ppipe.runtime")
+ANSWER_LATENESS_WINDOW = 256  # batches whose answer lateness sets the answer budget's adaptive part
+ANSWER_LATENESS_EVERY = 32  # ... recomputed every this many batches
 
 SchedulerFactory = Callable[..., Any]
 
@@ -154,7 +156,8 @@ class Runtime:
             a batch must end this long before the SLO, which is the time its answer still
             needs (the last report reaching the frontend, the HTTP reply). Without it, a
             batch the scheduler fits just inside the deadline is answered late. Lateness
-            (metrics, the answer) is still judged against ``arrival + SLO``.
+            (metrics, the answer) is still judged against ``arrival + SLO``. The budget
+            also grows by how late answers come here (:meth:`_answer_was_late`).
         edges: the transport of each (sender, receiver) vGPU pair, from
             :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "tcp"}``
             or ``{edge: (transport, reason)}``); edges not named go over the data path's connections.
@@ -206,6 +209,9 @@ class Runtime:
         self._ids = itertools.count()
         self._wakes: set[float] = set()
         self._late_peak_us = 0.0  # recent peak lateness of the wake timers (_timer_was_late)
+        self._answer_lateness = np.zeros(ANSWER_LATENESS_WINDOW)  # the last batches' answer lateness (_answer_was_late)
+        self._answers_seen = 0
+        self._answer_late_us = 0.0  # their 95th percentile, added to the answer budget
         self._lead_cap_us = 0.25e3 * min(m.slo_ms for m in plan.models)  # the wake lead's ceiling
         self._inflight: dict[int, _InFlight] = {}  # batch id -> the batch, until its last report
         self._inbox: Inbox | None = None
@@ -452,8 +458,9 @@ class Runtime:
         # arrival and deadline on the true timeline, never the lead's
         now = self.clock.true_now_us() if arrival_us is None else arrival_us
         slo_us = mp.slo_ms * 1e3
-        # the scheduler must leave the answer its time (answer_budget_us, at most half the SLO)
-        budget = min(self.answer_budget_us, 0.5 * slo_us)
+        # the scheduler must leave the answer its time: the configured budget (at most half the
+        # SLO) and how late answers have been coming (at most a quarter of it)
+        budget = min(self.answer_budget_us, 0.5 * slo_us) + min(self._answer_late_us, 0.25 * slo_us)
         req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + slo_us - budget, payload=inputs)
         loop = asyncio.get_running_loop()
         p = _Pending(req, loop.create_future(), now + slo_us)
@@ -534,6 +541,25 @@ class Runtime:
         lead = min(max(self._options.get("wake_lead_us", 0.0), 2.0 * self._late_peak_us), self._lead_cap_us)
         if abs(lead - opts.wake_lead_us) > 250.0:  # (not on every timer: a copy of the options)
             self._current_scheduler().options = opts.model_copy(update={"wake_lead_us": lead})
+
+    def _answer_was_late(self, late_us: float) -> None:
+        """Keep the answer budget above how late batches end here.
+
+        A batch's answer reaches the frontend ``late_us`` after the end the scheduler
+        planned for its last stage: stages that started or ran late (on a loaded host,
+        behind a slow earlier batch) and the last report's trip. When the pools are full,
+        the scheduler fits requests right up to their deadline, so this lateness makes
+        them late unless the deadline it plans for leaves room for it. The budget's
+        adaptive part is the 95th percentile of the last ``ANSWER_LATENESS_WINDOW``
+        batches' lateness (0 when answers come early), recomputed every
+        ``ANSWER_LATENESS_EVERY`` batches, at most a quarter of the model's SLO
+        (:meth:`_submit`).
+        """
+        self._answer_lateness[self._answers_seen % ANSWER_LATENESS_WINDOW] = late_us
+        self._answers_seen += 1
+        if self._answers_seen % ANSWER_LATENESS_EVERY == 0:
+            seen = self._answer_lateness[: min(self._answers_seen, ANSWER_LATENESS_WINDOW)]
+            self._answer_late_us = max(0.0, float(np.percentile(seen, 95)))
 
     def _current_scheduler(self) -> Any:
         return self.scheduler.current if isinstance(self.scheduler, SwitchingScheduler) else self.scheduler
@@ -657,6 +683,7 @@ class Runtime:
             insort(batch.trace.reports, rep, key=lambda r: r["partition"])
         self._report(batch.d, k, rep)
         if k == len(batch.route) - 1:
+            self._answer_was_late(self.clock.true_now_us() - batch.d.stages[-1].end_us)
             for i, r in enumerate(batch.d.requests):
                 self._answer(r.id, {n: a[i] for n, a in outputs.items()})
         if not batch.unreported:

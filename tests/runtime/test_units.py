@@ -648,3 +648,33 @@ def test_the_wake_lead_follows_late_timers_so_a_waiting_request_is_not_dropped(t
         assert outcomes[1:] == ["ok"] * 7, outcomes  # the first late timer teaches the lead
     else:
         assert outcomes.count("deadline-unreachable") >= 6, outcomes
+
+
+def test_the_answer_budget_grows_by_how_late_answers_come(tinynet):
+    """The deadline the scheduler gets leaves room for the 95th percentile of the last
+    batches' answer lateness (their answer here, after their last stage's planned end),
+    at most a quarter of the SLO."""
+    from ppipe.runtime.driver import ANSWER_LATENESS_EVERY, ANSWER_LATENESS_WINDOW
+
+    rt, _ = _runtime(tinynet, max_batch=1)
+    slo_us = rt.plan.model("tinynet").slo_ms * 1e3
+    for _ in range(ANSWER_LATENESS_EVERY):
+        rt._answer_was_late(-500.0)  # early answers leave the budget as configured
+    assert rt._answer_late_us == 0.0
+    for _ in range(2 * ANSWER_LATENESS_EVERY):
+        rt._answer_was_late(0.1 * slo_us)
+    assert rt._answer_late_us == pytest.approx(0.1 * slo_us)
+
+    async def main():
+        await rt.start()
+        await rt.infer("tinynet", {"x": np.zeros(2, np.float32)})
+        for _ in range(ANSWER_LATENESS_WINDOW):  # far later than any SLO: the budget takes a quarter of it
+            rt._answer_was_late(10 * slo_us)
+        await rt.infer("tinynet", {"x": np.zeros(2, np.float32)})
+        await rt.stop()
+
+    asyncio.run(main())
+    first, second = (d.requests[0] for d in rt.scheduler.dispatched[:2])
+    # (the first infer's own answer, early, went into the window after its dispatch)
+    assert first.deadline_us == pytest.approx(first.arrival_us + slo_us - rt.answer_budget_us - 0.1 * slo_us)
+    assert second.deadline_us == pytest.approx(second.arrival_us + slo_us - rt.answer_budget_us - 0.25 * slo_us)
