@@ -425,48 +425,50 @@ def pareto_keep(cs: ConfigSet, group_by_multiset: bool, across_levels: bool = Fa
     if group_by_multiset and across_levels:
         raise ValueError("across_levels compares within a template (paper GPU rule), not across multisets")
     C, D = cs.X.shape
-    keys: list[tuple] = []
-    # Per configuration: its slots in the order used for comparison.
-    order = np.tile(np.arange(D), (C, 1))
-    for c in range(C):
-        n = int(cs.nparts[c])
-        if group_by_multiset:
-            # Sort the slots by (type, level, -X) so that equal (type, level) slots align
-            # strongest first: componentwise >= after this sort implies a matching exists.
-            slots = sorted(range(n), key=lambda d: (cs.gpu[c, d], cs.level[c, d], -cs.X[c, d]))
-            order[c, :n] = slots
-            keys.append(tuple((int(cs.gpu[c, d]), int(cs.level[c, d])) for d in slots))
-        else:
-            keys.append((int(cs.template[c]),) + tuple(int(cs.level[c, d]) for d in range(n)))
-    keep = _undominated(np.take_along_axis(cs.X, order, axis=1), cs.latency_us, keys)
+    used = cs.gpu >= 0
+    # A slot's resource as one small integer (0 for an unused slot): type and level.
+    slot_code = np.where(used, (cs.gpu + 1) * 5 + cs.level, 0)
+    if group_by_multiset:
+        # Sort each configuration's slots by (type, level, -X), unused ones last, so that
+        # equal (type, level) slots align strongest first: componentwise >= after this sort
+        # implies a matching exists.
+        order = np.lexsort((-cs.X, cs.level, np.where(used, cs.gpu, len(cs.types))), axis=1)
+        group = _row_codes(np.take_along_axis(slot_code, order, axis=1))
+    else:
+        order = np.tile(np.arange(D), (C, 1))
+        group = _row_codes(np.concatenate([cs.template[:, None], np.where(used, cs.level, 0)], axis=1))
+    keep = _undominated(np.take_along_axis(cs.X, order, axis=1), cs.latency_us, group)
     if across_levels:
         idx = np.nonzero(keep)[0]
-        keep[idx] = _undominated(cs.X[idx], cs.latency_us[idx], [(int(t),) for t in cs.template[idx]], cs.level[idx])
+        keep[idx] = _undominated(cs.X[idx], cs.latency_us[idx], cs.template[idx], cs.level[idx])
     return keep
 
 
-def _undominated(X: np.ndarray, latency_us: np.ndarray, keys: list[tuple], level: np.ndarray | None = None) -> np.ndarray:
-    """Mask of the rows of X that no row with the same key dominates; with ``level``, a row
+def _row_codes(rows: np.ndarray) -> np.ndarray:
+    """One integer per row, equal for equal rows (the group of a configuration)."""
+    if not rows.size:
+        return np.zeros(rows.shape[0], int)
+    return np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1)
+
+
+def _undominated(X: np.ndarray, latency_us: np.ndarray, group: np.ndarray, level: np.ndarray | None = None) -> np.ndarray:
+    """Mask of the rows of X that no row of the same group dominates; with ``level``, a row
     i stands for r = level_i / level_j rows of j's level where that is a whole number."""
-    groups: dict[tuple, list[int]] = {}
-    for c, key in enumerate(keys):
-        groups.setdefault(key, []).append(c)
-    keep = np.zeros(len(keys), bool)
-    for members in groups.values():
-        idx = np.array(members)
+    keep = np.zeros(len(group), bool)
+    by_group = np.argsort(group, kind="stable")
+    for idx in np.split(by_group, np.nonzero(np.diff(group[by_group]))[0] + 1):
+        if not idx.size:
+            continue
         x = X[idx]
         # Stable tie-break: among equal X vectors keep the lowest-latency one.
         rank = np.lexsort((latency_us[idx],) + tuple(-x[:, d] for d in reversed(range(x.shape[1]))))
         idx, x = idx[rank], x[rank]
-        if len(idx) == 1:
-            keep[idx] = True
-            continue
         if level is None:
-            r = np.ones((len(idx), len(idx), x.shape[1]))
-            divides = np.ones(r.shape, bool)
-        else:  # unused slots (level 0) compare as level 1 with X = 0
-            li, lj = np.maximum(level[idx][:, None, :], 1), np.maximum(level[idx][None, :, :], 1)
-            r, divides = li / lj, li % lj == 0
+            keep[idx[_first_undominated(x)]] = True
+            continue
+        # Unused slots (level 0) compare as level 1 with X = 0.
+        li, lj = np.maximum(level[idx][:, None, :], 1), np.maximum(level[idx][None, :, :], 1)
+        r, divides = li / lj, li % lj == 0
         xi = r * x[:, None, :]
         ge = (divides & (xi >= x[None, :, :])).all(axis=2)  # ge[i, j]: i does at least j's work everywhere
         gt = ((xi > x[None, :, :]) | (r > 1)).any(axis=2)
@@ -474,4 +476,23 @@ def _undominated(X: np.ndarray, latency_us: np.ndarray, keys: list[tuple], level
         # j is dominated by i != j if i >= j everywhere and (> somewhere, or equal and ranked earlier).
         dom = (ge & (gt | (ar[:, None] < ar[None, :])) & (ar[:, None] != ar[None, :])).any(axis=0)
         keep[idx[~dom]] = True
+    return keep
+
+
+def _first_undominated(x: np.ndarray, block: int = 256) -> np.ndarray:
+    """Mask of the rows of ``x`` that no earlier row is componentwise >= to.
+
+    The rows come in decreasing lexicographic order (ties by latency), so a row that
+    dominates another comes before it; a row is then dominated iff an earlier kept one
+    dominates it (>= is transitive), and each block of rows is compared with the rows
+    kept so far and with its own earlier rows only.
+    """
+    keep = np.zeros(len(x), bool)
+    for a in range(0, len(x), block):
+        xb = x[a : a + block]
+        kept = x[:a][keep[:a]]
+        alive = ~(kept[:, None, :] >= xb[None, :, :]).all(axis=2).any(axis=0)
+        earlier = np.triu(np.ones((len(xb), len(xb)), bool), k=1)  # earlier[i, j]: i < j
+        alive &= ~((xb[:, None, :] >= xb[None, :, :]).all(axis=2) & earlier).any(axis=0)
+        keep[a : a + block] = alive
     return keep
