@@ -5,7 +5,8 @@
 
 Helpers around the solve, all for the max-min objective, none changing the optimum: a
 first plan for the solver (the split search of :mod:`ppipe.planner.split_search` for
-several models, the distinct-type restriction for one model under the paper's rule), and
+several models, the distinct-type restriction for one model under the paper's rule, the
+optimum over the LP relaxation's configurations under physical packing), and
 a bound that proves HiGHS's incumbents optimal where branch and bound is slow to (the
 framework of :mod:`ppipe.planner.bounds`: its cover bound under physical packing, the
 price bound of :mod:`ppipe.planner.price_bound` under the paper's rule).
