@@ -508,10 +508,10 @@ def _covered(rows, by) -> np.ndarray:
     codes_b, x_b = _sorted_slots(*by[:3])
     group = _row_codes(np.concatenate([codes_r, codes_b]))
     g_r, g_b = group[: len(codes_r)], group[len(codes_r) :]
-    by = {int(g_b[m[0]]): m for m in _group_slices(g_b)}
+    members_b = {int(g_b[m[0]]): m for m in _group_slices(g_b)}
     hit = np.zeros(len(codes_r), bool)
     for fr in _group_slices(g_r):
-        fb = by.get(int(g_r[fr[0]]))
+        fb = members_b.get(int(g_r[fr[0]]))
         if fb is None:
             continue
         xb = x_b[fb][np.lexsort(tuple(-x_b[fb][:, d] for d in reversed(range(x_b.shape[1]))))]
