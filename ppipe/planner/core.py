@@ -168,12 +168,13 @@ class Prover:
         self.timed_out = False
         self._priced: set[float] = set()
 
-    def __call__(self, T: float, upper_bound: float) -> bool:
+    def __call__(self, T: float, upper_bound: float, fallback: bool = True) -> bool:
+        """Whether no plan reaches ``T``; ``fallback`` False: the looser level is not tried."""
         if self.bound is None and self._cover:
             configs, specs, cluster = self._args
             counts = np.array([cluster.gpu_counts[g.name] for g in cluster.gpu_types], dtype=float)
             self.bound = CoverBound(configs, [s.weight for s in specs], counts, z_max=upper_bound)
-        fallback = self.weak is None and self.gap is not None and self.gap < FALLBACK_GAP
+        fallback = fallback and self.weak is None and self.gap is not None and self.gap < FALLBACK_GAP
         # While the looser level is still to be tried, the requested one gets one round of
         # exact solves, so that room is left for the looser one.
         if self._refutes(T, max_rounds=1 if fallback else MAX_ITERATIONS):
@@ -419,7 +420,7 @@ def _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover
         return start, None
     if bound <= z * (1.0 + gap):
         proven_gap, method = max(0.0, bound / z - 1.0), "LP bound"
-    elif prover(z * (1.0 + gap), bound):
+    elif prover(z * (1.0 + gap), bound, fallback=False):
         proven_gap, method = gap, prover.method
     else:
         return start, None
