@@ -8,6 +8,8 @@ Cases (docs/planning-model.md, 'The paper's settings'):
   four      a 4-GPU-type cluster (L4, T4, V100, P4, 25 each) with 3 models (G1..G6).
   gain      ppipe's default formulation (physical packing, several configurations per
             template) on the 24 main cases, and its gain over the paper's in %.
+  default   the README's ``ppipe plan``: every default (HC2-S, the built-in models),
+            three runs (the first pays one-time costs).
 
 Times are for one ``ppipe.plan(...)`` call, wall-clock and CPU (``time.process_time``,
 less sensitive to a loaded machine; HiGHS runs one thread on small models): model
@@ -138,7 +140,7 @@ def summary(rows: list, target: str = "") -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", default=str(REPO.parent / "shared" / "data" / "ppipe-artifact"), help="PPipe artifact folder.")
-    ap.add_argument("--suite", action="append", choices=["main", "ablation", "four", "gain"], help="Suites to run (repeatable; default all).")
+    ap.add_argument("--suite", action="append", choices=["main", "ablation", "four", "gain", "default"], help="Suites to run (repeatable; default all).")
     ap.add_argument("--groups", default=",".join(GROUPS), help="Model groups for main/gain/four, e.g. G1,G2.")
     ap.add_argument("--clusters", default=",".join(CLUSTERS), help="Clusters for main/gain.")
     ap.add_argument("--models", default=None, help="Models for the ablation (comma-separated; default the 18 of model_list.txt).")
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit-s", type=float, default=120.0, help="Time budget per case (one ppipe.plan call: NP estimate, split search and solver).")
     ap.add_argument("--gap", type=float, default=1e-4, help="Relative MIP gap at which to stop.")
     args = ap.parse_args(argv)
-    suites = args.suite or ["main", "ablation", "four", "gain"]
+    suites = args.suite or ["main", "ablation", "four", "gain", "default"]
     art = Path(args.artifact)
     if not (art / "block-timing").is_dir():
         print(f"PPipe artifact not found at {art} (--artifact)", file=sys.stderr)
@@ -204,6 +206,12 @@ def main(argv=None) -> int:
             run_case(f"{g} 4-types", cl, [prof(n) for n in GROUPS[g]], rows, formulation="ppipe-atc25",
                      max_partitions=2, weights=WEIGHTS, **common)
         summary(rows, "(target: <= 10 s)")
+    if "default" in suites:
+        header("default: ppipe plan with every default (HC2-S, built-in models, ppipe formulation, 3 partitions)")
+        rows = []
+        for run in range(1, 4):
+            run_case(f"HC2-S built-in models, run {run}", "HC2-S", None, rows, solver=args.solver)
+        summary(rows, "(target: about a second)")
     return 0
 
 

@@ -20,7 +20,13 @@ with the summed pools: min_d X_d g_d + min_d X_d h_d <= min_d X_d (g_d + h_d), a
 template fewer). Dominated configurations are dropped (exactly, so the optimum is
 unchanged). Under the physical GPU rule resources depend only on the multiset of (type,
 level) of the partitions, not their order, so the comparison then runs across templates
-with the same multiset.
+with the same multiset, and two more rules hold there (with several configurations per
+template): i dominates j if i's slots map one-to-one into j's, each onto a slot of its
+type with either the same level and X_i >= X_j, or level 1 in j, level r in i and
+r X_i >= X_j. A plan then gives i's slot the pool of j's (r times as many vGPUs where j's
+is level 1: one GPU at level 1 is r vGPUs at level r, so the GPUs per type do not grow)
+and frees j's unmatched pools. Such an i has fewer slots or a higher level somewhere, so
+no two configurations dominate each other this way.
 
 Under the paper's GPU rule a pool's resources are its *share* g/v of its (model, slot,
 type), whatever its level, so the comparison also runs across levels: a pool of g vGPUs
@@ -39,6 +45,7 @@ import numpy as np
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.profile import MIN_BLOCK_LATENCY_US, ModelProfile
 
+LEVEL_CODES = 5  # vGPU levels are 1..4 (ppipe.spec.cluster.GpuType): a slot's code is (type + 1) * 5 + level
 BATCH_BUILD_FACTOR = 1.3  # docs/planning-model.md, 'Derived quantities': beta(b) = 1.3 * 1e6 * (b - 1) / x_hat
 
 
@@ -175,10 +182,10 @@ def enumerate_configs(
         max_partitions: D.
         margin: share of the SLO kept free.
         levels: usable vGPU levels per GPU type (cluster levels that the profile has).
-        group_by_multiset: compare configurations across templates with the same
-            multiset of (type, level), and (with ``prune``) drop those with two
-            consecutive slots of one (type, level) (both exact under the physical GPU
-            rule with several configurations per template only, see below).
+        group_by_multiset: compare configurations across templates and multisets of
+            (type, level) (see the module docstring), and (with ``prune``) drop those
+            with two consecutive slots of one (type, level) (both exact under the
+            physical GPU rule with several configurations per template only, see below).
         prune: drop dominated configurations.
         across_levels: compare configurations of one template across vGPU levels, a
             level r v standing for r vGPUs of level v (exact under the paper's GPU rule only).
@@ -420,53 +427,130 @@ def pareto_keep(cs: ConfigSet, group_by_multiset: bool, across_levels: bool = Fa
     ``across_levels`` (paper GPU rule only): within a template, i also dominates j where
     each of i's levels is a multiple r_d of j's and r_d X_i >= X_j in every slot. Those
     comparisons run among the same-level survivors only (dominance is transitive, so that
-    is exact), which keeps the pairs few.
+    is exact), which keeps the pairs few. ``group_by_multiset`` (physical rule): likewise,
+    the comparison across multisets runs among the survivors of the same-multiset one.
     """
     if group_by_multiset and across_levels:
         raise ValueError("across_levels compares within a template (paper GPU rule), not across multisets")
-    C, D = cs.X.shape
-    keys: list[tuple] = []
-    # Per configuration: its slots in the order used for comparison.
-    order = np.tile(np.arange(D), (C, 1))
-    for c in range(C):
-        n = int(cs.nparts[c])
-        if group_by_multiset:
-            # Sort the slots by (type, level, -X) so that equal (type, level) slots align
-            # strongest first: componentwise >= after this sort implies a matching exists.
-            slots = sorted(range(n), key=lambda d: (cs.gpu[c, d], cs.level[c, d], -cs.X[c, d]))
-            order[c, :n] = slots
-            keys.append(tuple((int(cs.gpu[c, d]), int(cs.level[c, d])) for d in slots))
-        else:
-            keys.append((int(cs.template[c]),) + tuple(int(cs.level[c, d]) for d in range(n)))
-    keep = _undominated(np.take_along_axis(cs.X, order, axis=1), cs.latency_us, keys)
+    if group_by_multiset:
+        codes, X = _sorted_slots(cs.gpu, cs.level, cs.X)
+        keep = _undominated(X, cs.latency_us, _row_codes(codes))
+        idx = np.nonzero(keep)[0]
+        keep[idx] = ~_dominated_across_multisets(cs.gpu[idx], cs.level[idx], cs.X[idx])
+        return keep
+    levels = np.where(cs.gpu >= 0, cs.level, 0)
+    keep = _undominated(cs.X, cs.latency_us, _row_codes(np.concatenate([cs.template[:, None], levels], axis=1)))
     if across_levels:
         idx = np.nonzero(keep)[0]
-        keep[idx] = _undominated(cs.X[idx], cs.latency_us[idx], [(int(t),) for t in cs.template[idx]], cs.level[idx])
+        keep[idx] = _undominated(cs.X[idx], cs.latency_us[idx], cs.template[idx], cs.level[idx])
     return keep
 
 
-def _undominated(X: np.ndarray, latency_us: np.ndarray, keys: list[tuple], level: np.ndarray | None = None) -> np.ndarray:
-    """Mask of the rows of X that no row with the same key dominates; with ``level``, a row
+def _sorted_slots(gpu: np.ndarray, level: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's slots sorted by (type, level, -X), unused ones last: (resource code per
+    slot, 0 where unused; X). Equal (type, level) slots then align strongest first, so
+    that between rows of equal codes componentwise >= holds iff a matching of the slots
+    with >= exists."""
+    used = gpu >= 0
+    order = np.lexsort((-X, level, np.where(used, gpu, gpu.max(initial=0) + 1)), axis=1)
+    code = np.where(used, (gpu + 1) * LEVEL_CODES + level, 0)
+    return np.take_along_axis(code, order, axis=1), np.take_along_axis(X, order, axis=1)
+
+
+def _dominated_across_multisets(gpu: np.ndarray, level: np.ndarray, X: np.ndarray) -> np.ndarray:
+    """Mask of the configurations that another one dominates under physical packing with a
+    different multiset of (type, level): with fewer slots, or at level r > 1 where the
+    other is at level 1 (see the module docstring).
+
+    A dominator is matched by its *shadows* (some level-r slots read as level 1 with r X)
+    and a dominated configuration by its *reductions* (some slots dropped), which turns
+    both cases into the same-multiset comparison. Configurations that dominate each other
+    do not occur here: the same-multiset pruning ran first.
+    """
+    owner = np.arange(len(gpu))
+    shadow = _shadows(gpu, level, X, owner)
+    reduction = _reductions(gpu, level, X, owner)
+    dominated = np.zeros(len(gpu), bool)
+    dominated[_covered((gpu, level, X, owner), shadow)] = True
+    dominated[_covered(reduction, tuple(np.concatenate(p) for p in zip((gpu, level, X, owner), shadow)))] = True
+    return dominated
+
+
+def _shadows(gpu, level, X, owner):
+    """Rows of the configurations with some slots at level r > 1 read as level 1 with r X:
+    one level-1 vGPU is a whole GPU, which holds r vGPUs of level r."""
+    rows = []
+    for read in itertools.product((False, True), repeat=gpu.shape[1]):
+        m = np.array(read)
+        if m.any():
+            sel = np.nonzero((level[:, m] > 1).all(axis=1))[0]
+            lv, x = level[sel], X[sel].copy()
+            x[:, m] *= lv[:, m]
+            rows.append((gpu[sel], np.where(m, 1, lv), x, owner[sel]))
+    return tuple(np.concatenate(p) for p in zip(*rows))
+
+
+def _reductions(gpu, level, X, owner):
+    """Rows of the configurations with some used slots dropped, at least one kept."""
+    used, rows = gpu >= 0, []
+    for drop in itertools.product((False, True), repeat=gpu.shape[1]):
+        m = np.array(drop)
+        if m.any():
+            sel = np.nonzero(used[:, m].all(axis=1) & (used[:, ~m]).any(axis=1))[0]
+            rows.append((np.where(m, -1, gpu[sel]), np.where(m, 0, level[sel]), np.where(m, 0.0, X[sel]), owner[sel]))
+    return tuple(np.concatenate(p) for p in zip(*rows))
+
+
+def _covered(rows, by) -> np.ndarray:
+    """Owners of the ``rows`` (gpu, level, X, owner) that a row of ``by`` with the same
+    multiset of (type, level) is componentwise >= to, after sorting the slots."""
+    codes_r, x_r = _sorted_slots(*rows[:3])
+    codes_b, x_b = _sorted_slots(*by[:3])
+    group = _row_codes(np.concatenate([codes_r, codes_b]))
+    g_r, g_b = group[: len(codes_r)], group[len(codes_r) :]
+    members_b = {int(g_b[m[0]]): m for m in _group_slices(g_b)}
+    hit = np.zeros(len(codes_r), bool)
+    for fr in _group_slices(g_r):
+        fb = members_b.get(int(g_r[fr[0]]))
+        if fb is None:
+            continue
+        xb = x_b[fb][np.lexsort(tuple(-x_b[fb][:, d] for d in reversed(range(x_b.shape[1]))))]
+        xb = xb[_first_undominated(xb)]
+        for a in range(0, len(fr), 256):
+            f = fr[a : a + 256]
+            hit[f] = _ge(xb, x_r[f]).any(axis=0)
+    return np.unique(rows[3][hit])
+
+
+def _row_codes(rows: np.ndarray) -> np.ndarray:
+    """One integer per row of small non-negative integers, equal for equal rows (a group key)."""
+    base = int(rows.max(initial=0)) + 1
+    if base ** rows.shape[1] >= 2**62:
+        return np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1)
+    return rows.astype(np.int64) @ (base ** np.arange(rows.shape[1], dtype=np.int64))
+
+
+def _group_slices(group: np.ndarray) -> list[np.ndarray]:
+    """Indices of each group's members, in ascending order."""
+    order = np.argsort(group, kind="stable")
+    return np.split(order, np.nonzero(np.diff(group[order]))[0] + 1) if len(order) else []
+
+
+def _undominated(X: np.ndarray, latency_us: np.ndarray, group: np.ndarray, level: np.ndarray | None = None) -> np.ndarray:
+    """Mask of the rows of X that no row of the same group dominates; with ``level``, a row
     i stands for r = level_i / level_j rows of j's level where that is a whole number."""
-    groups: dict[tuple, list[int]] = {}
-    for c, key in enumerate(keys):
-        groups.setdefault(key, []).append(c)
-    keep = np.zeros(len(keys), bool)
-    for members in groups.values():
-        idx = np.array(members)
+    keep = np.zeros(len(group), bool)
+    for idx in _group_slices(group):
         x = X[idx]
         # Stable tie-break: among equal X vectors keep the lowest-latency one.
         rank = np.lexsort((latency_us[idx],) + tuple(-x[:, d] for d in reversed(range(x.shape[1]))))
         idx, x = idx[rank], x[rank]
-        if len(idx) == 1:
-            keep[idx] = True
-            continue
         if level is None:
-            r = np.ones((len(idx), len(idx), x.shape[1]))
-            divides = np.ones(r.shape, bool)
-        else:  # unused slots (level 0) compare as level 1 with X = 0
-            li, lj = np.maximum(level[idx][:, None, :], 1), np.maximum(level[idx][None, :, :], 1)
-            r, divides = li / lj, li % lj == 0
+            keep[idx[_first_undominated(x)]] = True
+            continue
+        # Unused slots (level 0) compare as level 1 with X = 0.
+        li, lj = np.maximum(level[idx][:, None, :], 1), np.maximum(level[idx][None, :, :], 1)
+        r, divides = li / lj, li % lj == 0
         xi = r * x[:, None, :]
         ge = (divides & (xi >= x[None, :, :])).all(axis=2)  # ge[i, j]: i does at least j's work everywhere
         gt = ((xi > x[None, :, :]) | (r > 1)).any(axis=2)
@@ -475,3 +559,29 @@ def _undominated(X: np.ndarray, latency_us: np.ndarray, keys: list[tuple], level
         dom = (ge & (gt | (ar[:, None] < ar[None, :])) & (ar[:, None] != ar[None, :])).any(axis=0)
         keep[idx[~dom]] = True
     return keep
+
+
+def _first_undominated(x: np.ndarray, block: int = 256) -> np.ndarray:
+    """Mask of the rows of ``x`` that no earlier row is componentwise >= to.
+
+    The rows come in decreasing lexicographic order (ties by latency), so a row that
+    dominates another comes before it; a row is then dominated iff an earlier kept one
+    dominates it (>= is transitive), and each block of rows is compared with the rows
+    kept so far and with its own earlier rows only.
+    """
+    keep = np.zeros(len(x), bool)
+    for a in range(0, len(x), block):
+        xb = x[a : a + block]
+        alive = ~np.triu(_ge(xb, xb), k=1).any(axis=0)
+        if a:
+            alive &= ~_ge(x[:a][keep[:a]], xb).any(axis=0)
+        keep[a : a + block] = alive
+    return keep
+
+
+def _ge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """ge[i, j]: row i of ``a`` is componentwise >= row j of ``b``."""
+    ge = np.ones((len(a), len(b)), bool)
+    for d in range(a.shape[1]):
+        ge &= a[:, None, d] >= b[None, :, d]
+    return ge

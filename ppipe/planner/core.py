@@ -5,7 +5,8 @@
 
 Helpers around the solve, all for the max-min objective, none changing the optimum: a
 first plan for the solver (the split search of :mod:`ppipe.planner.split_search` for
-several models, the distinct-type restriction for one model under the paper's rule), and
+several models, the distinct-type restriction for one model under the paper's rule, the
+optimum over the LP relaxation's configurations under physical packing), and
 a bound that proves HiGHS's incumbents optimal where branch and bound is slow to (the
 framework of :mod:`ppipe.planner.bounds`: its cover bound under physical packing, the
 price bound of :mod:`ppipe.planner.price_bound` under the paper's rule).
@@ -167,12 +168,13 @@ class Prover:
         self.timed_out = False
         self._priced: set[float] = set()
 
-    def __call__(self, T: float, upper_bound: float) -> bool:
+    def __call__(self, T: float, upper_bound: float, fallback: bool = True) -> bool:
+        """Whether no plan reaches ``T``; ``fallback`` False: the looser level is not tried."""
         if self.bound is None and self._cover:
             configs, specs, cluster = self._args
             counts = np.array([cluster.gpu_counts[g.name] for g in cluster.gpu_types], dtype=float)
             self.bound = CoverBound(configs, [s.weight for s in specs], counts, z_max=upper_bound)
-        fallback = self.weak is None and self.gap is not None and self.gap < FALLBACK_GAP
+        fallback = fallback and self.weak is None and self.gap is not None and self.gap < FALLBACK_GAP
         # While the looser level is still to be tried, the requested one gets one round of
         # exact solves, so that room is left for the looser one.
         if self._refutes(T, max_rounds=1 if fallback else MAX_ITERATIONS):
@@ -287,6 +289,38 @@ def distinct_types_start(specs, configs, cluster, milp, variables, solver, *, gp
     return Start(x if is_feasible(milp, x) else None)
 
 
+def lp_support_start(specs, configs, cluster, milp, variables, solver, *, gpu_rule, deadline, gap) -> tuple[Start, float, dict]:
+    """(A MIP start, an upper bound on the optimum, the solves' work) from the LP relaxation
+    (max-min, several configurations per template).
+
+    The start is the optimum over the configurations that the relaxation's solution uses
+    (a few per model): a restriction of the same MILP, so its plan is one of the MILP's,
+    checked against every row before use. The bound is the relaxation's value. Why: on the
+    default plan the relaxation's configurations hold the optimum, which HiGHS finds only
+    after its root heuristics; with a start and a bound, the prover can end the solve at
+    once. No start (and an infinite bound) where either solve ends otherwise; one that the
+    time limit stopped says so (``timed_out``). ``work``: nodes and LP iterations in all.
+    """
+    relaxed = solver.relaxation(milp, time_limit_s=time_left(deadline))
+    work = dict(nodes=0, lp_iterations=max(relaxed.lp_iterations, 0))
+    if relaxed.status != "optimal":
+        return Start(timed_out=relaxed.status == "time_limit"), math.inf, work
+    used = [(relaxed.x[np.maximum(g, 0)] * (g >= 0) > 1e-9).any(axis=1) for g in variables.g]
+    if not all(u.any() for u in used):
+        return Start(), relaxed.objective, work
+    rmilp, rv = build(specs, [subset(cs, u) for cs, u in zip(configs, used)], cluster, gpu_rule=gpu_rule)
+    MaxMinNormalized().apply(rmilp, rv)
+    try:
+        res = solver.solve(rmilp, time_limit_s=time_left(deadline), gap=gap)
+    except SolverTimeLimitError:
+        return Start(timed_out=True), relaxed.objective, work
+    work = dict(nodes=max(res.nodes, 0), lp_iterations=work["lp_iterations"] + max(res.lp_iterations, 0))
+    if res.status != "optimal":
+        return Start(timed_out=res.status == "time_limit"), relaxed.objective, work
+    x = solution_vector(extract(res.x, rv, specs), variables, milp.num_cols)
+    return Start(x if is_feasible(milp, x) else None), relaxed.objective, work
+
+
 def is_feasible(milp, x: np.ndarray, tol: float = 1e-6) -> bool:
     """Whether column values ``x`` meet every bound, row and integrality of ``milp``."""
     lb, ub, integ, row_lb, row_ub, _ = milp.arrays()
@@ -375,6 +409,25 @@ def milp_plan(
     )
 
 
+def _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover, *, deadline, gap) -> tuple[Start, SolveResult | None]:
+    """(The start of :func:`lp_support_start`, and the solve's result where the relaxation's
+    bound or ``prover`` proves that start optimal within ``gap``, else None)."""
+    t0 = time.perf_counter()
+    start, bound, work = lp_support_start(specs, configs, cluster, milp, variables, solver, gpu_rule="physical",
+                                          deadline=deadline, gap=gap)
+    z = 0.0 if start.x is None else float(start.x[variables.extra["z"]])
+    if z <= 0:
+        return start, None
+    if bound <= z * (1.0 + gap):
+        proven_gap, method = max(0.0, bound / z - 1.0), "LP bound"
+    elif prover(z * (1.0 + gap), bound, fallback=False):
+        proven_gap, method = gap, prover.method
+    else:
+        return start, None
+    return start, SolveResult(solver.name, "optimal", start.x, z, proven_gap, time.perf_counter() - t0,
+                              method="LP-support incumbent + " + method, **work)
+
+
 def _has_prover(gpu_rule: str, start: Start) -> bool:
     """Whether a bound serves this solve: the cover bound under physical packing, the price
     bound under the paper's rule where the split search ran. (Under the paper's rule the
@@ -391,7 +444,9 @@ def _proven_solve(milp, variables, specs, configs, cluster, solver, start: Start
     takes the prover only to hand it to HiGHS when its licence refuses the model. The price
     bound needs per-model integer GPU vectors: the paper's GPU rule (under physical packing
     models share GPUs of a level, so a model's own count would overstate its need), and the
-    split search's tables, which seed it.
+    split search's tables, which seed it. Under physical packing without a start, the
+    plan of :func:`lp_support_start` comes first: where its bound or the prover proves it,
+    HiGHS does not run on the whole MILP; else it becomes HiGHS's start.
     """
     price = None
     if gpu_rule == "paper":
@@ -404,9 +459,15 @@ def _proven_solve(milp, variables, specs, configs, cluster, solver, start: Start
 
     prover = Prover(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns,
                          cover=gpu_rule == "physical")
+    if start.x is None and gpu_rule == "physical" and not one_config_per_template and hasattr(solver, "relaxation"):
+        start, ended = _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover, deadline=deadline, gap=gap)
+        if ended is not None:
+            return ended
     after = 0 if price is not None else PROVER_AFTER_POLLS
     kw = {} if start.x is None else {"start": start.x}
     result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_polls=after, **kw)
+    if start.timed_out and result.status == "optimal":
+        result = replace(result, status="time_limit")  # as in milp_plan: the clock shaped the start
     if result.status == "time_limit" and prover.weak is not None and result.objective > 0:
         # Stopped short of the requested gap, but a looser level was proven out of reach.
         level, how = prover.weak

@@ -380,33 +380,32 @@ def solution_vector(models: list[ModelPlan], v: PlanVariables, num_cols: int) ->
     chosen = []
     for mi, m in enumerate(models):
         cs = v.configs[mi]
-        index = {
-            (
-                tuple(int(a) for a in cs.first[c, : cs.nparts[c]]),
-                tuple(int(a) for a in cs.last[c, : cs.nparts[c]]),
-                tuple(cs.types[int(k)] for k in cs.gpu[c, : cs.nparts[c]]),
-                tuple(int(a) for a in cs.level[c, : cs.nparts[c]]),
-                int(cs.batch[c]),
-            ): c
-            for c in range(len(cs))
-        }
         pipes = []
         for pi, pipe in enumerate(m.pipelines):
-            key = (
-                tuple(p.first_block for p in pipe.partitions),
-                tuple(p.last_block for p in pipe.partitions),
-                tuple(p.gpu for p in pipe.partitions),
-                tuple(p.vgpu for p in pipe.partitions),
-                pipe.batch,
-            )
-            if key not in index:
+            c = _config_of(cs, pipe)
+            if c is None:
                 raise ValueError(f"model '{m.name}' pipeline {pi}: its configuration is not a column of this MILP")
-            pipes.append((index[key], [p.count for p in pipe.partitions], pipe.throughput_rps))
+            pipes.append((c, [p.count for p in pipe.partitions], pipe.throughput_rps))
         chosen.append(pipes)
     x = pipeline_columns(v, num_cols, chosen)
     if "z" in v.extra:
         x[v.extra["z"]] = min(x[v.x_model[m.name]] / v.weight[m.name] for m in models)
     return x
+
+
+def _config_of(cs: ConfigSet, pipe: PipelinePlan) -> int | None:
+    """The configuration with the pipeline's block ranges, GPU types, levels and batch, or None."""
+    n = len(pipe.partitions)
+    if n > cs.gpu.shape[1]:
+        return None
+    match = (cs.nparts == n) & (cs.batch == pipe.batch)
+    for d, part in enumerate(pipe.partitions):
+        if part.gpu not in cs.types:
+            return None
+        match &= (cs.first[:, d] == part.first_block) & (cs.last[:, d] == part.last_block)
+        match &= (cs.gpu[:, d] == cs.types.index(part.gpu)) & (cs.level[:, d] == part.vgpu)
+    found = np.nonzero(match)[0]
+    return int(found[-1]) if found.size else None
 
 
 def gpus_needed(models: list[ModelPlan], types: list[str], gpu_rule: str) -> dict[str, int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 import ppipe
@@ -39,6 +41,49 @@ def test_across_levels_drops_only_configurations_a_kept_one_dominates_by_shares(
             and all(across.level[d, s] // same.level[c, s] * across.X[d, s] >= same.X[c, s] for s in range(n))
         ]
         assert witnesses, f"configuration {_key(same, c)} dropped without a dominating one kept"
+
+
+def _physical(prune: bool):
+    levels = {"A": [1, 2, 3], "B": [1, 2]}
+    cl = cluster({"A": 2, "B": 2}, levels)
+    lat = {"A": [2000.0, 3000.0, 1000.0], "B": [3000.0, 9000.0, 1500.0]}
+    spec = ModelSpec(profile=profile("m1", lat, [200_000, 100_000], levels), slo_ms=60.0)
+    return enumerate_configs(0, spec, cl, max_partitions=3, margin=0.2, levels=levels, group_by_multiset=True, prune=prune)
+
+
+def _replaces(i, j) -> bool:
+    """Physical packing: i's slots map one-to-one into j's with the same type and either the
+    same level and X_i >= X_j, or j's level 1, i's level r and r X_i >= X_j."""
+    (ti, li, xi), (tj, lj, xj) = i, j
+    for perm in itertools.permutations(range(len(tj)), len(ti)):
+        if all(
+            ti[s] == tj[t] and (li[s] == lj[t] or lj[t] == 1) and (li[s] if lj[t] == 1 else 1) * xi[s] >= xj[t]
+            for s, t in zip(range(len(ti)), perm)
+        ):
+            return True
+    return False
+
+
+def test_physical_pruning_drops_only_configurations_a_kept_one_dominates():
+    every, kept = _physical(prune=False), _physical(prune=True)
+
+    def slots(cs, c):
+        n = int(cs.nparts[c])
+        return (tuple(cs.gpu[c, :n]), tuple(cs.level[c, :n]), tuple(cs.X[c, :n]))
+
+    kept_keys = {_key(kept, c): slots(kept, c) for c in range(len(kept))}
+    # Two consecutive slots of one (type, level) are dropped by another rule (the mediant).
+    def repeated(c):
+        g, lv = every.gpu[c], every.level[c]
+        return any(g[d] == g[d + 1] and lv[d] == lv[d + 1] for d in range(int(every.nparts[c]) - 1))
+
+    dropped = [c for c in range(len(every)) if _key(every, c) not in kept_keys and not repeated(c)]
+    survivors = list(kept_keys.values())
+    # The rules across multisets fire here: a shorter or a higher-level configuration is the only witness.
+    assert any(all(len(w[0]) < every.nparts[c] or w[1] != slots(every, c)[1] for w in survivors if _replaces(w, slots(every, c)))
+               for c in dropped)
+    for c in dropped:
+        assert any(_replaces(w, slots(every, c)) for w in survivors), f"configuration {_key(every, c)} dropped without a witness"
 
 
 def test_across_levels_is_refused_with_multisets():

@@ -5,7 +5,7 @@ or busier machine), as long as no time limit is hit."""
 from __future__ import annotations
 
 import time
-
+from dataclasses import replace
 
 import ppipe
 import ppipe.planner.core as core
@@ -101,3 +101,22 @@ def test_a_start_the_clock_stopped_says_time_limit(monkeypatch):
     stopped = ppipe.plan(cl, models, **kw)
     assert stopped.solver.status == "time_limit"
     assert stopped.solver.gap <= 1e-4  # the same search proved the same gap
+
+
+def test_an_lp_relaxation_the_clock_stopped_says_time_limit(monkeypatch):
+    # Under physical packing the LP relaxation's configurations give the first plan; where
+    # the time limit stops that relaxation, the plan made without it says time_limit.
+    from ppipe.planner.solvers import HighsSolver
+
+    levels = {"A": [1, 2], "B": [1]}
+    cl = cluster({"A": 3, "B": 4}, levels)
+    models = [profile(f"m{i}", {k: lat[k] for k in levels}, [200_000, 100_000], levels) for i, lat in enumerate(LATS[:2])]
+    kw = dict(weights=[1.0, 2.0], slo_ms=12.0, max_partitions=2, margin=0.2, batch_build=False, time_limit_s=60.0)
+    assert ppipe.plan(cl, models, **kw).solver.status == "optimal"
+    real = HighsSolver.relaxation
+
+    def stopped(self, milp, **k):
+        return replace(real(self, milp, **k), status="time_limit")
+
+    monkeypatch.setattr(HighsSolver, "relaxation", stopped)
+    assert ppipe.plan(cl, models, **kw).solver.status == "time_limit"

@@ -81,3 +81,17 @@ def test_paper_formulation_pipelines_with_one_type_in_two_slots_match_brute_forc
     plan = ppipe.plan(cl, [m], slo_ms=10.0, max_partitions=2, formulation="ppipe-atc25", **_opts())
     assert plan.solver.objective == pytest.approx(want, rel=1e-6)
     assert any(len({p.gpu for p in pipe.partitions}) < len(pipe.partitions) for pipe in plan.models[0].pipelines)
+
+
+def test_a_plan_of_the_lp_relaxations_configurations_proven_by_the_cover_bound_is_within_the_gap():
+    # Physical packing: the optimum over the configurations the LP relaxation uses is the
+    # plan here, and the cover bound proves it without branch and bound.
+    counts = {"A": 3, "B": 4}
+    cl = cluster(counts, LEVELS)
+    models = [profile("m1", LAT_1, [200_000, 100_000], LEVELS), profile("m2", LAT_2, [50_000, 300_000], LEVELS)]
+    w = [1.0, 2.0]
+    plan = ppipe.plan(cl, models, slo_ms=12.0, weights=w, max_partitions=2, **_opts(gap=1e-4))
+    want = brute_force_physical([plain_configs(m, cl, 12.0, 0.2, 2, LEVELS) for m in models], w, counts, LEVELS)
+    assert plan.solver.status == "optimal" and plan.solver.method == "LP-support incumbent + cover bound"
+    assert want / (1 + 1e-4) <= plan.solver.objective <= want * (1 + 1e-9)
+    assert min(m.throughput_rps / m.weight for m in plan.models) >= plan.solver.objective * (1 - 1e-9)
