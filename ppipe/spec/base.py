@@ -16,6 +16,9 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+# libyaml's safe loader where PyYAML has it (the same documents, about ten times faster to read)
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 from ppipe.errors import SpecError
 
 SCHEMA_VERSION = 1
@@ -117,7 +120,7 @@ def read_yaml(path: str | Path) -> Any:
         raise SpecError("is a directory, expected a YAML file", fix="name the YAML file itself", file=str(p))
     try:
         with p.open() as fh:
-            return yaml.safe_load(fh)
+            return yaml.load(fh, Loader=_SAFE_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

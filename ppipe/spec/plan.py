@@ -79,8 +79,10 @@ class SolverReport(StrictModel):
         default="",
         description="What proved the status: '' = the solver's own search (branch and bound); "
         "'highs incumbent + cover bound' or 'highs incumbent + price bound' = HiGHS's plan, proven within "
-        "the gap by that bound of ppipe's (docs/planning-model.md, 'Bounds'). With status time_limit: what "
-        "proved the gap reported.",
+        "the gap by that bound of ppipe's; 'LP-support incumbent + LP bound' or 'LP-support incumbent + cover "
+        "bound' = the best plan over the configurations the LP relaxation uses, proven by the relaxation's "
+        "bound or the cover bound, with no branch and bound on the whole MILP (docs/planning-model.md, "
+        "'Bounds'). With status time_limit: what proved the gap reported.",
     )
     nodes: int = Field(default=-1, ge=-1, description="Branch-and-bound nodes of the final solve (-1: not reported).")
     lp_iterations: int = Field(default=-1, ge=-1, description="Simplex iterations of the final solve (-1: not reported).")
