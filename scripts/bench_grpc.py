@@ -19,6 +19,7 @@ req/s do.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import resource
 import subprocess
@@ -78,6 +79,7 @@ def main() -> None:
     from ppipe.runtime.server import BackgroundServer, create_app
 
     print(host_line())
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as `ppipe serve` starts its Ray (ppipe.runtime.cli.init_ray)
     ray.init(include_dashboard=False, log_to_driver=False)
     results: dict[str, dict] = {"rest": {}, "grpc": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -185,6 +185,7 @@ def main() -> None:
         return
     import ray
 
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as `ppipe serve` starts its Ray (ppipe.runtime.cli.init_ray)
     ray.init(include_dashboard=False, log_to_driver=False)
     out = {}
     with tempfile.TemporaryDirectory() as d:

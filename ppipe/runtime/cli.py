@@ -42,6 +42,12 @@ def init_ray(ray_address: str | None, num_cpus: int | None, loopback_only: bool)
     "127.0.0.1")`` does not do it (Ray replaces a loopback address with the host's
     reachable IP); Ray's single-host mode, the one it uses on macOS and Windows, does.
     A joined cluster (``ray_address``) keeps its own addresses.
+
+    The local instance starts its workers at niceness 0 (``RAY_worker_niceness``, unless
+    the environment sets it): Ray's default of 15 lets every other process on the machine
+    (the frontend, a load generator, a batch job) run before a vGPU worker whose stage is
+    reserved to start now. A joined cluster's workers have the niceness of its
+    ``ray start`` (the README says how to set it there).
     """
     import ray
 
@@ -57,6 +63,7 @@ def init_ray(ray_address: str | None, num_cpus: int | None, loopback_only: bool)
                 fix="install the Ray version of setup.cfg, or pass --ray-address of a Ray you started with --node-ip-address",
             )
         ray_constants.ENABLE_RAY_CLUSTER = False  # read when ray.init picks the node's IP: 127.0.0.1
+    os.environ.setdefault("RAY_worker_niceness", "0")  # the raylet it starts reads it
     # address="local": a new instance even when another Ray runs on this machine (without it,
     # ray.init joins that one, and ignores or refuses --num-cpus)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)

@@ -63,6 +63,7 @@ def ray_cluster():
     if ray.is_initialized():
         ray.shutdown()
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as `ppipe serve` starts its Ray (ppipe.runtime.cli.init_ray)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "resources": {"nodeA": 1}, "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False},
