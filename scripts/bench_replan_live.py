@@ -33,32 +33,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-ARTIFACT = Path(os.environ.get("PPIPE_ARTIFACT", REPO.parent / "shared" / "data" / "ppipe-artifact"))
+from bench_switch import ARTIFACT, make_plans  # noqa: E402 - after the path set-up
+
 TOKEN = "bench-replan-live"
-
-
-def make_plan(models: list[str], tmp: Path):
-    """The max-min plan (equal weights) for ``models`` on HC1-S, saved as ``tmp/plan.yaml``."""
-    from ppipe.planner.api import plan as plan_for
-    from ppipe.spec.artifact import import_artifact
-    from ppipe.spec.cluster import load_cluster
-
-    dirs = import_artifact(ARTIFACT, tmp / "profiles", models)
-    plan = plan_for(load_cluster("HC1-S"), [str(d) for d in dirs], time_limit_s=60, weights=[1.0] * len(models))
-    plan.save(tmp / "plan.yaml")
-    return plan
 
 
 def write_traces(plan, peak: float, duration_s: float, period_s: float, seed: int, tmp: Path) -> dict[str, tuple[Path, float]]:
@@ -85,7 +71,7 @@ def write_traces(plan, peak: float, duration_s: float, period_s: float, seed: in
 
 
 def start_server(tmp: Path, port: int, replan: bool, window_s: float, min_interval_s: float) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "ppipe.cli", "serve", str(tmp / "plan.yaml"), "--backend", "emulated", "--emulated-max-bytes", "4096",
+    cmd = [sys.executable, "-m", "ppipe.cli", "serve", str(tmp / "a.yaml"), "--backend", "emulated", "--emulated-max-bytes", "4096",
            "--port", str(port), "--token", TOKEN, "--shards", "1"]
     if replan:
         cmd += ["--replan", "auto", "--replan-window-s", str(window_s), "--replan-min-interval-s", str(min_interval_s)]
@@ -168,7 +154,7 @@ def main() -> None:
     out = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        plan = make_plan(args.models.split(","), tmp)
+        plan, _ = make_plans(args.models.split(","), tmp)  # a.yaml: the max-min plan for equal weights
         print(f"plan (equal weights): " + ", ".join(f"{m.name} {m.throughput_rps:.0f} req/s" for m in plan.models) + f"; {len(plan.placement)} vGPUs")
         traces = write_traces(plan, args.peak, args.duration_s, args.period_s or args.duration_s, args.seed, tmp)
         for name in args.runs.split(","):
