@@ -217,3 +217,15 @@ def test_a_refused_decision_restores_the_plan_and_is_not_retried_at_once():
             assert d.at_us - first.at_us >= 60e6  # the refused decision still counts for the interval
             break
     assert first is not None
+
+
+def test_an_injected_estimator_replaces_the_arrival_counts():
+    # a benchmark's oracle: the controller decides from the rates it is given, with no arrival observed
+    clock = ManualClock()
+    planner = IdealPlanner()
+    rates = {"a": 300.0, "b": 100.0, "c": 100.0}  # "a" at 1.5 x its capacity of 200
+    ctl = ReplanController(FakePlan({m: CAPACITY / 3 for m in MODELS}), planner, clock, ReplanPolicy(),
+                           estimator=lambda now_us: (rates, {m: 0.0 for m in MODELS}, {m: 0.0 for m in MODELS}))
+    clock.t_us = 5e6
+    d = ctl.poll()
+    assert d is not None and d.weights["a"] == pytest.approx(0.6) and planner.calls == [d.weights]
