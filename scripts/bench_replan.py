@@ -18,6 +18,14 @@ overall, by bisection (``--bisect-steps`` runs between the bracket's ends, each 
 run stopped as soon as the whole run is certain to miss 99 %). The last line reads
 ``max load at 99 %: static S auto A`` (means over the groups, as fractions).
 
+``--modes ... oracle`` adds a bound: the same controller, switch costs and constraints
+(interval, load delay, planner), but its estimate is the workload's true rates and trends
+(:func:`ppipe.sim.workloads.shifting_rates`) instead of the arrivals it counts. No
+controller that observes the arrivals can know more; the oracle is not a mode to serve
+with. ``--warmup-s`` and ``--confidence-z`` set the controller's first check and its
+noise rule (:class:`ppipe.control.replan.ReplanPolicy`; ``--warmup-s 60 --confidence-z
+0`` is the controller that waited for a whole window and trusted every slope).
+
 Targets (issue 21): auto >= static + 15 points of attainment; switches >= 60 s apart; each
 re-plan <= 2 s of planner time; the whole script <= 30 min on the project's host.
 
@@ -80,12 +88,25 @@ def run(w, mode: str, load: float, args, *, stop: bool = False):
     models = [m.name for m in plan.models]
     arrivals = shifting_poisson_arrivals(models, total, args.duration_s * 1e6, args.seed, period_s=args.period_s)
     setup = None
-    if mode == "auto":
-        policy = ReplanPolicy(min_interval_s=args.min_interval_s, load_delay_s=args.load_delay_s)
-        setup = ReplanSetup(planner_replan(plan, profiles, cluster, time_limit_s=args.replan_time_limit_s), policy, args.load_delay_s)
+    if mode in ("auto", "oracle"):
+        policy = ReplanPolicy(min_interval_s=args.min_interval_s, load_delay_s=args.load_delay_s, warmup_s=args.warmup_s,
+                              confidence_z=args.confidence_z)
+        setup = ReplanSetup(planner_replan(plan, profiles, cluster, time_limit_s=args.replan_time_limit_s), policy, args.load_delay_s,
+                            estimator=_oracle(models, total, args.period_s) if mode == "oracle" else None)
     config = SimConfig(duration_s=args.duration_s, seed=args.seed, feedback="changed", replan=setup,
                        stop_below=TARGET if stop else None, stop_overall=stop)
     return simulate(plan, profiles, cluster, arrivals, config)
+
+
+def _oracle(models, total_rps: float, period_s: float):
+    """The controller's estimator from the true rates of the shifting mix (a bound, never served with)."""
+    from ppipe.sim.workloads import shifting_rates
+
+    def estimator(now_us: float):
+        rate, trend = shifting_rates(now_us / 1e6, models, total_rps, period_s)
+        return rate, trend, {m: 0.0 for m in models}
+
+    return estimator
 
 
 def per_minute(res, duration_s: float) -> list[float]:
@@ -132,7 +153,7 @@ def report(r: dict, args) -> None:
           f"{'-' if r['max_load'] is None else format(r['max_load'], '.3f')}")
     print(f"  per minute (%): {mins}")
     sw = r["switches"]
-    if r["mode"] == "auto":
+    if r["mode"] != "static":
         gaps = [b["decided_s"] - a["decided_s"] for a, b in zip(sw, sw[1:])]
         print(f"  switches: {len(sw)}; least gap {min(gaps):.0f} s" if gaps else f"  switches: {len(sw)}", end="")
         print(f"; planner max {max((s['planner_s'] for s in sw), default=0):.2f} s")
@@ -152,6 +173,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--min-interval-s", type=float, default=60.0)
     ap.add_argument("--load-delay-s", type=float, default=10.0, help="virtual time from a re-plan decision to the switch")
     ap.add_argument("--replan-time-limit-s", type=float, default=1.5)
+    ap.add_argument("--warmup-s", type=float, default=5.0, help="time from the start to the controller's first check")
+    ap.add_argument("--confidence-z", type=float, default=2.0, help="standard errors the controller's noise rule takes off")
+    ap.add_argument("--modes", nargs="+", default=["static", "auto"], choices=["static", "auto", "oracle"],
+                    help="oracle: the controller given the true rates (a bound); the last line needs static and auto")
     ap.add_argument("--bisect-steps", type=int, default=None, help="default 4 (2 with --quick)")
     ap.add_argument("--lo", type=float, default=0.4, help="bisection bracket's low end (assumed to pass)")
     ap.add_argument("--hi", type=float, default=1.1, help="bisection bracket's high end (assumed to fail)")
@@ -173,21 +198,22 @@ def main() -> int:
     print(host_line())
     print(f"{CLUSTER}, groups {' '.join(args.groups)}: {args.duration_s:g} s of Poisson arrivals, shifting mix of period "
           f"{args.period_s:g} s; re-plan: min interval {args.min_interval_s:g} s, load delay {args.load_delay_s:g} s, "
-          f"planner time limit {args.replan_time_limit_s:g} s; bisection {args.bisect_steps} steps in [{args.lo}, {args.hi}]", flush=True)
+          f"planner time limit {args.replan_time_limit_s:g} s, warm-up {args.warmup_s:g} s, confidence z {args.confidence_z:g}; bisection {args.bisect_steps} steps in [{args.lo}, {args.hi}]", flush=True)
     t0 = time.perf_counter()
-    items = [(g, m, args) for g in args.groups for m in ("static", "auto")]
+    items = [(g, m, args) for g in args.groups for m in args.modes]
     results = []
     with mp.get_context("spawn").Pool(max(1, min(args.jobs, len(items)))) as pool:
         for r in pool.imap_unordered(task, items):  # each (group, mode) as it ends: a long run shows progress
             report(r, args)
             sys.stdout.flush()
             results.append(r)
-    by = {m: [r for r in results if r["mode"] == m] for m in ("static", "auto")}
+    by = {m: [r for r in results if r["mode"] == m] for m in args.modes}
     att = {m: sum(r["attainment"] for r in rs) / len(rs) for m, rs in by.items()}
-    print(f"mean attainment at load {args.load}: static {100 * att['static']:.2f} % auto {100 * att['auto']:.2f} % "
-          f"(auto - static {100 * (att['auto'] - att['static']):+.2f} points); wall {time.perf_counter() - t0:.0f} s")
+    gains = "".join(f"; {m} - static {100 * (att[m] - att['static']):+.2f} points" for m in att if m != "static" and "static" in att)
+    print(f"mean attainment at load {args.load}: " + " ".join(f"{m} {100 * a:.2f} %" for m, a in att.items())
+          + f"{gains}; wall {time.perf_counter() - t0:.0f} s")
     ml = {m: (sum(r["max_load"] for r in rs) / len(rs)) if args.bisect_steps else float("nan") for m, rs in by.items()}
-    print(f"max load at 99 %: static {ml['static']:.3f} auto {ml['auto']:.3f}")
+    print(f"max load at 99 %: static {ml.get('static', float('nan')):.3f} auto {ml.get('auto', float('nan')):.3f}")
     return 0
 
 

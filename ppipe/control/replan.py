@@ -10,13 +10,29 @@ or runtime) builds the new plan's workers and scheduler and hands over
 Estimate
 --------
 Arrivals are counted per model in bins of ``bin_s`` seconds. At a check at time ``t`` the
-complete bins of the last ``window_s`` seconds give a least-squares line
+complete bins of the last ``window_s`` seconds -- fewer in the first ``window_s`` seconds:
+those since the controller started -- give a least-squares line
 ``c(tau) = alpha + beta (tau - tau_bar)`` through the counts (bin centres ``tau``), hence
 
-* the current rate   ``r_m = (alpha + beta (t - tau_bar)) / bin_s``,
-* its trend          ``g_m = beta / bin_s``   (req/s per s),
+* the current rate   ``r_m = (alpha + beta' (t - tau_bar)) / bin_s``,
+* its trend          ``g_m = beta' / bin_s``   (req/s per s),
 * the rate to plan for, the peak over the coming ``horizon_s = H`` (a plan has to last at
-  least until the next switch is allowed):  ``p_m = max(r_m, r_m + g_m H, 0)``.
+  least until the next switch is allowed):  ``p_m = max(r_m, r_m + g_m H, 0)``,
+
+where ``beta'`` is the slope shrunk towards 0 by ``confidence_z`` standard errors,
+``beta' = sign(beta) max(|beta| - confidence_z se(beta), 0)`` (0 unless significant).
+Counts are Poisson, so ``var(c) ~ alpha`` and ``se(beta) = sqrt(alpha / S_xx)`` with
+``S_xx = sum (tau - tau_bar)^2`` over the ``n`` bins used. ``S_xx`` grows as ``n^3``:
+over a few seconds the slope is mostly noise, and ``H`` would multiply that noise into the
+plan's weights. ``p_m`` is the line's value at ``u = t + H`` (rising) or ``u = t``, with
+the standard error ``e_m = sqrt(alpha / n + (u - tau_bar)^2 alpha / S_xx) / bin_s`` (the
+second term only where the slope is used).
+
+The first check runs ``warmup_s`` (at most ``window_s``) after the start, on the bins
+since the start, so that a mix the starting plan does not fit is re-planned from the first
+observations rather than after a whole window. Few bins give a noisy level, hence the
+trigger's confidence rule below: at a high rate a few seconds suffice; at a low one the
+trigger waits for more.
 
 A line over the window, rather than the window's mean, removes the mean's lag of
 ``window_s / 2`` behind a moving rate; ``H`` looks ahead as far as the plan must hold.
@@ -28,7 +44,8 @@ which every model's planned-for rate could grow before one exceeds its capacity 
 max-min objective under the observed weights; ``Z >= 1``: every model fits). A check
 
 1. **triggers** when some model's planned-for rate passes ``trigger_load`` (90 %) of its
-   capacity: ``Z(current) < 1 / trigger_load``;
+   capacity, with confidence: ``Z_lo(current) < 1 / trigger_load``, ``Z_lo`` being ``Z``
+   under ``max(p_m - confidence_z e_m, 0)`` (noise alone seldom triggers a re-plan);
 2. is **allowed** when ``min_interval_s`` (60 s) have passed since the last switch, and
    the mix moved by ``retry_shift`` (in share, max over models) since the last re-plan
    that was not applied, or ``min_interval_s`` passed since it (hysteresis: a mix the
@@ -73,6 +90,10 @@ class ReplanPolicy:
     Attributes:
         window_s: estimation window.
         bin_s: arrival-count bin width.
+        warmup_s: time from the start to the first check (its estimate uses the bins since
+            the start); ``None`` or more than ``window_s``: ``window_s``.
+        confidence_z: the slope is shrunk towards 0, and the trigger's rates are lowered, by
+            this many standard errors; 0 = neither.
         horizon_s: look-ahead ``H`` of the planned-for rate; ``None`` = ``min_interval_s``
             plus ``load_delay_s``.
         check_every_s: how often a check runs.
@@ -87,6 +108,8 @@ class ReplanPolicy:
 
     window_s: float = 60.0
     bin_s: float = 1.0
+    warmup_s: float | None = 5.0
+    confidence_z: float = 2.0
     horizon_s: float | None = None
     check_every_s: float = 5.0
     trigger_load: float = 0.9
@@ -105,6 +128,8 @@ class ReplanPolicy:
             (self.min_interval_s >= 0 and self.load_delay_s >= 0, "min_interval_s and load_delay_s must be >= 0", "e.g. 60 and 0"),
             (0 <= self.min_share < 1, "min_share must be in [0, 1)", "e.g. min_share=0.01"),
             (self.horizon_s is None or self.horizon_s >= 0, "horizon_s must be >= 0", "or None (the default)"),
+            (self.warmup_s is None or self.warmup_s >= 2 * self.bin_s, "warmup_s must be >= 2 x bin_s", "e.g. warmup_s=5, or None (= window_s)"),
+            (self.confidence_z >= 0, "confidence_z must be >= 0", "e.g. confidence_z=2"),
         ]
         for ok, what, fix in checks:
             if not ok:
@@ -185,6 +210,9 @@ class ReplanController:
             :class:`~ppipe.errors.UserError` (e.g. infeasible): the check then keeps the plan.
         clock: ``now_us()``; the simulator's virtual clock or the runtime's wall clock.
         policy: tunables.
+        estimator: ``estimator(now_us) -> (r, g, e)`` in place of the arrival counts'
+            :meth:`estimate_with_error` (``None``, the default). For a bound only: a
+            benchmark's oracle that knows the workload's true rates (``e`` all 0).
 
     Drivers call :meth:`observe` for every arrival (its time may precede ``now``) and
     :meth:`poll` often (each arrival is fine: it returns at once between checks). A check
@@ -193,15 +221,18 @@ class ReplanController:
     decision is taken as applied; :meth:`refused` undoes it.
     """
 
-    def __init__(self, plan: Any, replan: Callable[[dict[str, float]], Any], clock: Clock, policy: ReplanPolicy = ReplanPolicy()):
+    def __init__(self, plan: Any, replan: Callable[[dict[str, float]], Any], clock: Clock, policy: ReplanPolicy = ReplanPolicy(),
+                 estimator: Callable[[float], tuple[dict, dict, dict]] | None = None):
         self.plan = plan
+        self._estimator = estimator or self.estimate_with_error
         self.models = [m.name for m in plan.models]
         self._replan = replan
         self.clock = clock
         self.policy = policy
         self._bins: dict[str, dict[int, int]] = {m: defaultdict(int) for m in self.models}
         self._start_us = clock.now_us()
-        self.next_check_us = self._start_us + policy.window_s * 1e6
+        self._first_bin = math.ceil(self._start_us / (policy.bin_s * 1e6))  # the first complete bin
+        self.next_check_us = self._start_us + min(policy.window_s, policy.warmup_s or math.inf) * 1e6
         self._last_switch_us = -math.inf
         self._last_attempt: _Attempt | None = None
         self._previous: Any = None  # the plan before the last decision (refused() restores it)
@@ -216,22 +247,32 @@ class ReplanController:
 
     def estimate(self, now_us: float) -> tuple[dict[str, float], dict[str, float]]:
         """``(r, g)``: each model's current rate (req/s) and trend (req/s per s) (module docstring)."""
+        rate, trend, _ = self.estimate_with_error(now_us)
+        return rate, trend
+
+    def estimate_with_error(self, now_us: float) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """``(r, g, e)``: :meth:`estimate` and the standard error ``e_m`` (req/s) of each
+        planned-for rate :meth:`planned_for` makes of them (module docstring)."""
         b = self.policy.bin_s
+        z = self.policy.confidence_z
         last = int(now_us // (b * 1e6))  # the bin now filling: not complete
-        ks = range(last - int(round(self.policy.window_s / b)), last)
+        ks = range(max(last - int(round(self.policy.window_s / b)), min(self._first_bin, last - 2)), last)
         taus = [(k + 0.5) * b for k in ks]
         tau_bar = sum(taus) / len(taus)
         sxx = sum((x - tau_bar) ** 2 for x in taus)
-        rate, trend = {}, {}
+        rate, trend, err = {}, {}, {}
         for m, bins in self._bins.items():
             counts = [bins.get(k, 0) for k in ks]
             alpha = sum(counts) / len(counts)
             beta = sum((x - tau_bar) * c for x, c in zip(taus, counts)) / sxx
+            beta = math.copysign(max(abs(beta) - z * math.sqrt(max(alpha, 1.0) / sxx), 0.0), beta)  # shrunk (module docstring)
             rate[m] = max(0.0, (alpha + beta * (now_us / 1e6 - tau_bar)) / b)
             trend[m] = beta / b
+            lead = 0.0 if beta == 0.0 else now_us / 1e6 - tau_bar + (self.policy.horizon if beta > 0 else 0.0)
+            err[m] = math.sqrt(max(alpha, 1.0) * (1.0 / len(counts) + lead * lead / sxx)) / b
             for k in [k for k in bins if k < ks.start]:
                 del bins[k]  # older than the window: never read again
-        return rate, trend
+        return rate, trend, err
 
     def planned_for(self, rate: Mapping[str, float], trend: Mapping[str, float]) -> dict[str, float]:
         """``p_m = max(r_m, r_m + g_m H, 0)``."""
@@ -244,14 +285,15 @@ class ReplanController:
         if now < self.next_check_us:
             return None
         self.next_check_us = now + self.policy.check_every_s * 1e6
-        rate, trend = self.estimate(now)
+        rate, trend, err = self._estimator(now)
         peak = self.planned_for(rate, trend)
         total = sum(peak.values())
         if total <= 0:
             return None
-        z_old = plan_value(self.plan, peak)
-        if z_old >= 1.0 / self.policy.trigger_load or not self._allowed(now, peak, total):
+        sure = {m: max(v - self.policy.confidence_z * err[m], 0.0) for m, v in peak.items()}
+        if plan_value(self.plan, sure) >= 1.0 / self.policy.trigger_load or not self._allowed(now, peak, total):
             return None
+        z_old = plan_value(self.plan, peak)
         return self._replan_and_decide(now, rate, peak, total, z_old)
 
     def _allowed(self, now: float, peak: Mapping[str, float], total: float) -> bool:

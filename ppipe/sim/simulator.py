@@ -173,11 +173,14 @@ class ReplanSetup:
         load_delay_s: virtual time from a decision to the switch: the new plan's planning
             (at most the planner's time limit) and the loading of its workers, while the
             old plan keeps serving.
+        estimator: the controller's ``estimator`` (``None``: from the arrivals it observes);
+            a benchmark's oracle of the true rates, to bound what a controller can reach.
     """
 
     replan: Callable[[dict], Any]
     policy: Any = None
     load_delay_s: float = 10.0
+    estimator: Callable[[float], Any] | None = None
 
 
 @dataclass(slots=True)
@@ -767,7 +770,7 @@ class Simulator:
             )
         policy = setup.policy or replace(ReplanPolicy(), load_delay_s=setup.load_delay_s)
         self.scheduler = SwitchingScheduler(self.scheduler)
-        return ReplanController(self.plan, setup.replan, self.clock, policy)
+        return ReplanController(self.plan, setup.replan, self.clock, policy, setup.estimator)
 
     def on_switch(self, decision) -> list[Event]:
         """Hand over to ``decision.plan``: new scheduler, new vGPU states (kept ones carried over)."""

@@ -66,6 +66,20 @@ def shifting_shares(t_s: np.ndarray | float, n: int, period_s: float, amplitude:
     return np.stack([1.0 / n + a * np.sin(phase + 2 * math.pi * i / n) for i in range(n)]) if n > 1 else np.ones((1,) + t.shape)
 
 
+def shifting_rates(t_s: float, models: Sequence[str], total_rps: float, period_s: float, amplitude: float | None = None):
+    """``(rate, trend)`` per model at ``t_s``: ``R s_i(t)`` (req/s) and its derivative (req/s per s).
+
+    The true rates of :func:`shifting_poisson_arrivals`; a controller never sees them (it
+    counts arrivals), a benchmark's oracle does.
+    """
+    n = len(models)
+    a = default_amplitude(n) if amplitude is None else amplitude
+    w = 2 * math.pi / period_s
+    rate = {m: float(total_rps * shifting_shares(t_s, n, period_s, a)[i]) for i, m in enumerate(models)}
+    trend = {m: (total_rps * a * w * math.cos(w * t_s + 2 * math.pi * i / n) if n > 1 else 0.0) for i, m in enumerate(models)}
+    return rate, trend
+
+
 def _check_shifting(models: Sequence[str], total_rps: float, duration_us: float, period_s: float, amplitude: float) -> None:
     if not models:
         raise UserError("a shifting workload needs at least one model", fix="give the plan's model names")

@@ -123,12 +123,44 @@ def test_estimate_of_a_ramp_recovers_rate_and_trend():
     cum = np.cumsum(r * 0.0005)
     times = np.interp(np.arange(1, int(cum[-1])), cum, t) * 1e6
     clock = ManualClock()
+    exact = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock, ReplanPolicy(confidence_z=0.0))
+    shrunk = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock)
+    for x in times:
+        exact.observe("a", x)
+        shrunk.observe("a", x)
+    rate, trend = exact.estimate(100e6)
+    assert rate["a"] == pytest.approx(300.0, rel=0.02) and trend["a"] == pytest.approx(2.0, rel=0.05)
+    assert exact.planned_for(rate, trend)["a"] == pytest.approx(300.0 + 2.0 * 60, rel=0.03)
+    # the default shrinks the slope by 2 standard errors of a Poisson count's slope: sqrt(mean count / S_xx)
+    _, t2 = shrunk.estimate(100e6)
+    se = math.sqrt(240.0 / sum((k - 29.5) ** 2 for k in range(60)))
+    assert t2["a"] == pytest.approx(trend["a"] - 2 * se, rel=0.02)
+
+
+def test_a_steep_ramp_is_trusted_only_once_enough_bins_show_it():
+    # the first check (warmup_s after the start) plans for the level; a full window adds the trend
+    t = np.arange(0, 80, 0.0005)
+    r = 200 + 2 * t
+    cum = np.cumsum(r * 0.0005)
+    times = np.interp(np.arange(1, int(cum[-1])), cum, t) * 1e6
+    clock = ManualClock()
     ctl = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock)
+    assert ctl.next_check_us == pytest.approx(5e6)  # warmup_s, not window_s
     for x in times:
         ctl.observe("a", x)
-    rate, trend = ctl.estimate(100e6)
-    assert rate["a"] == pytest.approx(300.0, rel=0.02) and trend["a"] == pytest.approx(2.0, rel=0.05)
-    assert ctl.planned_for(rate, trend)["a"] == pytest.approx(300.0 + 2.0 * 60, rel=0.03)
+    rate5, trend5, err5 = ctl.estimate_with_error(5e6)
+    # 5 bins: the slope's standard error (sqrt(205 / 10) = 4.5) exceeds the slope: the mean level, its error
+    assert trend5["a"] == 0.0 and rate5["a"] == pytest.approx(205.0, rel=0.01) and err5["a"] == pytest.approx(math.sqrt(205 / 5), rel=0.01)
+    rate, trend, err = ctl.estimate_with_error(70e6)  # bins 10..69: mean count 280, S_xx = 17,995
+    slope = 2.0 - 2 * math.sqrt(280.0 / 17995.0)
+    assert trend["a"] == pytest.approx(slope, rel=0.02) and rate["a"] == pytest.approx(280.0 + 30 * slope, rel=0.01)
+
+
+def test_a_few_noisy_seconds_of_a_steady_mix_do_not_trigger():
+    # Poisson counts at 80 % of capacity: over the first seconds a slope times H could pass
+    # 90 %; the trigger takes the rates less 2 standard errors
+    ctl, planner = drive(steady(0.8 * CAPACITY, 60, seed=3), ReplanPolicy(warmup_s=2.0, check_every_s=1.0))
+    assert planner.calls == []
 
 
 def test_plan_value_is_min_capacity_over_rate():
@@ -185,3 +217,15 @@ def test_a_refused_decision_restores_the_plan_and_is_not_retried_at_once():
             assert d.at_us - first.at_us >= 60e6  # the refused decision still counts for the interval
             break
     assert first is not None
+
+
+def test_an_injected_estimator_replaces_the_arrival_counts():
+    # a benchmark's oracle: the controller decides from the rates it is given, with no arrival observed
+    clock = ManualClock()
+    planner = IdealPlanner()
+    rates = {"a": 300.0, "b": 100.0, "c": 100.0}  # "a" at 1.5 x its capacity of 200
+    ctl = ReplanController(FakePlan({m: CAPACITY / 3 for m in MODELS}), planner, clock, ReplanPolicy(),
+                           estimator=lambda now_us: (rates, {m: 0.0 for m in MODELS}, {m: 0.0 for m in MODELS}))
+    clock.t_us = 5e6
+    d = ctl.poll()
+    assert d is not None and d.weights["a"] == pytest.approx(0.6) and planner.calls == [d.weights]

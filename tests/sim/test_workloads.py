@@ -96,3 +96,15 @@ def test_azure_bad_input_names_file_field_and_fix(tmp_path, text, mapping, match
 def test_azure_missing_file(tmp_path):
     with pytest.raises(UserError, match="not found"):
         replay_azure_functions(tmp_path / "none.txt", {"f": "m"}, 1e6)
+
+
+def test_shifting_rates_are_the_generators_rates_and_their_derivative():
+    from ppipe.sim.workloads import shifting_rates
+
+    models = ["a", "b", "c"]
+    for t in (0.0, 77.0, 450.0):
+        rate, trend = shifting_rates(t, models, 900.0, 600.0)
+        assert sum(rate.values()) == pytest.approx(900.0)
+        assert [rate[m] for m in models] == pytest.approx(list(900.0 * shifting_shares(t, 3, 600.0)))
+        ahead, _ = shifting_rates(t + 1e-3, models, 900.0, 600.0)
+        assert [(ahead[m] - rate[m]) / 1e-3 for m in models] == pytest.approx([trend[m] for m in models], rel=1e-3, abs=1e-3)
