@@ -58,7 +58,7 @@ def _run(refuse: bool):
         # 2.5 s of arrivals: "a" at 20 req/s (twice its capacity), "b" at 5 req/s, logged as the runtime logs them
         rt.arrival_log.extend(("a", t0 - 2.5e6 + i * 5e4) for i in range(50))
         rt.arrival_log.extend(("b", t0 - 2.5e6 + i * 2e5) for i in range(13))
-        loop.controller.next_check_us = t0  # (the controller waits one window after start before its first check)
+        loop.controller.next_check_us = t0  # (the controller waits its warm-up, 5 s or the window if shorter, before its first check)
         for _ in range(100):
             await asyncio.sleep(0.02)
             if switcher.applied:
