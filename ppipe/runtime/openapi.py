@@ -99,7 +99,8 @@ def openapi_document(models: list[str], version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of a server that serves ``models``."""
     name = {"name": "model_name", "in": "path", "required": True, "schema": {"type": "string", "enum": list(models)}}
     secured = [{"bearer": []}]
-    health = {"type": "object", "properties": {"live": {"type": "boolean"}, "ready": {"type": "boolean"}}}
+    health = {"type": "object", "properties": {"live": {"type": "boolean"}, "ready": {"type": "boolean"},
+                                               "started": {"type": "boolean", "description": "the server's runtime is up"}}}
 
     def get(summary, ok, *errors, params=(), security=secured):
         op = {"summary": summary, "responses": {"200": ok, **_errors(*errors)}, "security": security}

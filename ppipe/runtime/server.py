@@ -23,7 +23,8 @@ planned throughput that its live vGPUs provide; :func:`ppipe.runtime.metrics.cap
 This departs on purpose from the Open Inference Protocol's text, whose "server ready" says
 that *all* models are ready: with models spread over machines, that rule takes a whole
 server out of rotation for one lost machine (Triton makes the same choice an option,
-``--strict-readiness``).
+``--strict-readiness``). A server of several frontend shards is ready once every shard has
+started, and then while one of them is ready (:mod:`ppipe.runtime.shards`).
 
 Status codes of ``infer`` (the body is always ``{"error": "..."}`` on failure):
 
@@ -389,8 +390,9 @@ class Frontend:
         return JSONResponse({"live": True})
 
     async def ready(self, request: Request) -> Response:
-        ok = self.runtime.started and any(self.runtime.model_ready(m) for m in self.models)  # see "Readiness" above
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+        started = self.runtime.started
+        ok = started and any(self.runtime.model_ready(m) for m in self.models)  # see "Readiness" above
+        return JSONResponse({"ready": ok, "started": started}, status_code=200 if ok else 503)
 
     async def model_metadata(self, request: Request) -> Response:
         if not self._authorized(request):

@@ -31,6 +31,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import orjson
+
 from ppipe.spec.plan import Plan
 
 log = logging.getLogger("ppipe.runtime")
@@ -115,6 +117,31 @@ def sub_plan(plan: Plan, models: list[str]) -> Plan:
     })
 
 
+_STARTING = (503, [(b"content-type", b"application/json")], b'{"error": "the server is starting; retry shortly"}')
+
+
+def merge_readiness(answers: list[tuple[int, list, bytes]]) -> tuple[int, list, bytes]:
+    """The server's ``/v2/health/ready`` from its shards' answers ``(status, headers, body)``:
+    not ready while some shard has not started (its runtime is not up, or it cannot be
+    reached yet: a load balancer that sent requests then would get "starting" 503s for that
+    shard's models), then ready while some shard is (it has a ready model). Returns the
+    answer to give: a starting shard's, a ready one's, or the first shard's 503."""
+    def starting(answer: tuple[int, list, bytes]) -> bool:
+        if answer[0] == 200:
+            return False
+        try:
+            body = orjson.loads(answer[2])
+        except orjson.JSONDecodeError:
+            return False
+        if isinstance(body, dict) and "started" in body:  # a shard's own readiness
+            return body["started"] is False
+        return answer[2] == _STARTING[2]  # a shard that cannot pass requests yet, or cannot be reached
+
+    waiting = [a for a in answers if starting(a)]
+    good = [a for a in answers if a[0] == 200]
+    return waiting[0] if waiting else good[0] if good else answers[0]
+
+
 def merge_metrics(texts: list[bytes]) -> bytes:
     """Prometheus text expositions of several shards as one: each family once, with the
     samples of every shard (the shards' label sets are disjoint: models, vGPUs)."""
@@ -150,7 +177,7 @@ class ShardRouter:
 
     Requests under ``/v2/models/{name}`` go to the owner of ``name`` (names no shard owns
     stay here, for the 404). ``/v2/health/ready`` and ``/metrics`` ask every shard and
-    combine the answers (ready while some shard is: at least one model is ready); everything else is answered here. Between shards, a request is one
+    combine the answers (:func:`merge_readiness`); everything else is answered here. Between shards, a request is one
     data-path message (header: method, path, query, headers; the body as bytes), and so is
     its answer; the owner replays it into its own app.
     """
@@ -215,16 +242,15 @@ class ShardRouter:
             await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")], merged)
         elif path == "/metrics":  # an error (401) as the first shard that gave it
             await _respond(send, *bad[0])
-        else:  # readiness: ready while some shard is (it has a ready model); else the first shard's 503
-            good = [a for a in answers if a[0] == 200]
-            await _respond(send, *(good[0] if good else bad[0]))
+        else:
+            await _respond(send, *merge_readiness(answers))
 
     async def _ask(self, target: int, scope, body: bytes) -> tuple[int, list, bytes]:
         """Answer of shard ``target`` (this one in-process) to the request ``scope`` + ``body``."""
         if target == self.index:
-            return await _replay(self.app, _wire_scope(scope), body)
+            return await self._replay_here(_wire_scope(scope), body)
         if self.peers is None:
-            return 503, [(b"content-type", b"application/json")], b'{"error": "the server is starting; retry shortly"}'
+            return _STARTING
         from ppipe.runtime.wire import pack
 
         rid = next(self._ids)
@@ -252,11 +278,18 @@ class ShardRouter:
             if fut is not None and not fut.done():
                 fut.set_result((head["status"], [tuple(h) for h in head["headers"]], body))
 
+    async def _replay_here(self, head: dict[str, Any], body: bytes) -> tuple[int, list, bytes]:
+        """This shard's app's answer; its readiness is "starting" until it can pass requests
+        to the other shards (a request for their models reaching it would get a 503)."""
+        if head["path"] == "/v2/health/ready" and self.peers is None:
+            return _STARTING
+        return await _replay(self.app, head, body)
+
     async def _serve_peer(self, head: dict[str, Any], body: bytes) -> None:
         from ppipe.runtime.wire import pack
 
         try:
-            status, headers, out = await _replay(self.app, head, body)
+            status, headers, out = await self._replay_here(head, body)
         except Exception:
             log.exception("shard %d: a passed request failed", self.index)
             status, headers, out = 500, [(b"content-type", b"application/json")], b'{"error": "internal error in a shard"}'

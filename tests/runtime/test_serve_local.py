@@ -84,7 +84,7 @@ def test_health_and_metadata(served):
     url, _ = served
     with httpx.Client(base_url=url, timeout=30) as c:
         assert c.get("/v2/health/live").status_code == 200
-        assert c.get("/v2/health/ready").json() == {"ready": True}
+        assert c.get("/v2/health/ready").json() == {"ready": True, "started": True}
         meta = c.get("/v2/models/tinynet").json()
         assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 8, 8]}]
         assert meta["outputs"][0]["name"] == "logits"
