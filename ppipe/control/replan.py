@@ -232,6 +232,7 @@ class ReplanController:
         self._bins: dict[str, dict[int, int]] = {m: defaultdict(int) for m in self.models}
         self._start_us = clock.now_us()
         self._first_bin = math.ceil(self._start_us / (policy.bin_s * 1e6))  # the first complete bin
+        self._seen_traffic = False  # (observe: an idle lead-in before the first arrival is not counted)
         self.next_check_us = self._start_us + min(policy.window_s, policy.warmup_s or math.inf) * 1e6
         self._last_switch_us = -math.inf
         self._last_attempt: _Attempt | None = None
@@ -240,10 +241,25 @@ class ReplanController:
         self.attempts: list[ReplanDecision] = []
 
     def observe(self, model: str, t_us: float) -> None:
-        """One arrival of ``model`` at ``t_us`` (models the plan does not serve are ignored)."""
+        """One arrival of ``model`` at ``t_us`` (models the plan does not serve are ignored).
+
+        The first arrival later than the controller's first bin starts the estimate anew:
+        a server that waited idle before its traffic began has seen no trend, and counting
+        its empty bins would read the start of the traffic as a steep rise (the warm-up's
+        first check would then plan for a multiple of the real rate).
+        """
         bins = self._bins.get(model)
-        if bins is not None:
-            bins[int(t_us // (self.policy.bin_s * 1e6))] += 1
+        if bins is None:
+            return
+        if not self._seen_traffic:
+            self._seen_traffic = True
+            bin_us = self.policy.bin_s * 1e6
+            if t_us >= (self._first_bin + 1) * bin_us:
+                self._start_us = t_us
+                self._first_bin = math.ceil(t_us / bin_us)
+                self.next_check_us = max(self.next_check_us,
+                                         t_us + min(self.policy.window_s, self.policy.warmup_s or math.inf) * 1e6)
+        bins[int(t_us // (self.policy.bin_s * 1e6))] += 1
 
     def estimate(self, now_us: float) -> tuple[dict[str, float], dict[str, float]]:
         """``(r, g)``: each model's current rate (req/s) and trend (req/s per s) (module docstring)."""

@@ -229,3 +229,19 @@ def test_an_injected_estimator_replaces_the_arrival_counts():
     clock.t_us = 5e6
     d = ctl.poll()
     assert d is not None and d.weights["a"] == pytest.approx(0.6) and planner.calls == [d.weights]
+
+
+def test_an_idle_lead_in_before_the_first_arrival_is_no_trend():
+    """A server idle for 40 s before its traffic (steady, 80 % of capacity) starts: the
+    first check comes a warm-up after the first arrival, and reads no rise."""
+    lead_in_us = 40e6
+    arrivals = {m: ts + lead_in_us for m, ts in steady(0.8 * CAPACITY, 60).items()}
+    ctl, planner = drive(arrivals)
+    assert planner.calls == [] and ctl.decisions == []
+    rate, trend = ctl.estimate(lead_in_us + 8e6)
+    assert all(abs(g) < 0.5 * r for r, g in zip(rate.values(), trend.values()))  # no steep rise from the empty bins
+    # without the restart, the idle bins would be read as a ramp from 0 to the rate
+    late = ReplanController(FakePlan({m: CAPACITY / 3 for m in MODELS}), IdealPlanner(), ManualClock(), ReplanPolicy())
+    assert late.next_check_us == 5e6
+    late.observe("a", lead_in_us)
+    assert late.next_check_us == lead_in_us + 5e6
