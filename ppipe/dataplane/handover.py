@@ -29,13 +29,24 @@ old plan still holds and can hand them to the new plan's tables:
 * **Failures carry over**: a kept vGPU that the old scheduler had marked failed is marked
   failed in the new one.
 
+**Resources that change hands between schedulers** (the shards of one server, each a
+scheduler over its own models, :mod:`ppipe.runtime.shards`): a new plan may give a physical
+GPU or a NIC that one shard's old plan used to another shard. The taker cannot see the
+giver's tables, so its hand-over puts the resource under *embargo*: its new vGPUs on the
+GPU (those not kept) and its NIC table are busy from the switch on, without end. The
+giver's hand-over reports, per resource it retires, when its last old reservation there
+ends (:func:`retired_until`); :func:`lift_embargo` then shortens the taker's block to that
+instant. The result is the single scheduler's rule above (a new share waits for the old
+shares it replaces), reached in two steps; between them the resource serves nobody.
+
 Pure logic, like the rest of the data plane: the simulator (under its virtual clock) and
 the runtime (under the wall clock) call :func:`hand_over` the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from ppipe.dataplane.api import Decision, DropReason
 from ppipe.dataplane.batching import BatchingScheduler
@@ -54,12 +65,15 @@ class Handover:
         moved: requests moved from the old scheduler's queues to the new one.
         decisions: the new scheduler's decisions on the moved requests (and drops of those
             it cannot serve), for the driver to apply.
+        retired: :func:`retired_until` of the switch: when the old plan's reservations end
+            on each GPU and NIC it gives up (for another scheduler's embargo).
     """
 
     first_batch_id: int
     kept: frozenset[str]
     moved: int
     decisions: list[Decision]
+    retired: dict[str, float] = field(default_factory=dict)
 
 
 def vgpu_identity(g: VGpu) -> tuple:
@@ -78,8 +92,11 @@ def physical_gpu(vgpu_id: str) -> str:
     return vgpu_id.rsplit("/", 1)[0]
 
 
-def hand_over(old: BatchingScheduler, new: BatchingScheduler) -> Handover:
+def hand_over(old: BatchingScheduler, new: BatchingScheduler, embargo: Iterable[str] = ()) -> Handover:
     """Make ``new`` (built on the new plan, with the same clock) take over from ``old`` now.
+
+    ``embargo``: physical GPUs (``"<server>/gpu<i>"``) and NICs whose old reservations are
+    another scheduler's; they stay busy in ``new`` until :func:`lift_embargo` (module doc).
 
     After the call the driver sends every new request to ``new``; reports and failures of
     batches numbered below ``first_batch_id`` go to ``old`` (failures of a kept vGPU to
@@ -101,6 +118,8 @@ def hand_over(old: BatchingScheduler, new: BatchingScheduler) -> Handover:
     now = old.clock.now_us()
     kept = kept_vgpus(old.topology, new.topology)
     _copy_reservations(old.topology, new.topology, kept, now)
+    _embargo(new.topology, kept, frozenset(embargo), now)
+    _refresh_pools(new.topology)
     first = new._next_batch_id = old._next_batch_id
     out: list[Decision] = []
     for v in old.failed:
@@ -116,7 +135,8 @@ def hand_over(old: BatchingScheduler, new: BatchingScheduler) -> Handover:
             else:
                 out.append(old._drop(r, DropReason.UNKNOWN_MODEL, "the new plan does not serve this model"))
         old.wake_at[model] = None
-    return Handover(first_batch_id=first, kept=kept, moved=moved, decisions=out)
+    return Handover(first_batch_id=first, kept=kept, moved=moved, decisions=out,
+                    retired=retired_until(old.topology, new.topology, kept, now))
 
 
 def _copy_reservations(old: Topology, new: Topology, kept: frozenset[str], now: float) -> None:
@@ -137,10 +157,65 @@ def _copy_reservations(old: Topology, new: Topology, kept: frozenset[str], now: 
             until = released_until.get(physical_gpu(v), now)
             if until > now:
                 g.table.add(now, until - now, ("handover", v))
-    for pipes in new.pipelines.values():
+
+
+def _refresh_pools(topology: Topology) -> None:
+    """Rebuild the pools' heaps after their tables changed busy times behind their back."""
+    for pipes in topology.pipelines.values():
         for p in pipes:
             for pool in p.pools:
-                pool.refresh()  # the copies changed busy times: rebuild the pools' heaps
+                pool.refresh()
+
+
+EMBARGO_US = 1e15  # "without end": ~30 years, finite so that interval arithmetic stays finite
+
+
+def _embargoed_tables(topology: Topology, kept: frozenset[str], resource: str) -> list[ReservationTable]:
+    """The tables an embargo on ``resource`` blocks: a NIC's, or those of the new (not kept) vGPUs on a GPU."""
+    if resource in topology.nic:
+        return [topology.nic[resource]]
+    return [g.table for v, g in topology.vgpus.items() if v not in kept and physical_gpu(v) == resource]
+
+
+def _embargo(topology: Topology, kept: frozenset[str], resources: frozenset[str], now: float) -> None:
+    for res in sorted(resources):
+        for table in _embargoed_tables(topology, kept, res):
+            start = max(now, table.busy_until())
+            table.add(start, EMBARGO_US, ("embargo", res))
+
+
+def lift_embargo(topology: Topology, resource: str, until: float) -> None:
+    """End the embargo on ``resource`` in ``topology``: it stays busy until ``until`` (the
+    other scheduler's last old reservation there, :func:`retired_until`), then is free."""
+    changed = False
+    for table in [*topology.nic.values(), *(g.table for g in topology.vgpus.values())]:
+        key = ("embargo", resource)
+        i = table.find(key)
+        if i < 0:
+            continue
+        start = table.starts[i]
+        table.remove(key, start)
+        if until > start:
+            table.add(start, until - start, ("handover", resource))
+        changed = True
+    if changed:
+        _refresh_pools(topology)
+
+
+def retired_until(old: Topology, new: Topology, kept: frozenset[str], now: float) -> dict[str, float]:
+    """Per physical GPU with vGPUs ``old`` has and ``new`` does not keep, and per NIC that
+    ``old`` uses and ``new`` does not: the end of ``old``'s last reservation there, where it
+    ends after ``now``. What a scheduler that takes the resource over must wait for (module
+    doc); a resource not listed is free from ``now``."""
+    out: dict[str, float] = {}
+    for v, g in old.vgpus.items():
+        if v not in kept and g.table.busy_until() > now:
+            gpu = physical_gpu(v)
+            out[gpu] = max(out.get(gpu, now), g.table.busy_until())
+    for res, table in old.nic.items():
+        if res not in new.nic and table.busy_until() > now:
+            out[res] = table.busy_until()
+    return out
 
 
 def _copy_after(src: ReservationTable, dst: ReservationTable, now: float) -> None:
@@ -196,14 +271,18 @@ class SwitchingScheduler:
         """Earlier schedulers whose batches are still in flight."""
         return [s for _, s in self._eras[:-1]]
 
-    def switch(self, new: BatchingScheduler) -> Handover:
+    def switch(self, new: BatchingScheduler, embargo: Iterable[str] = ()) -> Handover:
         """Hand over to ``new`` (see :func:`hand_over`); apply ``.decisions`` of the result."""
-        h = hand_over(self.current, new)
+        h = hand_over(self.current, new, embargo)
         self._eras.append((h.first_batch_id, new))
         self.current = new
         self.switches.append(h)
         self._forget_idle()
         return h
+
+    def lift_embargo(self, resource: str, until: float) -> None:
+        """:func:`lift_embargo` in the current scheduler's tables."""
+        lift_embargo(self.current.topology, resource, until)
 
     def submit(self, request) -> list[Decision]:
         return self.current.submit(request)

@@ -153,3 +153,34 @@ def test_withdraw_takes_queued_requests_back_and_ignores_the_rest():
     assert not sched.current.queues["m"]
     clock.advance_to(50_000.0)
     assert not [d for d in sched.wake() if isinstance(d, Dispatch)]  # its wake finds nothing to send
+
+
+def test_a_gpu_another_scheduler_gives_up_waits_under_embargo_until_its_last_old_reservation():
+    """Two shards of one server: shard A's old plan (m) uses n-2; the new plan gives n-2 to
+    shard B (fresh). B's switch embargoes n-2; A's switch says when its old reservations
+    there end; lifting B's embargo to that instant is the one-scheduler rule."""
+    from ppipe.dataplane.handover import EMBARGO_US
+    from ppipe.runtime.shards import sub_plan
+
+    clock = ManualClock()
+    new_a = toy_plan(CLUSTER, [ToyModel("m", 6.0, [ToyPipeline(2, [ToyPartition(0, 0, "A", 1, [("n-0", 0, 0)]),
+                                                                   ToyPartition(1, 1, "A", 1, [("n-1", 0, 0)])])])])
+    old_a, old_b = _sched(sub_plan(OLD, ["m"]), clock), _sched(sub_plan(OLD, ["gone"]), clock)
+    for r in _requests([(0.0, "m")] * 6):
+        old_a.submit(r)
+    a_until = old_a.topology.vgpus["n-2/gpu0/s0"].table.busy_until()
+    assert a_until > 0.0  # A has booked n-2 ahead
+    shard_a, shard_b = SwitchingScheduler(old_a), SwitchingScheduler(old_b)
+    clock.advance_to(100.0)
+    hb = shard_b.switch(_sched(sub_plan(NEW, ["fresh"]), clock), embargo=["n-2/gpu0"])
+    fresh = shard_b.topology.vgpus["n-2/gpu0/s0"].table
+    assert fresh.earliest(100.0, 1.0) >= EMBARGO_US  # nobody's until the giver has spoken
+    assert hb.retired == {}  # B gives n-3 up, with nothing booked there
+    ha = shard_a.switch(_sched(new_a, clock))
+    assert ha.retired["n-2/gpu0"] == a_until and "n-2/gpu0" not in ha.kept
+    shard_b.lift_embargo("n-2/gpu0", ha.retired["n-2/gpu0"])
+    assert fresh.earliest(100.0, 1.0) == pytest.approx(a_until)
+    assert all(key[0] != "embargo" for _, _, key in fresh.intervals())
+    out = shard_b.submit(Request(98, "fresh", 150.0, 150.0 + 6_000.0)) + shard_b.submit(Request(99, "fresh", 150.0, 150.0 + 6_000.0))
+    d = [x for x in out if isinstance(x, Dispatch)]
+    assert d and d[0].stages[0].start_us >= a_until - 1e-6  # once lifted, B books n-2 after A's last batch there
