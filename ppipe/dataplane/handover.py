@@ -45,7 +45,7 @@ the runtime (under the wall clock) call :func:`hand_over` the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ppipe.dataplane.api import Decision, DropReason
@@ -92,11 +92,12 @@ def physical_gpu(vgpu_id: str) -> str:
     return vgpu_id.rsplit("/", 1)[0]
 
 
-def hand_over(old: BatchingScheduler, new: BatchingScheduler, embargo: Iterable[str] = ()) -> Handover:
+def hand_over(old: BatchingScheduler, new: BatchingScheduler, embargo: Mapping[str, float | None] | Iterable[str] = ()) -> Handover:
     """Make ``new`` (built on the new plan, with the same clock) take over from ``old`` now.
 
     ``embargo``: physical GPUs (``"<server>/gpu<i>"``) and NICs whose old reservations are
-    another scheduler's; they stay busy in ``new`` until :func:`lift_embargo` (module doc).
+    another scheduler's, each with when they end there, or None (or given as a list)
+    where that is not known yet: busy until :func:`lift_embargo` (module doc).
 
     After the call the driver sends every new request to ``new``; reports and failures of
     batches numbered below ``first_batch_id`` go to ``old`` (failures of a kept vGPU to
@@ -118,7 +119,7 @@ def hand_over(old: BatchingScheduler, new: BatchingScheduler, embargo: Iterable[
     now = old.clock.now_us()
     kept = kept_vgpus(old.topology, new.topology)
     _copy_reservations(old.topology, new.topology, kept, now)
-    _embargo(new.topology, kept, frozenset(embargo), now)
+    _embargo(new.topology, kept, embargo if isinstance(embargo, Mapping) else dict.fromkeys(embargo), now)
     _refresh_pools(new.topology)
     first = new._next_batch_id = old._next_batch_id
     out: list[Decision] = []
@@ -177,11 +178,15 @@ def _embargoed_tables(topology: Topology, kept: frozenset[str], resource: str) -
     return [g.table for v, g in topology.vgpus.items() if v not in kept and physical_gpu(v) == resource]
 
 
-def _embargo(topology: Topology, kept: frozenset[str], resources: frozenset[str], now: float) -> None:
+def _embargo(topology: Topology, kept: frozenset[str], resources: Mapping[str, float | None], now: float) -> None:
     for res in sorted(resources):
+        until = resources[res]
         for table in _embargoed_tables(topology, kept, res):
             start = max(now, table.busy_until())
-            table.add(start, EMBARGO_US, ("embargo", res))
+            if until is None:
+                table.add(start, EMBARGO_US, ("embargo", res))
+            elif until > start:
+                table.add(start, until - start, ("handover", res))
 
 
 def lift_embargo(topology: Topology, resource: str, until: float) -> None:
@@ -271,7 +276,7 @@ class SwitchingScheduler:
         """Earlier schedulers whose batches are still in flight."""
         return [s for _, s in self._eras[:-1]]
 
-    def switch(self, new: BatchingScheduler, embargo: Iterable[str] = ()) -> Handover:
+    def switch(self, new: BatchingScheduler, embargo: Mapping[str, float | None] | Iterable[str] = ()) -> Handover:
         """Hand over to ``new`` (see :func:`hand_over`); apply ``.decisions`` of the result."""
         h = hand_over(self.current, new, embargo)
         self._eras.append((h.first_batch_id, new))

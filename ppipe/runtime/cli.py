@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import ipaddress
+import json
 import os
 
 import click
@@ -141,7 +142,7 @@ class _NullClock:
               "a count, or auto (as many as the plan's planned rate needs, at most the cores but one). No YAML field.")
 @click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="auto: watch each model's arrival rate, re-plan when the mix shifts (a model past 90 % of its capacity and a "
-              "new plan >= 10 % better) and switch plans live (ppipe.control.replan; needs --shards 1 and a max-min plan).")
+              "new plan >= 10 % better) and switch plans live (ppipe.control.replan; needs a max-min plan).")
 @click.option("--replan-time-limit-s", type=float, default=1.5, show_default=True, help="Planner time limit of each re-plan (--replan auto).")
 @click.option("--replan-min-interval-s", type=float, default=60.0, show_default=True, help="Least time between two plan switches (--replan auto).")
 @click.option("--replan-window-s", type=float, default=60.0, show_default=True, help="Window of the arrival-rate estimate (--replan auto).")
@@ -183,7 +184,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     # that does not fit its profiles is a UserError now, not after the workers are up
     check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
-    replan_policy = _replan_policy(dep, n_shards, replan_time_limit_s, replan_min_interval_s, replan_window_s) if replan == "auto" else None
+    replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s) if replan == "auto" else None
     if grpc_port is not None and n_shards > 1:
         raise UserError("--grpc-port serves one shard's models only; it does not pass requests between shards yet",
                         fix="use --shards 1 with --grpc-port")
@@ -225,7 +226,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     actors = [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, dep, ms, workers, edges, settings, owner, host, port)
               for i, ms in enumerate(parts) if i > 0]
 
-    switchers: list = []  # the plan switcher of a single-shard server (its workers are stopped at shutdown too)
+    switchers: list = []  # the server's plan switcher (the workers it starts are stopped at shutdown too)
 
     def shutdown():
         for a in actors:
@@ -240,16 +241,20 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         raise
 
     def companions(rt, router):
+        from ppipe.runtime.shards import sub_plan
+        from ppipe.runtime.switch import PlanSwitcher, ShardedSwitcher, SighupReload
+
         out = [] if router is None else [PeerExchange(router, actors, addresses)]
-        if router is None:  # one shard: this server may switch plans (ppipe apply, SIGHUP)
-            from ppipe.runtime.switch import PlanSwitcher, SighupReload
-
+        if router is None:  # one shard
             switchers.append(PlanSwitcher(rt, dep, backend=backend, backend_options=opts))
-            out.append(SighupReload(switchers[0], plan_file))
-            if replan_policy is not None:
-                from ppipe.runtime.replan import ReplanLoop
+        else:
+            mine = dataclasses.replace(dep, plan=sub_plan(dep.plan, parts[0]), profiles={m: dep.profiles[m] for m in parts[0]})
+            switchers.append(ShardedSwitcher(PlanSwitcher(rt, mine, backend=backend, backend_options=opts), dep, owner, actors, router))
+        out.append(SighupReload(switchers[0], plan_file))  # ppipe apply and SIGHUP switch plans
+        if replan_policy is not None:
+            from ppipe.runtime.replan import ReplanLoop
 
-                out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
+            out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
         if grpc_port is not None:
             from ppipe.runtime.grpc_server import GrpcServer
 
@@ -257,9 +262,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
             out.append(GrpcServer(rt, host=host, port=grpc_port, token=token, max_message_bytes=int(max_body_mb * 1024 * 1024)))
         return out
 
-    app, _, _ = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
-    if switchers:
-        app.fe.switcher = switchers[0]
+    app, _, router = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
+    (app if router is None else router.app).fe.switcher = switchers[0]
     click.echo(
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
         + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
@@ -270,12 +274,10 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
 
 
-def _replan_policy(dep, n_shards: int, time_limit_s: float, min_interval_s: float, window_s: float):
+def _replan_policy(dep, time_limit_s: float, min_interval_s: float, window_s: float):
     """``--replan auto``'s controller policy, checked before anything starts."""
     from ppipe.control.replan import ReplanPolicy, planner_replan
 
-    if n_shards > 1:
-        raise UserError(f"--replan auto switches plans on a one-shard server; --shards resolved to {n_shards}", fix="add --shards 1")
     if not time_limit_s > 0:
         raise UserError(f"--replan-time-limit-s must be > 0, got {time_limit_s}", fix="e.g. --replan-time-limit-s 1.5")
     planner_replan(dep.plan, dep.profiles, dep.cluster, time_limit_s=time_limit_s)  # a plan it cannot re-make is refused here

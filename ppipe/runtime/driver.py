@@ -302,6 +302,9 @@ class Runtime:
            batches have ended (after at most the old plan's largest SLO + 1 s, the batches
            still open are answered with ``plan-switch``).
 
+        Steps 1-2 are :meth:`prepare_switch`, 3-4 :meth:`commit_switch` (a server of several
+        shards runs them apart, :class:`ppipe.runtime.switch.ShardedSwitcher`).
+
         Args:
             start_workers: ``await start_workers(vgpu_ids)`` starts these vGPUs of ``plan``,
                 loaded, and returns ``{vgpu_id: handle}``; it raises (having stopped what it
@@ -311,11 +314,23 @@ class Runtime:
         Returns:
             what happened: ``kept``, ``started``, ``retiring`` (vGPU counts), ``moved``
             (queued requests handed over), ``first_batch_id``, ``load_s`` (starting the
-            workers) and ``switch_us`` (the switch step itself).
+            workers), ``switch_us`` (the switch step itself) and ``retired`` (per GPU and
+            NIC the old plan gives up, when its last reservation there ends, in us).
 
         Raises:
             UserError: the plan cannot replace the running one; the old plan keeps serving.
         """
+        return await self.commit_switch(await self.prepare_switch(plan, profiles, start_workers, stop_worker))
+
+    async def prepare_switch(
+        self,
+        plan: Plan,
+        profiles: dict[str, ModelProfile],
+        start_workers: Callable[[list[str]], Awaitable[dict[str, Any]]],
+        stop_worker: Callable[[Any], None],
+    ) -> "PreparedSwitch":
+        """Steps 1-2 of :meth:`switch_plan`: the new scheduler, its new workers started and
+        connected; the old plan serves on. :meth:`commit_switch` or :meth:`abort_switch` follows."""
         if self.nccl_edges:
             raise UserError("this server sends feature maps over NCCL, and a plan switch does not re-open NCCL communicators yet",
                             fix="serve with --transport tcp to switch plans live, or restart `ppipe serve` with the new plan")
@@ -333,23 +348,43 @@ class Runtime:
             for h in handles.values():
                 stop_worker(h)
             raise
-        t1 = self.clock.true_now_us()
-        record = self._switch_now(plan, profiles, new, kept, dict(zip(fresh, addrs)), handles)
-        record["load_s"] = (t1 - t0) / 1e6
+        return PreparedSwitch(plan, dict(profiles), new, kept, dict(zip(fresh, addrs)), handles, stop_worker,
+                              load_s=(self.clock.true_now_us() - t0) / 1e6)
+
+    def abort_switch(self, prepared: "PreparedSwitch") -> None:
+        """Give up a prepared switch: stop the workers it started (the old plan never stopped)."""
+        for h in prepared.handles.values():
+            prepared.stop_worker(h)
+
+    async def commit_switch(self, prepared: "PreparedSwitch", embargo: dict[str, float | None] | None = None) -> dict[str, Any]:
+        """Steps 3-4 of :meth:`switch_plan`.
+
+        ``embargo``: GPUs and NICs another shard's old plan used, with when its reservations
+        there end, or None where that shard has not switched yet (then :meth:`lift_embargo`
+        follows); see :func:`ppipe.dataplane.handover.hand_over`.
+        """
+        record = self._switch_now(prepared, embargo or {})
+        record["load_s"] = prepared.load_s
         live = [v for v in self.workers if v not in self.failed]
         await asyncio.gather(*(self.workers[v].connect_peers.remote(self._next_stage_addresses(v)) for v in live),
                              return_exceptions=True)  # warming connections only: a dead worker's lifeline reports it
-        task = asyncio.get_running_loop().create_task(self._drain(record["first_batch_id"], stop_worker, self._drain_timeout_s()))
+        task = asyncio.get_running_loop().create_task(self._drain(record["first_batch_id"], prepared.stop_worker,
+                                                                  self._drain_timeout_s()))
         self._lifelines.append(task)
         return record
 
-    def _switch_now(self, plan: Plan, profiles: dict[str, ModelProfile], new: Any, kept: frozenset[str],
-                    fresh_addrs: dict[str, str], handles: dict[str, Any]) -> dict[str, Any]:
+    def lift_embargo(self, resource: str, until_us: float) -> None:
+        """The shard that used ``resource`` before the switch has switched: it is busy until ``until_us``."""
+        self.scheduler.lift_embargo(resource, until_us)
+        self._apply(self.scheduler.wake())
+
+    def _switch_now(self, prepared: "PreparedSwitch", embargo: dict[str, float | None]) -> dict[str, Any]:
         """The switch step: synchronous, so no request sees half of it."""
         t0 = self.clock.true_now_us()
+        plan, kept, handles, fresh_addrs = prepared.plan, prepared.kept, prepared.handles, prepared.fresh_addrs
         if not isinstance(self.scheduler, SwitchingScheduler):
             self.scheduler = SwitchingScheduler(self.scheduler)
-        h = self.scheduler.switch(new)
+        h = self.scheduler.switch(prepared.scheduler, embargo=embargo)
         retiring = {v: w for v, w in self.workers.items() if v not in kept}
         for v, w in retiring.items():
             self._retiring.append(_Retiring(v, w, since=self._since.pop(v, 0), until=h.first_batch_id))
@@ -360,7 +395,7 @@ class Runtime:
                 revival.cancel()
         self.plan, self._placement = plan, {p.vgpu_id: p for p in plan.placement}
         self._lead_cap_us = 0.25e3 * min(m.slo_ms for m in plan.models)
-        self.profiles = dict(profiles)
+        self.profiles = dict(prepared.profiles)
         self.workers = {**{v: self.workers[v] for v in kept}, **handles}
         self.addresses = {**{v: self.addresses[v] for v in kept}, **fresh_addrs}
         loop = asyncio.get_running_loop()
@@ -375,7 +410,7 @@ class Runtime:
         self._apply(h.decisions)
         record = {"kept": len(kept), "started": len(handles), "retiring": len(retiring), "moved": h.moved,
                   "first_batch_id": h.first_batch_id, "switch_us": self.clock.true_now_us() - t0, "at_us": t0,
-                  "first_dispatch_us": None}
+                  "first_dispatch_us": None, "retired": dict(h.retired)}
         self.switches.append(record)
         log.warning("switched to a new plan (%d vGPUs kept, %d started, %d finishing their batches; %d queued requests moved)",
                     len(kept), len(handles), len(retiring), h.moved)
@@ -838,6 +873,20 @@ def check_switchable(current: Any, new: Any) -> None:
         if not isinstance(s, BatchingScheduler):
             raise UserError(f"a live plan switch needs a batching data-plane policy; the server runs {type(s).__name__}",
                             fix="serve with --policy reservation (the paper's) or reactive")
+
+
+@dataclass
+class PreparedSwitch:
+    """A plan switch whose new workers run, not yet committed (:meth:`Runtime.prepare_switch`)."""
+
+    plan: Plan
+    profiles: dict[str, ModelProfile]
+    scheduler: Any  # the new plan's, fresh
+    kept: frozenset[str]
+    fresh_addrs: dict[str, str]  # new worker -> its data-path address
+    handles: dict[str, Any]  # new worker -> its actor handle
+    stop_worker: Callable[[Any], None]
+    load_s: float
 
 
 @dataclass

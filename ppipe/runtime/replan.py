@@ -5,7 +5,8 @@ runs under its virtual clock (``ppipe simulate --replan auto``); here it runs on
 runtime's clock:
 
 * every arrival the runtime takes is logged (``Runtime.arrival_log``, one list append on
-  the request's path) and fed to the controller before each check;
+  the request's path; on a server of shards, every shard's runtime) and fed to the
+  controller before each check;
 * a check (``poll``) runs in a thread, and the planner it may call runs in a separate
   process: a MILP solve holds its process's GIL for seconds, which the frontend's event
   loop must not wait for;
@@ -63,9 +64,8 @@ class ReplanLoop:
     async def start(self) -> None:
         from ppipe.control.replan import ReplanController
 
-        rt = self.runtime
-        self.controller = ReplanController(rt.plan, self._injected_replan or self._replan, rt.clock, self.policy)
-        rt.arrival_log = []
+        self.controller = ReplanController(self.switcher.dep.plan, self._injected_replan or self._replan, self.runtime.clock, self.policy)
+        await self.switcher.log_arrivals(True)
         if self._injected_replan is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -75,7 +75,10 @@ class ReplanLoop:
             self._task.cancel()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        self.runtime.arrival_log = None
+        try:
+            await self.switcher.log_arrivals(False)
+        except Exception:  # a shard already gone at shutdown
+            log.debug("re-plan: could not stop logging arrivals", exc_info=True)
 
     def _replan(self, weights: dict[str, float]) -> Any:
         """The controller's ``replan``: the planner in the planning process (called from the check's thread)."""
@@ -85,15 +88,14 @@ class ReplanLoop:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.policy.check_every_s)
-            self._feed()
+            await self._feed()
             decision = await asyncio.to_thread(self.controller.poll)
             if decision is not None:
                 await self._apply(decision)
 
-    def _feed(self) -> None:
-        """Hand the arrivals logged since the last check to the controller (on the loop)."""
-        arrivals, self.runtime.arrival_log = self.runtime.arrival_log, []
-        for model, t_us in arrivals:
+    async def _feed(self) -> None:
+        """Hand the arrivals logged since the last check (on every shard) to the controller."""
+        for model, t_us in await self.switcher.take_arrivals():
             self.controller.observe(model, t_us)
 
     async def _apply(self, decision: Any) -> None:

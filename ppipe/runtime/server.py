@@ -477,7 +477,7 @@ class Frontend:
         if not self._authorized(request):
             return _error(401, _UNAUTHORIZED)
         if self.switcher is None:
-            return _error(409, "this server cannot switch plans: it serves one shard of several (serve with --shards 1)")
+            return _error(409, "this server cannot switch plans: its app was built without a plan switcher (`ppipe serve` builds one)")
         return None
 
     async def admin_plan_status(self, request: Request) -> Response:
@@ -485,9 +485,9 @@ class Frontend:
         refusal = self._admin_refusal(request)
         if refusal is not None:
             return refusal
-        rt = self.runtime
-        return JSONResponse({"cluster": rt.plan.cluster, "models": list(self.models), "vgpus": len(rt.plan.placement),
-                             "switches": rt.switches})
+        plan = self.switcher.dep.plan  # the whole plan served (on a server of shards, every shard's part)
+        return JSONResponse({"cluster": plan.cluster, "models": [m.name for m in plan.models], "vgpus": len(plan.placement),
+                             "switches": self.switcher.records})
 
     async def admin_plan_apply(self, request: Request) -> Response:
         """POST /v2/admin/plan with a plan.yaml as the body: switch to it (``ppipe apply``)."""

@@ -117,6 +117,75 @@ def sub_plan(plan: Plan, models: list[str]) -> Plan:
     })
 
 
+def shard_owners(old: Plan, owner: dict[str, int], new: Plan, n: int, source: str = "the new plan") -> dict[str, int]:
+    """Which shard serves each model of ``new`` when a server of ``n`` shards switches to it.
+
+    A model keeps its shard; a new model joins the shard of the models it shares NICs with
+    (:func:`nic_components` of ``new``), else the least loaded shard (planned load; ties by
+    index), larger components first.
+
+    Raises:
+        UserError: ``new`` joins models of two shards through a NIC, or leaves a shard
+            with no model: the server cannot switch to it live.
+    """
+    from ppipe.errors import UserError
+
+    load = [0.0] * n
+    for m in new.models:
+        if m.name in owner:
+            load[owner[m.name]] += model_load(new, m.name)
+    out: dict[str, int] = {}
+    for comp in sorted(nic_components(new), key=lambda g: -sum(model_load(new, m) for m in g)):
+        shards = sorted({owner[m] for m in comp if m in owner})
+        if len(shards) > 1:
+            raise UserError(f"{source}: the plan sends feature maps of {', '.join(comp)} through the NICs of one server, "
+                            f"but shards {', '.join(map(str, shards))} of this server serve them and keep their models",
+                            fix="restart `ppipe serve` with the new plan (its shards are cut anew), or serve with --shards 1")
+        k = shards[0] if shards else min(range(n), key=lambda i: (load[i], i))
+        for m in comp:
+            if m not in owner:
+                load[k] += model_load(new, m)
+            out[m] = k
+    idle = sorted(set(range(n)) - set(out.values()))
+    if idle:
+        raise UserError(f"{source}: the plan leaves shard{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} of this "
+                        "server with no model to serve (a shard keeps its models across a switch)",
+                        fix="restart `ppipe serve` with the new plan, or serve with --shards 1")
+    return out
+
+
+def shard_resources(plan: Plan, owner: dict[str, int]) -> dict[str, set[int]]:
+    """The shards that use each physical GPU (``"<server>/gpu<i>"``) and each NIC (a
+    server's uplink or downlink, where it sends or receives feature maps) under ``plan``."""
+    from ppipe.dataplane.api import downlink, uplink
+    from ppipe.dataplane.handover import physical_gpu
+
+    multi = {(m.name, i) for m in plan.models for i, pl in enumerate(m.pipelines) if len(pl.partitions) > 1}
+    out: dict[str, set[int]] = {}
+    for p in plan.placement:
+        k = owner[p.model]
+        out.setdefault(physical_gpu(p.vgpu_id), set()).add(k)
+        if (p.model, p.pipeline) in multi:
+            for res in (uplink(p.server), downlink(p.server)):
+                out.setdefault(res, set()).add(k)
+    return out
+
+
+def incoming_resources(old: Plan, old_owner: dict[str, int], new: Plan, new_owner: dict[str, int],
+                       switching: set[int]) -> dict[int, dict[str, set[int]]]:
+    """For each shard, the GPUs and NICs it uses under ``new`` that other shards of
+    ``switching`` (those whose part of the plan changes) used under ``old``: shard ->
+    resource -> those shards. A shard that does not switch keeps its resources as they are."""
+    before, after = shard_resources(old, old_owner), shard_resources(new, new_owner)
+    out: dict[int, dict[str, set[int]]] = {}
+    for res, takers in sorted(after.items()):
+        for k in sorted(takers):
+            givers = (before.get(res, set()) & switching) - {k}
+            if givers:
+                out.setdefault(k, {})[res] = givers
+    return out
+
+
 _STARTING = (503, [(b"content-type", b"application/json")], b'{"error": "the server is starting; retry shortly"}')
 
 
@@ -176,7 +245,7 @@ class ShardRouter:
         owner: model name -> the shard that owns it (every model of the plan).
 
     Requests under ``/v2/models/{name}`` go to the owner of ``name`` (names no shard owns
-    stay here, for the 404). ``/v2/health/ready`` and ``/metrics`` ask every shard and
+    stay here, for the 404), those under ``/v2/admin/`` (plan switches) to shard 0. ``/v2/health/ready`` and ``/metrics`` ask every shard and
     combine the answers (:func:`merge_readiness`); everything else is answered here. Between shards, a request is one
     data-path message (header: method, path, query, headers; the body as bytes), and so is
     its answer; the owner replays it into its own app.
@@ -219,6 +288,8 @@ class ShardRouter:
             target = self.owner.get(name, self.index)
             if target != self.index:
                 return await self._pass(target, scope, receive, send)
+        elif path.startswith("/v2/admin/") and self.index != 0:  # plan switches: shard 0 runs them
+            return await self._pass(0, scope, receive, send)
         elif path in ("/v2/health/ready", "/metrics") and len(set(self.owner.values())) > 1:
             return await self._gather(path, scope, receive, send)
         await self.app(scope, receive, send)
@@ -444,16 +515,32 @@ class ShardServer:
 
     async def start(self) -> str:
         """Start serving; returns this shard's router address (for :meth:`set_peers`)."""
-        from ppipe.runtime.server import BackgroundServer
+        from dataclasses import replace
 
-        app, _, self.router = build_shard(*self._args)
-        settings = self._args[4]
+        from ppipe.runtime.server import BackgroundServer
+        from ppipe.runtime.switch import PlanSwitcher
+
+        dep, models, settings = self._args[0], self._args[1], self._args[4]
+        app, rt, self.router = build_shard(*self._args)
+        mine = replace(dep, plan=sub_plan(dep.plan, models), profiles={m: dep.profiles[m] for m in models})
+        self.switcher = PlanSwitcher(rt, mine, **settings.workers)
         self.server = BackgroundServer(app, sockets=[reuseport_socket(self.host, self.port)], **settings.server)
         await asyncio.get_running_loop().run_in_executor(None, self.server.__enter__)
         return self.router.address
 
     async def set_peers(self, addresses: list[str]) -> None:
         self.server.loop.call_soon_threadsafe(self.router.set_peers, addresses)
+
+    # this shard's part of plan switches (ppipe.runtime.switch.ShardedSwitcher), run on its loop
+    async def _on_loop(self, coro) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.server.loop))
+
+    async def switcher_call(self, method: str, *args: Any) -> Any:
+        """``await self.switcher.<method>(*args)`` on the shard's loop (:class:`ppipe.runtime.switch.ShardedSwitcher`)."""
+        return await self._on_loop(getattr(self.switcher, method)(*args))
+
+    async def set_owner(self, owner: dict[str, int]) -> None:
+        self.server.loop.call_soon_threadsafe(setattr, self.router, "owner", dict(owner))
 
     async def stop(self) -> None:
         if self.server is not None:

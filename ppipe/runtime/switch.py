@@ -7,6 +7,12 @@ needs (on Ray, in a thread, while the old plan serves) and stops the retiring on
 the runtime has drained them. One switch runs at a time; a second one asked for meanwhile
 is refused (:class:`SwitchBusy`), never queued.
 
+A server of several frontend shards (``ppipe serve --shards N``) switches with
+:class:`ShardedSwitcher`: each model stays on its shard, every shard whose part of the plan
+changes starts its new workers, then the shards commit, the ones that give GPUs or NICs
+up before the ones that take them over (:func:`ppipe.dataplane.handover.hand_over`'s
+embargo covers a cycle of such moves).
+
 Relative profile folders of a plan sent as text are looked up on the server, against the
 folder of the plan ``ppipe serve`` was started with (``ppipe apply`` sends absolute folders
 when they exist on the machine it runs on).
@@ -57,6 +63,11 @@ class PlanSwitcher:
         import scipy.optimize  # noqa: F401  (keep_live's matching)
 
         import ppipe.planner.placement  # noqa: F401
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """What each switch so far did (the runtime's records)."""
+        return self.runtime.switches
 
     # ---- what a switch is asked with -----------------------------------------------------
     def plan_from_text(self, text: str, source: str = "request body") -> Plan:
@@ -125,7 +136,7 @@ class PlanSwitcher:
     def _keeping_live(self, plan: Plan) -> Plan:
         from ppipe.planner.placement import keep_live
 
-        live = self.runtime.plan
+        live = self.dep.plan  # the whole plan served (the runtime's, or every shard's)
         if plan.cluster != live.cluster or not plan.placement:
             return plan  # refused by _deployment, with its reason
         placement = keep_live(plan.placement, plan.models, live.placement, live.models, self.dep.cluster)
@@ -149,6 +160,42 @@ class PlanSwitcher:
 
         ray.kill(handle)
 
+    # ---- one shard's part of a sharded switch (driven by ShardedSwitcher) ----------------
+    async def prepare(self, dep: Any) -> dict[str, int]:
+        """Start the workers of ``dep`` (this shard's part of the new plan, checked) that
+        are not kept; the old plan serves on until :meth:`commit`."""
+        self._prepared = await self.runtime.prepare_switch(dep.plan, dep.profiles, lambda ids: self._start(dep, ids), self._stop)
+        self._prepared_dep = dep
+        return {"kept": len(self._prepared.kept), "started": len(self._prepared.handles)}
+
+    async def commit(self, embargo: dict[str, float | None]) -> dict[str, Any]:
+        """Switch to the prepared plan (``Runtime.commit_switch``)."""
+        prepared, dep = self._prepared, self._prepared_dep
+        self._prepared = self._prepared_dep = None
+        record = await self.runtime.commit_switch(prepared, embargo)
+        self.dep = dep
+        self._point_respawn(dep)
+        return record
+
+    async def abort(self) -> None:
+        """Stop the workers a :meth:`prepare` started; the old plan serves on."""
+        prepared, self._prepared = getattr(self, "_prepared", None), None
+        if prepared is not None:
+            self.runtime.abort_switch(prepared)
+
+    async def lift(self, resource: str, until_us: float) -> None:
+        self.runtime.lift_embargo(resource, until_us)
+
+    # ---- the arrivals a re-plan loop counts (ppipe.runtime.replan) ------------------------
+    async def log_arrivals(self, on: bool) -> None:
+        """Start (or stop) logging each request's (model, arrival) in the runtime."""
+        self.runtime.arrival_log = [] if on else None
+
+    async def take_arrivals(self) -> list[tuple[str, float]]:
+        """The arrivals logged since the last call."""
+        out, self.runtime.arrival_log = self.runtime.arrival_log or [], []
+        return out
+
     def _point_respawn(self, dep: Any) -> None:
         """Re-created workers (after a failure) are the new plan's."""
         if self.runtime.respawn is None:
@@ -161,6 +208,139 @@ class PlanSwitcher:
             return handle
 
         self.runtime.respawn = respawn
+
+
+class ShardedSwitcher(PlanSwitcher):
+    """Plan switches of a server of several frontend shards (``ppipe serve --shards N``).
+
+    Args:
+        local: shard 0's :class:`PlanSwitcher` (its runtime is this process's).
+        dep: the whole deployment served (every shard's models).
+        owner: model -> the shard that serves it.
+        actors: the other shards (:class:`ppipe.runtime.shards.ShardServer` actors), by index - 1.
+        router: shard 0's :class:`ppipe.runtime.shards.ShardRouter` (its owner map follows the switches).
+
+    A switch, with the old plan serving until each shard commits:
+
+    1. the new plan is checked against the cluster and renamed to keep live workers, as
+       on one shard;
+    2. each model keeps its shard, and a new model goes with the models it shares NICs
+       with, else to the least loaded shard; a new plan that joins models of two shards
+       through a NIC, or leaves a shard with no model, is refused (restart instead);
+    3. every shard whose part changed starts its new workers (:meth:`PlanSwitcher.prepare`);
+       one failing stops what every shard started, and the old plan serves on;
+    4. the shards commit in waves: a shard whose new vGPUs or NICs sit on GPUs or NICs that
+       other shards' old plans used waits for those shards, and gets from their commits
+       when their last reservations there end; in a cycle, the lowest shard commits first
+       with an embargo that the later commits lift;
+    5. every shard's router learns the new owners.
+    """
+
+    def __init__(self, local: PlanSwitcher, dep: Any, owner: dict[str, int], actors: list[Any], router: Any):
+        super().__init__(local.runtime, dep, local.backend, local.backend_options, local.start_timeout_s)
+        self.local, self.owner, self.actors, self.router = local, dict(owner), list(actors), router
+        self.started = local.started
+        self._records: list[dict[str, Any]] = []
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return self._records
+
+    async def apply(self, plan: Plan, source: str, keep_live: bool = True) -> dict[str, Any]:
+        if self._lock.locked():
+            raise SwitchBusy("a plan switch is already running", fix="wait for it to end (GET /v2/admin/plan shows the last one)")
+        async with self._lock:
+            t0 = time.perf_counter()
+            dep = await asyncio.to_thread(self._prepare, plan, source, keep_live)
+            owner, subs, givers, unchanged_vgpus = self._split(dep, source)
+            results = await asyncio.gather(*(self._call(i, "prepare", sub) for i, sub in subs.items()), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                await asyncio.gather(*(self._call(i, "abort") for i in subs), return_exceptions=True)
+                raise failed[0]
+            records = await self._commit_in_waves(sorted(subs), givers)
+            self.owner, self.dep = owner, dep
+            await asyncio.gather(*(self._call(i, "set_owner", owner) for i in range(len(self.actors) + 1)))
+            record = self._summary(records, unchanged_vgpus)
+            record.update(seconds=time.perf_counter() - t0, source=source, models=[m.name for m in dep.plan.models])
+            self._records.append(record)
+            log.warning("plan from %s is now served; %d of %d shards switched (%.2f s)", source, len(subs),
+                        len(self.actors) + 1, record["seconds"])
+            return record
+
+    def _split(self, dep: Any, source: str) -> tuple[dict[str, int], dict[int, Any], dict[int, dict[str, set[int]]], int]:
+        """Steps 2 and 4's inputs: the new owners, the part of each shard whose part changes
+        (a deployment), what each takes from the others, and the vGPUs of the other shards."""
+        from ppipe.runtime.shards import incoming_resources, shard_owners, sub_plan
+
+        n = len(self.actors) + 1
+        owner = shard_owners(self.dep.plan, self.owner, dep.plan, n, source)
+        subs, unchanged_vgpus = {}, 0
+        for i in range(n):
+            new = sub_plan(dep.plan, [m for m, k in owner.items() if k == i])
+            if new == sub_plan(self.dep.plan, [m for m, k in self.owner.items() if k == i]):
+                unchanged_vgpus += len(new.placement)
+            else:
+                subs[i] = replace(dep, plan=new, profiles={m.name: dep.profiles[m.name] for m in new.models})
+        givers = incoming_resources(self.dep.plan, self.owner, dep.plan, owner, set(subs))
+        return owner, subs, givers, unchanged_vgpus
+
+    @staticmethod
+    def _summary(records: dict[int, dict[str, Any]], unchanged_vgpus: int) -> dict[str, Any]:
+        """One switch's record from the shards' (``shards``): counts summed (the vGPUs of the
+        shards that did not switch are kept), the slowest loading and switch step."""
+        out: dict[str, Any] = {k: sum(r[k] for r in records.values()) for k in ("kept", "started", "retiring", "moved")}
+        out["kept"] += unchanged_vgpus
+        out["load_s"] = max((r["load_s"] for r in records.values()), default=0.0)
+        out["switch_us"] = max((r["switch_us"] for r in records.values()), default=0.0)
+        out["shards"] = {str(i): r for i, r in sorted(records.items())}
+        return out
+
+    async def _commit_in_waves(self, changed: list[int], givers: dict[int, dict[str, set[int]]]) -> dict[int, dict[str, Any]]:
+        """Step 4 of the class doc; returns each shard's ``commit_switch`` record."""
+        done: dict[int, dict[str, Any]] = {}
+        embargoed: dict[int, set[str]] = {}  # shard -> resources it holds under embargo
+        pending = sorted(changed)
+        while pending:
+            wave = [i for i in pending if all(g in done for gs in givers.get(i, {}).values() for g in gs)] or pending[:1]
+            embargoes = {i: {res: self._until(done, res, gs) for res, gs in givers.get(i, {}).items()} for i in wave}
+            records = await asyncio.gather(*(self._call(i, "commit", embargoes[i]) for i in wave))
+            done.update(zip(wave, records))
+            pending = [i for i in pending if i not in done]
+            for i in wave:
+                embargoed[i] = {res for res, until in embargoes[i].items() if until is None}
+            lifts = [(i, res, self._until(done, res, givers[i][res])) for i, held in embargoed.items() for res in sorted(held)]
+            lifts = [(i, res, until) for i, res, until in lifts if until is not None]
+            await asyncio.gather(*(self._call(i, "lift", res, until) for i, res, until in lifts))
+            for i, res, _ in lifts:
+                embargoed[i].discard(res)
+        return done
+
+    @staticmethod
+    def _until(done: dict[int, dict[str, Any]], resource: str, resource_givers: set[int]) -> float | None:
+        """When the givers' old reservations on ``resource`` end (0: none left); None while
+        one of them has not committed."""
+        if any(g not in done for g in resource_givers):
+            return None
+        return max((done[g]["retired"].get(resource, 0.0) for g in resource_givers), default=0.0)
+
+    async def _call(self, shard: int, method: str, *args: Any) -> Any:
+        if shard == 0:
+            if method == "set_owner":
+                if self.router is not None:
+                    self.router.owner = dict(args[0])
+                return None
+            return await getattr(self.local, method)(*args)
+        actor = self.actors[shard - 1]
+        return await (actor.set_owner.remote(*args) if method == "set_owner" else actor.switcher_call.remote(method, *args))
+
+    # the arrivals a re-plan loop counts (ppipe.runtime.replan): every shard's
+    async def log_arrivals(self, on: bool) -> None:
+        await asyncio.gather(*(self._call(i, "log_arrivals", on) for i in range(len(self.actors) + 1)))
+
+    async def take_arrivals(self) -> list[tuple[str, float]]:
+        logs = await asyncio.gather(*(self._call(i, "take_arrivals") for i in range(len(self.actors) + 1)))
+        return sorted((a for log_ in logs for a in log_), key=lambda a: a[1])
 
 
 class SighupReload:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 from ppipe.control.replan import ReplanPolicy
 from ppipe.dataplane.testing import ToyModel, ToyPartition, ToyPipeline, toy_cluster, toy_plan
 from ppipe.errors import UserError
 from ppipe.runtime.replan import ReplanLoop
+from ppipe.runtime.switch import PlanSwitcher
 
 CLUSTER = toy_cluster([("n", "A", 1, 2, 8.0)])
 
@@ -33,14 +35,19 @@ class _Runtime:
 
 
 class _Switcher:
+    """A plan switcher that records what it is asked to apply (arrivals: the real one's)."""
+
+    log_arrivals = PlanSwitcher.log_arrivals
+    take_arrivals = PlanSwitcher.take_arrivals
+
     def __init__(self, plan, refuse: bool):
-        self.runtime, self.dep, self.refuse, self.applied = _Runtime(plan), None, refuse, []
+        self.runtime, self.dep, self.refuse, self.applied = _Runtime(plan), SimpleNamespace(plan=plan), refuse, []
 
     async def apply(self, plan, source, keep_live=True):
         self.applied.append((plan, source, keep_live))
         if self.refuse:
             raise UserError("the plan does not fit (test)")
-        self.runtime.plan = plan
+        self.runtime.plan = self.dep.plan = plan
         return {}
 
 

@@ -266,3 +266,126 @@ def test_a_server_of_shards_is_ready_once_every_shard_has_started_and_then_while
     assert merge_readiness([ready, starting]) == starting
     assert merge_readiness([unreachable, ready]) == unreachable
     assert merge_readiness([lost, lost]) == lost
+
+
+# ---- plan switches of a server of shards (ppipe.runtime.switch.ShardedSwitcher) -----------------
+def _swapped(plan):
+    """The plan with models a and b on each other's GPUs."""
+    gpu = {p.model: (p.gpu_index, p.vgpu_id) for p in plan.placement}
+    other = {"a": "b", "b": "a"}
+    return plan.model_copy(update={"placement": [p.model_copy(update={"gpu_index": gpu[other[p.model]][0], "vgpu_id": gpu[other[p.model]][1]})
+                                                 for p in plan.placement]})
+
+
+def test_a_switch_keeps_each_model_on_its_shard_and_refuses_what_would_move_one(tmp_path):
+    from ppipe.runtime.shards import incoming_resources, shard_owners
+
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    owner = {"a": 0, "b": 1}
+    assert shard_owners(plan, owner, plan, 2) == owner
+    heavy = plan.models[0].model_copy(update={"name": "c", "throughput_rps": 5 * plan.models[0].throughput_rps})
+    with_c = plan.model_copy(update={"models": [*plan.models, heavy],
+                                     "placement": [*plan.placement, plan.placement[0].model_copy(update={"model": "c", "vgpu_id": "x/gpu9/s0"})]})
+    assert shard_owners(plan, owner, with_c, 2)["c"] == 0  # a new model: the least loaded shard (ties: the lower)
+    with pytest.raises(UserError, match="shard 1 of this server with no model"):
+        shard_owners(plan, owner, sub_plan(plan, ["a"]), 2)
+    two = [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)]
+    joined, _ = _two_model_plan(tmp_path, two, two, servers=1)  # a and b now transfer through one NIC
+    with pytest.raises(UserError, match="shards 0, 1 of this server serve them"):
+        shard_owners(plan, owner, joined, 2)
+    # the GPUs swap: each shard takes the other's GPU; a shard that keeps its part takes nothing
+    assert incoming_resources(plan, owner, _swapped(plan), owner, {0, 1}) == {0: {"localhost-0/gpu1": {1}}, 1: {"localhost-0/gpu0": {0}}}
+    assert incoming_resources(plan, owner, _swapped(plan), owner, {0}) == {1: {"localhost-0/gpu0": {0}}}
+
+
+def test_shards_commit_givers_first_and_a_cycle_under_an_embargo_that_the_later_commit_lifts(tmp_path):
+    import asyncio
+
+    from ppipe.runtime.switch import ShardedSwitcher
+
+    calls = []
+
+    class Recorder(ShardedSwitcher):
+        def __init__(self):  # no runtime: only the commit order is under test
+            pass
+
+        async def _call(self, shard, method, *args):
+            calls.append((shard, method, *args))
+            return {"retired": {"g0": 100.0 + shard, "g1": 200.0 + shard}} if method == "commit" else None
+
+    # shard 1 takes g0 from shard 0; shard 2 takes g1 from shard 1: a chain, no embargo
+    asyncio.run(Recorder()._commit_in_waves([0, 1, 2], {1: {"g0": {0}}, 2: {"g1": {1}}}))
+    assert calls == [(0, "commit", {}), (1, "commit", {"g0": 100.0}), (2, "commit", {"g1": 201.0})]
+    calls.clear()
+    # a cycle: 0 takes g1 from 1 and 1 takes g0 from 0
+    asyncio.run(Recorder()._commit_in_waves([0, 1], {0: {"g1": {1}}, 1: {"g0": {0}}}))
+    assert calls == [(0, "commit", {"g1": None}), (1, "commit", {"g0": 100.0}), (0, "lift", "g1", 201.0)]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_path):
+    """`ppipe apply` on `ppipe serve --shards 2` while both models are under load: the new
+    plan swaps the models' GPUs, so each shard takes the GPU the other gives up (the cycle
+    that commits under an embargo). Every request is answered; a plan that would leave a
+    shard without a model is refused and the server serves on."""
+    import asyncio
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+    from ppipe.runtime.bench import run_bench
+    from ppipe.runtime.httpclient import wait_until_ready
+
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    plan.save(tmp_path / "plan.yaml")
+    _swapped(plan).save(tmp_path / "swapped.yaml")
+    sub_plan(plan, ["a"]).save(tmp_path / "only_a.yaml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(tmp_path / "plan.yaml"), "--backend", "emulated",
+                             "--shards", "2", "--port", str(port), "--num-cpus", "2", "--token", "s3cret"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "RAY_ADDRESS": ""},
+                            cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    results = {}
+    try:
+        try:
+            wait_until_ready(url, proc, timeout_s=120)
+        except RuntimeError:
+            proc.kill()
+            raise AssertionError("ppipe serve did not become ready:\n" + proc.communicate()[0][-3000:]) from None
+        loads = [threading.Thread(target=lambda m=m: results.update(
+            {m: asyncio.run(run_bench(url, m, 15.0, 8.0, binary=True, token="s3cret"))})) for m in ("a", "b")]
+        for t in loads:
+            t.start()
+        time.sleep(3.0)
+        applied = CliRunner().invoke(main, ["apply", str(tmp_path / "swapped.yaml"), "--url", url, "--token", "s3cret", "--as-placed"])
+        for t in loads:
+            t.join()
+        refused = CliRunner().invoke(main, ["apply", str(tmp_path / "only_a.yaml"), "--url", url, "--token", "s3cret"])
+        status = httpx.get(url + "/v2/admin/plan", headers={"authorization": "Bearer s3cret"}, timeout=10).json()
+        after = {m: httpx.post(f"{url}/v2/models/{m}/infer", timeout=30, headers={"authorization": "Bearer s3cret"},
+                               json={"inputs": [{"name": "input", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                                 "data": [0.0] * 192}]}).status_code for m in ("a", "b")}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert applied.exit_code == 0, applied.output + out[-3000:]
+    assert "0 vGPUs kept, 2 started, 2 finishing their batches" in applied.output
+    for m in ("a", "b"):
+        res = results[m]
+        assert res.sent > 60 and res.ok + sum(res.drops.values()) == res.sent and not res.errors, (m, res.drops, res.errors)
+        assert res.ok >= res.sent - 3, (m, res.drops)  # explicit drops at most around the switch
+    assert refused.exit_code == 2 and "no model to serve" in refused.output
+    assert len(status["switches"]) == 1 and sorted(status["switches"][0]["shards"]) == ["0", "1"]
+    assert after == {"a": 200, "b": 200}
+    assert "Traceback" not in out

@@ -244,7 +244,7 @@ def test_admin_endpoint_refusals(tinynet, tmp_path):
     with server(None, True) as srv:
         no_token = httpx.post(srv.url + "/v2/admin/plan", content=b"x")
     with server("t0k", False) as srv:
-        sharded = httpx.post(srv.url + "/v2/admin/plan", content=b"x", headers=auth)
+        no_switcher = httpx.post(srv.url + "/v2/admin/plan", content=b"x", headers=auth)
     with server("t0k", True) as srv:
         wrong = httpx.post(srv.url + "/v2/admin/plan", content=b"x", headers={"authorization": "Bearer nope"})
         garbage = httpx.post(srv.url + "/v2/admin/plan", content=b"models: [oops", headers=auth)
@@ -252,7 +252,7 @@ def test_admin_endpoint_refusals(tinynet, tmp_path):
         cluster_ = httpx.post(srv.url + "/v2/admin/plan", content=yaml_of(other), headers=auth)
         status = httpx.get(srv.url + "/v2/admin/plan", headers=auth)
     assert no_token.status_code == 403 and "--token" in no_token.json()["error"]
-    assert sharded.status_code == 409 and "--shards 1" in sharded.json()["error"]
+    assert no_switcher.status_code == 409 and "without a plan switcher" in no_switcher.json()["error"]
     assert wrong.status_code == 401
     assert garbage.status_code == 400 and "not valid YAML" in garbage.json()["error"]
     assert schema.status_code == 400 and "request body" in schema.json()["error"]
