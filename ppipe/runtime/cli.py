@@ -185,9 +185,6 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
     replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s) if replan == "auto" else None
-    if grpc_port is not None and n_shards > 1:
-        raise UserError("--grpc-port serves one shard's models only; it does not pass requests between shards yet",
-                        fix="use --shards 1 with --grpc-port")
     if grpc_port is not None:
         from ppipe.runtime.grpc_server import check_port_free
 
@@ -219,6 +216,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
              "decode_workers": decode_workers},
         server={"header_timeout_s": header_timeout_s, "shutdown_timeout_s": shutdown_timeout_s},
         workers={"backend": backend, "backend_options": opts},
+        grpc={} if grpc_port is None else {"host": host, "port": grpc_port, "token": token,
+                                           "max_message_bytes": int(max_body_mb * 1024 * 1024)},
     )
     parts = assign_shards(dep.plan, n_shards)
     owner = {m: i for i, ms in enumerate(parts) for m in ms}
@@ -255,11 +254,6 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
             from ppipe.runtime.replan import ReplanLoop
 
             out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
-        if grpc_port is not None:
-            from ppipe.runtime.grpc_server import GrpcServer
-
-            # started by the app's lifespan on uvicorn's loop, the runtime's (see create_app)
-            out.append(GrpcServer(rt, host=host, port=grpc_port, token=token, max_message_bytes=int(max_body_mb * 1024 * 1024)))
         return out
 
     app, _, router = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)

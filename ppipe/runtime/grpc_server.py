@@ -154,10 +154,13 @@ class GrpcFrontend:
     """The RPC handlers around a :class:`Runtime`; same checks and answers as the REST
     :class:`~ppipe.runtime.server.Frontend` (whose metadata and token check it reuses)."""
 
-    def __init__(self, runtime: Runtime, token: str | None = None):
+    def __init__(self, runtime: Runtime, token: str | None = None, router=None):
         self.runtime = runtime
         self.rest = Frontend(runtime, token=token)
         self.models = self.rest.models
+        self.router = router  # a ShardRouter: RPCs of other shards' models go to their owner
+        if router is not None:
+            router.grpc = self
 
     # ---- helpers ----------------------------------------------------------------------
     def _check_token(self, context) -> None:
@@ -181,15 +184,49 @@ class GrpcFrontend:
         meta = ((DROP_HEADER, exc.drop_reason),) if exc.drop_reason else ()
         await context.abort(STATUS_CODE.get(exc.status, grpc.StatusCode.INTERNAL), exc.message, trailing_metadata=meta)
 
+    def _owner(self, name: str) -> int | None:
+        """The shard that serves model ``name``, where it is another shard of this server."""
+        r = self.router
+        if r is None:
+            return None
+        k = r.owner.get(name, r.index)
+        return None if k == r.index else k
+
+    async def _pass(self, shard: int, rpc: str, request, context):
+        """The answer of shard ``shard``'s gRPC frontend to ``request`` (ShardRouter.ask_grpc)."""
+        code, message, trailing, body = await self.router.ask_grpc(shard, rpc, request.SerializeToString(),
+                                                                    list(context.invocation_metadata() or ()))
+        if code is not None:
+            await context.abort(grpc.StatusCode[code], message, trailing_metadata=tuple(tuple(t) for t in trailing))
+        return pb.METHODS[rpc][2].FromString(body)
+
+    async def serve_passed(self, rpc: str, body: bytes, metadata: list) -> tuple[str | None, str, list, bytes]:
+        """Answer an RPC another shard passed here: ``(code, message, trailing, response)``
+        with ``code`` None for OK (its name otherwise)."""
+        ctx = _PassedContext(metadata)
+        try:
+            response = await self._rpc(rpc)(pb.METHODS[rpc][1].FromString(body), ctx)
+        except _Aborted as exc:
+            return exc.code.name, exc.message, list(exc.trailing), b""
+        return None, "", [], response.SerializeToString()
+
+    def _rpc(self, rpc: str):
+        return {"ServerLive": self.server_live, "ServerReady": self.server_ready, "ModelReady": self.model_ready,
+                "ServerMetadata": self.server_metadata, "ModelMetadata": self.model_metadata, "ModelInfer": self.model_infer}[rpc]
+
     # ---- RPCs ---------------------------------------------------------------------------
     async def server_live(self, request, context):
         return pb.ServerLiveResponse(live=True)
 
     async def server_ready(self, request, context):
+        if self.router is not None and len(set(self.router.owner.values())) > 1:
+            return pb.ServerReadyResponse(ready=await self.router.ready())  # every shard's, as REST's readiness
         ok = self.runtime.started and any(self.runtime.model_ready(m) for m in self.models)
         return pb.ServerReadyResponse(ready=ok)
 
     async def model_ready(self, request, context):
+        if (shard := self._owner(request.name)) is not None:
+            return await self._pass(shard, "ModelReady", request, context)
         try:
             self._check_token(context)
             name = self._model(request.name)
@@ -207,6 +244,8 @@ class GrpcFrontend:
         return pb.ServerMetadataResponse(name="ppipe", version=__version__)
 
     async def model_metadata(self, request, context):
+        if (shard := self._owner(request.name)) is not None:
+            return await self._pass(shard, "ModelMetadata", request, context)
         try:
             self._check_token(context)
             meta = self.rest._metadata(self._model(request.name))
@@ -221,6 +260,8 @@ class GrpcFrontend:
     async def model_infer(self, request, context):
         m = self.runtime.metrics
         name = request.model_name
+        if (shard := self._owner(name)) is not None:
+            return await self._pass(shard, "ModelInfer", request, context)
         try:
             self._check_token(context)
             self._model(name)
@@ -259,23 +300,35 @@ class GrpcFrontend:
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's handler for ``grpc.aio.Server.add_generic_rpc_handlers``."""
-        fns = {
-            "ServerLive": self.server_live,
-            "ServerReady": self.server_ready,
-            "ModelReady": self.model_ready,
-            "ServerMetadata": self.server_metadata,
-            "ModelMetadata": self.model_metadata,
-            "ModelInfer": self.model_infer,
-        }
         return grpc.method_handlers_generic_handler(
             pb.SERVICE,
             {
                 rpc: grpc.unary_unary_rpc_method_handler(
-                    fns[rpc], request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+                    self._rpc(rpc), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
                 )
                 for rpc, (_, req, resp) in pb.METHODS.items()
             },
         )
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, trailing: tuple):
+        super().__init__(message)
+        self.code, self.message, self.trailing = code, message, trailing
+
+
+class _PassedContext:
+    """The part of ``grpc.aio.ServicerContext`` the RPCs use, for an RPC another shard passed:
+    its caller's metadata, and ``abort`` as an exception the owner sends back."""
+
+    def __init__(self, metadata: list):
+        self._metadata = tuple((k, v) for k, v in metadata)
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        raise _Aborted(code, details, tuple(trailing_metadata))
 
 
 def grpc_address(host: str, port: int) -> str:
@@ -303,13 +356,17 @@ class GrpcServer:
         runtime: the runtime to serve (already started, on this loop, when :meth:`start` runs).
         host, port: where to bind; port 0 picks a free port (see :attr:`port` after start).
         token: bearer token required on ModelMetadata and ModelInfer, as on REST.
+        router: the shard's :class:`~ppipe.runtime.shards.ShardRouter` on a server of several
+            shards: every shard serves the port, and passes RPCs of other shards' models to
+            their owner (the answer, error or not, comes back as the owner gave it).
         max_message_bytes: largest request accepted (RESOURCE_EXHAUSTED above), REST's body limit.
         grace_s: on stop, how long in-flight RPCs may still finish.
     """
 
     def __init__(self, runtime: Runtime, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_BODY_BYTES, grace_s: float = 5.0):
-        self.frontend = GrpcFrontend(runtime, token=token)
+                 max_message_bytes: int = DEFAULT_MAX_BODY_BYTES, grace_s: float = 5.0, router=None):
+        self.frontend = GrpcFrontend(runtime, token=token, router=router)
+        self.shared_port = router is not None  # the shards of one server all bind the port (SO_REUSEPORT)
         self.host, self.port = host, port
         self.max_message_bytes, self.grace_s = max_message_bytes, grace_s
         self.server: grpc.aio.Server | None = None
@@ -324,7 +381,9 @@ class GrpcServer:
             options=[
                 ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", -1),
-                ("grpc.so_reuseport", 0),  # a second `ppipe serve` on the same port fails instead of sharing it
+                # one server's shards share the port; a second `ppipe serve` fails instead of sharing it
+                # (ppipe serve checks the port is free before it starts the shards)
+                ("grpc.so_reuseport", 1 if self.shared_port else 0),
             ]
         )
         server.add_generic_rpc_handlers((self.frontend.handler(),))

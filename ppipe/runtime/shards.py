@@ -259,6 +259,7 @@ class ShardRouter:
         self._outbox = None
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future] = {}
+        self.grpc: Any = None  # this shard's GrpcFrontend, where it serves gRPC too
 
     # lifecycle (a companion of the app: started and stopped on the server's loop)
     async def start(self) -> None:
@@ -316,6 +317,31 @@ class ShardRouter:
         else:
             await _respond(send, *merge_readiness(answers))
 
+    async def ready(self) -> bool:
+        """Whether the server is ready, by :func:`merge_readiness` of every shard's answer."""
+        scope = {"method": "GET", "path": "/v2/health/ready", "query_string": b"", "headers": [], "http_version": "1.1"}
+        answers = await asyncio.gather(*(self._ask(i, scope, b"") for i in sorted(set(self.owner.values()))))
+        return merge_readiness(answers)[0] == 200
+
+    async def ask_grpc(self, target: int, rpc: str, request: bytes, metadata: list) -> tuple[str | None, str, list, bytes]:
+        """Shard ``target``'s gRPC answer to ``rpc`` (:meth:`GrpcFrontend.serve_passed
+        <ppipe.runtime.grpc_server.GrpcFrontend.serve_passed>`): ``(code, message, trailing, response)``."""
+        if self.peers is None:
+            return "UNAVAILABLE", "the server is starting; retry shortly", [], b""
+        from ppipe.runtime.wire import pack
+
+        rid = next(self._ids)
+        fut = self._waiting[rid] = asyncio.get_running_loop().create_future()
+        head = {"op": "grpc", "id": rid, "from": self.address, "rpc": rpc, "metadata": [list(m) for m in metadata]}
+        try:
+            self._outbox.send(self.peers[target], pack(head, {"body": _bytes_array(request)}))
+            return await fut
+        except Exception as exc:
+            log.warning("shard %d could not reach shard %d: %s", self.index, target, exc)
+            return "UNAVAILABLE", "a shard of this server did not answer", [], b""
+        finally:
+            self._waiting.pop(rid, None)
+
     async def _ask(self, target: int, scope, body: bytes) -> tuple[int, list, bytes]:
         """Answer of shard ``target`` (this one in-process) to the request ``scope`` + ``body``."""
         if target == self.index:
@@ -341,13 +367,18 @@ class ShardRouter:
 
         head, tensors = unpack(message)
         body = tensors["body"].tobytes() if "body" in tensors else b""
-        if head.get("op") == "request":
-            task = asyncio.get_running_loop().create_task(self._serve_peer(head, body))
+        op = head.get("op")
+        if op in ("request", "grpc"):
+            serve = self._serve_peer if op == "request" else self._serve_grpc
+            task = asyncio.get_running_loop().create_task(serve(head, body))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        elif head.get("op") == "answer":
+        elif op == "answer":
             fut = self._waiting.get(head["id"])
             if fut is not None and not fut.done():
-                fut.set_result((head["status"], [tuple(h) for h in head["headers"]], body))
+                if "grpc" in head:
+                    fut.set_result((*head["grpc"], body))
+                else:
+                    fut.set_result((head["status"], [tuple(h) for h in head["headers"]], body))
 
     async def _replay_here(self, head: dict[str, Any], body: bytes) -> tuple[int, list, bytes]:
         """This shard's app's answer; its readiness is "starting" until it can pass requests
@@ -366,6 +397,21 @@ class ShardRouter:
             status, headers, out = 500, [(b"content-type", b"application/json")], b'{"error": "internal error in a shard"}'
         self._outbox.send(head["from"], pack({"op": "answer", "id": head["id"], "status": status, "headers": headers},
                                              {"body": _bytes_array(out)}))
+
+
+    async def _serve_grpc(self, head: dict[str, Any], body: bytes) -> None:
+        from ppipe.runtime.wire import pack
+
+        if self.grpc is None:
+            answer = ("UNIMPLEMENTED", "this shard does not serve gRPC", [], b"")
+        else:
+            try:
+                answer = await self.grpc.serve_passed(head["rpc"], body, head["metadata"])
+            except Exception:
+                log.exception("shard %d: a passed gRPC call failed", self.index)
+                answer = ("INTERNAL", "internal error in a shard", [], b"")
+        self._outbox.send(head["from"], pack({"op": "answer", "id": head["id"], "grpc": [answer[0], answer[1], [list(t) for t in answer[2]]]},
+                                             {"body": _bytes_array(answer[3])}))
 
 
 def _wire_scope(scope) -> dict[str, Any]:
@@ -460,12 +506,15 @@ class ServeSettings:
         server: keyword arguments of :func:`ppipe.runtime.server.uvicorn_config` (timeouts).
         workers: how a failed vGPU's worker is re-created (``backend``,
             ``backend_options`` of :func:`ppipe.runtime.deploy.respawn_worker`); empty: never.
+        grpc: keyword arguments of :class:`ppipe.runtime.grpc_server.GrpcServer` (host,
+            port, token, message limit); empty: no gRPC frontend.
     """
 
     runtime: dict[str, Any] = field(default_factory=dict)
     app: dict[str, Any] = field(default_factory=dict)
     server: dict[str, Any] = field(default_factory=dict)
     workers: dict[str, Any] = field(default_factory=dict)
+    grpc: dict[str, Any] = field(default_factory=dict)
 
 
 def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings, index: int,
@@ -474,8 +523,9 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
     """One shard's runtime and app: the plan restricted to ``models``, their workers and
     edges; returns ``(asgi_app, runtime, router)`` (``router`` None for a single shard).
 
-    ``companions(runtime, router)`` gives more frontends of the shard's runtime (gRPC, the
-    peer exchange), started after the router on the app's loop."""
+    ``companions(runtime, router)`` gives more companions of the shard's app (the peer
+    exchange, plan switches), started after the router on the app's loop; the gRPC
+    frontend (``settings.grpc``) comes last."""
     from ppipe.runtime.driver import Runtime
     from ppipe.runtime.server import create_app
 
@@ -492,6 +542,11 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
                  edges={e: t for e, t in edges.items() if e[0] in mine}, respawn=respawn, **settings.runtime)
     router = ShardRouter(None, index, owner) if len(set(owner.values())) > 1 else None
     extra = list(companions(rt, router)) if companions else []
+    if settings.grpc:
+        from ppipe.runtime.grpc_server import GrpcServer
+
+        # started by the app's lifespan on uvicorn's loop, the runtime's (see create_app)
+        extra.append(GrpcServer(rt, router=router, **settings.grpc))
     app = create_app(rt, companions=([router] if router else []) + extra, on_shutdown=on_shutdown, **settings.app)
     if router is None:
         return app, rt, None
