@@ -491,7 +491,7 @@ class Frontend:
 
     async def admin_plan_apply(self, request: Request) -> Response:
         """POST /v2/admin/plan with a plan.yaml as the body: switch to it (``ppipe apply``)."""
-        from ppipe.runtime.switch import SwitchBusy
+        from ppipe.runtime.switch import PartialSwitch, SwitchBusy
 
         refusal = self._admin_refusal(request)
         if refusal is not None:
@@ -511,6 +511,8 @@ class Frontend:
             return _error(409, exc.render())
         except UserError as exc:
             return _error(400, exc.render())
+        except PartialSwitch as exc:  # shards of a server that serve two plans now: say so
+            return _error(503, str(exc))
         except Exception as exc:  # a worker that could not start, Ray gone: the old plan still serves
             log.exception("plan switch failed")
             return _error(503, f"the plan switch failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "

@@ -41,6 +41,11 @@ class SwitchBusy(UserError):
     """Another plan switch is running."""
 
 
+class PartialSwitch(RuntimeError):
+    """Some shards of the server switched to a new plan and others could not (a shard's
+    process failed between its prepare and its commit): the server serves a mix of plans."""
+
+
 class PlanSwitcher:
     """Switches a runtime to new plans, starting and stopping workers on Ray.
 
@@ -241,6 +246,7 @@ class ShardedSwitcher(PlanSwitcher):
         self.local, self.owner, self.actors, self.router = local, dict(owner), list(actors), router
         self.started = local.started
         self._records: list[dict[str, Any]] = []
+        self._broken = ""  # why switches are refused: an earlier one failed part-way
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -249,6 +255,8 @@ class ShardedSwitcher(PlanSwitcher):
     async def apply(self, plan: Plan, source: str, keep_live: bool = True) -> dict[str, Any]:
         if self._lock.locked():
             raise SwitchBusy("a plan switch is already running", fix="wait for it to end (GET /v2/admin/plan shows the last one)")
+        if self._broken:
+            raise PartialSwitch(self._broken)
         async with self._lock:
             t0 = time.perf_counter()
             dep = await asyncio.to_thread(self._prepare, plan, source, keep_live)
@@ -258,7 +266,15 @@ class ShardedSwitcher(PlanSwitcher):
             if failed:
                 await asyncio.gather(*(self._call(i, "abort") for i in subs), return_exceptions=True)
                 raise failed[0]
-            records = await self._commit_in_waves(sorted(subs), givers)
+            done: dict[int, dict[str, Any]] = {}
+            try:
+                records = await self._commit_in_waves(sorted(subs), givers, done)
+            except Exception as exc:
+                self._broken = (f"a plan switch failed part-way ({type(exc).__name__}: {exc}): shards "
+                                f"{sorted(done) or 'none'} serve the plan from {source}, shards "
+                                f"{sorted(set(subs) - set(done))} the one before; restart `ppipe serve` to serve one plan")
+                log.error("%s", self._broken)
+                raise PartialSwitch(self._broken) from exc
             self.owner, self.dep = owner, dep
             await asyncio.gather(*(self._call(i, "set_owner", owner) for i in range(len(self.actors) + 1)))
             record = self._summary(records, unchanged_vgpus)
@@ -296,16 +312,20 @@ class ShardedSwitcher(PlanSwitcher):
         out["shards"] = {str(i): r for i, r in sorted(records.items())}
         return out
 
-    async def _commit_in_waves(self, changed: list[int], givers: dict[int, dict[str, set[int]]]) -> dict[int, dict[str, Any]]:
-        """Step 4 of the class doc; returns each shard's ``commit_switch`` record."""
-        done: dict[int, dict[str, Any]] = {}
+    async def _commit_in_waves(self, changed: list[int], givers: dict[int, dict[str, set[int]]],
+                               done: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, Any]]:
+        """Step 4 of the class doc; returns (and fills ``done`` with) each shard's ``commit_switch`` record."""
+        done = {} if done is None else done
         embargoed: dict[int, set[str]] = {}  # shard -> resources it holds under embargo
         pending = sorted(changed)
         while pending:
             wave = [i for i in pending if all(g in done for gs in givers.get(i, {}).values() for g in gs)] or pending[:1]
             embargoes = {i: {res: self._until(done, res, gs) for res, gs in givers.get(i, {}).items()} for i in wave}
-            records = await asyncio.gather(*(self._call(i, "commit", embargoes[i]) for i in wave))
-            done.update(zip(wave, records))
+            records = await asyncio.gather(*(self._call(i, "commit", embargoes[i]) for i in wave), return_exceptions=True)
+            done.update((i, r) for i, r in zip(wave, records) if not isinstance(r, BaseException))
+            failed = [r for r in records if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
             pending = [i for i in pending if i not in done]
             for i in wave:
                 embargoed[i] = {res for res, until in embargoes[i].items() if until is None}

@@ -458,3 +458,38 @@ def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_pa
     assert len(status["switches"]) == 1 and sorted(status["switches"][0]["shards"]) == ["0", "1"]
     assert after == {"a": 200, "b": 200}
     assert "Traceback" not in out
+
+
+def test_a_switch_that_fails_part_way_says_which_shards_serve_which_plan_and_refuses_more():
+    import asyncio
+    from types import SimpleNamespace
+
+    from ppipe.runtime.switch import PartialSwitch, ShardedSwitcher
+
+    class ShardOneDies(ShardedSwitcher):
+        def __init__(self):  # no runtime: only what happens around the commits is under test
+            self._lock, self._broken, self.actors = asyncio.Lock(), "", [None]
+
+        def _prepare(self, plan, source, keep_live):
+            return SimpleNamespace(plan=plan)
+
+        def _split(self, dep, source):
+            return {}, {0: "part 0", 1: "part 1"}, {}, 0
+
+        async def _call(self, shard, method, *args):
+            if method == "commit" and shard == 1:
+                raise ConnectionError("shard 1 is gone")
+            return {"retired": {}}
+
+    async def twice():
+        sw, errors = ShardOneDies(), []
+        for _ in range(2):
+            try:
+                await sw.apply(None, "new.yaml")
+            except PartialSwitch as exc:
+                errors.append(str(exc))
+        return errors
+
+    first, second = asyncio.run(twice())
+    assert "shards [0] serve the plan from new.yaml, shards [1] the one before" in first and "shard 1 is gone" in first
+    assert second == first  # refused at once: the server serves two plans until it restarts
