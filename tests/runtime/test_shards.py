@@ -243,6 +243,37 @@ def test_serve_refuses_bad_shard_counts_before_starting_ray(tmp_path):
     assert r.exit_code == 2 and "--shards must be 'auto' or a count >= 1, got '0'" in r.output
 
 
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    ports = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    return ports
+
+
+def _serve_two_shards(tmp_path, port: int, *flags: str):
+    """`ppipe serve plan.yaml --shards 2` (emulated workers) as a user starts it, once ready."""
+    import os
+    import subprocess
+    import sys
+
+    from ppipe.runtime.httpclient import wait_until_ready
+
+    proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(tmp_path / "plan.yaml"), "--backend", "emulated",
+                             "--shards", "2", "--port", str(port), "--num-cpus", "2", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "RAY_ADDRESS": ""},
+                            cwd=tmp_path)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", proc, timeout_s=120)
+    except RuntimeError:
+        proc.kill()
+        raise AssertionError("ppipe serve did not become ready:\n" + proc.communicate()[0][-3000:]) from None
+    return proc
+
+
 def _grpc_infer_on_a_new_channel(address: str, model: str) -> bool:
     """One tritonclient.grpc ModelInfer on a channel of its own; whether it answered (an
     explicit drop, UNAVAILABLE, is retried twice, as the REST calls are)."""
@@ -270,34 +301,16 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
     """The command a user runs: two shards (one a Ray actor), REST requests and gRPC calls
     on fresh connections (the kernel spreads them over the shards), merged metrics, a clean
     stop on SIGINT."""
-    import os
     import signal
-    import socket
-    import subprocess
-    import sys
 
-    from ppipe.runtime.httpclient import wait_until_ready
     from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
 
     plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
     plan.save(tmp_path / "plan.yaml")
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    port, grpc_port = ports
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(tmp_path / "plan.yaml"), "--backend", "emulated",
-                             "--shards", "2", "--port", str(port), "--num-cpus", "2", "--grpc-port", str(grpc_port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    port, grpc_port = _free_ports(2)
+    proc = _serve_two_shards(tmp_path, port, "--grpc-port", str(grpc_port))
     url = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_until_ready(url, proc, timeout_s=120)
-        except RuntimeError:
-            proc.kill()
-            raise AssertionError("ppipe serve did not become ready:\n" + proc.communicate()[0][-3000:]) from None
         codes, drops = {}, []
         body, headers = encode_infer_request({"input": np.zeros((1, 3, 8, 8), np.float32)}, binary=True)
         for m in ("a", "b"):
@@ -399,11 +412,7 @@ def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_pa
     that commits under an embargo). Every request is answered; a plan that would leave a
     shard without a model is refused and the server serves on."""
     import asyncio
-    import os
     import signal
-    import socket
-    import subprocess
-    import sys
     import threading
     import time
 
@@ -411,27 +420,16 @@ def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_pa
 
     from ppipe.cli import main
     from ppipe.runtime.bench import run_bench
-    from ppipe.runtime.httpclient import wait_until_ready
 
     plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
     plan.save(tmp_path / "plan.yaml")
     _swapped(plan).save(tmp_path / "swapped.yaml")
     sub_plan(plan, ["a"]).save(tmp_path / "only_a.yaml")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(tmp_path / "plan.yaml"), "--backend", "emulated",
-                             "--shards", "2", "--port", str(port), "--num-cpus", "2", "--token", "s3cret"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "RAY_ADDRESS": ""},
-                            cwd=tmp_path)
+    (port,) = _free_ports(1)
+    proc = _serve_two_shards(tmp_path, port, "--token", "s3cret")
     url = f"http://127.0.0.1:{port}"
     results = {}
     try:
-        try:
-            wait_until_ready(url, proc, timeout_s=120)
-        except RuntimeError:
-            proc.kill()
-            raise AssertionError("ppipe serve did not become ready:\n" + proc.communicate()[0][-3000:]) from None
         loads = [threading.Thread(target=lambda m=m: results.update(
             {m: asyncio.run(run_bench(url, m, 15.0, 8.0, binary=True, token="s3cret"))})) for m in ("a", "b")]
         for t in loads:
