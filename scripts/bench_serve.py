@@ -1,8 +1,7 @@
 #!/usr/bin/env python
-#!/usr/bin/env python
 """Benchmarks of `ppipe serve` on this machine (emulated workers; no GPU needed).
 
-Three figures:
+Four figures:
 
 1. **Rehearsal vs simulation.** A PPipe plan for the paper's HC1-S (4 L4 + 12 P4, 16 GPUs)
    of one PPipe-artifact model, served by emulated workers (one Ray actor per vGPU, each
@@ -32,6 +31,10 @@ Three figures:
 3. **Scale-out.** Two such models at batch 1 behind `ppipe serve --shards N` (started as a
    user starts it), one `ppipe bench` per model: the highest total rate at >= 99 %
    attainment with 1 and with 2 shards.
+4. **The HTTP floor.** uvicorn configured as `ppipe serve` configures it, serving a null
+   app (metadata, and a fixed answer to every infer) in a process of its own, driven as
+   the ceiling is: its CPU per request is what HTTP alone costs on this host, the part of
+   the frontend's cost no scheduler or data path can remove.
 
 The load generator runs in its own process (`ppipe bench`), the server (uvicorn + Ray
 driver) in this one, the workers in Ray's; all share this machine's cores, so the figures
@@ -43,6 +46,7 @@ Measured figures, with the host line and the command, are in docs/benchmarks.md.
     python scripts/bench_serve.py --part rehearsal                                  # atss, 16 vGPUs, full speed
     python scripts/bench_serve.py --part rehearsal --model rtmdet_x_8xb32-300e_coco
     python scripts/bench_serve.py --part scaleout # 1 vs 2 frontend shards
+    python scripts/bench_serve.py --part httpfloor --rates 300,600,1000
 """
 
 from __future__ import annotations
@@ -337,6 +341,61 @@ def ceiling(duration_s: float, seed: int, tmp: Path, rates: list[float], batch: 
     return out
 
 
+# ---- part 4: the HTTP floor ---------------------------------------------------------------------------------
+_NULL_META = json.dumps({"name": "null", "versions": ["1"], "platform": "null", "parameters": {"slo_ms": CEILING_SLO_MS},
+                         "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 16]}],
+                         "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, 4]}]}).encode()
+_NULL_ANSWER = json.dumps({"model_name": "null", "outputs": [{"name": "output", "datatype": "FP32", "shape": [1, 4],
+                                                               "data": [0.0] * 4}]}).encode()
+
+
+async def null_app(scope, receive, send) -> None:
+    """ASGI: the model metadata on GET, a fixed answer to every POST (the body read in full)."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    body = _NULL_META if scope["method"] == "GET" else _NULL_ANSWER
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def http_floor(duration_s: float, seed: int, rates: list[float]) -> dict:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = ("import sys, uvicorn; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import bench_serve; "
+            "from ppipe.runtime.server import uvicorn_config; "
+            "uvicorn.Server(uvicorn_config(bench_serve.null_app, '127.0.0.1', int(sys.argv[3]))).run()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(REPO / "scripts"), str(REPO), str(port)])
+    url = f"http://127.0.0.1:{port}"
+    print(f"\n== HTTP floor: uvicorn as `ppipe serve` runs it, a null app, its own process; JSON requests of 16 floats")
+    out = {}
+    try:
+        for _ in range(100):
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        for rate in rates:
+            c0 = process_cpu_s(proc.pid)
+            r = bench(url, "null", rate, duration_s, seed)
+            per_request = 1e3 * (process_cpu_s(proc.pid) - c0) / max(1, r["sent"])
+            out[str(rate)] = {"server_cpu_ms_per_request": per_request, "answered": r["ok"], "sent": r["sent"]}
+            print(f"   {rate:6.0f} req/s offered: {r['ok']} of {r['sent']} answered; server CPU {per_request:.3f} ms per request")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return out
+
+
 # ---- part 3: scale-out over frontend shards ------------------------------------------------------------------
 def null_plan(tmp: Path, cluster, names: list[str], batch: int, vgpus: int, stages: int = 1):
     """A plan of models of ``stages`` blocks with 1 us emulated latency each and a 16-float
@@ -441,7 +500,7 @@ def parallel_bench(url: str, models: list[str], rate_each: float, duration_s: fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["all", "rehearsal", "ceiling", "scaleout"], default="all")
+    ap.add_argument("--part", choices=["all", "rehearsal", "ceiling", "scaleout", "httpfloor"], default="all")
     ap.add_argument("--model", default="atss_r101_fpn_1x_coco", help="PPipe-artifact model for the rehearsal (see above)")
     ap.add_argument("--duration-s", type=float, default=10.0, help="arrival window per load point (the paper: 30)")
     ap.add_argument("--seed", type=int, default=0)
@@ -469,23 +528,28 @@ def main() -> None:
     import ray
 
     os.environ.setdefault("RAY_worker_niceness", "0")  # as `ppipe serve` starts its Ray (ppipe.runtime.cli.init_ray)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    if args.part != "httpfloor":  # (the HTTP floor runs no workers)
+        ray.init(include_dashboard=False, log_to_driver=False)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("all", "ceiling"):
             results["ceiling"] = ceiling(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.rates.split(",")],
                                          args.ceiling_batch, args.ceiling_stages)
+        if args.part in ("all", "httpfloor"):
+            results["httpfloor"] = http_floor(args.duration_s, args.seed, [float(x) for x in args.rates.split(",")])
         if args.part in ("all", "scaleout"):
             results["scaleout"] = scaleout(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.scaleout_rates.split(",")])
         if args.part in ("all", "rehearsal"):
             results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), args.dilation, args.dispatch_lead_ms,
                                              args.answer_budget_ms, args.report_tolerance_ms, args.binary,
                                              [float(x) for x in args.loads.split(",")] if args.loads else None)
-    ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     print("\n" + json.dumps({k: ({kk: vv.get("ceiling_rps") for kk, vv in v.items()} if k == "ceiling" else
                                  {kk: vv.get("max_rps") for kk, vv in v.items()} if k == "scaleout" else
+                                 {kk: round(vv["server_cpu_ms_per_request"], 3) for kk, vv in v.items()} if k == "httpfloor" else
                                  {kk: v.get(kk) for kk in ("model", "vgpus", "dilation", "planned_rps", "sim_max_load", "runtime_max_load")})
                              for k, v in results.items()}, indent=2))
 
