@@ -37,7 +37,10 @@ GPU (those not kept) and its NIC table are busy from the switch on, without end.
 giver's hand-over reports, per resource it retires, when its last old reservation there
 ends (:func:`retired_until`); :func:`lift_embargo` then shortens the taker's block to that
 instant. The result is the single scheduler's rule above (a new share waits for the old
-shares it replaces), reached in two steps; between them the resource serves nobody.
+shares it replaces), reached in two steps. Between them the taker's scheduler holds every
+request it is given, the queued ones it took over included, and submits them, in arrival
+order, once its last embargo is lifted: a probe during the embargo would see the resource
+busy without end and drop the request, though the wait is a message's round trip.
 
 Pure logic, like the rest of the data plane: the simulator (under its virtual clock) and
 the runtime (under the wall clock) call :func:`hand_over` the same way.
@@ -67,6 +70,8 @@ class Handover:
             it cannot serve), for the driver to apply.
         retired: :func:`retired_until` of the switch: when the old plan's reservations end
             on each GPU and NIC it gives up (for another scheduler's embargo).
+        held: queued requests not yet submitted to ``new``, because a resource is under an
+            embargo still to be lifted (:class:`SwitchingScheduler` submits them then).
     """
 
     first_batch_id: int
@@ -74,6 +79,7 @@ class Handover:
     moved: int
     decisions: list[Decision]
     retired: dict[str, float] = field(default_factory=dict)
+    held: list = field(default_factory=list)
 
 
 def vgpu_identity(g: VGpu) -> tuple:
@@ -118,26 +124,31 @@ def hand_over(old: BatchingScheduler, new: BatchingScheduler, embargo: Mapping[s
         raise UserError("the new scheduler has served requests already", fix="build a fresh scheduler for the new plan")
     now = old.clock.now_us()
     kept = kept_vgpus(old.topology, new.topology)
+    embargo = embargo if isinstance(embargo, Mapping) else dict.fromkeys(embargo)
     _copy_reservations(old.topology, new.topology, kept, now)
-    _embargo(new.topology, kept, embargo if isinstance(embargo, Mapping) else dict.fromkeys(embargo), now)
+    _embargo(new.topology, kept, embargo, now)
     _refresh_pools(new.topology)
+    hold = any(until is None for until in embargo.values())
     first = new._next_batch_id = old._next_batch_id
     out: list[Decision] = []
     for v in old.failed:
         if v in kept:
             out.extend(new.mark_failed(v))
-    moved = 0
+    moved, held = 0, []
     for model, queue in old.queues.items():
         while queue:
             r = queue.popleft()
             moved += 1
-            if model in new.queues:
-                out.extend(new.submit(r))
-            else:
+            if model not in new.queues:
                 out.append(old._drop(r, DropReason.UNKNOWN_MODEL, "the new plan does not serve this model"))
+            elif hold:
+                held.append(r)
+            else:
+                out.extend(new.submit(r))
         old.wake_at[model] = None
+    held.sort(key=lambda r: (r.arrival_us, r.id))
     return Handover(first_batch_id=first, kept=kept, moved=moved, decisions=out,
-                    retired=retired_until(old.topology, new.topology, kept, now))
+                    retired=retired_until(old.topology, new.topology, kept, now), held=held)
 
 
 def _copy_reservations(old: Topology, new: Topology, kept: frozenset[str], now: float) -> None:
@@ -249,6 +260,8 @@ class SwitchingScheduler:
         self._eras: list[tuple[int, BatchingScheduler]] = [(0, scheduler)]  # (first batch id, scheduler), ascending
         self._retired_stats: list[dict] = []
         self.switches: list[Handover] = []
+        self._embargoed: set[str] = set()  # resources whose embargo is still to be lifted
+        self._held: list = []  # requests taken while one is (submitted at the last lift)
 
     # the driver contract's attributes are the current policy's
     @property
@@ -277,19 +290,35 @@ class SwitchingScheduler:
         return [s for _, s in self._eras[:-1]]
 
     def switch(self, new: BatchingScheduler, embargo: Mapping[str, float | None] | Iterable[str] = ()) -> Handover:
-        """Hand over to ``new`` (see :func:`hand_over`); apply ``.decisions`` of the result."""
+        """Hand over to ``new`` (see :func:`hand_over`); apply ``.decisions`` of the result.
+        Resources under embargo (None in ``embargo``): requests are held until their lift."""
+        embargo = embargo if isinstance(embargo, Mapping) else dict.fromkeys(embargo)
         h = hand_over(self.current, new, embargo)
         self._eras.append((h.first_batch_id, new))
         self.current = new
         self.switches.append(h)
+        self._embargoed = {res for res, until in embargo.items() if until is None}
+        self._held = list(h.held)
         self._forget_idle()
         return h
 
-    def lift_embargo(self, resource: str, until: float) -> None:
-        """:func:`lift_embargo` in the current scheduler's tables."""
+    def lift_embargo(self, resource: str, until: float) -> list[Decision]:
+        """:func:`lift_embargo` in the current scheduler's tables; once none is left, the
+        held requests are submitted (their decisions returned, for the driver to apply)."""
         lift_embargo(self.current.topology, resource, until)
+        self._embargoed.discard(resource)
+        if self._embargoed or not self._held:
+            return []
+        held, self._held = self._held, []
+        out: list[Decision] = []
+        for r in held:
+            out.extend(self.current.submit(r))
+        return out
 
     def submit(self, request) -> list[Decision]:
+        if self._embargoed:
+            self._held.append(request)
+            return []
         return self.current.submit(request)
 
     def wake(self) -> list[Decision]:
@@ -331,6 +360,8 @@ class SwitchingScheduler:
         return self.current.mark_recovered(vgpu_id)
 
     def withdraw(self, request_ids) -> list[Decision]:
+        ids = set(request_ids)
+        self._held = [r for r in self._held if r.id not in ids]
         return self.current.withdraw(request_ids)  # (queued requests are the current scheduler's only)
 
     def stats(self) -> dict:

@@ -375,8 +375,7 @@ class Runtime:
 
     def lift_embargo(self, resource: str, until_us: float) -> None:
         """The shard that used ``resource`` before the switch has switched: it is busy until ``until_us``."""
-        self.scheduler.lift_embargo(resource, until_us)
-        self._apply(self.scheduler.wake())
+        self._apply(self.scheduler.lift_embargo(resource, until_us))
 
     def _switch_now(self, prepared: "PreparedSwitch", embargo: dict[str, float | None]) -> dict[str, Any]:
         """The switch step: synchronous, so no request sees half of it."""

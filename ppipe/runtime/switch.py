@@ -323,18 +323,30 @@ class ShardedSwitcher(PlanSwitcher):
             embargoes = {i: {res: self._until(done, res, gs) for res, gs in givers.get(i, {}).items()} for i in wave}
             records = await asyncio.gather(*(self._call(i, "commit", embargoes[i]) for i in wave), return_exceptions=True)
             done.update((i, r) for i, r in zip(wave, records) if not isinstance(r, BaseException))
+            for i in wave:
+                if i in done:
+                    embargoed[i] = {res for res, until in embargoes[i].items() if until is None}
             failed = [r for r in records if isinstance(r, BaseException)]
             if failed:
+                await self._give_up_embargoes(done, embargoed)
                 raise failed[0]
             pending = [i for i in pending if i not in done]
-            for i in wave:
-                embargoed[i] = {res for res, until in embargoes[i].items() if until is None}
             lifts = [(i, res, self._until(done, res, givers[i][res])) for i, held in embargoed.items() for res in sorted(held)]
             lifts = [(i, res, until) for i, res, until in lifts if until is not None]
             await asyncio.gather(*(self._call(i, "lift", res, until) for i, res, until in lifts))
             for i, res, _ in lifts:
                 embargoed[i].discard(res)
         return done
+
+    async def _give_up_embargoes(self, done: dict[int, dict[str, Any]], embargoed: dict[int, set[str]]) -> None:
+        """A giver failed to commit: lift the committed shards' embargoes at the latest its old
+        reservations can end (its requests' deadlines: now + the old plan's largest SLO, + 1 s),
+        so that they serve on (their held requests are submitted)."""
+        from ppipe.runtime.clock import wall_us
+
+        until = wall_us() + 1e3 * max(m.slo_ms for m in self.dep.plan.models) + 1e6
+        lifts = [(i, res) for i, held in embargoed.items() if i in done for res in sorted(held)]
+        await asyncio.gather(*(self._call(i, "lift", res, until) for i, res in lifts), return_exceptions=True)
 
     @staticmethod
     def _until(done: dict[int, dict[str, Any]], resource: str, resource_givers: set[int]) -> float | None:

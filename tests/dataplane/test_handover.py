@@ -176,11 +176,33 @@ def test_a_gpu_another_scheduler_gives_up_waits_under_embargo_until_its_last_old
     fresh = shard_b.topology.vgpus["n-2/gpu0/s0"].table
     assert fresh.earliest(100.0, 1.0) >= EMBARGO_US  # nobody's until the giver has spoken
     assert hb.retired == {}  # B gives n-3 up, with nothing booked there
+    # under the embargo, B holds what it is given: a probe would see n-2 busy without end
+    held = shard_b.submit(Request(98, "fresh", 150.0, 150.0 + 6_000.0)) + shard_b.submit(Request(99, "fresh", 150.0, 150.0 + 6_000.0))
+    assert held == []
     ha = shard_a.switch(_sched(new_a, clock))
     assert ha.retired["n-2/gpu0"] == a_until and "n-2/gpu0" not in ha.kept
-    shard_b.lift_embargo("n-2/gpu0", ha.retired["n-2/gpu0"])
-    assert fresh.earliest(100.0, 1.0) == pytest.approx(a_until)
+    out = shard_b.lift_embargo("n-2/gpu0", ha.retired["n-2/gpu0"])
     assert all(key[0] != "embargo" for _, _, key in fresh.intervals())
-    out = shard_b.submit(Request(98, "fresh", 150.0, 150.0 + 6_000.0)) + shard_b.submit(Request(99, "fresh", 150.0, 150.0 + 6_000.0))
     d = [x for x in out if isinstance(x, Dispatch)]
-    assert d and d[0].stages[0].start_us >= a_until - 1e-6  # once lifted, B books n-2 after A's last batch there
+    assert not any(isinstance(x, Drop) for x in out)
+    assert d and {r.id for r in d[0].requests} == {98, 99}
+    assert d[0].stages[0].start_us == pytest.approx(a_until)  # once lifted, B books n-2 from A's last batch there on
+
+
+def test_queued_requests_taken_over_under_an_embargo_wait_for_its_lift_instead_of_being_dropped():
+    """The taker of a cycle of GPU moves switches first, under an embargo; the requests
+    queued when it switches would be dropped by a probe during it, so they are held."""
+    clock = ManualClock()
+    old, new = _sched(OLD, clock), _sched(NEW, clock)
+    for r in _requests([(0.0, "m")] * 7):
+        old.submit(r)
+    queued = sum(len(q) for q in old.queues.values())
+    sched = SwitchingScheduler(old)
+    h = sched.switch(new, embargo={"n-1/gpu0": None, "n-3/gpu0": None})  # m's second stage, both pools
+    assert queued and len(h.held) == queued and not [d for d in h.decisions if isinstance(d, (Dispatch, Drop))]
+    assert sched.lift_embargo("n-1/gpu0", 0.0) == []  # one embargo left: still held
+    sched.withdraw([h.held[0].id])  # a withdrawn request is not submitted later
+    out = sched.lift_embargo("n-3/gpu0", 0.0)
+    decided = {r.id for d in out if isinstance(d, Dispatch) for r in d.requests} | {d.request.id for d in out if isinstance(d, Drop)}
+    waiting = {r.id for q in new.queues.values() for r in q}
+    assert decided | waiting == {r.id for r in h.held[1:]} and not any(isinstance(d, Drop) for d in out)

@@ -464,17 +464,21 @@ def test_a_switch_that_fails_part_way_says_which_shards_serve_which_plan_and_ref
 
     from ppipe.runtime.switch import PartialSwitch, ShardedSwitcher
 
+    calls = []
+
     class ShardOneDies(ShardedSwitcher):
         def __init__(self):  # no runtime: only what happens around the commits is under test
             self._lock, self._broken, self.actors = asyncio.Lock(), "", [None]
+            self.dep = SimpleNamespace(plan=SimpleNamespace(models=[SimpleNamespace(slo_ms=100.0)]))
 
         def _prepare(self, plan, source, keep_live):
             return SimpleNamespace(plan=plan)
 
-        def _split(self, dep, source):
-            return {}, {0: "part 0", 1: "part 1"}, {}, 0
+        def _split(self, dep, source):  # a cycle: shard 0 commits under an embargo on shard 1's g1
+            return {}, {0: "part 0", 1: "part 1"}, {0: {"g1": {1}}, 1: {"g0": {0}}}, 0
 
         async def _call(self, shard, method, *args):
+            calls.append((shard, method))
             if method == "commit" and shard == 1:
                 raise ConnectionError("shard 1 is gone")
             return {"retired": {}}
@@ -490,4 +494,5 @@ def test_a_switch_that_fails_part_way_says_which_shards_serve_which_plan_and_ref
 
     first, second = asyncio.run(twice())
     assert "shards [0] serve the plan from new.yaml, shards [1] the one before" in first and "shard 1 is gone" in first
+    assert calls == [(0, "prepare"), (1, "prepare"), (0, "commit"), (1, "commit"), (0, "lift")]  # shard 0 serves on
     assert second == first  # refused at once: the server serves two plans until it restarts
