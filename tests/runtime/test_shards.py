@@ -451,7 +451,8 @@ def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_pa
     for m in ("a", "b"):
         res = results[m]
         assert res.sent > 60 and res.ok + sum(res.drops.values()) == res.sent and not res.errors, (m, res.drops, res.errors)
-        assert res.ok >= 0.9 * res.sent, (m, res.drops)  # explicit drops, a few (a loaded host drops some anyway)
+        # the requests a shard holds under its embargo wait for the lift (a probe would drop them all)
+        assert sum(res.drops.values()) <= 2, (m, res.drops)
     assert refused.exit_code == 2 and "no model to serve" in refused.output
     assert len(status["switches"]) == 1 and sorted(status["switches"][0]["shards"]) == ["0", "1"]
     assert after == {"a": 200, "b": 200}
