@@ -70,7 +70,8 @@ max-min objective under the observed weights; ``Z >= 1``: every model fits). A c
 2. is **allowed** when ``min_interval_s`` (60 s) have passed since the last switch, and
    the mix moved by ``retry_shift`` (in share, max over models) since the last re-plan
    that was not applied, or ``min_interval_s`` passed since it (hysteresis: a mix the
-   planner could not improve on is not re-planned at every check);
+   planner could not improve on is not re-planned at every check; a re-plan that came
+   back worse than the current plan, a time-limited solve on a busy host, sets none);
 3. **re-plans** through the injected ``replan(weights) -> Plan`` (the planner with a time
    limit) with ``weights = p / sum(p)`` (each floored at ``min_share`` of the total so
    that a model with no traffic for a while keeps some capacity), and
@@ -418,6 +419,11 @@ class ReplanController:
         applied = z_new >= (1.0 + self.policy.min_gain) * z_old
         d = ReplanDecision(now, new, weights, dict(rate), dict(peak), z_old, z_new, trigger, planner_s, kept, n, applied)
         self.attempts.append(d)
+        if z_new < z_old:
+            # Worse than the plan being served, which is itself a plan for these rates: a
+            # solve stopped by its time limit on a poor incumbent (a busy host), not a mix
+            # the planner cannot improve on. No hysteresis: the next check may try again.
+            self._last_attempt = None
         if not applied:
             return None
         self._previous = self.plan

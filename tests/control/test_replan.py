@@ -321,3 +321,25 @@ def test_bad_curvature_settings_are_refused():
         ReplanPolicy(curvature_z=-1)
     with pytest.raises(UserError, match="curvature_min_s"):
         ReplanPolicy(curvature_min_s=1.0)
+
+
+def test_a_re_plan_worse_than_the_current_plan_is_retried_at_the_next_check():
+    """A time-limited solve on a busy host can stop on a poor incumbent: that is no mix the
+    planner cannot improve on, so no hysteresis holds the next check back."""
+
+    class FlakyPlanner(IdealPlanner):
+        def __call__(self, weights):
+            plan = super().__call__(weights)
+            return FakePlan({m: 1.0 for m in weights}) if len(self.calls) == 1 else plan
+
+    clock = ManualClock()
+    planner = FlakyPlanner()
+    rates = {"a": 300.0, "b": 100.0, "c": 100.0}  # "a" at 1.5 x its capacity of 200
+    zero = {m: 0.0 for m in MODELS}
+    ctl = ReplanController(FakePlan({m: CAPACITY / 3 for m in MODELS}), planner, clock, ReplanPolicy(),
+                           estimator=lambda now_us: (rates, zero, zero))
+    clock.t_us = 5e6
+    assert ctl.poll() is None and len(ctl.attempts) == 1 and not ctl.attempts[0].applied
+    clock.t_us = 10e6
+    d = ctl.poll()
+    assert d is not None and d.at_us == 10e6 and len(planner.calls) == 2
