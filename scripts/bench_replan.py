@@ -125,8 +125,8 @@ def _simulate(w, mode: str, load: float, args, *, stop: bool = False):
     arrivals = shifting_poisson_arrivals(models, total, args.duration_s * 1e6, args.seed, period_s=args.period_s)
     setup = None
     if mode in ("auto", "oracle"):
-        policy = ReplanPolicy(min_interval_s=args.min_interval_s, load_delay_s=args.load_delay_s, warmup_s=args.warmup_s,
-                              confidence_z=args.confidence_z)
+        policy = ReplanPolicy(window_s=args.window_s, min_interval_s=args.min_interval_s, load_delay_s=args.load_delay_s,
+                              warmup_s=args.warmup_s, confidence_z=args.confidence_z)
         setup = ReplanSetup(planner_replan(plan, profiles, cluster, time_limit_s=args.replan_time_limit_s), policy, args.load_delay_s,
                             estimator=_oracle(models, total, args.period_s) if mode == "oracle" else None)
     config = SimConfig(duration_s=args.duration_s, seed=args.seed, feedback="changed", replan=setup,
@@ -289,6 +289,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--min-interval-s", type=float, default=60.0)
     ap.add_argument("--load-delay-s", type=float, default=10.0, help="virtual time from a re-plan decision to the switch")
     ap.add_argument("--replan-time-limit-s", type=float, default=1.5)
+    ap.add_argument("--window-s", type=float, default=60.0, help="the controller's estimation window (ppipe serve's --replan-window-s)")
     ap.add_argument("--warmup-s", type=float, default=5.0, help="time from the start to the controller's first check")
     ap.add_argument("--confidence-z", type=float, default=2.0, help="standard errors the controller's noise rule takes off")
     ap.add_argument("--modes", nargs="+", default=["static", "auto"], choices=["static", "auto", "oracle"],
@@ -316,7 +317,7 @@ def main() -> int:
     print(host_line())
     print(f"{CLUSTER}, groups {' '.join(args.groups)}: {args.duration_s:g} s of Poisson arrivals, shifting mix of period "
           f"{args.period_s:g} s; re-plan: min interval {args.min_interval_s:g} s, load delay {args.load_delay_s:g} s, "
-          f"planner time limit {args.replan_time_limit_s:g} s, warm-up {args.warmup_s:g} s, confidence z {args.confidence_z:g}; bisection {args.bisect_steps} steps in [{args.lo}, {args.hi}]", flush=True)
+          f"planner time limit {args.replan_time_limit_s:g} s, window {args.window_s:g} s, warm-up {args.warmup_s:g} s, confidence z {args.confidence_z:g}; bisection {args.bisect_steps} steps in [{args.lo}, {args.hi}]", flush=True)
     t0 = time.perf_counter()
     # the larger group's runs first (G2 offers ~1.5 x G1's requests): the pool's last task is a short one
     items = [(g, m, args) for g in sorted(args.groups, key=lambda g: g != "G2") for m in args.modes]
