@@ -44,16 +44,16 @@ time limit can return a different plan on a busier host (the one wall-clock depe
 wall time only.
 
 Cost: a run costs CPU time in proportion to its requests, ``L x S x duration`` (``S`` =
-2,193 req/s for G1, 3,353 req/s for G2 at load 1); the simulator handles ~10 k requests
-per CPU second on a quiet core here, so a 30-minute run at load 0.75 takes ~5 min (G1)
-to ~8 min (G2) of CPU. The script runs, per group and mode, the run at ``--load`` and
-``--bisect-steps`` more; a failing bisection run stops once 99 % is out of reach, a
-passing one must run to its end. The defaults (``--load 0.75`` inside the bracket
-``[0.6, 0.9]``, where the static plan fails and auto passes, so each side's bisection
-starts from a half-width bracket; 3 steps: ~0.02 resolution) make 16 runs, ~70 CPU
-minutes: ~35 min wall on two free cores (``--jobs 2``, the larger group first), more on
-a shared host. ``--quick`` (one period, 2 steps) is ~1/4 of that. The fluid references
-add ~40 planner calls per group.
+2,193 req/s for G1, 3,353 req/s for G2 at load 1): a 30-minute G2 run took 176-361 s of
+CPU on a quiet core of the project's host (~13 k requests per CPU second). The script
+runs, per group and mode, the run at ``--load`` and ``--bisect-steps`` more; a failing
+bisection run stops once 99 % is out of reach, a passing one must run to its end. The
+defaults (``--load 0.75`` inside the bracket ``[0.6, 0.9]``, where the static plan fails
+and auto passes, so each side's bisection starts from a half-width bracket; 3 steps:
+~0.02 resolution) make 16 runs; G2's two tasks took 22 and 24 min wall on two free
+cores, so the default setting takes ~45 min there: above the issue's 30 min.
+``--quick`` (one period, 2 steps) is ~1/4 of that. The fluid references add ~40
+planner calls per group.
 
 Examples::
 
