@@ -11,22 +11,43 @@ Estimate
 --------
 Arrivals are counted per model in bins of ``bin_s`` seconds. At a check at time ``t`` the
 complete bins of the last ``window_s`` seconds -- fewer in the first ``window_s`` seconds:
-those since the controller started -- give a least-squares line
-``c(tau) = alpha + beta (tau - tau_bar)`` through the counts (bin centres ``tau``), hence
+those since the controller started -- give a least-squares fit through the counts (bin
+centres ``tau``, ``x = tau - tau_bar``)
 
-* the current rate   ``r_m = (alpha + beta' (t - tau_bar)) / bin_s``,
-* its trend          ``g_m = beta' / bin_s``   (req/s per s),
+    ``c(tau) = alpha + beta x + gamma (x^2 - m_2)``,   ``m_2 = S_xx / n``,
+
+in orthogonal terms (the centres are symmetric about ``tau_bar``, so ``1``, ``x`` and
+``x^2 - m_2`` are orthogonal over them and each coefficient is a plain projection:
+``alpha`` the mean count, ``beta = sum x c / S_xx``, ``gamma = sum (x^2 - m_2) c / S_qq``
+with ``S_xx = sum x^2`` and ``S_qq = sum (x^2 - m_2)^2``). The curvature term ``gamma`` is
+fitted only once the bins span ``curvature_min_s`` seconds (else ``gamma = 0``: a line).
+With ``d = t - tau_bar`` this gives
+
+* the current rate   ``r_m = (alpha + beta' d + gamma' (d^2 - m_2)) / bin_s``,
+* its trend          ``g_m = (beta' + 2 gamma' d) / bin_s``   (req/s per s),
+* its curvature      ``k_m = 2 gamma' / bin_s``   (req/s per s^2),
 * the rate to plan for, the peak over the coming ``horizon_s = H`` (a plan has to last at
-  least until the next switch is allowed):  ``p_m = max(r_m, r_m + g_m H, 0)``,
+  least until the next switch is allowed):
+  ``p_m = max(max_{0 <= u <= H} r_m + g_m u + k_m u^2 / 2, 0)`` (with ``k_m = 0``:
+  ``max(r_m, r_m + g_m H, 0)``),
 
 where ``beta'`` is the slope shrunk towards 0 by ``confidence_z`` standard errors,
-``beta' = sign(beta) max(|beta| - confidence_z se(beta), 0)`` (0 unless significant).
-Counts are Poisson, so ``var(c) ~ alpha`` and ``se(beta) = sqrt(alpha / S_xx)`` with
-``S_xx = sum (tau - tau_bar)^2`` over the ``n`` bins used. ``S_xx`` grows as ``n^3``:
+``beta' = sign(beta) max(|beta| - confidence_z se(beta), 0)`` (0 unless significant), and
+``gamma'`` the curvature shrunk likewise by ``curvature_z`` standard errors.
+Counts are Poisson, so ``var(c) ~ alpha``, ``se(beta) = sqrt(alpha / S_xx)`` and
+``se(gamma) = sqrt(alpha / S_qq)``. ``S_xx`` grows as ``n^3`` and ``S_qq`` as ``n^5``:
 over a few seconds the slope is mostly noise, and ``H`` would multiply that noise into the
-plan's weights. ``p_m`` is the line's value at ``u = t + H`` (rising) or ``u = t``, with
-the standard error ``e_m = sqrt(alpha / n + (u - tau_bar)^2 alpha / S_xx) / bin_s`` (the
-second term only where the slope is used).
+plan's weights (the curvature's noise by ``H^2``, hence its longer least span). ``p_m`` is
+the fit's value at the ``u`` where the peak is reached (``u = t`` for a falling or flat
+rate), with the standard error
+``e_m = sqrt(alpha (1 / n + (u - tau_bar)^2 / S_xx + ((u - tau_bar)^2 - m_2)^2 / S_qq)) / bin_s``
+(the second term only where the slope is used, the third only where the curvature is).
+
+Why a curvature: a line extrapolates the slope at the window's centre, which lags a
+turning rate. A model at the bottom of its share has a flat line but will rise: over the
+issue's shifting mix (share ``1/3 + 0.2 sin(2 pi t / 10 min + ...)``, ``H = 70 s``) a
+model leaving its trough rises by ~40 % of its rate within one plan's life, which a line
+plans as ~0 and the plan then misses at its end.
 
 The first check runs ``warmup_s`` (at most ``window_s``) after the start, on the bins
 since the start, so that a mix the starting plan does not fit is re-planned from the first
@@ -34,7 +55,7 @@ observations rather than after a whole window. Few bins give a noisy level, henc
 trigger's confidence rule below: at a high rate a few seconds suffice; at a low one the
 trigger waits for more.
 
-A line over the window, rather than the window's mean, removes the mean's lag of
+A fit over the window, rather than the window's mean, removes the mean's lag of
 ``window_s / 2`` behind a moving rate; ``H`` looks ahead as far as the plan must hold.
 
 Decide
@@ -49,7 +70,8 @@ max-min objective under the observed weights; ``Z >= 1``: every model fits). A c
 2. is **allowed** when ``min_interval_s`` (60 s) have passed since the last switch, and
    the mix moved by ``retry_shift`` (in share, max over models) since the last re-plan
    that was not applied, or ``min_interval_s`` passed since it (hysteresis: a mix the
-   planner could not improve on is not re-planned at every check);
+   planner could not improve on is not re-planned at every check; a re-plan that came
+   back worse than the current plan, a time-limited solve on a busy host, sets none);
 3. **re-plans** through the injected ``replan(weights) -> Plan`` (the planner with a time
    limit) with ``weights = p / sum(p)`` (each floored at ``min_share`` of the total so
    that a model with no traffic for a while keeps some capacity), and
@@ -94,6 +116,9 @@ class ReplanPolicy:
             the start); ``None`` or more than ``window_s``: ``window_s``.
         confidence_z: the slope is shrunk towards 0, and the trigger's rates are lowered, by
             this many standard errors; 0 = neither.
+        curvature_min_s: the least span of bins (s) whose fit has a curvature term;
+            ``None``: a line always.
+        curvature_z: the curvature is shrunk towards 0 by this many standard errors.
         horizon_s: look-ahead ``H`` of the planned-for rate; ``None`` = ``min_interval_s``
             plus ``load_delay_s``.
         check_every_s: how often a check runs.
@@ -110,6 +135,8 @@ class ReplanPolicy:
     bin_s: float = 1.0
     warmup_s: float | None = 5.0
     confidence_z: float = 2.0
+    curvature_min_s: float | None = 30.0
+    curvature_z: float = 2.0
     horizon_s: float | None = None
     check_every_s: float = 5.0
     trigger_load: float = 0.9
@@ -130,6 +157,9 @@ class ReplanPolicy:
             (self.horizon_s is None or self.horizon_s >= 0, "horizon_s must be >= 0", "or None (the default)"),
             (self.warmup_s is None or self.warmup_s >= 2 * self.bin_s, "warmup_s must be >= 2 x bin_s", "e.g. warmup_s=5, or None (= window_s)"),
             (self.confidence_z >= 0, "confidence_z must be >= 0", "e.g. confidence_z=2"),
+            (self.curvature_z >= 0, "curvature_z must be >= 0", "e.g. curvature_z=2"),
+            (self.curvature_min_s is None or self.curvature_min_s >= 3 * self.bin_s, "curvature_min_s must be >= 3 x bin_s",
+             "e.g. curvature_min_s=30, or None (a line)"),
         ]
         for ok, what, fix in checks:
             if not ok:
@@ -171,6 +201,20 @@ class ReplanDecision:
     kept: int
     total: int
     applied: bool
+
+
+def _peak(r: float, g: float, k: float, h: float) -> tuple[float, float]:
+    """``(max, argmax)`` over ``u`` in ``[0, h]`` of ``r + g u + k u^2 / 2`` (ties: the earliest ``u``)."""
+    best, at = r, 0.0
+    end = r + g * h + 0.5 * k * h * h
+    if end > best:
+        best, at = end, h
+    if k < 0.0 and 0.0 < -g / k < h:
+        u = -g / k
+        top = r + g * u + 0.5 * k * u * u
+        if top > best:
+            best, at = top, u
+    return best, at
 
 
 def plan_value(plan: Any, rates: Mapping[str, float]) -> float:
@@ -224,7 +268,7 @@ class ReplanController:
     def __init__(self, plan: Any, replan: Callable[[dict[str, float]], Any], clock: Clock, policy: ReplanPolicy = ReplanPolicy(),
                  estimator: Callable[[float], tuple[dict, dict, dict]] | None = None):
         self.plan = plan
-        self._estimator = estimator or self.estimate_with_error
+        self._estimator = estimator or self.estimate_all
         self.models = [m.name for m in plan.models]
         self._replan = replan
         self.clock = clock
@@ -269,31 +313,60 @@ class ReplanController:
     def estimate_with_error(self, now_us: float) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """``(r, g, e)``: :meth:`estimate` and the standard error ``e_m`` (req/s) of each
         planned-for rate :meth:`planned_for` makes of them (module docstring)."""
-        b = self.policy.bin_s
-        z = self.policy.confidence_z
-        last = int(now_us // (b * 1e6))  # the bin now filling: not complete
-        ks = range(max(last - int(round(self.policy.window_s / b)), min(self._first_bin, last - 2)), last)
-        taus = [(k + 0.5) * b for k in ks]
-        tau_bar = sum(taus) / len(taus)
-        sxx = sum((x - tau_bar) ** 2 for x in taus)
-        rate, trend, err = {}, {}, {}
-        for m, bins in self._bins.items():
-            counts = [bins.get(k, 0) for k in ks]
-            alpha = sum(counts) / len(counts)
-            beta = sum((x - tau_bar) * c for x, c in zip(taus, counts)) / sxx
-            beta = math.copysign(max(abs(beta) - z * math.sqrt(max(alpha, 1.0) / sxx), 0.0), beta)  # shrunk (module docstring)
-            rate[m] = max(0.0, (alpha + beta * (now_us / 1e6 - tau_bar)) / b)
-            trend[m] = beta / b
-            lead = 0.0 if beta == 0.0 else now_us / 1e6 - tau_bar + (self.policy.horizon if beta > 0 else 0.0)
-            err[m] = math.sqrt(max(alpha, 1.0) * (1.0 / len(counts) + lead * lead / sxx)) / b
-            for k in [k for k in bins if k < ks.start]:
-                del bins[k]  # older than the window: never read again
+        rate, trend, err, _ = self.estimate_all(now_us)
         return rate, trend, err
 
-    def planned_for(self, rate: Mapping[str, float], trend: Mapping[str, float]) -> dict[str, float]:
-        """``p_m = max(r_m, r_m + g_m H, 0)``."""
+    def estimate_all(self, now_us: float) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
+        """``(r, g, e, k)``: :meth:`estimate_with_error` and each model's curvature ``k_m``
+        (req/s per s^2; 0 where the window is shorter than ``curvature_min_s`` or the
+        curvature is not significant) (module docstring, "Estimate")."""
+        p = self.policy
+        b = p.bin_s
+        z = p.confidence_z
+        last = int(now_us // (b * 1e6))  # the bin now filling: not complete
+        ks = range(max(last - int(round(p.window_s / b)), min(self._first_bin, last - 2)), last)
+        n = len(ks)
+        tau_bar = (ks.start + ks.stop) / 2 * b  # the mean of the bin centres (k + 0.5) b
+        xs = [(k + 0.5) * b - tau_bar for k in ks]
+        sxx = sum(x * x for x in xs)
+        m2 = sxx / n
+        qs = [x * x - m2 for x in xs]  # (orthogonal to 1 and x: the centres are symmetric about tau_bar)
+        sqq = sum(q * q for q in qs)
+        curved = p.curvature_min_s is not None and n * b >= p.curvature_min_s and sqq > 0
+        d = now_us / 1e6 - tau_bar
+        h = p.horizon
+        rate, trend, err, curv = {}, {}, {}, {}
+        for m, bins in self._bins.items():
+            counts = [bins.get(k, 0) for k in ks]
+            alpha = sum(counts) / n
+            var = max(alpha, 1.0)  # Poisson counts
+            beta = sum(x * c for x, c in zip(xs, counts)) / sxx
+            beta = math.copysign(max(abs(beta) - z * math.sqrt(var / sxx), 0.0), beta)  # shrunk (module docstring)
+            gamma = 0.0
+            if curved:
+                gamma = sum(q * c for q, c in zip(qs, counts)) / sqq
+                gamma = math.copysign(max(abs(gamma) - p.curvature_z * math.sqrt(var / sqq), 0.0), gamma)
+            r = max(0.0, (alpha + beta * d + gamma * (d * d - m2)) / b)
+            g = (beta + 2.0 * gamma * d) / b
+            k = 2.0 * gamma / b
+            rate[m], trend[m], curv[m] = r, g, k
+            lead = d + _peak(r, g, k, h)[1]  # where the planned-for rate is read, from tau_bar
+            e2 = 1.0 / n
+            if beta != 0.0:
+                e2 += lead * lead / sxx
+            if gamma != 0.0:
+                e2 += (lead * lead - m2) ** 2 / sqq
+            err[m] = math.sqrt(var * e2) / b
+            for k_old in [k_old for k_old in bins if k_old < ks.start]:
+                del bins[k_old]  # older than the window: never read again
+        return rate, trend, err, curv
+
+    def planned_for(self, rate: Mapping[str, float], trend: Mapping[str, float],
+                    curvature: Mapping[str, float] | None = None) -> dict[str, float]:
+        """``p_m = max(max_{0 <= u <= H} r_m + g_m u + k_m u^2 / 2, 0)`` (``k_m = 0`` if not given:
+        ``max(r_m, r_m + g_m H, 0)``)."""
         h = self.policy.horizon
-        return {m: max(rate[m], rate[m] + trend[m] * h, 0.0) for m in rate}
+        return {m: max(_peak(rate[m], trend[m], curvature.get(m, 0.0) if curvature else 0.0, h)[0], 0.0) for m in rate}
 
     def poll(self) -> ReplanDecision | None:
         """Run a check if one is due; a decision to apply, or None."""
@@ -301,8 +374,9 @@ class ReplanController:
         if now < self.next_check_us:
             return None
         self.next_check_us = now + self.policy.check_every_s * 1e6
-        rate, trend, err = self._estimator(now)
-        peak = self.planned_for(rate, trend)
+        est = self._estimator(now)
+        rate, trend, err = est[0], est[1], est[2]
+        peak = self.planned_for(rate, trend, est[3] if len(est) > 3 else None)
         total = sum(peak.values())
         if total <= 0:
             return None
@@ -345,6 +419,11 @@ class ReplanController:
         applied = z_new >= (1.0 + self.policy.min_gain) * z_old
         d = ReplanDecision(now, new, weights, dict(rate), dict(peak), z_old, z_new, trigger, planner_s, kept, n, applied)
         self.attempts.append(d)
+        if z_new < z_old:
+            # Worse than the plan being served, which is itself a plan for these rates: a
+            # solve stopped by its time limit on a poor incumbent (a busy host), not a mix
+            # the planner cannot improve on. No hysteresis: the next check may try again.
+            self._last_attempt = None
         if not applied:
             return None
         self._previous = self.plan

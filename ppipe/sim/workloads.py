@@ -80,6 +80,57 @@ def shifting_rates(t_s: float, models: Sequence[str], total_rps: float, period_s
     return rate, trend
 
 
+def fluid_max_load(shares: np.ndarray, capacities_rps: np.ndarray, scale_rps: float, target: float = 0.99) -> float:
+    """The largest load at which a fluid model of the mix keeps ``target`` of the demand (a reference, not a run).
+
+    Time is sampled evenly (e.g. over one period of the shifting mix). At load ``L`` model
+    ``m`` asks for ``L S s_m(t)`` req/s (``S = scale_rps``) and the plan serving at ``t``
+    carries ``x_m(t)``; what exceeds the capacity is lost, nothing queues (the SLOs are
+    milliseconds), nothing else is lost. The lost share of the demand,
+
+        f(L) = sum_{t,m} max(0, L S s_m(t) - x_m(t)) / sum_t L S
+             = mean_t sum_m max(0, s_m(t) - x_m(t) / (L S)),
+
+    rises with ``L`` (each term is non-decreasing in ``L``), so the answer, the largest
+    ``L`` with ``f(L) <= 1 - target``, is found by bisection. With ``target = 1`` it is
+    ``min_{t,m} x_m(t) / (S s_m(t))``: the load at which the worst instant just fits.
+
+    With ``x(t)`` the max-min plan for the mix at ``t`` this bounds a controller that
+    re-plans for free at every instant; with one plan throughout it predicts a static plan.
+
+    Args:
+        shares: ``(T, n)`` shares ``s_m(t)`` (each row sums to 1).
+        capacities_rps: ``(T, n)`` capacities ``x_m(t)`` of the plan serving at each sample.
+        scale_rps: ``S``, the total rate at load 1.
+        target: the share of the demand to keep, in (0, 1].
+
+    Raises:
+        UserError: shapes differ, or ``scale_rps`` or ``target`` is out of range.
+    """
+    s = np.asarray(shares, dtype=float)
+    x = np.asarray(capacities_rps, dtype=float)
+    if s.shape != x.shape or s.ndim != 2 or s.size == 0:
+        raise UserError(f"shares {s.shape} and capacities {x.shape} must be the same (T, n) shape", fix="give one row per sample time")
+    if not scale_rps > 0 or not 0 < target <= 1:
+        raise UserError(f"scale must be > 0 and target in (0, 1], got {scale_rps} and {target}", fix="e.g. scale = the load-1 total, target 0.99")
+    pos = s > 0
+    if target == 1.0:
+        return float(np.min(np.where(pos, x / np.where(pos, s, 1.0), np.inf)) / scale_rps)
+    budget = 1.0 - target
+
+    def lost(load: float) -> float:
+        return float(np.maximum(s - x / (load * scale_rps), 0.0).sum(axis=1).mean())
+
+    lo = 0.0
+    hi = 1.0
+    while lost(hi) <= budget:  # (lost(L) -> 1 as L grows: the bracket's top is found)
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if lost(mid) <= budget else (lo, mid)
+    return lo
+
+
 def _check_shifting(models: Sequence[str], total_rps: float, duration_us: float, period_s: float, amplitude: float) -> None:
     if not models:
         raise UserError("a shifting workload needs at least one model", fix="give the plan's model names")

@@ -245,3 +245,101 @@ def test_an_idle_lead_in_before_the_first_arrival_is_no_trend():
     assert late.next_check_us == 5e6
     late.observe("a", lead_in_us)
     assert late.next_check_us == lead_in_us + 5e6
+
+
+def _deterministic(rate_fn, end_s: float, dt: float = 0.0005) -> np.ndarray:
+    """Arrival times (us) of a deterministic stream whose rate is ``rate_fn(t)`` req/s."""
+    t = np.arange(0, end_s, dt)
+    cum = np.cumsum(rate_fn(t) * dt)
+    return np.interp(np.arange(1, int(cum[-1])), cum, t) * 1e6
+
+
+def test_a_rate_leaving_its_trough_is_planned_for_its_rise():
+    # r(t) = 200 + 0.1 (t - 50)^2: at t = 60 the window (bins 0..59) holds the trough at 50;
+    # the rate then rises to 200 + 0.1 x 80^2 = 840 by t + H = 130. A line through the
+    # window has the slope at its centre (-2 req/s per s): it plans for the rate now.
+    times = _deterministic(lambda t: 200 + 0.1 * (t - 50) ** 2, 70)
+    clock = ManualClock()
+    base = dict(min_interval_s=60, load_delay_s=10)
+    exact = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock, ReplanPolicy(confidence_z=0, curvature_z=0, **base))
+    shrunk = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock, ReplanPolicy(**base))
+    line = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock, ReplanPolicy(curvature_min_s=None, **base))
+    for x in times:
+        for c in (exact, shrunk, line):
+            c.observe("a", x)
+    r, g, e, k = exact.estimate_all(60e6)
+    assert r["a"] == pytest.approx(210.0, rel=0.02) and g["a"] == pytest.approx(2.0, abs=0.1) and k["a"] == pytest.approx(0.2, rel=0.02)
+    assert exact.planned_for(r, g, k)["a"] == pytest.approx(840.0, rel=0.02)
+    # the default shrinks the curvature by 2 standard errors of a Poisson count's: sqrt(mean count / S_qq)
+    xs = np.arange(60) - 29.5
+    s_qq = float(((xs**2 - (xs**2).mean()) ** 2).sum())
+    mean_count = len(times[times < 60e6]) / 60
+    _, _, _, k2 = shrunk.estimate_all(60e6)
+    assert k2["a"] == pytest.approx(k["a"] - 2 * 2 * math.sqrt(mean_count / s_qq), rel=0.02)
+    assert 600.0 < shrunk.planned_for(*shrunk.estimate(60e6), k2)["a"] < 840.0
+    r1, g1, e1, k1 = line.estimate_all(60e6)
+    assert k1["a"] == 0.0 and line.planned_for(r1, g1, k1)["a"] < 300.0
+
+
+def test_a_falling_then_turning_rate_is_planned_for_its_highest_point_ahead():
+    # r(t) = 1000 - 0.1 (t - 100)^2 over 0..60: rising to its peak 40 s after the check at 60
+    times = _deterministic(lambda t: 1000 - 0.1 * (t - 100) ** 2, 70)
+    ctl = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), ManualClock(),
+                           ReplanPolicy(min_interval_s=60, load_delay_s=10, confidence_z=0, curvature_z=0))
+    for x in times:
+        ctl.observe("a", x)
+    r, g, e, k = ctl.estimate_all(60e6)
+    assert k["a"] == pytest.approx(-0.2, rel=0.02)
+    assert ctl.planned_for(r, g, k)["a"] == pytest.approx(1000.0, rel=0.01)  # the vertex, not the line's 840 + 8 x 70
+    assert ctl.planned_for(r, g)["a"] == pytest.approx(840.0 + 8.0 * 70, rel=0.02)
+
+
+def test_no_curvature_before_its_least_span():
+    times = _deterministic(lambda t: 200 + 0.1 * (t - 50) ** 2, 30)
+    ctl = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), ManualClock(), ReplanPolicy(curvature_min_s=30.0))
+    for x in times:
+        ctl.observe("a", x)
+    assert ctl.estimate_all(29e6)[3]["a"] == 0.0  # 29 bins
+    assert ctl.estimate_all(30e6)[3]["a"] != 0.0  # 30 bins
+
+
+def test_an_estimator_may_give_curvatures():
+    clock = ManualClock()
+    planner = IdealPlanner()
+    zero = {m: 0.0 for m in MODELS}
+    rates = {m: 150.0 for m in MODELS}
+    curv = {"a": 0.02, "b": 0.0, "c": 0.0}  # "a" accelerates: 150 + 0.01 x 70^2 = 199 at t + H
+    ctl = ReplanController(FakePlan({m: CAPACITY / 3 for m in MODELS}), planner, clock,
+                           ReplanPolicy(min_interval_s=60, load_delay_s=10), estimator=lambda now_us: (rates, zero, zero, curv))
+    clock.t_us = 5e6
+    d = ctl.poll()
+    assert d is not None and d.planned_for_rps["a"] == pytest.approx(199.0)
+
+
+def test_bad_curvature_settings_are_refused():
+    with pytest.raises(UserError, match="curvature_z"):
+        ReplanPolicy(curvature_z=-1)
+    with pytest.raises(UserError, match="curvature_min_s"):
+        ReplanPolicy(curvature_min_s=1.0)
+
+
+def test_a_re_plan_worse_than_the_current_plan_is_retried_at_the_next_check():
+    """A time-limited solve on a busy host can stop on a poor incumbent: that is no mix the
+    planner cannot improve on, so no hysteresis holds the next check back."""
+
+    class FlakyPlanner(IdealPlanner):
+        def __call__(self, weights):
+            plan = super().__call__(weights)
+            return FakePlan({m: 1.0 for m in weights}) if len(self.calls) == 1 else plan
+
+    clock = ManualClock()
+    planner = FlakyPlanner()
+    rates = {"a": 300.0, "b": 100.0, "c": 100.0}  # "a" at 1.5 x its capacity of 200
+    zero = {m: 0.0 for m in MODELS}
+    ctl = ReplanController(FakePlan({m: CAPACITY / 3 for m in MODELS}), planner, clock, ReplanPolicy(),
+                           estimator=lambda now_us: (rates, zero, zero))
+    clock.t_us = 5e6
+    assert ctl.poll() is None and len(ctl.attempts) == 1 and not ctl.attempts[0].applied
+    clock.t_us = 10e6
+    d = ctl.poll()
+    assert d is not None and d.at_us == 10e6 and len(planner.calls) == 2

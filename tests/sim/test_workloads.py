@@ -108,3 +108,33 @@ def test_shifting_rates_are_the_generators_rates_and_their_derivative():
         assert [rate[m] for m in models] == pytest.approx(list(900.0 * shifting_shares(t, 3, 600.0)))
         ahead, _ = shifting_rates(t + 1e-3, models, 900.0, 600.0)
         assert [(ahead[m] - rate[m]) / 1e-3 for m in models] == pytest.approx([trend[m] for m in models], rel=1e-3, abs=1e-3)
+
+
+def test_fluid_max_load_of_capacity_that_follows_the_mix():
+    from ppipe.sim.workloads import fluid_max_load
+
+    s = shifting_shares(np.arange(0, 600, 10.0), 3, 600.0).T
+    x = 900.0 * s  # every instant's plan carries 900 req/s in the mix's proportions
+    assert fluid_max_load(s, x, 1000.0, target=1.0) == pytest.approx(0.9)
+    # 1 % may be lost: the demand may exceed 900 by 1 % of itself
+    assert fluid_max_load(s, x, 1000.0, target=0.99) == pytest.approx(0.9 / 0.99)
+
+
+def test_fluid_max_load_allows_a_short_overload_within_the_budget():
+    from ppipe.sim.workloads import fluid_max_load
+
+    # one model; 100 samples, one of which has half the capacity
+    s = np.ones((100, 1))
+    x = np.full((100, 1), 100.0)
+    x[0] = 50.0
+    assert fluid_max_load(s, x, 100.0, target=1.0) == pytest.approx(0.5)
+    # above L = 1 every sample loses: f(L) = ((100 L - 50) + 99 (100 L - 100)) / (100 x 100 L)
+    # = 1 - 0.995 / L, which is 0.01 at L = 0.995 / 0.99
+    assert fluid_max_load(s, x, 100.0, target=0.99) == pytest.approx(0.995 / 0.99)
+
+
+def test_fluid_max_load_refuses_mismatched_shapes():
+    from ppipe.sim.workloads import fluid_max_load
+
+    with pytest.raises(UserError, match="same"):
+        fluid_max_load(np.ones((3, 2)), np.ones((3, 3)), 1.0)
