@@ -118,10 +118,7 @@ def test_same_inputs_same_decisions():
 
 def test_estimate_of_a_ramp_recovers_rate_and_trend():
     # deterministic arrivals whose rate rises linearly: r(t) = 100 + 2 t req/s
-    t = np.arange(0, 120, 0.0005)
-    r = 100 + 2 * t
-    cum = np.cumsum(r * 0.0005)
-    times = np.interp(np.arange(1, int(cum[-1])), cum, t) * 1e6
+    times = _deterministic(lambda t: 100 + 2 * t, 120)
     clock = ManualClock()
     exact = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock, ReplanPolicy(confidence_z=0.0))
     shrunk = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock)
@@ -139,10 +136,7 @@ def test_estimate_of_a_ramp_recovers_rate_and_trend():
 
 def test_a_steep_ramp_is_trusted_only_once_enough_bins_show_it():
     # the first check (warmup_s after the start) plans for the level; a full window adds the trend
-    t = np.arange(0, 80, 0.0005)
-    r = 200 + 2 * t
-    cum = np.cumsum(r * 0.0005)
-    times = np.interp(np.arange(1, int(cum[-1])), cum, t) * 1e6
+    times = _deterministic(lambda t: 200 + 2 * t, 80)
     clock = ManualClock()
     ctl = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), clock)
     assert ctl.next_check_us == pytest.approx(5e6)  # warmup_s, not window_s
