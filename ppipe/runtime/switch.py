@@ -238,7 +238,9 @@ class ShardedSwitcher(PlanSwitcher):
        other shards' old plans used waits for those shards, and gets from their commits
        when their last reservations there end; in a cycle, the lowest shard commits first
        with an embargo that the later commits lift;
-    5. every shard's router learns the new owners.
+    5. every shard's router learns the new owners. A new model's owner is told at once
+       after step 3, so that from its owner's commit on every shard passes its requests
+       there (before that commit the owner answers 404, as before the switch).
     """
 
     def __init__(self, local: PlanSwitcher, dep: Any, owner: dict[str, int], actors: list[Any], router: Any):
@@ -266,6 +268,8 @@ class ShardedSwitcher(PlanSwitcher):
             if failed:
                 await asyncio.gather(*(self._call(i, "abort") for i in subs), return_exceptions=True)
                 raise failed[0]
+            if set(owner) - set(self.owner):  # new models: route them to their shard before it commits
+                await self._tell_owners({**self.owner, **owner})
             done: dict[int, dict[str, Any]] = {}
             try:
                 records = await self._commit_in_waves(sorted(subs), givers, done)
@@ -276,7 +280,7 @@ class ShardedSwitcher(PlanSwitcher):
                 log.error("%s", self._broken)
                 raise PartialSwitch(self._broken) from exc
             self.owner, self.dep = owner, dep
-            await asyncio.gather(*(self._call(i, "set_owner", owner) for i in range(len(self.actors) + 1)))
+            await self._tell_owners(owner)
             record = self._summary(records, unchanged_vgpus)
             record.update(seconds=time.perf_counter() - t0, source=source, models=[m.name for m in dep.plan.models])
             self._records.append(record)
@@ -300,6 +304,9 @@ class ShardedSwitcher(PlanSwitcher):
                 subs[i] = replace(dep, plan=new, profiles={m.name: dep.profiles[m.name] for m in new.models})
         givers = incoming_resources(self.dep.plan, self.owner, dep.plan, owner, set(subs))
         return owner, subs, givers, unchanged_vgpus
+
+    async def _tell_owners(self, owner: dict[str, int]) -> None:
+        await asyncio.gather(*(self._call(i, "set_owner", owner) for i in range(len(self.actors) + 1)))
 
     @staticmethod
     def _summary(records: dict[int, dict[str, Any]], unchanged_vgpus: int) -> dict[str, Any]:

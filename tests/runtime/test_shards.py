@@ -469,7 +469,7 @@ def test_a_switch_that_fails_part_way_says_which_shards_serve_which_plan_and_ref
 
     class ShardOneDies(ShardedSwitcher):
         def __init__(self):  # no runtime: only what happens around the commits is under test
-            self._lock, self._broken, self.actors = asyncio.Lock(), "", [None]
+            self._lock, self._broken, self.actors, self.owner = asyncio.Lock(), "", [None], {}
             self.dep = SimpleNamespace(plan=SimpleNamespace(models=[SimpleNamespace(slo_ms=100.0)]))
 
         def _prepare(self, plan, source, keep_live):
@@ -497,3 +497,33 @@ def test_a_switch_that_fails_part_way_says_which_shards_serve_which_plan_and_ref
     assert "shards [0] serve the plan from new.yaml, shards [1] the one before" in first and "shard 1 is gone" in first
     assert calls == [(0, "prepare"), (1, "prepare"), (0, "commit"), (1, "commit"), (0, "lift")]  # shard 0 serves on
     assert second == first  # refused at once: the server serves two plans until it restarts
+
+
+def test_a_new_models_owner_is_told_to_every_shard_before_its_owner_commits():
+    """Between the owner's commit and the last broadcast, the other shards would answer 404
+    for the new model: they learn its owner right after every shard prepared."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ppipe.runtime.switch import ShardedSwitcher
+
+    calls = []
+
+    class AddsModelC(ShardedSwitcher):
+        def __init__(self):  # no runtime: only the order of the calls is under test
+            self._lock, self._broken, self.actors, self.router, self._records = asyncio.Lock(), "", [None], None, []
+            self.owner = {"a": 0, "b": 1}
+
+        def _prepare(self, plan, source, keep_live):
+            return SimpleNamespace(plan=SimpleNamespace(models=[SimpleNamespace(name=m) for m in "abc"]))
+
+        def _split(self, dep, source):  # c joins shard 1, which alone changes
+            return {"a": 0, "b": 1, "c": 1}, {1: "part 1"}, {}, 0
+
+        async def _call(self, shard, method, *args):
+            calls.append((shard, method, *args))
+            return {"retired": {}, "kept": 0, "started": 1, "retiring": 0, "moved": 0, "load_s": 0.1, "switch_us": 1.0}
+
+    asyncio.run(AddsModelC().apply(None, "new.yaml"))
+    with_c = {"a": 0, "b": 1, "c": 1}
+    assert calls[:4] == [(1, "prepare", "part 1"), (0, "set_owner", with_c), (1, "set_owner", with_c), (1, "commit", {})]
