@@ -159,7 +159,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     """
     import uvicorn
 
-    from ppipe.runtime.deploy import load_deployment, setup_transport, start_workers
+    from ppipe.runtime.deploy import LinkOpener, load_deployment, setup_transport, start_workers
     from ppipe.runtime.driver import check_whole_paths, default_scheduler_factory
     from ppipe.runtime.server import uvicorn_config
     from ppipe.runtime.shards import (
@@ -210,6 +210,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         raise
     settings = ServeSettings(
         runtime={"policy": policy, "scheduler_options": options, "dispatch_lead_us": dispatch_lead_ms * 1000.0,
+                 "links": None if transport == "tcp" else LinkOpener(transport),
                  "answer_budget_us": answer_budget_ms * 1000.0,
                  "report_tolerance_us": None if report_tolerance_ms < 0 else report_tolerance_ms * 1000.0},
         app={"token": token, "max_body_bytes": int(max_body_mb * 1024 * 1024), "body_timeout_s": body_timeout_s,

@@ -27,7 +27,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ppipe.errors import UserError
 from ppipe.runtime.refs import settle
@@ -347,9 +347,9 @@ def _reraise_user_error(cause: BaseException) -> None:
 
 def connect_edges(
     workers: dict[str, Any], edges: list[tuple[str, str]], link_factory: Any = None, unique_ids: list[Any] | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float = 300.0, gen: int = 0,
 ) -> None:
-    """Open the two-rank communicator of every edge: both ends join at once.
+    """Open the two-rank communicator of every edge, of generation ``gen``: both ends join at once.
 
     Args:
         workers: {vGPU id: actor handle}.
@@ -357,6 +357,8 @@ def connect_edges(
         link_factory: ``f(unique_id, rank) -> Link`` run in the workers; None means NCCL
             (:func:`ppipe.runtime.transport.nccl_link`). Tests inject a fake here.
         unique_ids: one per edge; by default each sender makes its edge's NCCL unique id.
+        gen: 0 at start-up; a plan switch opens its new edges as a generation of its own
+            (:func:`ppipe.runtime.transport.relink`).
     """
     import ray
 
@@ -366,38 +368,80 @@ def connect_edges(
         unique_ids = ray.get([workers[a].nccl_unique_id.remote() for a, _ in edges], timeout=timeout_s)
     calls = []
     for (a, b), uid in zip(edges, unique_ids):
-        calls.append(workers[a].connect.remote(b, uid, 0, link_factory))
-        calls.append(workers[b].connect.remote(a, uid, 1, link_factory))
+        calls.append(workers[a].connect.remote(b, uid, 0, link_factory, gen))
+        calls.append(workers[b].connect.remote(a, uid, 1, link_factory, gen))
     ray.get(calls, timeout=timeout_s)
+
+
+@dataclass(frozen=True)
+class LinkOpener:
+    """How a server's feature maps travel (``ppipe serve --transport``), at start-up and at
+    every plan switch: :meth:`choose` picks each edge's transport from what its two workers
+    report, :meth:`open` opens the NCCL edges' communicators.
+
+    Attributes:
+        requested: ``auto``, ``tcp`` or ``nccl`` (:func:`ppipe.runtime.transport.choose_edge`).
+        timeout_s: for the workers' answers and the communicators' set-up.
+        link_factory, unique_id: tests only: ``link_factory(unique_id, rank)`` replaces NCCL
+            in the workers and ``unique_id()`` makes each edge's id here (a fake link's).
+    """
+
+    requested: str = "auto"
+    timeout_s: float = 300.0
+    link_factory: Any = None
+    unique_id: Callable[[], Any] | None = None
+
+    def choose(self, plan: Plan, cluster: ClusterSpec, profiles: dict[str, ModelProfile],
+               workers: dict[str, Any]) -> dict[tuple[str, str], tuple[str, str]]:
+        """``{(sender, receiver): (transport, reason)}`` for every edge of ``plan``.
+
+        Raises:
+            UserError: ``requested == "nccl"`` and some worker of a multi-stage pipeline cannot use it.
+        """
+        import ray
+
+        from ppipe.runtime.transport import Capability, pipeline_edges, select_transports
+
+        specs = worker_specs(Deployment(plan, cluster, profiles))
+        involved = sorted({v for e in pipeline_edges(specs) for v in e})
+        caps_raw = ray.get([workers[v].transport_caps.remote() for v in involved], timeout=self.timeout_s) if involved else []
+        return select_transports(self.requested, specs, {v: Capability(**c) for v, c in zip(involved, caps_raw)})
+
+    def open(self, workers: dict[str, Any], edges: list[tuple[str, str]], gen: int = 0) -> None:
+        """Open the communicators of ``edges`` (generation ``gen``).
+
+        Raises:
+            UserError: a pair could not open its communicator (named with NCCL's message).
+        """
+        import ray
+
+        uids = None if self.unique_id is None else [self.unique_id() for _ in edges]
+        try:
+            connect_edges(workers, edges, self.link_factory, uids, timeout_s=self.timeout_s, gen=gen)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"opening the NCCL communicators of {len(edges)} worker pair(s) failed: {first}",
+                fix="check that NCCL can reach between the GPU servers (run with NCCL_DEBUG=INFO), "
+                "or serve with --transport tcp",
+            ) from None
 
 
 def setup_transport(
     dep: Deployment, workers: dict[str, Any], requested: str = "auto", timeout_s: float = 300.0
 ) -> dict[tuple[str, str], tuple[str, str]]:
-    """Choose each edge's transport from what the workers report, and open the NCCL edges.
+    """Choose each edge's transport from what the workers report, and open the NCCL edges
+    (:class:`LinkOpener` at start-up).
 
     Returns ``{(sender, receiver): (transport, reason)}`` for :class:`~ppipe.runtime.driver.Runtime`.
 
     Raises:
-        UserError: ``requested == "nccl"`` and some worker of a multi-stage pipeline cannot use it.
+        UserError: ``requested == "nccl"`` and some worker of a multi-stage pipeline cannot
+            use it, or a communicator could not open.
     """
-    import ray
+    from ppipe.runtime.transport import NCCL
 
-    from ppipe.runtime.transport import Capability, NCCL, pipeline_edges, select_transports
-
-    specs = worker_specs(dep)
-    involved = sorted({v for e in pipeline_edges(specs) for v in e})
-    caps_raw = ray.get([workers[v].transport_caps.remote() for v in involved], timeout=timeout_s) if involved else []
-    caps = {v: Capability(**c) for v, c in zip(involved, caps_raw)}
-    choice = select_transports(requested, specs, caps)
-    nccl_edges = [e for e, (t, _) in choice.items() if t == NCCL]
-    try:
-        connect_edges(workers, nccl_edges, timeout_s=timeout_s)
-    except (ray.exceptions.RayError, TimeoutError) as exc:
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise UserError(
-            f"opening the NCCL communicators of {len(nccl_edges)} worker pair(s) failed: {first}",
-            fix="check that NCCL can reach between the GPU servers (run with NCCL_DEBUG=INFO), "
-            "or serve with --transport tcp",
-        ) from None
+    links = LinkOpener(requested, timeout_s)
+    choice = links.choose(dep.plan, dep.cluster, dep.profiles, workers)
+    links.open(workers, [e for e, (t, _) in choice.items() if t == NCCL])
     return choice

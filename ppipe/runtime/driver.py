@@ -44,6 +44,7 @@ from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, node_host
 from ppipe.runtime.wire import pack, unpack
 from ppipe.runtime.metrics import RuntimeMetrics
 from ppipe.runtime.refs import consume, kill_quietly
+from ppipe.runtime.transport import relink
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
@@ -161,6 +162,10 @@ class Runtime:
         edges: the transport of each (sender, receiver) vGPU pair, from
             :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "tcp"}``
             or ``{edge: (transport, reason)}``); edges not named go over the data path's connections.
+        links: a :class:`~ppipe.runtime.deploy.LinkOpener`: a plan switch chooses the new
+            plan's transports with it and opens the NCCL edges it does not keep
+            (:func:`ppipe.runtime.transport.relink`). None: switches put every edge on the
+            data path's connections, and a runtime with NCCL edges cannot switch.
     """
 
     def __init__(
@@ -184,6 +189,7 @@ class Runtime:
         dispatch_lead_us: float = 0.0,
         answer_budget_us: float = 0.0,
         report_tolerance_us: float | None = 1000.0,
+        links: Any = None,
     ):
         self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
         self._factory = scheduler_factory or default_scheduler_factory
@@ -220,9 +226,14 @@ class Runtime:
         self._placement = {p.vgpu_id: p for p in plan.placement}
         self._lifelines: list[asyncio.Task] = []
         self._queued: dict[str, int] = {m.name: 0 for m in plan.models}
-        # NCCL edges and the number of the next message on each (see ppipe.runtime.transport)
-        self.nccl_edges = {e for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) == "nccl"}
-        self._edge_seq: dict[tuple[str, str], int] = {e: 0 for e in self.nccl_edges}
+        # NCCL edges with their generation (0: opened at start-up; n: by the n-th switch
+        # preparation), and the number of the next message on each (see ppipe.runtime.transport)
+        self.links = links
+        self.nccl_links: dict[tuple[str, str], int] = {
+            e: 0 for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) == "nccl"}
+        self._edge_seq: dict[tuple[str, str, int], int] = {}
+        self._link_gen = 0  # the last generation a switch opened
+        self._old_links: list[tuple[tuple[str, str], int]] = []  # earlier plans' edges, open until their drain ends
         # plan switches (switch_plan): the first batch id each current worker serves, and
         # the workers of earlier plans that still finish their batches
         self._since: dict[str, int] = {}
@@ -231,6 +242,11 @@ class Runtime:
         self.on_switch: list[Callable[[], None]] = []  # called at each switch, after the new plan is in place
         self.arrival_log: list[tuple[str, float]] | None = None  # (model, arrival) of each request, for a re-plan loop
         self.metrics.track_capacity(self)  # ppipe_model_capacity_alive_ratio, from self.plan and self.failed
+
+    @property
+    def nccl_edges(self) -> set[tuple[str, str]]:
+        """The (sender, receiver) pairs whose feature maps go over NCCL in the current plan."""
+        return set(self.nccl_links)
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -331,9 +347,9 @@ class Runtime:
     ) -> "PreparedSwitch":
         """Steps 1-2 of :meth:`switch_plan`: the new scheduler, its new workers started and
         connected; the old plan serves on. :meth:`commit_switch` or :meth:`abort_switch` follows."""
-        if self.nccl_edges:
-            raise UserError("this server sends feature maps over NCCL, and a plan switch does not re-open NCCL communicators yet",
-                            fix="serve with --transport tcp to switch plans live, or restart `ppipe serve` with the new plan")
+        if self.nccl_links and self.links is None:
+            raise UserError("this runtime sends feature maps over NCCL and was given no link opener to open the new plan's edges",
+                            fix="pass links=LinkOpener(...) (ppipe serve does), or restart with the new plan")
         t0 = self.clock.true_now_us()
         current = self.scheduler.current if isinstance(self.scheduler, SwitchingScheduler) else self.scheduler
         new = self._factory(plan, profiles, self.cluster, self.clock, policy=self._policy, **self._options)
@@ -342,19 +358,51 @@ class Runtime:
         kept = kept_vgpus(current.topology, new.topology)
         fresh = sorted(p.vgpu_id for p in plan.placement if p.vgpu_id not in kept)
         handles = await start_workers(fresh) if fresh else {}
+        prepared = PreparedSwitch(plan, dict(profiles), new, kept, {}, handles, stop_worker, load_s=0.0)
         try:
             addrs = await asyncio.gather(*(handles[v].open_data_path.remote(self._inbox.address) for v in fresh))
+            prepared.fresh_addrs = dict(zip(fresh, addrs))
+            await self._open_links(prepared)
         except BaseException:
-            for h in handles.values():
-                stop_worker(h)
+            self.abort_switch(prepared)
             raise
-        return PreparedSwitch(plan, dict(profiles), new, kept, dict(zip(fresh, addrs)), handles, stop_worker,
-                              load_s=(self.clock.true_now_us() - t0) / 1e6)
+        prepared.load_s = (self.clock.true_now_us() - t0) / 1e6
+        return prepared
+
+    async def _open_links(self, prepared: "PreparedSwitch") -> None:
+        """The new plan's transports (``self.links``): keep the NCCL edges between kept
+        workers, open the others as this preparation's generation; None: every edge on the
+        data path."""
+        if self.links is None:
+            return
+        workers = {**{v: self.workers[v] for v in prepared.kept}, **prepared.handles}
+        choice = await asyncio.to_thread(self.links.choose, prepared.plan, self.cluster, prepared.profiles, workers)
+        self._link_gen += 1
+        prepared.gen = self._link_gen
+        prepared.links = relink(choice, prepared.kept, self.nccl_links, prepared.gen)
+        prepared.opened = sorted(e for e, g in prepared.links.items() if g == prepared.gen)
+        await asyncio.to_thread(self.links.open, workers, prepared.opened, prepared.gen)
 
     def abort_switch(self, prepared: "PreparedSwitch") -> None:
-        """Give up a prepared switch: stop the workers it started (the old plan never stopped)."""
+        """Give up a prepared switch: close the edges it opened at kept workers and stop the
+        workers it started (the old plan never stopped)."""
+        self._close_edges([(e, prepared.gen) for e in prepared.opened], {v: self.workers[v] for v in prepared.kept})
         for h in prepared.handles.values():
             prepared.stop_worker(h)
+
+    def _close_edges(self, edges: list[tuple[tuple[str, str], int]], at: dict[str, Any]) -> None:
+        """Tell the workers in ``at`` to close their ends of ``edges`` (``((sender, receiver),
+        generation)``); not awaited: a worker already gone has nothing to close."""
+        ends: dict[str, list[tuple[str, int]]] = {}
+        for (a, b), gen in edges:
+            for me, peer in ((a, b), (b, a)):
+                if me in at:
+                    ends.setdefault(me, []).append((peer, gen))
+        for v, es in ends.items():
+            try:
+                consume(at[v].close_edges.remote(es), f"{v}.close_edges")
+            except Exception:  # pragma: no cover - best effort
+                log.debug("could not close %s's edges of an earlier plan", v)
 
     async def commit_switch(self, prepared: "PreparedSwitch", embargo: dict[str, float | None] | None = None) -> dict[str, Any]:
         """Steps 3-4 of :meth:`switch_plan`.
@@ -369,7 +417,7 @@ class Runtime:
         await asyncio.gather(*(self.workers[v].connect_peers.remote(self._next_stage_addresses(v)) for v in live),
                              return_exceptions=True)  # warming connections only: a dead worker's lifeline reports it
         task = asyncio.get_running_loop().create_task(self._drain(record["first_batch_id"], prepared.stop_worker,
-                                                                  self._drain_timeout_s()))
+                                                                  self._drain_timeout_s(), prepared.stale))
         self._lifelines.append(task)
         return record
 
@@ -392,6 +440,7 @@ class Runtime:
             revival = self._revivals.pop(v, None)
             if revival is not None:
                 revival.cancel()
+        prepared.stale = self._relink(prepared)
         self.plan, self._placement = plan, {p.vgpu_id: p for p in plan.placement}
         self._lead_cap_us = 0.25e3 * min(m.slo_ms for m in plan.models)
         self.profiles = dict(prepared.profiles)
@@ -409,18 +458,31 @@ class Runtime:
         self._apply(h.decisions)
         record = {"kept": len(kept), "started": len(handles), "retiring": len(retiring), "moved": h.moved,
                   "first_batch_id": h.first_batch_id, "switch_us": self.clock.true_now_us() - t0, "at_us": t0,
-                  "first_dispatch_us": None, "retired": dict(h.retired)}
+                  "first_dispatch_us": None, "retired": dict(h.retired), "nccl_opened": len(prepared.opened)}
         self.switches.append(record)
         log.warning("switched to a new plan (%d vGPUs kept, %d started, %d finishing their batches; %d queued requests moved)",
                     len(kept), len(handles), len(retiring), h.moved)
         return record
 
+    def _relink(self, prepared: "PreparedSwitch") -> tuple[list[tuple[tuple[str, str], int]], dict[str, Any]]:
+        """Make the prepared edges current; returns the edges the new plan does not use (to
+        close once the old plan's batches end) and the kept workers that hold their ends."""
+        if prepared.links is None:
+            return [], {}
+        stale = [(e, g) for e, g in self.nccl_links.items() if prepared.links.get(e) != g]
+        self.nccl_links = dict(prepared.links)
+        self._old_links += stale
+        return stale, {v: self.workers[v] for v in prepared.kept}
+
     def _drain_timeout_s(self) -> float:
         return max((m.slo_ms for m in self.plan.models), default=0.0) / 1e3 + 1.0
 
-    async def _drain(self, first_new: int, stop_worker: Callable[[Any], None], timeout_s: float) -> None:
+    async def _drain(self, first_new: int, stop_worker: Callable[[Any], None], timeout_s: float,
+                     stale_links: tuple[list[tuple[tuple[str, str], int]], dict[str, Any]] = ([], {})) -> None:
         """Stop the earlier plan's retiring workers once its batches (ids below ``first_new``) have
-        ended, or after ``timeout_s``, answering the batches still open with ``plan-switch``."""
+        ended, or after ``timeout_s``, answering the batches still open with ``plan-switch``;
+        then close the NCCL edges it alone used (``stale_links``: the edges and the kept
+        workers that hold their ends)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while any(b < first_new for b in self._inflight) and loop.time() < deadline:
@@ -434,6 +496,11 @@ class Runtime:
                 stop_worker(r.handle)
             except Exception:  # pragma: no cover - a worker already gone
                 log.debug("stopping %s of an earlier plan: already gone", r.vgpu_id)
+        edges, holders = stale_links
+        self._close_edges(edges, holders)
+        self._old_links = [x for x in self._old_links if x not in edges]
+        for (a, b), gen in edges:
+            self._edge_seq.pop((a, b, gen), None)
 
     # ---- requests ---------------------------------------------------------------------
     async def infer(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None = None) -> dict[str, np.ndarray]:
@@ -672,17 +739,19 @@ class Runtime:
                 self._outbox.send(addrs[j], pack({**header, "k": j, "sent": None}))
 
     def _links(self, route: list[str]) -> list[dict[str, Any] | None] | None:
-        """The NCCL edges of a route, each numbered with its edge's next message (None: no NCCL edge)."""
-        if not self.nccl_edges:
+        """The NCCL edges of a route, each numbered with its edge's next message and named
+        by its generation (None: no NCCL edge)."""
+        if not self.nccl_links:
             return None
         links: list[dict[str, Any]] = [{} for _ in route]
         for j in range(1, len(route)):
-            e = (route[j - 1], route[j])
-            if e in self.nccl_edges:
-                seq = self._edge_seq[e]
-                self._edge_seq[e] = seq + 1
-                links[j - 1]["send"] = {"peer": route[j], "seq": seq}
-                links[j]["recv"] = {"peer": route[j - 1], "seq": seq}
+            gen = self.nccl_links.get((route[j - 1], route[j]))
+            if gen is not None:
+                key = (route[j - 1], route[j], gen)
+                seq = self._edge_seq.get(key, 0)
+                self._edge_seq[key] = seq + 1
+                links[j - 1]["send"] = {"peer": route[j], "seq": seq, "gen": gen}
+                links[j]["recv"] = {"peer": route[j - 1], "seq": seq, "gen": gen}
         return [x or None for x in links]
 
     def _on_report(self, message: memoryview | bytes) -> None:
@@ -768,11 +837,16 @@ class Runtime:
         if self.respawn is not None and not any(vgpu_id in e for e in self.nccl_edges) and vgpu_id not in self._revivals:
             self._revivals[vgpu_id] = asyncio.get_running_loop().create_task(self._revive(vgpu_id))
         # its NCCL peers abort their edges with it: a receive from it would never complete
-        for a, b in self.nccl_edges:
+        self._drop_edges_with(vgpu_id, self.nccl_links.items())
+
+    def _drop_edges_with(self, vgpu_id: str, links: Any) -> None:
+        """Tell the live peers of ``vgpu_id`` on ``links`` (``((sender, receiver), generation)``
+        pairs) to abort those edges."""
+        for (a, b), gen in links:
             other = b if a == vgpu_id else a if b == vgpu_id else None
             if other is not None and other not in self.failed and other in self.workers:
                 try:  # not awaited; consumed so that a dead peer's error is no "Unhandled error"
-                    consume(self.workers[other].drop_peer.remote(vgpu_id), f"{other}.drop_peer({vgpu_id})")
+                    consume(self.workers[other].drop_peer.remote(vgpu_id, [gen]), f"{other}.drop_peer({vgpu_id})")
                 except Exception:  # pragma: no cover - best effort; the peer's lifeline says if it is gone
                     log.exception("could not tell %s to drop its edge with %s", other, vgpu_id)
 
@@ -809,6 +883,7 @@ class Runtime:
             log.warning("vGPU %s of an earlier plan failed while finishing its batches", vgpu_id)
             self._apply(self.scheduler.mark_failed(vgpu_id, since_batch_id=old.since, until_batch_id=old.until))
             self._fail_batches_through(vgpu_id, old.since, old.until)
+            self._drop_edges_with(vgpu_id, self._old_links)
 
     async def _sweep_overdue(self) -> None:
         """Answer the batches whose reports stopped coming (see ``report_grace_s``), four times
@@ -886,6 +961,10 @@ class PreparedSwitch:
     handles: dict[str, Any]  # new worker -> its actor handle
     stop_worker: Callable[[Any], None]
     load_s: float
+    links: dict[tuple[str, str], int] | None = None  # the new plan's NCCL edges -> generation (None: no link opener)
+    gen: int = 0  # the generation this preparation opened
+    opened: list[tuple[str, str]] = field(default_factory=list)  # the edges it opened
+    stale: tuple[list[tuple[tuple[str, str], int]], dict[str, Any]] = ([], {})  # at commit: the edges to close after the drain
 
 
 @dataclass

@@ -500,7 +500,7 @@ class ServeSettings:
 
     Attributes:
         runtime: keyword arguments of :class:`ppipe.runtime.driver.Runtime` (policy,
-            scheduler options, dispatch lead, answer budget).
+            scheduler options, dispatch lead, answer budget, the link opener of plan switches).
         app: keyword arguments of :func:`ppipe.runtime.server.create_app` (token, body
             limits and timeouts, decode workers).
         server: keyword arguments of :func:`ppipe.runtime.server.uvicorn_config` (timeouts).

@@ -34,6 +34,15 @@ and the receiver answers its stage with the upstream error instead of waiting fo
 worker dies, the frontend aborts the communicators of its edges on the surviving side
 (:meth:`EdgeChannel.abort`), which releases a receive that would never complete.
 
+**Plan switches.** A switch (:meth:`ppipe.runtime.driver.Runtime.prepare_switch`) chooses
+the new plan's transports as at start-up; an NCCL edge between two workers it keeps keeps
+its communicator and numbering, and every other NCCL edge opens a communicator of the
+switch's own *generation* while the old plan serves (:func:`relink`). Both ends key an
+edge by (peer, generation) and each message names its generation, because a vGPU that the
+switch re-cuts keeps its id: a kept worker can send the old plan's last feature maps to
+the old worker of that id and the new plan's first to the new one at once. The old plan's
+edges are closed once its batches have ended.
+
 Cost: every NCCL edge is a communicator with its own buffers on both GPUs (NCCL's
 ``NCCL_BUFFSIZE``, 4 MiB by default, per channel), and NCCL connects a pair on its first
 message, so the first batch over an edge is slower. A plan of HC1-S scale has a few dozen
@@ -160,6 +169,22 @@ def select_transports(requested: str, specs: Iterable[Any], caps: dict[str, Capa
     """Choose the transport of every edge of every pipeline (see :func:`choose_edge`)."""
     by_id = {s.vgpu_id: s for s in specs}
     return {e: choose_edge(requested, by_id[e[0]], by_id[e[1]], caps[e[0]], caps[e[1]]) for e in pipeline_edges(by_id.values())}
+
+
+def relink(choice: dict[Edge, tuple[str, str]], kept: Iterable[str], current: dict[Edge, int], gen: int) -> dict[Edge, int]:
+    """The NCCL edges of a new plan, each with its *generation* (which communicator carries it).
+
+    An edge that the running plan sends over NCCL between two workers the new plan keeps
+    keeps its communicator, its generation and its message numbering; every other edge that
+    ``choice`` (:func:`select_transports` on the new plan) puts on NCCL opens a communicator
+    of generation ``gen``, the plan switch's own, above every generation in use. Both ends
+    key their channels by (peer, generation): a vGPU re-cut by the switch keeps its id, so
+    a kept worker may hold an edge to the old worker of that id (finishing the old plan's
+    batches) and one to the new worker at once.
+    """
+    keep = set(kept)
+    return {e: current[e] if e in current and e[0] in keep and e[1] in keep else gen
+            for e, (t, _) in choice.items() if t == NCCL}
 
 
 # ---- the message header (pure) ---------------------------------------------------------------------------

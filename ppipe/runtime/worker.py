@@ -97,7 +97,9 @@ class VgpuWorker:
         self.emulate_network = backend == "emulated" and bool((backend_options or {}).get("emulate_network", True))
         self._lock: asyncio.Lock | None = None
         self.batches = 0
-        self.channels: dict[tuple[str, str], Any] = {}  # (send|recv, peer vGPU) -> EdgeChannel
+        # (send|recv, peer vGPU, generation) -> EdgeChannel; a plan switch opens its new edges
+        # as a new generation, so an edge to a re-cut vGPU of the same id never meets the old one's
+        self.channels: dict[tuple[str, str, int], Any] = {}
         self.data_path: Any = None  # the StageServer, once the frontend opens the data path
         self._data_loop: asyncio.AbstractEventLoop | None = None
         self._node: str | None = None
@@ -116,7 +118,7 @@ class VgpuWorker:
             "mps_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
             "nice": self.nice,
             # NCCL edges and how many messages each has carried
-            "edges": {f"{role}:{peer}": ch.next_seq for (role, peer), ch in self.channels.items()},
+            "edges": {f"{role}:{peer}" + (f"@{gen}" if gen else ""): ch.next_seq for (role, peer, gen), ch in self.channels.items()},
         }
 
     # ---- data path (see ppipe.runtime.datapath) ------------------------------------------------------
@@ -171,8 +173,9 @@ class VgpuWorker:
 
         return nccl_unique_id()
 
-    async def connect(self, peer: str, unique_id: Any, rank: int, link_factory: Any = None) -> str:
-        """Join the two-rank communicator of the edge with ``peer`` (rank 0: this worker sends).
+    async def connect(self, peer: str, unique_id: Any, rank: int, link_factory: Any = None, gen: int = 0) -> str:
+        """Join the two-rank communicator of the edge with ``peer`` (rank 0: this worker sends),
+        of generation ``gen`` (0: opened at start-up; n: by the plan switch that opened it).
 
         Blocks (on a thread of its own) until the peer joins too, so the frontend posts
         both ends at once. ``link_factory(unique_id, rank)`` replaces NCCL in tests only.
@@ -185,27 +188,39 @@ class VgpuWorker:
         with ThreadPoolExecutor(max_workers=1) as pool:  # init blocks; never on a shared pool
             link = await asyncio.get_running_loop().run_in_executor(pool, factory, unique_id, rank)
         role = "send" if rank == 0 else "recv"
-        self.channels[(role, peer)] = EdgeChannel(link, peer, role)
+        self.channels[(role, peer, gen)] = EdgeChannel(link, peer, role)
         return role
 
-    async def drop_peer(self, peer: str) -> int:
-        """``peer`` died: abort the edges with it (releases a receive that would never end).
+    async def drop_peer(self, peer: str, gens: list[int] | None = None) -> int:
+        """``peer`` died: abort the edges with it (releases a receive that would never end);
+        ``gens``: only the edges of these generations (None: all).
 
         On the data path's loop when it runs, where the edges' stages wait."""
+        return await self._abort_edges([(p, g) for (_, p, g) in self.channels if p == peer and (gens is None or g in gens)],
+                                       f"{peer} failed")
+
+    async def close_edges(self, edges: list[tuple[str, int]]) -> int:
+        """Tear down the edges ``(peer, generation)`` an earlier plan used, once its batches
+        have ended (a plan switch that did not keep them); frees their NCCL buffers."""
+        return await self._abort_edges([(p, g) for p, g in edges], "closed: an earlier plan's edge")
+
+    async def _abort_edges(self, edges: list[tuple[str, int]], why: str) -> int:
+        wanted = set(edges)
+
         def abort() -> int:
-            n = 0
-            for (role, p), ch in self.channels.items():
-                if p == peer:
-                    ch.abort(f"{peer} failed")
-                    n += 1
-            return n
+            keys = [k for k in self.channels if (k[1], k[2]) in wanted]
+            for k in keys:
+                self.channels.pop(k).abort(why)
+            return len(keys)
 
         return abort() if self._data_loop is None else await self._on_data_loop(abort)
 
-    def _channel(self, role: str, peer: str):
-        ch = self.channels.get((role, peer))
+    def _channel(self, role: str, edge: dict[str, Any]):
+        """The channel of a stage's link (``{"peer": vgpu, "seq": n, "gen": g}``; no ``gen``: 0)."""
+        ch = self.channels.get((role, edge["peer"], edge.get("gen", 0)))
         if ch is None:
-            raise RuntimeError(f"{self.spec.vgpu_id} has no NCCL edge to {role} {'to' if role == 'send' else 'from'} {peer}")
+            raise RuntimeError(f"{self.spec.vgpu_id} has no NCCL edge to {role} {'to' if role == 'send' else 'from'} "
+                               f"{edge['peer']} (generation {edge.get('gen', 0)})")
         return ch
 
     # ---- stages ----------------------------------------------------------------------------------------------
@@ -232,9 +247,10 @@ class VgpuWorker:
                 batch, whose data is still on its way, past its slot. With
                 ``emulate_network`` (emulated backend), a feature map from another stage
                 also "arrives" no sooner than ``max(sent, transfer_start) + transfer_us``.
-            link: NCCL edges of this stage: ``{"recv": {"peer": vgpu, "seq": n}}`` (take the
-                input from message n of the edge from ``peer``) and/or ``{"send": {...}}``
-                (send the output as message n of the edge to ``peer``, not on the data path).
+            link: NCCL edges of this stage: ``{"recv": {"peer": vgpu, "seq": n, "gen": g}}``
+                (take the input from message n of the edge of generation g from ``peer``;
+                no ``gen``: 0) and/or ``{"send": {...}}`` (send the output as message n of
+                the edge to ``peer``, not on the data path).
 
         Returns:
             ``(report, output)``: ``report`` with wall-clock ``start_us``/``end_us``,
@@ -253,7 +269,7 @@ class VgpuWorker:
                 raise RuntimeError(f"batch {batch_id} stage {index} is for {vgpu_id}, not {self.spec.vgpu_id}")
             if recv is not None:
                 recv_posted = True
-                tensors, head = await self._channel("recv", recv["peer"]).recv(recv["seq"], batch_id)
+                tensors, head = await self._channel("recv", recv).recv(recv["seq"], batch_id)
                 t_xfer_start, t_xfer_end = head.sent_wall_us, wall_us()
                 if not getattr(self.backend, "accepts_device", False):
                     tensors = {k: _to_host(v) for k, v in tensors.items()}
@@ -298,7 +314,7 @@ class VgpuWorker:
             if send is not None:
                 # the report waits for the send too: the frontend hears of this stage once its
                 # output has left (the receiver's report has the transfer's stamps)
-                await self._channel("send", send["peer"]).send(send["seq"], batch_id, outputs, end)
+                await self._channel("send", send).send(send["seq"], batch_id, outputs, end)
                 sent = True
                 return report, {"tensors": None, "sent_wall_us": end, "transport": "nccl"}
             if timing is not None and index + 1 == len(timing):
@@ -307,17 +323,17 @@ class VgpuWorker:
                 return report, None
             return report, {"tensors": to_wire(outputs), "sent_wall_us": end}
         except BaseException as exc:
-            if recv is not None and not recv_posted and ("recv", recv["peer"]) in self.channels:
+            if recv is not None and not recv_posted and ("recv", recv["peer"], recv.get("gen", 0)) in self.channels:
                 # take the message off the edge anyway: the sender posts it whatever happens
                 # here, and the edge's later messages queue behind it
                 try:
-                    await self.channels[("recv", recv["peer"])].recv(recv["seq"], batch_id)
+                    await self.channels[("recv", recv["peer"], recv.get("gen", 0))].recv(recv["seq"], batch_id)
                 except Exception:
                     pass
             if send is not None and not sent:
                 # keep the edge's numbering going and tell the receiver why nothing comes
                 try:
-                    await self._channel("send", send["peer"]).send(
+                    await self._channel("send", send).send(
                         send["seq"], batch_id, None, wall_us(), error=f"{type(exc).__name__}: {exc}"
                     )
                 except Exception:

@@ -107,14 +107,15 @@ class FakeWorker:
     def __init__(self, vgpu_id, mailbox=None):
         self.vgpu_id, self.dead, self.die_on_next_stage = vgpu_id, False, False
         self.hold: asyncio.Event | None = None
-        self.mailbox = {} if mailbox is None else mailbox  # (sender, receiver, seq) -> future: a fake NCCL edge
-        self.links, self.dropped = [], []
+        self.mailbox = {} if mailbox is None else mailbox  # (sender, receiver, gen, seq) -> future: a fake NCCL edge
+        self.links, self.dropped, self.closed = [], [], []
         self.server = StageServer(vgpu_id, self._run)
         self._gone: asyncio.Event | None = None
         self.open_data_path = _Method(self._open)
         self.connect_peers = _Method(self._connect)
         self.lifeline = _Method(self._lifeline)
         self.drop_peer = _Method(self._drop)
+        self.close_edges = _Method(self._close_edges)
 
     async def _open(self, frontend):
         return self.server.open(frontend)
@@ -122,8 +123,11 @@ class FakeWorker:
     async def _connect(self, peers):
         self.server.connect(peers)
 
-    async def _drop(self, peer):
+    async def _drop(self, peer, gens=None):
         self.dropped.append(peer)
+
+    async def _close_edges(self, edges):
+        self.closed += edges
 
     async def _lifeline(self):
         self._gone = self._gone or asyncio.Event()
@@ -150,7 +154,7 @@ class FakeWorker:
             await asyncio.Event().wait()  # the stage never ends
         if link and "recv" in link:
             assert payload["tensors"] is None  # nothing came through the frontend
-            payload = await self._box((link["recv"]["peer"], self.vgpu_id, link["recv"]["seq"]))
+            payload = await self._box((link["recv"]["peer"], self.vgpu_id, link["recv"]["gen"], link["recv"]["seq"]))
         t = wall_us()
         rep = {"batch_id": batch_id, "partition": index, "vgpu_id": self.vgpu_id, "start_us": t, "end_us": t + 1,
                "transfer_start_us": None, "transfer_end_us": None}
@@ -158,7 +162,7 @@ class FakeWorker:
         v = next(iter(x.values()))  # the one input, whatever its name
         out = {"x": v + 1} if index + 1 < len(timing) else {"y": v * 2}
         if link and "send" in link:
-            self._box((self.vgpu_id, link["send"]["peer"], link["send"]["seq"])).set_result({"tensors": out, "sent_wall_us": t + 1})
+            self._box((self.vgpu_id, link["send"]["peer"], link["send"]["gen"], link["send"]["seq"])).set_result({"tensors": out, "sent_wall_us": t + 1})
             return rep, {"tensors": None, "sent_wall_us": t + 1}
         if index + 1 == len(timing):
             rep["outputs"] = out

@@ -232,6 +232,8 @@ def test_a_receiver_closes_a_connection_whose_length_prefix_is_impossible():
         reader, writer = await asyncio.open_connection(*inbox.address[len("tcp://"):].split(":"))
         writer.write((2).to_bytes(4, "little") + b"xx")  # shorter than a header length field
         closed = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        await writer.wait_closed()
         inbox.close()
         return got, closed
 

@@ -30,15 +30,15 @@ def _plans(tinynet):
 class _Launcher:
     """start_workers / stop_worker for switch_plan: in-process workers."""
 
-    def __init__(self, fail: bool = False):
+    def __init__(self, fail: bool = False, mailbox: dict | None = None):
         self.started: list[FakeWorker] = []
         self.stopped: list[FakeWorker] = []
-        self.fail = fail
+        self.fail, self.mailbox = fail, mailbox
 
     async def start(self, ids):
         if self.fail:
             raise UserError("worker could not load its blocks (test)")
-        ws = {v: FakeWorker(v) for v in ids}
+        ws = {v: FakeWorker(v, self.mailbox) for v in ids}
         self.started += ws.values()
         return ws
 
@@ -264,3 +264,69 @@ def yaml_of(plan) -> bytes:
     import yaml
 
     return yaml.safe_dump(plan.model_dump(mode="json")).encode()
+
+
+class _AllNccl:
+    """A link opener for in-process workers: every edge on a fake NCCL link (the workers'
+    shared mailbox, not NCCL); records what each switch opens."""
+
+    def __init__(self):
+        self.opened: list[tuple[int, list]] = []
+
+    def choose(self, plan, cluster, profiles, workers):
+        from ppipe.runtime.deploy import Deployment, worker_specs
+        from ppipe.runtime.transport import pipeline_edges
+
+        return {e: ("nccl", "") for e in pipeline_edges(worker_specs(Deployment(plan, cluster, profiles)))}
+
+    def open(self, workers, edges, gen):
+        self.opened.append((gen, list(edges)))
+
+
+def test_a_switch_over_nccl_keeps_the_edges_of_kept_workers_and_opens_the_others_as_a_new_generation(tinynet):
+    """Two stages -> three: the first stage's worker is kept, the second is re-cut under the
+    same vGPU id. The kept worker sends the old plan's feature maps to the old worker on the
+    edge of generation 0 and the new plan's to the new one on generation 1; once the old
+    plan's batches end, the kept worker closes its old edge."""
+    cluster = _cluster()
+    old_plan = make_plan(tinynet, cluster, [(0, 0, "cpu", 2, 1), (1, 2, "cpu", 2, 1)], batch=1, slo_ms=200.0)
+    new_plan = make_plan(tinynet, cluster, [(0, 0, "cpu", 2, 1), (1, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)], batch=1, slo_ms=200.0)
+    up, mid = (p.vgpu_id for p in old_plan.placement)
+    last = new_plan.placement[2].vgpu_id
+    assert [p.vgpu_id for p in new_plan.placement[:2]] == [up, mid]  # the re-cut vGPU keeps its id
+    mailbox: dict = {}
+    workers = {p.vgpu_id: FakeWorker(p.vgpu_id, mailbox) for p in old_plan.placement}
+    links = _AllNccl()
+    rt = Runtime(old_plan, {"tinynet": tinynet}, cluster, workers, edges={(up, mid): "nccl"}, links=links)
+    launcher = _Launcher(mailbox=mailbox)
+
+    async def main():
+        await rt.start()
+        loop = asyncio.get_running_loop()
+        tasks, record = [], None
+        for i in range(60):
+            tasks.append(loop.create_task(rt.infer("tinynet", _x(i))))
+            if i == 30:
+                record = await rt.switch_plan(new_plan, {"tinynet": tinynet}, launcher.start, launcher.stop)
+            await asyncio.sleep(0.002)
+        outs = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.3)  # the drain stops the old worker and closes the old edge
+        await rt.stop()
+        return record, outs
+
+    record, outs = asyncio.run(main())
+    errors = [o for o in outs if isinstance(o, BaseException)]
+    assert not errors, errors[:3]
+    old = [i for i, o in enumerate(outs) if o["y"].tolist() == [2 * i + 2] * 2]  # (x + 1) * 2: two stages
+    new = [i for i, o in enumerate(outs) if o["y"].tolist() == [2 * i + 4] * 2]  # (x + 2) * 2: three stages
+    assert sorted(old + new) == list(range(60)) and old and new
+    assert record["kept"] == 1 and record["started"] == 2 and record["nccl_opened"] == 2
+    assert links.opened == [(1, sorted([(up, mid), (mid, last)]))]
+    assert rt.nccl_links == {(up, mid): 1, (mid, last): 1}
+    sends = [link["send"] for _, link in workers[up].links if link and "send" in link]
+    gens = [s["gen"] for s in sends]
+    assert gens == sorted(gens) and set(gens) == {0, 1}  # generation 0 until the switch, 1 after
+    for g in (0, 1):  # each generation numbered from 0, without gaps
+        assert [s["seq"] for s in sends if s["gen"] == g] == list(range(gens.count(g)))
+    assert workers[up].closed == [(mid, 0)]  # the old edge, closed at the kept worker after the drain
+    assert workers[mid] in launcher.stopped

@@ -305,8 +305,8 @@ def _pair_of_workers(tinynet):
     up = VgpuWorker(WorkerSpec("a/gpu0/s0", "a", 0, "tinynet", 0, 0, 0, 1, "cpu", 1, ref), "ort")
     down = VgpuWorker(WorkerSpec("b/gpu0/s0", "b", 0, "tinynet", 0, 1, 2, 2, "cpu", 1, ref), "ort")
     s, r = queue_link_pair()
-    up.channels[("send", "b/gpu0/s0")] = EdgeChannel(s, "b/gpu0/s0", "send")
-    down.channels[("recv", "a/gpu0/s0")] = EdgeChannel(r, "a/gpu0/s0", "recv")
+    up.channels[("send", "b/gpu0/s0", 0)] = EdgeChannel(s, "b/gpu0/s0", "send")
+    down.channels[("recv", "a/gpu0/s0", 0)] = EdgeChannel(r, "a/gpu0/s0", "recv")
     return up, down
 
 
@@ -343,4 +343,4 @@ def test_worker_stages_over_an_edge_answer_like_the_whole_model_and_survive_fail
     assert not isinstance(bad[0], Exception)  # the sender's message was delivered and drained
     assert isinstance(bad2[0], Exception) and isinstance(bad2[1], UpstreamFailed)
     np.testing.assert_allclose(rep3["outputs"]["logits"], reference(tinynet.directory, xs[2]), rtol=2e-2, atol=2e-2)
-    assert up.channels[("send", "b/gpu0/s0")].next_seq == down.channels[("recv", "a/gpu0/s0")].next_seq == 4
+    assert up.channels[("send", "b/gpu0/s0", 0)].next_seq == down.channels[("recv", "a/gpu0/s0", 0)].next_seq == 4

@@ -393,8 +393,8 @@ def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinyn
     recvs = [link["recv"] for _, link in peers[down].links if link]
     n = len(sends)
     assert n >= 3  # round robin: half the batches took the NCCL edge
-    assert sends == [{"peer": down, "seq": k} for k in range(n)]
-    assert recvs[:n] == [{"peer": ups[0], "seq": k} for k in range(n)]
+    assert sends == [{"peer": down, "seq": k, "gen": 0} for k in range(n)]
+    assert recvs[:n] == [{"peer": ups[0], "seq": k, "gen": 0} for k in range(n)]
     other = [link for _, link in peers[ups[1]].links]
     assert other == [None] * len(other)  # the tcp edge carries no link
     # the dead receiver's NCCL peer is told to abort the edge; the tcp peer is not
