@@ -310,13 +310,43 @@ def _pair_of_workers(tinynet):
     return up, down
 
 
-def _stage_pair(up, down, batch_id, seq, x, down_id="b/gpu0/s0"):
+def _stage_pair(up, down, batch_id, seq, x, down_id="b/gpu0/s0", gen=None):
     send = {"send": {"peer": "b/gpu0/s0", "seq": seq}}
     recv = {"recv": {"peer": "a/gpu0/s0", "seq": seq}}
+    if gen is not None:
+        send["send"]["gen"] = recv["recv"]["gen"] = gen
     return (
         up.run_stage(batch_id, 0, "a/gpu0/s0", {"tensors": {"input": x}, "sent_wall_us": 0.0}, len(x), None, send),
         down.run_stage(batch_id, 1, down_id, {"tensors": None, "sent_wall_us": None}, len(x), [(None, 0, 0), (0, 0, 0)], recv),
     )
+
+
+def test_a_worker_keeps_edges_of_two_generations_to_one_vgpu_id_apart_and_closes_one(tinynet):
+    """After a plan switch that re-cut its peer, a kept worker holds an edge to the old
+    worker of that id (generation 0) and one to the new worker (generation 1): each message
+    goes on the edge its link names, and closing the old edge leaves the new one."""
+    from ppipe.runtime.worker import VgpuWorker
+    from ppipe.spec.profile import profile_ref
+    from .tinynet import reference
+
+    up, old_down = _pair_of_workers(tinynet)
+    new_down = VgpuWorker(WorkerSpec("b/gpu0/s0", "b", 0, "tinynet", 0, 1, 2, 2, "cpu", 1, profile_ref(tinynet)), "ort")
+    s, r = queue_link_pair()
+    up.channels[("send", "b/gpu0/s0", 1)] = EdgeChannel(s, "b/gpu0/s0", "send")
+    new_down.channels[("recv", "a/gpu0/s0", 1)] = EdgeChannel(r, "a/gpu0/s0", "recv")
+    xs = np.random.default_rng(6).normal(size=(2, 2, 3, 8, 8)).astype(np.float32)
+
+    async def main():
+        (_, _), (rep_new, _) = await asyncio.gather(*_stage_pair(up, new_down, 1, 0, xs[0], gen=1))
+        (_, _), (rep_old, _) = await asyncio.gather(*_stage_pair(up, old_down, 2, 0, xs[1], gen=0))
+        closed = await up.close_edges([("b/gpu0/s0", 0)])
+        return rep_new, rep_old, closed
+
+    rep_new, rep_old, closed = asyncio.run(asyncio.wait_for(main(), 20))
+    np.testing.assert_allclose(rep_new["outputs"]["logits"], reference(tinynet.directory, xs[0]), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(rep_old["outputs"]["logits"], reference(tinynet.directory, xs[1]), rtol=2e-2, atol=2e-2)
+    assert closed == 1 and list(up.channels) == [("send", "b/gpu0/s0", 1)]
+    assert asyncio.run(up.ping())["edges"] == {"send:b/gpu0/s0@1": 1}
 
 
 def test_worker_stages_over_an_edge_answer_like_the_whole_model_and_survive_failures(tinynet):
