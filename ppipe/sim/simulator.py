@@ -657,6 +657,7 @@ class Simulator:
             r.batch_ids.append(d.batch_id)
         first = d.stages[0]
         if self.exact and first.partition == 0 and self._run_as_planned(run, d, now):
+            run.dispatch = None  # (no event reads it: its requests, stages and reservations can go)
             return None
         if first.partition > 0 and first.transfer_us > 0:
             ts = first.transfer_start_us if first.transfer_start_us is not None else now
