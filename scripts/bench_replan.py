@@ -48,16 +48,19 @@ time limit can return a different plan on a busier host (the one wall-clock depe
 wall time only.
 
 Cost: a run costs CPU time in proportion to its requests, ``L x S x duration`` (``S`` =
-2,193 req/s for G1, 3,353 req/s for G2 at load 1): a 30-minute G2 run took 176-361 s of
-CPU on a quiet core of the project's host (~13 k requests per CPU second). The script
-runs, per group and mode, the run at ``--load`` and ``--bisect-steps`` more; a failing
-bisection run stops once 99 % is out of reach, a passing one must run to its end. The
-defaults (``--load 0.75`` inside the bracket ``[0.6, 0.9]``, where the static plan fails
-and auto passes, so each side's bisection starts from a half-width bracket; 3 steps:
-~0.02 resolution) make 16 runs; G2's two tasks took 22 and 24 min wall on two free
-cores, so the default setting takes ~45 min there: above the issue's 30 min.
-``--quick`` (one period, 2 steps) is ~1/4 of that. The fluid references add ~40
-planner calls per group.
+2,193 req/s for G1, 3,353 req/s for G2 at load 1; ~13-16 k requests per CPU second on
+the project's host) and ~0.9 kB of memory per request while it runs (a 30-minute G2 run
+at load 0.75: 4.5 M requests, ~4.3 GB). The script runs, per group and mode, the run at
+``--load`` to its end and the search's runs; a failing search run stops once 99 % is out
+of reach, a passing one must run to its end. Measured with the defaults (2026-11-27, two
+other jobs on the two cores, 10M-add loop 0.68 s): G2 static 0.75 (313 s CPU), then
+0.675 fail (stopped at 1545 s, 231 s) and 0.6562 pass (270 s); G2 auto 0.75 (362 s),
+then 0.825 fail (stopped at 795 s, 190 s) and 0.7688 fail (stopped at 1447 s, 311 s):
+6 runs (bisection: 8), 814 and 863 s of CPU per task. G1's tasks, at 0.65 x
+G2's requests per run, take ~530 and ~730 s; with the fluid references (~40 planner calls
+per group) the two worker processes carry ~1,500-1,600 s each: ~26-30 min wall on two
+free cores (extrapolated from the CPU above; the run on the shared host took 33-34 min
+for G2's tasks alone). ``--quick`` (one period, 2 steps) is ~1/4 of that.
 
 Examples::
 
