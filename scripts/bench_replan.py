@@ -52,15 +52,16 @@ Cost: a run costs CPU time in proportion to its requests, ``L x S x duration`` (
 the project's host) and ~0.9 kB of memory per request while it runs (a 30-minute G2 run
 at load 0.75: 4.5 M requests, ~4.3 GB). The script runs, per group and mode, the run at
 ``--load`` to its end and the search's runs; a failing search run stops once 99 % is out
-of reach, a passing one must run to its end. Measured with the defaults (2026-11-27, two
-other jobs on the two cores, 10M-add loop 0.68 s): G2 static 0.75 (313 s CPU), then
-0.675 fail (stopped at 1545 s, 231 s) and 0.6562 pass (270 s); G2 auto 0.75 (362 s),
-then 0.825 fail (stopped at 795 s, 190 s) and 0.7688 fail (stopped at 1447 s, 311 s):
-6 runs (bisection: 8), 814 and 863 s of CPU per task. G1's tasks, at 0.65 x
-G2's requests per run, take ~530 and ~730 s; with the fluid references (~40 planner calls
-per group) the two worker processes carry ~1,500-1,600 s each: ~26-30 min wall on two
-free cores (extrapolated from the CPU above; the run on the shared host took 33-34 min
-for G2's tasks alone). ``--quick`` (one period, 2 steps) is ~1/4 of that.
+of reach, a passing one must run to its end. The defaults, measured (2026-11-27, 10M-add
+loop 0.68 s), 12 runs (bisection: 16), CPU per task: G2 static 814 s (0.75: 313 s; 0.675
+fail, stopped at 1545 s: 231 s; 0.6562 pass: 270 s), G2 auto 863 s (0.75: 362 s; 0.825
+fail at 795 s: 190 s; 0.7688 fail at 1447 s: 311 s), G1 static 520 s, G1 auto 620 s
+(0.75, 0.825 pass, 0.8438 fail); the fluid references 23 s wall. Wall 2,736 s on the
+shared host: G2's tasks got ~0.4 of a core each from two other jobs (1,980-2,044 s wall),
+G1's ran ~1.12 x their CPU. The busier worker carries 1,483 s of CPU (G2 auto, G1 auto),
+so on two free cores the default takes ~1,650 s (~28 min; extrapolated with that 1.12),
+where the previous code's G2 tasks alone took 22 and 24 min. ``--quick`` (one period, 2
+steps) is ~1/4 of that.
 
 Examples::
 
