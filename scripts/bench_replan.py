@@ -14,9 +14,13 @@ For each group and each of ``static`` and ``auto`` (the static plan as the start
 planner with ``--replan-time-limit-s``), the script prints, at ``--load``: the SLO
 attainment overall and per minute, and the switches (decision and switch times, planner
 seconds, vGPUs kept of the new plan's); then the largest load at which each keeps >= 99 %
-overall, by bisection (``--bisect-steps`` runs between the bracket's ends, each failing
-run stopped as soon as the whole run is certain to miss 99 %). The last line reads
-``max load at 99 %: static S auto A`` (means over the groups, as fractions).
+overall, on the grid of a ``--bisect-steps``-step bisection of the half of ``[--lo,
+--hi]`` that the run at ``--load`` leaves (resolution ``0.15 / 2**3 ~ 0.019`` by default),
+each failing run stopped as soon as the whole run is certain to miss 99 % (:func:`max_load`:
+the first step bisects, later ones go next to where the runs' miss shares extrapolate to
+1 %, which needs fewer runs than bisection when the threshold lies near a run; same
+answer). The last line reads ``max load at 99 %: static S auto A`` (means over the
+groups, as fractions).
 
 ``--modes ... oracle`` adds a bound: the same controller, switch costs and constraints
 (interval, load delay, planner), but its estimate is the workload's true rates and trends
@@ -44,16 +48,20 @@ time limit can return a different plan on a busier host (the one wall-clock depe
 wall time only.
 
 Cost: a run costs CPU time in proportion to its requests, ``L x S x duration`` (``S`` =
-2,193 req/s for G1, 3,353 req/s for G2 at load 1): a 30-minute G2 run took 176-361 s of
-CPU on a quiet core of the project's host (~13 k requests per CPU second). The script
-runs, per group and mode, the run at ``--load`` and ``--bisect-steps`` more; a failing
-bisection run stops once 99 % is out of reach, a passing one must run to its end. The
-defaults (``--load 0.75`` inside the bracket ``[0.6, 0.9]``, where the static plan fails
-and auto passes, so each side's bisection starts from a half-width bracket; 3 steps:
-~0.02 resolution) make 16 runs; G2's two tasks took 22 and 24 min wall on two free
-cores, so the default setting takes ~45 min there: above the issue's 30 min.
-``--quick`` (one period, 2 steps) is ~1/4 of that. The fluid references add ~40
-planner calls per group.
+2,193 req/s for G1, 3,353 req/s for G2 at load 1; ~13-16 k requests per CPU second on
+the project's host) and ~0.9 kB of memory per request while it runs (a 30-minute G2 run
+at load 0.75: 4.5 M requests, ~4.3 GB). The script runs, per group and mode, the run at
+``--load`` to its end and the search's runs; a failing search run stops once 99 % is out
+of reach, a passing one must run to its end. The defaults, measured (2026-11-27, 10M-add
+loop 0.68 s), 12 runs (bisection: 16), CPU per task: G2 static 814 s (0.75: 313 s; 0.675
+fail, stopped at 1545 s: 231 s; 0.6562 pass: 270 s), G2 auto 863 s (0.75: 362 s; 0.825
+fail at 795 s: 190 s; 0.7688 fail at 1447 s: 311 s), G1 static 520 s, G1 auto 620 s
+(0.75, 0.825 pass, 0.8438 fail); the fluid references 23 s wall. Wall 2,736 s on the
+shared host: G2's tasks got ~0.4 of a core each from two other jobs (1,980-2,044 s wall),
+G1's ran ~1.12 x their CPU. The busier worker carries 1,483 s of CPU (G2 auto, G1 auto),
+so on two free cores the default takes ~1,650 s (~28 min; extrapolated with that 1.12),
+where the previous code's G2 tasks alone took 22 and 24 min. ``--quick`` (one period, 2
+steps) is ~1/4 of that.
 
 Examples::
 
@@ -99,23 +107,45 @@ def run(w, mode: str, load: float, args, *, stop: bool = False) -> dict:
     Returns what the report reads (:func:`outcome`): the run's records are dropped here and
     the cyclic collector, paused in a worker (:func:`task`), runs once they are gone.
     """
-    res = _simulate(w, mode, load, args, stop=stop)
-    out = outcome(res, args.duration_s)
-    del res
+    c0 = time.process_time()
+    sim = _simulate(w, mode, load, args, stop=stop)
+    out = outcome(sim, args.duration_s)
+    out["cpu_s"] = time.process_time() - c0
+    del sim
     gc.collect()  # (cheap now: the run's millions of records are no longer alive)
     return out
 
 
-def outcome(res, duration_s: float) -> dict:
-    """The parts of a run the report reads."""
-    return {"attainment": res.overall.attainment, "passed": res.stopped_at_s is None and res.overall.attainment >= TARGET,
-            "stopped_at_s": res.stopped_at_s, "minutes": per_minute(res, duration_s), "switches": res.switches,
-            "requests": res.overall.requests, "anomalies": res.anomaly_count, "cpu_s": res.cpu_s}
+def outcome(sim, duration_s: float) -> dict:
+    """The parts of a finished run (a :class:`ppipe.sim.simulator.Simulator`) that the report reads.
+
+    Read from the simulator itself rather than from :func:`ppipe.sim.metrics.summarize`,
+    whose latency percentiles, histograms and per-model breakdowns the report never reads
+    (they cost ~6 % of a run's CPU). The attainment is ``summarize``'s overall one: requests
+    completed by their deadline over all the requests that arrived (those before the stop,
+    for a stopped run); ``minutes``: the same per minute of arrival.
+    """
+    n = int(-(-duration_s // 60))
+    ok, tot = [0] * n, [0] * n
+    last = n - 1
+    for r in sim.records:
+        k = int(r.arrival_us // 60e6)
+        if k > last:
+            k = last
+        tot[k] += 1
+        if r.drop_reason is None and 0 <= r.completion_us <= r.deadline_us:  # (Outcome.OK)
+            ok[k] += 1
+    requests = sum(tot)
+    attainment = sum(ok) / requests if requests else 1.0
+    stopped = None if sim.stopped_at_us is None else sim.stopped_at_us / 1e6
+    return {"attainment": attainment, "passed": stopped is None and attainment >= TARGET, "stopped_at_s": stopped,
+            "minutes": [o / t if t else 1.0 for o, t in zip(ok, tot)], "switches": list(sim.switch_log), "requests": requests,
+            "anomalies": sim.anomaly_count}
 
 
 def _simulate(w, mode: str, load: float, args, *, stop: bool = False):
     from ppipe.control.replan import ReplanPolicy, planner_replan
-    from ppipe.sim.simulator import ReplanSetup, SimConfig, simulate
+    from ppipe.sim.simulator import ReplanSetup, SimConfig, Simulator
     from ppipe.sim.sweep import base_rates
     from ppipe.sim.workloads import shifting_poisson_arrivals
 
@@ -131,7 +161,7 @@ def _simulate(w, mode: str, load: float, args, *, stop: bool = False):
                             estimator=_oracle(models, total, args.period_s) if mode == "oracle" else None)
     config = SimConfig(duration_s=args.duration_s, seed=args.seed, feedback="changed", replan=setup,
                        stop_below=TARGET if stop else None, stop_overall=stop)
-    return simulate(plan, profiles, cluster, arrivals, config)
+    return Simulator(plan, profiles, cluster, config).run(arrivals)
 
 
 def _oracle(models, total_rps: float, period_s: float):
@@ -210,30 +240,63 @@ def fluid(item) -> dict:
             "static99": fluid_max_load(fine_shares, static, scale, TARGET), "wall_s": time.perf_counter() - t0}
 
 
-def per_minute(res, duration_s: float) -> list[float]:
-    """Attainment of the requests that arrived in each minute."""
-    from ppipe.sim.records import Outcome
+def max_load(w, mode: str, args, at_load: float, at_result: dict) -> tuple[float, list[tuple]]:
+    """Largest load with >= 99 % overall on the bisection's grid, seeded by the run at ``--load``
+    (``at_result``); and the search's trail ``(load, passed, stopped_at_s, cpu_s)``.
 
-    n = int(-(-duration_s // 60))
-    ok, tot = [0] * n, [0] * n
-    for r in res.records:
-        k = min(int(r.arrival_us // 60e6), n - 1)
-        tot[k] += 1
-        ok[k] += r.outcome is Outcome.OK
-    return [o / t if t else 1.0 for o, t in zip(ok, tot)]
-
-
-def max_load(w, mode: str, args, at_load: float, passed: bool) -> tuple[float, list[tuple]]:
-    """Largest load with >= 99 % overall: bisection in [lo, hi], seeded by the run at ``--load``;
-    and its trail ``(load, passed, stopped_at_s, cpu_s)``."""
-    lo, hi = (at_load, args.hi) if passed else (args.lo, at_load)
+    The grid: the half of ``[--lo, --hi]`` on the side of ``--load`` where the answer lies
+    (``[--load, --hi]`` if the run at ``--load`` passed, else ``[--lo, --load]``), cut into
+    ``2 ** --bisect-steps`` cells (resolution ``0.15 / 8 ~ 0.019`` by default). The search
+    keeps a bracket: its low end passed (or is ``--lo``, assumed to), its high end failed
+    (or is ``--hi``), and it ends when they are neighbours; the answer is the low end, the
+    largest grid load that passes whenever attainment falls with load, as bisection's.
+    Only the order of the runs differs from bisection's: a run's miss share (1 - its
+    attainment; a stopped run's over the requests before its stop) is near linear in the
+    load close to the threshold, so once two runs have one, the next load is the grid
+    point next to where the straight line through the two nearest to the bracket crosses
+    1 %: when the line is right, the search needs one run on each side of the threshold,
+    and none where a neighbour of it is known already. A step the line chose that did not
+    halve the bracket is followed by a bisection step, so the runs never exceed twice
+    bisection's. The first step (one miss share known) bisects.
+    """
+    lo, hi = (at_load, args.hi) if at_result["passed"] else (args.lo, at_load)
+    n = 2 ** args.bisect_steps
+    jp, jf = 0, n  # the bracket, in grid steps from lo
+    miss = {0 if at_result["passed"] else n: 1.0 - at_result["attainment"]}
     trail = []
-    for _ in range(args.bisect_steps):
-        mid = round((lo + hi) / 2, 4)
-        r = run(w, mode, mid, args, stop=True)
-        trail.append((mid, r["passed"], r["stopped_at_s"], r["cpu_s"]))
-        lo, hi = (mid, hi) if r["passed"] else (lo, mid)
-    return lo, trail
+    may_guess = True
+    while jf - jp > 1:
+        j = _guess(miss, jp, jf) if may_guess else None
+        guessed = j is not None
+        if j is None:
+            j = (jp + jf) // 2
+        width = jf - jp
+        load = round(lo + (hi - lo) * j / n, 4)
+        r = run(w, mode, load, args, stop=True)
+        trail.append((load, r["passed"], r["stopped_at_s"], r["cpu_s"]))
+        miss[j] = 1.0 - r["attainment"]
+        jp, jf = (j, jf) if r["passed"] else (jp, j)
+        may_guess = not guessed or 2 * (jf - jp) <= width
+    return round(lo + (hi - lo) * jp / n, 4), trail
+
+
+def _guess(miss: dict[int, float], jp: int, jf: int) -> int | None:
+    """The next grid point from the line through the two runs (grid index -> miss share) nearest the bracket ``(jp, jf)``.
+
+    None when fewer than two runs are known or the line does not rise with the load.
+    """
+    if len(miss) < 2:
+        return None
+    (j1, m1), (j2, m2) = sorted(sorted(miss.items(), key=lambda kv: (max(jp - kv[0], kv[0] - jf, 0), kv[0]))[:2])
+    if m2 <= m1:
+        return None
+    u = j1 + (1.0 - TARGET - m1) * (j2 - j1) / (m2 - m1)  # where the line crosses 1 %, in grid steps
+    c = min(max(int(u // 1), jp), jf - 1)  # the cell (c, c + 1) it falls in, inside the bracket
+    if c == jp:
+        return c + 1
+    if c + 1 == jf:
+        return c
+    return c if u - c < 0.5 else c + 1
 
 
 def work(item) -> dict:
@@ -242,7 +305,7 @@ def work(item) -> dict:
 
 
 def task(item) -> dict:
-    """One (group, mode): the run at ``--load`` and the bisection.
+    """One (group, mode): the run at ``--load`` and the search for the max load at 99 % (:func:`max_load`).
 
     The cyclic garbage collector is paused in the worker: a run allocates millions of
     acyclic records that reference counting frees, and each collection that ran while a
@@ -254,7 +317,7 @@ def task(item) -> dict:
     t0 = time.perf_counter()
     w = world(group, Path(args.artifact))
     r = run(w, mode, args.load, args)
-    best, trail = max_load(w, mode, args, args.load, r["passed"]) if args.bisect_steps else (None, [])
+    best, trail = max_load(w, mode, args, args.load, r) if args.bisect_steps else (None, [])
     return {"kind": "sim", "group": group, "mode": mode, **r, "max_load": best, "trail": trail, "wall_s": time.perf_counter() - t0}
 
 
@@ -265,7 +328,7 @@ def report(r: dict, args) -> None:
           f"{'-' if r['max_load'] is None else format(r['max_load'], '.3f')}")
     print(f"  per minute (%): {mins}")
     if r["trail"]:
-        print("  bisection: " + ", ".join(f"{load:g} {'pass' if ok else 'fail'}" + (f" (stopped at {st:.0f} s)" if st is not None else "")
+        print("  search: " + ", ".join(f"{load:g} {'pass' if ok else 'fail'}" + (f" (stopped at {st:.0f} s)" if st is not None else "")
                                          + f" {cpu:.0f} s CPU" for load, ok, st, cpu in r["trail"]) + f"; run at --load {r['cpu_s']:.0f} s CPU")
     sw = r["switches"]
     if r["mode"] != "static":

@@ -38,7 +38,9 @@ end; the early stop counts a late completion once its time has come. A run that 
 early, or ends at the horizon, undoes what falls after that time for the batches still
 in flight. The records are the events' own, bit for bit
 (tests/sim/test_exact_execution.py; busy times up to summation order); HC1-L G1 at load
-1.0 then handles 8.5 k events (arrivals and timers) instead of 50 k.
+1.0 then handles 8.5 k events (arrivals and timers) instead of 50 k. Nothing reads such a
+batch's ``Dispatch`` again, so the simulator keeps only its records (a long run's memory
+is the records', not every dispatch's requests, stages and reservations).
 
 **Re-planning** (``SimConfig.replan``, ``ppipe simulate --replan auto``): the scheduler is
 wrapped in a :class:`~ppipe.dataplane.handover.SwitchingScheduler` and every arrival is fed
@@ -632,84 +634,86 @@ class Simulator:
         return f"after-stage{done.partition}"
 
     def _start_dispatch(self, d: Dispatch, now: float) -> Event | None:
-        if not d.stages:
+        dstages = d.stages
+        if not dstages:
             self._anomaly(f"dispatch {d.batch_id} has no stages")
             return None
-        rids = tuple([r.id for r in d.requests])
-        stages = []
-        for s in d.stages:
-            stages.append(StageRun(s.partition, s.vgpu_id, s.server, s.start_us, s.infer_us))
-        rec = BatchRecord(d.batch_id, d.model, d.pipeline, rids, now, stages)
+        bid = d.batch_id
         last = self._last_partition.get((d.model, d.pipeline))
         if last is None:
-            self._anomaly(f"dispatch {d.batch_id} on unknown pipeline {d.model}/{d.pipeline}")
+            self._anomaly(f"dispatch {bid} on unknown pipeline {d.model}/{d.pipeline}")
             return None
-        run = _BatchRun(rec, d, last, self.vgpus)
+        rids = tuple([r.id for r in d.requests])
+        vgpus = self.vgpus
+        exact = self.exact and dstages[0].partition == 0
+        if exact:
+            for s in dstages:
+                if s.vgpu_id not in vgpus:
+                    exact = False  # a scheduler bug, which the events record as an anomaly
+                    break
+        if exact:
+            # Exact execution: the batch's transfer and stage times from its plan, with the
+            # same arithmetic as the events (on_stage_ready, on_stage_end, on_transfer_ready)
+            # without the waits for a busy vGPU or link, which cannot occur here (module
+            # docstring, "Exact execution").
+            w = self.window_us
+            t = now  # when the input is ready: the dispatch, then the previous stage's end
+            stages = []
+            k = 0
+            for ds in dstages:
+                ts = te = None
+                if k and ds.transfer_us > 0:
+                    ts = ds.transfer_start_us
+                    if ts is None or ts < t:
+                        ts = t
+                    te = t = ts + ds.transfer_us
+                ps = ds.start_us
+                li = ds.infer_us
+                start = ps if ps > t else t
+                end = start + li
+                vg = vgpus[ds.vgpu_id]
+                vg.free_us = end
+                hi = w if w < end else end
+                if hi > start:
+                    vg.busy_in_window_us += hi - start
+                stages.append(StageRun(ds.partition, ds.vgpu_id, ds.server, ps, li, start, end, ts, te))
+                t = end
+                k += 1
+        else:
+            stages = [StageRun(s.partition, s.vgpu_id, s.server, s.start_us, s.infer_us) for s in dstages]
+        rec = BatchRecord(bid, d.model, d.pipeline, rids, now, stages)
+        # (exact: no event reads the dispatch, so its requests, stages and reservations can go)
+        run = _BatchRun(rec, None if exact else d, last, vgpus)
         self.batches.append(rec)
-        self._runs_by_id[d.batch_id] = run
+        self._runs_by_id[bid] = run
+        records = self.records
         for rid in rids:
-            r = self.records[rid]
+            r = records[rid]
             if r.drop_reason is not None or r.completion_us >= 0:
-                self._anomaly(f"dispatch {d.batch_id} carries request {rid}, which already ended")
+                self._anomaly(f"dispatch {bid} carries request {rid}, which already ended")
                 continue
             if r.dispatch_us < 0:
                 r.dispatch_us = now
-            r.batch_ids.append(d.batch_id)
-        first = d.stages[0]
-        if self.exact and first.partition == 0 and self._run_as_planned(run, d, now):
+            r.batch_ids.append(bid)
+        if exact:
+            if stages[-1].partition == last:  # (as on_stage_end)
+                for rid in rids:
+                    r = records[rid]
+                    if r.drop_reason is None and r.completion_us < 0:
+                        r.completion_us = t
+                        if t > r.deadline_us:
+                            heapq.heappush(self._late, (t, r.model))  # counted when its time comes
+            lst = self._exact_batches
+            lst.append((t, run))
+            if len(lst) >= self._exact_prune_at:
+                self._exact_prune(now)
             return None
+        first = dstages[0]
         if first.partition > 0 and first.transfer_us > 0:
             ts = first.transfer_start_us if first.transfer_start_us is not None else now
             return TransferReadyEvent(max(now, ts), self, run, 0)
         ps = first.start_us
         return StageReadyEvent(ps if ps > now else now, self, run, 0)
-
-    def _run_as_planned(self, run: _BatchRun, d: Dispatch, now: float) -> bool:
-        """Exact execution: the batch's transfer and stage times, and its completion, from its plan.
-
-        The same arithmetic as the events (on_stage_ready, on_stage_end, on_transfer_ready)
-        without the waits for a busy vGPU or link, which cannot occur here (module
-        docstring, "Exact execution"). False (nothing done) if a stage names a vGPU the
-        plan lacks: a scheduler bug, which the events record as an anomaly.
-        """
-        vgpus = self.vgpus
-        for s in d.stages:
-            if s.vgpu_id not in vgpus:
-                return False
-        w = self.window_us
-        t = now  # when the input is ready: the dispatch, then the previous stage's end
-        stages = run.record.stages
-        for k, ds in enumerate(d.stages):
-            st = stages[k]
-            if k and ds.transfer_us > 0:
-                ts = ds.transfer_start_us
-                if ts is None or ts < t:
-                    ts = t
-                t = ts + ds.transfer_us
-                st.transfer_start_us, st.transfer_end_us = ts, t
-            ps = st.planned_start_us
-            start = ps if ps > t else t
-            end = start + st.planned_infer_us
-            vg = vgpus[ds.vgpu_id]
-            vg.free_us = end
-            hi = w if w < end else end
-            if hi > start:
-                vg.busy_in_window_us += hi - start
-            st.start_us, st.end_us = start, end
-            t = end
-        if stages[-1].partition == run.last_partition:  # (as on_stage_end)
-            records = self.records
-            for rid in run.record.request_ids:
-                r = records[rid]
-                if r.drop_reason is None and r.completion_us < 0:
-                    r.completion_us = t
-                    if t > r.deadline_us:
-                        heapq.heappush(self._late, (t, r.model))  # counted when its time comes
-        lst = self._exact_batches
-        lst.append((t, run))
-        if len(lst) >= self._exact_prune_at:
-            self._exact_prune(now)
-        return True
 
     # ---- event handlers ----------------------------------------------------------------------
 
