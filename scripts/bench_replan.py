@@ -156,7 +156,8 @@ def _simulate(w, mode: str, load: float, args, *, stop: bool = False):
     setup = None
     if mode in ("auto", "oracle"):
         policy = ReplanPolicy(window_s=args.window_s, min_interval_s=args.min_interval_s, load_delay_s=args.load_delay_s,
-                              warmup_s=args.warmup_s, confidence_z=args.confidence_z)
+                              warmup_s=args.warmup_s, confidence_z=args.confidence_z, curvature_z=args.curvature_z,
+                              curvature_window_s=args.curvature_window_s)
         setup = ReplanSetup(planner_replan(plan, profiles, cluster, time_limit_s=args.replan_time_limit_s), policy, args.load_delay_s,
                             estimator=_oracle(models, total, args.period_s) if mode == "oracle" else None)
     config = SimConfig(duration_s=args.duration_s, seed=args.seed, feedback="changed", replan=setup,
@@ -341,6 +342,8 @@ def report(r: dict, args) -> None:
 
 
 def parse() -> argparse.Namespace:
+    from ppipe.control.replan import ReplanPolicy
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--artifact", default=str(DEFAULT_ARTIFACT))
     ap.add_argument("--groups", nargs="+", default=["G1", "G2"], choices=sorted(GROUPS))
@@ -355,6 +358,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--window-s", type=float, default=60.0, help="the controller's estimation window (ppipe serve's --replan-window-s)")
     ap.add_argument("--warmup-s", type=float, default=5.0, help="time from the start to the controller's first check")
     ap.add_argument("--confidence-z", type=float, default=2.0, help="standard errors the controller's noise rule takes off")
+    ap.add_argument("--curvature-z", type=float, default=ReplanPolicy.curvature_z,
+                    help="standard errors the controller's curvature is shrunk by")
+    ap.add_argument("--curvature-window-s", type=float, default=ReplanPolicy.curvature_window_s,
+                    help="the controller's window for the curvature (default: its own default)")
     ap.add_argument("--modes", nargs="+", default=["static", "auto"], choices=["static", "auto", "oracle"],
                     help="oracle: the controller given the true rates (a bound); the last line needs static and auto")
     ap.add_argument("--bisect-steps", type=int, default=None, help="default 3 (2 with --quick)")

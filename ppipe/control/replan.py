@@ -43,6 +43,20 @@ rate), with the standard error
 ``e_m = sqrt(alpha (1 / n + (u - tau_bar)^2 / S_xx + ((u - tau_bar)^2 - m_2)^2 / S_qq)) / bin_s``
 (the second term only where the slope is used, the third only where the curvature is).
 
+The curvature has its own, longer window, ``curvature_window_s`` (``W_c``, 120 s; ``None``:
+``window_s``): ``gamma`` is then the same projection over the complete bins of the last
+``W_c`` seconds (its own ``tau_bar``, ``m_2`` and ``S_qq``), while ``alpha`` and ``beta``
+stay the window's. As ``x^2 - m_2`` is orthogonal to ``1`` and ``x`` over the window, the
+window's ``alpha`` and ``beta`` are those of a fit with any ``gamma``, so the composite is
+the window's fit with the longer window's curvature. The reason is the noise: ``S_qq``
+grows as ``n^5``, so twice the span cuts ``se(gamma)`` by ~5.7 and the curvature's share
+of ``e_m`` (``((u - tau_bar)^2 - m_2)^2 se(gamma)^2``) by ~32; over 60 s the curvature of a
+rate that turns within minutes is about as large as its own ``2 se``, so shrinking by
+``curvature_z`` leaves little of it. The price is the curvature's lag: it is the average
+over ``W_c``, which lags a curvature that itself changes (a rate that turns over minutes,
+not seconds). ``e_m``'s third term then uses ``se(gamma)`` of the longer window and the
+window's ``m_2`` (the windows overlap; their covariance is neglected).
+
 Why a curvature: a line extrapolates the slope at the window's centre, which lags a
 turning rate. A model at the bottom of its share has a flat line but will rise: over the
 issue's shifting mix (share ``1/3 + 0.2 sin(2 pi t / 10 min + ...)``, ``H = 70 s``) a
@@ -119,6 +133,8 @@ class ReplanPolicy:
         curvature_min_s: the least span of bins (s) whose fit has a curvature term;
             ``None``: a line always.
         curvature_z: the curvature is shrunk towards 0 by this many standard errors.
+        curvature_window_s: the window of the curvature's fit (the bins since the start while
+            fewer); ``None``: ``window_s``.
         horizon_s: look-ahead ``H`` of the planned-for rate; ``None`` = ``min_interval_s``
             plus ``load_delay_s``.
         check_every_s: how often a check runs.
@@ -137,6 +153,7 @@ class ReplanPolicy:
     confidence_z: float = 2.0
     curvature_min_s: float | None = 30.0
     curvature_z: float = 2.0
+    curvature_window_s: float | None = 120.0
     horizon_s: float | None = None
     check_every_s: float = 5.0
     trigger_load: float = 0.9
@@ -158,12 +175,18 @@ class ReplanPolicy:
             (self.warmup_s is None or self.warmup_s >= 2 * self.bin_s, "warmup_s must be >= 2 x bin_s", "e.g. warmup_s=5, or None (= window_s)"),
             (self.confidence_z >= 0, "confidence_z must be >= 0", "e.g. confidence_z=2"),
             (self.curvature_z >= 0, "curvature_z must be >= 0", "e.g. curvature_z=2"),
+            (self.curvature_window_s is None or self.curvature_window_s >= 3 * self.bin_s, "curvature_window_s must be >= 3 x bin_s",
+             "e.g. curvature_window_s=120, or None (= window_s)"),
             (self.curvature_min_s is None or self.curvature_min_s >= 3 * self.bin_s, "curvature_min_s must be >= 3 x bin_s",
              "e.g. curvature_min_s=30, or None (a line)"),
         ]
         for ok, what, fix in checks:
             if not ok:
                 raise UserError(f"re-plan policy: {what}", fix=fix)
+
+    @property
+    def curvature_window(self) -> float:
+        return self.window_s if self.curvature_window_s is None else self.curvature_window_s
 
     @property
     def horizon(self) -> float:
@@ -201,6 +224,18 @@ class ReplanDecision:
     kept: int
     total: int
     applied: bool
+
+
+def _basis(ks: range, b: float) -> tuple[int, float, list[float], float, float, list[float], float]:
+    """Over the bins ``ks`` of width ``b``: ``(n, tau_bar, x, S_xx, m_2, q, S_qq)`` with ``x = tau - tau_bar``
+    and ``q = x^2 - m_2`` per bin (module docstring, "Estimate")."""
+    n = len(ks)
+    tau_bar = (ks.start + ks.stop) / 2 * b  # the mean of the bin centres (k + 0.5) b
+    xs = [(k + 0.5) * b - tau_bar for k in ks]
+    sxx = sum(x * x for x in xs)
+    m2 = sxx / n
+    qs = [x * x - m2 for x in xs]  # (orthogonal to 1 and x: the centres are symmetric about tau_bar)
+    return n, tau_bar, xs, sxx, m2, qs, sum(q * q for q in qs)
 
 
 def _peak(r: float, g: float, k: float, h: float) -> tuple[float, float]:
@@ -324,15 +359,12 @@ class ReplanController:
         b = p.bin_s
         z = p.confidence_z
         last = int(now_us // (b * 1e6))  # the bin now filling: not complete
-        ks = range(max(last - int(round(p.window_s / b)), min(self._first_bin, last - 2)), last)
-        n = len(ks)
-        tau_bar = (ks.start + ks.stop) / 2 * b  # the mean of the bin centres (k + 0.5) b
-        xs = [(k + 0.5) * b - tau_bar for k in ks]
-        sxx = sum(x * x for x in xs)
-        m2 = sxx / n
-        qs = [x * x - m2 for x in xs]  # (orthogonal to 1 and x: the centres are symmetric about tau_bar)
-        sqq = sum(q * q for q in qs)
-        curved = p.curvature_min_s is not None and n * b >= p.curvature_min_s and sqq > 0
+        first = min(self._first_bin, last - 2)
+        ks = range(max(last - int(round(p.window_s / b)), first), last)
+        n, tau_bar, xs, sxx, m2, _, _ = _basis(ks, b)
+        kc = range(max(last - int(round(p.curvature_window / b)), first), last)  # the curvature's bins
+        nc, _, _, _, _, qs, sqq = _basis(kc, b)
+        curved = p.curvature_min_s is not None and nc * b >= p.curvature_min_s and sqq > 0
         d = now_us / 1e6 - tau_bar
         h = p.horizon
         rate, trend, err, curv = {}, {}, {}, {}
@@ -344,8 +376,10 @@ class ReplanController:
             beta = math.copysign(max(abs(beta) - z * math.sqrt(var / sxx), 0.0), beta)  # shrunk (module docstring)
             gamma = 0.0
             if curved:
-                gamma = sum(q * c for q, c in zip(qs, counts)) / sqq
-                gamma = math.copysign(max(abs(gamma) - p.curvature_z * math.sqrt(var / sqq), 0.0), gamma)
+                cc = [bins.get(k, 0) for k in kc]
+                var_c = max(sum(cc) / nc, 1.0)
+                gamma = sum(q * c for q, c in zip(qs, cc)) / sqq
+                gamma = math.copysign(max(abs(gamma) - p.curvature_z * math.sqrt(var_c / sqq), 0.0), gamma)
             r = max(0.0, (alpha + beta * d + gamma * (d * d - m2)) / b)
             g = (beta + 2.0 * gamma * d) / b
             k = 2.0 * gamma / b
@@ -354,11 +388,12 @@ class ReplanController:
             e2 = 1.0 / n
             if beta != 0.0:
                 e2 += lead * lead / sxx
+            err2 = var * e2
             if gamma != 0.0:
-                e2 += (lead * lead - m2) ** 2 / sqq
-            err[m] = math.sqrt(var * e2) / b
-            for k_old in [k_old for k_old in bins if k_old < ks.start]:
-                del bins[k_old]  # older than the window: never read again
+                err2 += var_c * (lead * lead - m2) ** 2 / sqq
+            err[m] = math.sqrt(err2) / b
+            for k_old in [k_old for k_old in bins if k_old < min(ks.start, kc.start)]:
+                del bins[k_old]  # older than both windows: never read again
         return rate, trend, err, curv
 
     def planned_for(self, rate: Mapping[str, float], trend: Mapping[str, float],

@@ -337,3 +337,35 @@ def test_a_re_plan_worse_than_the_current_plan_is_retried_at_the_next_check():
     clock.t_us = 10e6
     d = ctl.poll()
     assert d is not None and d.at_us == 10e6 and len(planner.calls) == 2
+
+
+def test_a_longer_curvature_window_fits_the_curvature_there_and_the_level_and_slope_in_the_window():
+    # r(t) = 200 + 0.1 (t - 50)^2 over 0..120: exact with either window; the curvature's
+    # shrinkage is by the standard error of the 120 bins' fit, ~16 x smaller than 30 bins'
+    times = _deterministic(lambda t: 200 + 0.1 * (t - 50) ** 2, 130)
+    base = dict(min_interval_s=60, load_delay_s=10, window_s=30, curvature_min_s=30)
+    exact = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), ManualClock(),
+                             ReplanPolicy(confidence_z=0, curvature_z=0, curvature_window_s=120, **base))
+    long = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), ManualClock(), ReplanPolicy(**base))  # the default: 120 s
+    short = ReplanController(FakePlan({"a": 1e9}), IdealPlanner(), ManualClock(), ReplanPolicy(curvature_window_s=None, **base))
+    for x in times:
+        for c in (exact, long, short):
+            c.observe("a", x)
+    r, g, e, k = exact.estimate_all(120e6)
+    assert r["a"] == pytest.approx(690.0, rel=0.01) and g["a"] == pytest.approx(14.0, rel=0.01) and k["a"] == pytest.approx(0.2, rel=0.01)
+
+    def shrink(n: int) -> float:  # 2 x 2 standard errors of gamma over the last n bins
+        xs = np.arange(n) - (n - 1) / 2
+        s_qq = float(((xs**2 - (xs**2).mean()) ** 2).sum())
+        return 4 * math.sqrt(len(times[(times >= (120 - n) * 1e6) & (times < 120e6)]) / n / s_qq)
+
+    assert long.estimate_all(120e6)[3]["a"] == pytest.approx(0.2 - shrink(120), rel=0.01)
+    assert short.estimate_all(120e6)[3]["a"] == pytest.approx(max(0.2 - shrink(30), 0.0), abs=1e-9)
+    # the rate at t + H = 190 is 2160: the long window's curvature plans for most of it
+    planned = {c: c.planned_for(*[v for i, v in enumerate(c.estimate_all(120e6)) if i != 2])["a"] for c in (long, short)}
+    assert planned[short] < 1800.0 < planned[long] < 2160.0
+
+
+def test_a_bad_curvature_window_is_refused():
+    with pytest.raises(UserError, match="curvature_window_s"):
+        ReplanPolicy(curvature_window_s=2.0)
