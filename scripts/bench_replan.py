@@ -387,7 +387,8 @@ def main() -> int:
     print(host_line())
     print(f"{CLUSTER}, groups {' '.join(args.groups)}: {args.duration_s:g} s of Poisson arrivals, shifting mix of period "
           f"{args.period_s:g} s; re-plan: min interval {args.min_interval_s:g} s, load delay {args.load_delay_s:g} s, "
-          f"planner time limit {args.replan_time_limit_s:g} s, window {args.window_s:g} s, warm-up {args.warmup_s:g} s, confidence z {args.confidence_z:g}; bisection {args.bisect_steps} steps in [{args.lo}, {args.hi}]", flush=True)
+          f"planner time limit {args.replan_time_limit_s:g} s, window {args.window_s:g} s, curvature window {args.curvature_window_s:g} s, warm-up {args.warmup_s:g} s, "
+          f"confidence z {args.confidence_z:g}, curvature z {args.curvature_z:g}; bisection {args.bisect_steps} steps in [{args.lo}, {args.hi}]", flush=True)
     t0 = time.perf_counter()
     # the larger group's runs first (G2 offers ~1.5 x G1's requests): the pool's last task is a short one
     items = [(g, m, args) for g in sorted(args.groups, key=lambda g: g != "G2") for m in args.modes]
