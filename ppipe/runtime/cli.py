@@ -146,12 +146,14 @@ class _NullClock:
 @click.option("--replan-time-limit-s", type=float, default=1.5, show_default=True, help="Planner time limit of each re-plan (--replan auto).")
 @click.option("--replan-min-interval-s", type=float, default=60.0, show_default=True, help="Least time between two plan switches (--replan auto).")
 @click.option("--replan-window-s", type=float, default=60.0, show_default=True, help="Window of the arrival-rate estimate (--replan auto).")
+@click.option("--replan-curvature-window-s", type=float, default=120.0, show_default=True,
+              help="Window of the arrival rate's curvature, longer than --replan-window-s: a curvature is noisy over few bins (--replan auto).")
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
 def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, host, port, grpc_port, token, max_body_mb,
           header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, replan, replan_time_limit_s, replan_min_interval_s,
-          replan_window_s, num_cpus, emulated_max_bytes):
+          replan_window_s, replan_curvature_window_s, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API.
 
     Without --ray-address, the local Ray instance it starts listens on loopback only when
@@ -184,7 +186,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     # that does not fit its profiles is a UserError now, not after the workers are up
     check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
-    replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s) if replan == "auto" else None
+    replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s,
+                                   replan_curvature_window_s) if replan == "auto" else None
     if grpc_port is not None:
         from ppipe.runtime.grpc_server import check_port_free
 
@@ -269,7 +272,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
 
 
-def _replan_policy(dep, time_limit_s: float, min_interval_s: float, window_s: float):
+def _replan_policy(dep, time_limit_s: float, min_interval_s: float, window_s: float, curvature_window_s: float):
     """``--replan auto``'s controller policy, checked before anything starts."""
     from ppipe.control.replan import ReplanPolicy, planner_replan
 
@@ -277,7 +280,7 @@ def _replan_policy(dep, time_limit_s: float, min_interval_s: float, window_s: fl
         raise UserError(f"--replan-time-limit-s must be > 0, got {time_limit_s}", fix="e.g. --replan-time-limit-s 1.5")
     planner_replan(dep.plan, dep.profiles, dep.cluster, time_limit_s=time_limit_s)  # a plan it cannot re-make is refused here
     # the new workers' load time, for the controller's look-ahead (what a plan must last)
-    return ReplanPolicy(window_s=window_s, min_interval_s=min_interval_s, load_delay_s=10.0)
+    return ReplanPolicy(window_s=window_s, curvature_window_s=curvature_window_s, min_interval_s=min_interval_s, load_delay_s=10.0)
 
 
 @click.command("bench")

@@ -48,6 +48,8 @@ def _policies() -> list[str]:
               help="Virtual time from a re-plan decision to the switch (planning and loading the new workers; the old plan serves meanwhile).")
 @click.option("--replan-min-interval-s", type=float, default=60.0, show_default=True, help="Least time between two plan switches.")
 @click.option("--replan-window-s", type=float, default=60.0, show_default=True, help="Window over which the controller estimates each model's rate and trend.")
+@click.option("--replan-curvature-window-s", type=float, default=120.0, show_default=True,
+              help="Window over which the controller estimates each rate's curvature (longer: a curvature is noisy over few bins).")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
               help="Trace to replay: Azure Functions 2021 CSV (end_timestamp,duration) or one timestamp (s) per line; implies --arrivals trace.")
 @click.option("--cv", type=float, default=2.0, show_default=True, help="Coefficient of variation of the gaps for --arrivals bursty.")
@@ -65,7 +67,7 @@ def _policies() -> list[str]:
               help="Write one CSV row per request (arrival, dispatch, stages, completion or drop reason/place) of the run shown.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
 def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full_points, arrivals, period_s, replan,
-             replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s, trace_file, cv, duration_s, seed,
+             replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s, replan_curvature_window_s, trace_file, cv, duration_s, seed,
              policy, jitter_cv, feedback, rates_from, plot_dir, records_out, json_out) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
@@ -98,7 +100,8 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
         rates = check_rates(plan, base_rates(load_plan(rates_from)), f"--rates-from {rates_from}")
     if feedback is None:
         feedback = default_feedback(policy)
-    setup = _replan_setup(plan, profiles, spec, replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s) if replan == "auto" else None
+    setup = _replan_setup(plan, profiles, spec, replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s,
+                          replan_curvature_window_s) if replan == "auto" else None
     config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy, replan=setup)
     base = rates or base_rates(plan)
 
@@ -147,14 +150,15 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
             click.echo(f"wrote {p}")
 
 
-def _replan_setup(plan, profiles, spec, time_limit_s: float, load_delay_s: float, min_interval_s: float, window_s: float):
+def _replan_setup(plan, profiles, spec, time_limit_s: float, load_delay_s: float, min_interval_s: float, window_s: float,
+                  curvature_window_s: float = 120.0):
     """``--replan auto``: the planner with the plan's settings behind the controller (ppipe.control.replan)."""
     from ppipe.control.replan import ReplanPolicy, planner_replan
     from ppipe.sim.simulator import ReplanSetup
 
     if not (time_limit_s > 0):
         raise UserError(f"--replan-time-limit-s must be > 0, got {time_limit_s}", fix="e.g. --replan-time-limit-s 1.5")
-    policy = ReplanPolicy(window_s=window_s, min_interval_s=min_interval_s, load_delay_s=load_delay_s)
+    policy = ReplanPolicy(window_s=window_s, curvature_window_s=curvature_window_s, min_interval_s=min_interval_s, load_delay_s=load_delay_s)
     return ReplanSetup(planner_replan(plan, profiles, spec, time_limit_s=time_limit_s), policy, load_delay_s=load_delay_s)
 
 

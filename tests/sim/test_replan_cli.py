@@ -60,3 +60,8 @@ def test_replan_refuses_a_plan_without_the_max_min_objective(tmp_path):
 def test_bad_period_is_refused(two_model_dir):
     r = invoke(two_model_dir / "plan.yaml", "--arrivals", "shifting", "--period-s", 0, "--duration-s", 1)
     assert r.exit_code == 2 and "--period-s" in r.output
+
+
+def test_a_curvature_window_shorter_than_three_bins_is_refused(two_model_dir):
+    r = invoke(two_model_dir / "plan.yaml", "--replan", "auto", "--replan-curvature-window-s", 1, "--duration-s", 1)
+    assert r.exit_code == 2 and "curvature_window_s must be >= 3 x bin_s" in r.output and "To fix" in r.output
