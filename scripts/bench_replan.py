@@ -49,19 +49,13 @@ wall time only.
 
 Cost: a run costs CPU time in proportion to its requests, ``L x S x duration`` (``S`` =
 2,193 req/s for G1, 3,353 req/s for G2 at load 1; ~13-16 k requests per CPU second on
-the project's host) and ~0.9 kB of memory per request while it runs (a 30-minute G2 run
-at load 0.75: 4.5 M requests, ~4.3 GB). The script runs, per group and mode, the run at
-``--load`` to its end and the search's runs; a failing search run stops once 99 % is out
-of reach, a passing one must run to its end. The defaults, measured (2026-11-27, 10M-add
-loop 0.68 s), 12 runs (bisection: 16), CPU per task: G2 static 814 s (0.75: 313 s; 0.675
-fail, stopped at 1545 s: 231 s; 0.6562 pass: 270 s), G2 auto 863 s (0.75: 362 s; 0.825
-fail at 795 s: 190 s; 0.7688 fail at 1447 s: 311 s), G1 static 520 s, G1 auto 620 s
-(0.75, 0.825 pass, 0.8438 fail); the fluid references 23 s wall. Wall 2,736 s on the
-shared host: G2's tasks got ~0.4 of a core each from two other jobs (1,980-2,044 s wall),
-G1's ran ~1.12 x their CPU. The busier worker carries 1,483 s of CPU (G2 auto, G1 auto),
-so on two free cores the default takes ~1,650 s (~28 min; extrapolated with that 1.12),
-where the previous code's G2 tasks alone took 22 and 24 min. ``--quick`` (one period, 2
-steps) is ~1/4 of that.
+the project's host) and ~0.9 kB of memory per request while it runs. The script runs, per
+group and mode, the run at ``--load`` to its end and the search's runs; a failing search
+run stops once 99 % is out of reach, a passing one must run to its end. The tasks are
+handed out costliest first (the re-planning modes', whose searches pass at higher loads),
+so that the two workers of ``--jobs 2`` end together. The default setting makes 12 runs and
+takes under the issue's 30 minutes on two free cores of the project's host (the measured
+runs are in docs/benchmarks.md); ``--quick`` (one period, 2 steps) about a quarter of that.
 
 Examples::
 
