@@ -215,9 +215,13 @@ class VgpuWorker:
 
         return abort() if self._data_loop is None else await self._on_data_loop(abort)
 
+    @staticmethod
+    def _key(role: str, edge: dict[str, Any]) -> tuple[str, str, int]:
+        """The channel key of a stage's link (``{"peer": vgpu, "seq": n, "gen": g}``; no ``gen``: 0)."""
+        return role, edge["peer"], edge.get("gen", 0)
+
     def _channel(self, role: str, edge: dict[str, Any]):
-        """The channel of a stage's link (``{"peer": vgpu, "seq": n, "gen": g}``; no ``gen``: 0)."""
-        ch = self.channels.get((role, edge["peer"], edge.get("gen", 0)))
+        ch = self.channels.get(self._key(role, edge))
         if ch is None:
             raise RuntimeError(f"{self.spec.vgpu_id} has no NCCL edge to {role} {'to' if role == 'send' else 'from'} "
                                f"{edge['peer']} (generation {edge.get('gen', 0)})")
@@ -323,11 +327,11 @@ class VgpuWorker:
                 return report, None
             return report, {"tensors": to_wire(outputs), "sent_wall_us": end}
         except BaseException as exc:
-            if recv is not None and not recv_posted and ("recv", recv["peer"], recv.get("gen", 0)) in self.channels:
+            if recv is not None and not recv_posted and self._key("recv", recv) in self.channels:
                 # take the message off the edge anyway: the sender posts it whatever happens
                 # here, and the edge's later messages queue behind it
                 try:
-                    await self.channels[("recv", recv["peer"], recv.get("gen", 0))].recv(recv["seq"], batch_id)
+                    await self.channels[self._key("recv", recv)].recv(recv["seq"], batch_id)
                 except Exception:
                     pass
             if send is not None and not sent:

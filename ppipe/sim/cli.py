@@ -151,7 +151,7 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
 
 
 def _replan_setup(plan, profiles, spec, time_limit_s: float, load_delay_s: float, min_interval_s: float, window_s: float,
-                  curvature_window_s: float = 120.0):
+                  curvature_window_s: float):
     """``--replan auto``: the planner with the plan's settings behind the controller (ppipe.control.replan)."""
     from ppipe.control.replan import ReplanPolicy, planner_replan
     from ppipe.sim.simulator import ReplanSetup
