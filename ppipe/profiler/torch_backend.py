@@ -13,11 +13,16 @@ TensorRT's default). On the CPU ``fp32``.
 **Timing.** Inputs are made on the device first (no host copy is timed); ``warmup`` untimed
 runs, then ``reps`` timed runs, each between two CUDA events (``torch.cuda.Event``,
 ``elapsed_time``) on the GPU, or ``time.perf_counter`` on the CPU; the median (or minimum)
-is kept.
+is kept. On the GPU a run is one replay of the block captured as a CUDA graph
+(:mod:`ppipe.profiler.cuda_graph`): eager runs there measure how fast Python launches
+kernels, not the GPU.
 
 **vGPU levels.** Level v > 1 runs v processes (spawned once per level and kept), each with
 its own copy of the block, released together by a barrier after their warm-up; the latency
-of level v is the mean of their medians. When an MPS control daemon runs
+of level v is the mean of their medians. On a GPU each of their samples is the wall time
+per run of a burst of back-to-back runs that all v start together (:func:`_burst_us`):
+timed one by one, runs of a few hundred microseconds do not overlap and a level would look
+as fast as a whole GPU. When an MPS control daemon runs
 (``nvidia-cuda-mps-control -d``), each process is an MPS client limited to
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / v`` of the SMs: that is the PPipe paper's vGPU.
 Without the daemon the v processes share the GPU by **time slicing**; the profile's
@@ -27,22 +32,25 @@ processes split the cores (``cores // v`` threads each).
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ppipe.errors import NotAvailableError, UserError
+from ppipe.profiler.cuda_graph import GraphedRun, graphs_enabled
 from ppipe.profiler.onnx_torch import OnnxTorchModule, import_torch
 
 PRECISIONS = ("fp16", "tf32", "fp32")
 MPS, TIME_SLICED, CPU_SPLIT = "mps", "time-sliced", "cpu-split"
 LEVEL_TIMEOUT_S = 600.0
+BURST_S = 0.02  # the length of one sample at a level v > 1 on a GPU (_burst_us)
 
 
 def default_device() -> str:
@@ -111,31 +119,68 @@ def make_feeds(module: OnnxTorchModule, batch: int, seed: int = 0) -> dict[str, 
 def time_module(module: OnnxTorchModule, batch: int, reps: int, warmup: int, statistic: str = "median", barrier: Any = None) -> float:
     """Median (or minimum) latency in us of one run of ``module`` at ``batch``.
 
-    CUDA events around each run on the GPU (the current stream), ``perf_counter`` on the CPU.
-    ``barrier``, if given, is waited on after the warm-up (the level processes start together).
+    On the GPU each run is one replay of the block captured as a CUDA graph
+    (:mod:`ppipe.profiler.cuda_graph`; eager with ``PPIPE_CUDA_GRAPHS=0``); on the CPU an
+    eager run. Alone (no ``barrier``), each of ``reps`` runs is timed by itself: two CUDA
+    events on the current stream, or ``perf_counter``. With the ``barrier`` of a level's v
+    processes on a GPU, each sample is a burst (:func:`_burst_us`); on the CPU the v
+    processes wait on it once after the warm-up, then time single runs on their own cores.
     """
     torch = module.torch
     feeds = make_feeds(module, batch)
     cuda = module.device.type == "cuda"
+    run = _runner(module, feeds, batch)
     for _ in range(warmup):
-        module(feeds)
+        run()
     if cuda:
         torch.cuda.synchronize(module.device)
-    if barrier is not None:
-        barrier.wait(timeout=LEVEL_TIMEOUT_S)
-    samples = [_time_once(module, feeds, cuda) for _ in range(reps)]
+    if cuda and barrier is not None:
+        samples = _burst_us(torch, run, reps, barrier)
+    else:
+        if barrier is not None:
+            barrier.wait(timeout=LEVEL_TIMEOUT_S)
+        samples = [_time_once(torch, run, cuda) for _ in range(reps)]
     return float(np.min(samples) if statistic == "min" else np.median(samples))
 
 
-def _time_once(module: OnnxTorchModule, feeds: dict, cuda: bool) -> float:
+def _burst_us(torch: Any, run: Callable[[], Any], reps: int, barrier: Any) -> list[float]:
+    """``reps`` samples of the wall time per run while the level's v processes all run.
+
+    A sample: the v processes leave the barrier together, each enqueues n runs back to
+    back and waits for its GPU work; the sample is the elapsed wall time / n, with n
+    chosen so that a burst lasts :data:`BURST_S` at the process's own single-run speed.
+    Single runs timed by events would not see the sharing: a run of 50-500 us fits in one
+    time slice of the GPU, and an event pair measures only while its context runs. Under
+    MPS the bursts run side by side on 1/v of the SMs each; time-sliced, they take turns,
+    and a burst's wall time counts the turns of the others.
+    """
+    n = max(1, math.ceil(BURST_S * 1e6 / max(1.0, _time_once(torch, run, True))))
+    samples = []
+    for _ in range(reps):
+        barrier.wait(timeout=LEVEL_TIMEOUT_S)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e6 / n)
+    return samples
+
+
+def _runner(module: OnnxTorchModule, feeds: dict, batch: int) -> Callable[[], Any]:
+    """One run of the block on ``feeds``: a CUDA graph replay where graphs are on, else eager."""
+    if graphs_enabled(module.device):
+        return GraphedRun(module.torch, module, feeds, what=f"a block at batch {batch}")
+    return lambda: module(feeds)
+
+
+def _time_once(torch: Any, run: Callable[[], Any], cuda: bool) -> float:
     if not cuda:
         t0 = time.perf_counter()
-        module(feeds)
+        run()
         return (time.perf_counter() - t0) * 1e6
-    torch = module.torch
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    module(feeds)
+    run()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1000.0  # ms -> us
@@ -226,12 +271,15 @@ class TorchTimer:
 
     def provenance(self) -> str:
         torch = import_torch()
+        burst = f", each timing {BURST_S * 1000:.0f} ms bursts of back-to-back runs started together (wall time per run)"
         levels = {
-            MPS: "level v = v processes at once under MPS at 100/v% of the SMs",
-            TIME_SLICED: "level v = v processes at once, time-sliced by the GPU (no MPS daemon ran: not MPS)",
+            MPS: "level v = v processes at once under MPS at 100/v% of the SMs" + burst,
+            TIME_SLICED: "level v = v processes at once, time-sliced by the GPU (no MPS daemon ran: not MPS)" + burst,
             CPU_SPLIT: "level v = v processes at once with cores/v threads each",
         }[self.mode]
-        how = "CUDA events" if self.device.startswith("cuda") else "perf_counter"
+        how = "perf_counter"
+        if self.device.startswith("cuda"):
+            how = "CUDA events, each run one CUDA graph replay" if graphs_enabled(self.device) else "CUDA events, eager (PPIPE_CUDA_GRAPHS=0)"
         return (
             f"measured: PyTorch {torch.__version__} ({self.precision}, ONNX blocks run by ppipe.profiler.onnx_torch) on "
             f"{device_name(self.device)}, {self.statistic} of {self.reps} runs timed with {how}; {levels}"

@@ -7,7 +7,10 @@ GPU is the only one it sees (``CUDA_VISIBLE_DEVICES``, set by the worker before 
 loads) and the precision is the profile's for that GPU type (``fp16`` when its provenance
 says so, else ``tf32``); on the CPU, fp32 with ``cores // v`` threads.
 
-Host inputs are copied to the device, the blocks run and the outputs come back, all on the
+On a GPU the partition runs as one CUDA graph per input shape, captured at the first batch
+of that shape (:mod:`ppipe.profiler.cuda_graph`; eager with ``PPIPE_CUDA_GRAPHS=0``): the
+profile timed graph replays, so the served latencies are the profiled ones. Host inputs
+are copied to the device, the blocks run and the outputs come back, all on the
 backend's own CUDA stream (``torch.cuda.stream``), which is synchronized before ``run``
 returns: the feature maps handed on are complete whatever stream reads them next. On an
 NCCL edge the feature maps stay on the GPU: CuPy arrays from a receive are read in place
@@ -51,6 +54,7 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, precision: str | None = None):
+        from ppipe.profiler.cuda_graph import graphs_enabled
         from ppipe.profiler.onnx_torch import import_torch
         from ppipe.profiler.torch_backend import load_block
         from ppipe.profiler.trt_backend import precision_of
@@ -70,26 +74,52 @@ class TorchBackend:
         # (torch.as_tensor reads __cuda_array_interface__), outputs can stay on the GPU
         self.accepts_device = self.device_outputs = cuda
         self.stream = torch.cuda.Stream() if cuda else None
+        # one CUDA graph per input shape on a GPU (ppipe.profiler.cuda_graph), as the profile was timed
+        self.graphs: dict[tuple, Any] | None = {} if graphs_enabled(self.device) else None
 
     def _on_stream(self) -> Any:
         return self.torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def run_sync(self, inputs: Tensors, device_out: bool = False) -> Tensors:
         """Run the blocks; outputs on the host (fp32 for the model's outputs), or with
-        ``device_out`` as CuPy device arrays sharing the tensors' memory (DLPack), for an
-        NCCL send: complete when this returns (the stream is synchronized)."""
-        env: dict[str, Any] = dict(inputs)  # the modules copy and cast their inputs themselves
+        ``device_out`` as CuPy device arrays of their own memory (DLPack), for an NCCL
+        send: complete when this returns (the stream is synchronized)."""
+        with self._on_stream():
+            if self.graphs is None:
+                out = self._chain(inputs)
+            else:
+                out = self._replay(inputs)
+                if device_out:  # a graph's outputs are overwritten by its next replay
+                    out = {k: v.clone() for k, v in out.items()}
+            pick = self._to_cupy if device_out else self._to_host
+            out = {k: pick(v) for k, v in out.items()}
+            if self.stream is not None:
+                self.stream.synchronize()
+        return out
+
+    def _chain(self, inputs: Tensors) -> Tensors:
+        """The partition's blocks one after another (the modules copy and cast their inputs themselves)."""
+        env: dict[str, Any] = dict(inputs)
         last_outs: list[str] = []
-        with self.torch.inference_mode(), self._on_stream():
+        with self.torch.inference_mode():
             for m in self.modules:
                 outs = m(env)
                 env.update(outs)
                 last_outs = list(outs)
-            pick = self._to_cupy if device_out else self._to_host
-            out = {k: pick(env[k]) for k in (self.keep or last_outs)}
-            if self.stream is not None:
-                self.stream.synchronize()
-        return out
+        return {k: env[k] for k in (self.keep or last_outs)}
+
+    def _replay(self, inputs: Tensors) -> Tensors:
+        """The partition as one CUDA graph per input shape (captured at its first batch)."""
+        from ppipe.profiler.cuda_graph import GraphedRun, shape_key
+
+        torch = self.torch
+        key = shape_key(inputs)
+        tensors = {k: torch.as_tensor(v) for k, v in inputs.items()}  # host arrays stay on the host until copied in
+        graph = self.graphs.get(key)
+        if graph is None:
+            example = {k: v.to(self.device) for k, v in tensors.items()}
+            graph = self.graphs[key] = GraphedRun(torch, self._chain, example, what=f"the partition at input shapes {key}")
+        return graph(tensors)
 
     def _to_host(self, t: Any) -> np.ndarray:
         if self.is_last and t.is_floating_point():
