@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -252,3 +253,53 @@ def test_cross_gpu_regressor_clips_to_training_range_and_round_trips():
     assert abs(unclipped[0]) > y.max() - y.min()  # the model alone would have extrapolated
     back = _Regressor.unpack(reg.pack())
     np.testing.assert_allclose(back.predict(far), pred, rtol=1e-4, atol=1e-4)
+
+
+# ---- calibration on measured profiles (fit_measured) ---------------------------------
+MEASURED_H100 = Path(__file__).resolve().parents[2] / "docs" / "measurements" / "h100-2026-11-27"
+
+
+def _measured_copy(tmp_path, gpu: str, params: dict) -> Path:
+    """The H100 record's resnet50 profile, its rows replaced by the roofline at ``params`` for ``gpu``."""
+    from ppipe.profiler.blocks import ensure_block_models
+    from ppipe.profiler.estimate.gpus import gpu_spec
+    from ppipe.profiler.estimate.roofline import block_latency_us, block_work_from_onnx
+    from ppipe.spec.profile import ModelProfile, load_profile
+
+    prof = load_profile(MEASURED_H100 / "resnet50")
+    works = block_work_from_onnx(ensure_block_models(prof))
+    table = {(gpu, v, b, blk): block_latency_us(works[blk], gpu_spec(gpu), params, v, b) for (_g, v, b, blk) in prof.table}
+    man = prof.manifest.model_copy(update={"provenance": {gpu: "measured: synthetic rows from known constants"}})
+    return ModelProfile(man, table).save(tmp_path / "synthetic")
+
+
+def test_a_fit_on_measured_rows_recovers_the_constants_that_made_them(tmp_path):
+    from ppipe.profiler.estimate.roofline import PARAMS_FILE, fit_measured
+
+    h = json.loads(PARAMS_FILE.read_text())["gpus"]["L4"]["half_sat_flops_per_sm"]
+    truth = {"eff": 0.3, "eff_mem": 0.5, "launch_us": 4.0, "gamma": 1.1, "half_sat_flops_per_sm": h}
+    got = fit_measured("A100", [_measured_copy(tmp_path, "A100", truth)])["gpus"]["A100"]
+    for k in ("eff", "eff_mem", "launch_us", "gamma"):
+        assert got[k] == pytest.approx(truth[k], rel=0.02), k
+    assert got["rms_log_error"] < 1e-3 and got["measured_on"]["points"] == 160
+
+
+def test_the_shipped_h100_constants_are_the_fit_of_the_recorded_measurements(tmp_path):
+    from ppipe.profiler.estimate.roofline import PARAMS_FILE, fit_measured
+
+    dirs = sorted(MEASURED_H100.glob("*/model.yaml"))
+    assert len(dirs) == 3
+    shipped = json.loads(PARAMS_FILE.read_text())["gpus"]["H100"]
+    refit = fit_measured("H100", [d.parent for d in reversed(dirs)], out=tmp_path / "p.json")["gpus"]["H100"]
+    for k in ("eff", "eff_mem", "launch_us", "gamma", "rms_log_error"):
+        assert refit[k] == pytest.approx(shipped[k], rel=1e-6), k
+    assert refit["measured_on"] == shipped["measured_on"]
+
+
+def test_a_profile_without_measured_rows_for_the_gpu_is_a_user_error_naming_it():
+    from ppipe.profiler.estimate.roofline import fit_measured
+
+    builtin = Path(__file__).resolve().parents[2] / "models" / "resnet50"  # its H100 rows are estimates
+    with pytest.raises(UserError, match="no measured rows for H100") as exc:
+        fit_measured("H100", [builtin])
+    assert "--measure H100" in exc.value.fix

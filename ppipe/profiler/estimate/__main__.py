@@ -2,6 +2,7 @@
 
     python -m ppipe.profiler.estimate fit-cross-gpu ../shared/data/ppipe-artifact
     python -m ppipe.profiler.estimate fit-roofline ../shared/data/ppipe-artifact
+    python -m ppipe.profiler.estimate fit-measured H100 docs/measurements/h100-2026-11-27/*/
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import click  # noqa: E402
 
 from ppipe.errors import UserError  # noqa: E402
 from ppipe.profiler.estimate.crossgpu import DATA_FILE, fit_cross_gpu  # noqa: E402
-from ppipe.profiler.estimate.roofline import PARAMS_FILE, fit_roofline  # noqa: E402
+from ppipe.profiler.estimate.roofline import PARAMS_FILE, fit_measured, fit_roofline  # noqa: E402
 
 _ARTIFACT = click.argument("artifact", type=click.Path(file_okay=False))
 
@@ -50,6 +51,18 @@ def fit_roofline_cmd(artifact: str, out: str) -> None:
     for g, p in doc["gpus"].items():
         click.echo(f"{g} {({k: round(v, 4) for k, v in p.items()})}")
     click.echo(f"-> {out}")
+
+
+@cli.command("fit-measured")
+@click.argument("gpu")
+@click.argument("profiles", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option("--out", default=str(PARAMS_FILE), show_default=True, help="Where to write the constants (.json).")
+def fit_measured_cmd(gpu: str, profiles: tuple[str, ...], out: str) -> None:
+    """Fit one GPU type's roofline constants on its measured rows in ppipe profiles (writes roofline_params.json)."""
+    p = fit_measured(gpu, list(profiles), out=out)["gpus"][gpu]
+    click.echo(f"{gpu} {({k: round(v, 4) for k, v in p.items() if isinstance(v, float)})}")
+    click.echo(f"fitted on {p['measured_on']['summary']}")
+    click.echo(f"-> {out}; GPU types whose calibration in gpus.yaml is {gpu} use it")
 
 
 def main(argv: list[str] | None = None) -> int:

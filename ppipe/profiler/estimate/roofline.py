@@ -159,10 +159,12 @@ def provenance(gpu: str) -> str:
     """One line for a profile's ``provenance`` entry of an estimated GPU type."""
     spec = gpu_spec(gpu)
     borrowed = "" if spec.calibration == gpu else f", efficiencies borrowed from {spec.calibration}"
+    measured_on = _load_params(str(PARAMS_FILE))["gpus"].get(spec.calibration, {}).get("measured_on")
+    fitted_on = "PPipe-artifact TensorRT timings" if measured_on is None else measured_on["summary"]
     return (
         f"estimated: roofline of the block ONNX graphs on the {gpu} spec sheet ({spec.matmul_precision} conv/matmul "
         f"{spec.peak_matmul_tflops:g} TFLOP/s, {spec.memory_bandwidth_gbps:g} GB/s{borrowed}; "
-        "constants fitted on PPipe-artifact TensorRT timings), not measured"
+        f"constants fitted on {fitted_on}), not measured"
     )
 
 
@@ -221,14 +223,13 @@ def fit_roofline(
         models: artifact models to fit on (default: every model
             :mod:`.reference_graphs` rebuilds).
         out: where to write the JSON (``None``: do not write; the shipped file is
-            :data:`PARAMS_FILE`).
+            :data:`PARAMS_FILE`). GPU types the file holds from :func:`fit_measured` and
+            the artifact lacks are kept.
 
     Returns:
         The parameter document: ``{"version", "fitted_on", "gpus": {gpu: {name: value,
         "rms_log_error": ...}}}``.
     """
-    from scipy.optimize import least_squares
-
     from ppipe.profiler.estimate.artifact_data import load_model
     from ppipe.profiler.estimate.reference_graphs import REFERENCE_GRAPHS, block_costs
 
@@ -239,24 +240,93 @@ def fit_roofline(
         works = [BlockWork.from_costs(c) for c in block_costs(name, artifact_dir)]
         for (g, v, b, blk), lat in prof.table.items():
             samples.setdefault(g, []).append((works[blk], v, b, lat))
-    doc = {"version": 1, "fitted_on": names, "gpus": {}}
-    # One joint fit: the occupancy constant h (FLOP per SM for half occupancy) is shared by
-    # all GPU types, because large calibration blocks barely constrain it and a per-GPU value
-    # then drifts to whatever the bounds allow, which ruins small blocks. Each GPU type has
-    # its own eff, eff_mem, launch_us and gamma (gamma fixed at 1 without MPS data).
+    doc = {"version": 1, "fitted_on": names, "gpus": _fit(samples)}
+    if out is not None:
+        kept = json.loads(Path(out).read_text())["gpus"] if Path(out).exists() else {}
+        doc["gpus"] |= {g: p for g, p in kept.items() if "measured_on" in p and g not in doc["gpus"]}
+        _write_params(doc, out)
+    return doc
+
+
+def fit_measured(gpu: str, profile_dirs: Sequence[str | Path], *, out: str | Path | None = None, params_file: str | Path = PARAMS_FILE) -> dict:
+    """Fit one GPU type's constants on its measured rows in ppipe profiles (``ppipe profile --measure``).
+
+    The occupancy constant h stays the one the artifact fit shares (``params_file``): a few
+    models on one GPU barely constrain it. ``eff``, ``eff_mem``, ``launch_us`` and ``gamma``
+    (1 without levels) are fitted on every measured (level, batch, block) of ``gpu``, the
+    blocks' work read from the profiles' block ONNX files. The entry records what it was
+    fitted on (``measured_on``: models, points, the first profile's provenance).
+
+    Returns:
+        The parameter document of ``params_file`` with ``gpu``'s entry replaced; written to
+        ``out`` when given (then a type whose ``calibration`` in ``gpus.yaml`` is ``gpu``
+        uses it).
+    """
+    from ppipe.profiler.blocks import ensure_block_models
+    from ppipe.spec.profile import load_profile
+
+    gpu_spec(gpu)  # an unknown type fails first, listing the known ones
+    rows: list[tuple[BlockWork, int, int, float]] = []
+    models, provenances = [], []
+    for d in sorted(profile_dirs, key=lambda d: Path(d).resolve()):  # the fit does not depend on the order given
+        prof = load_profile(d)
+        measured = {k: lat for k, lat in prof.table.items() if k[0] == gpu}
+        if not measured or not prof.manifest.provenance.get(gpu, "").startswith("measured"):
+            raise UserError(f"profile {d} has no measured rows for {gpu}", fix=f"profile it with --measure {gpu} on that GPU", file=str(d))
+        works = block_work_from_onnx(ensure_block_models(prof))
+        rows += [(works[blk], v, b, lat) for (_g, v, b, blk), lat in sorted(measured.items())]
+        models.append(prof.name)
+        provenances.append(prof.manifest.provenance[gpu])
+    doc = json.loads(Path(params_file).read_text())
+    shared_h = next(iter(doc["gpus"].values()))["half_sat_flops_per_sm"]
+    doc["gpus"][gpu] = _fit({gpu: rows}, shared_h=shared_h)[gpu] | {
+        "measured_on": {
+            "models": models,
+            "points": len(rows),
+            "provenance": provenances[0],
+            "summary": f"{len(rows)} block timings of {', '.join(models)} measured on {gpu} by {_measured_by(provenances[0])}",
+        }
+    }
+    if out is not None:
+        _write_params(doc, out)
+    return doc
+
+
+def _measured_by(provenance: str) -> str:
+    """What took a measurement, from its provenance (``measured: PyTorch 2.11 (tf32, ...) on NVIDIA ...``)."""
+    return provenance.removeprefix("measured: ").split(" on ")[0]
+
+
+def _write_params(doc: dict, out: str | Path) -> None:
+    Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+    _load_params.cache_clear()
+
+
+def _fit(samples: dict[str, list[tuple[BlockWork, int, int, float]]], shared_h: float | None = None) -> dict[str, dict]:
+    """Least squares in log latency over all GPU types' samples at once.
+
+    The occupancy constant h (FLOP per SM for half occupancy) is shared by all GPU types,
+    because large calibration blocks barely constrain it and a per-GPU value then drifts to
+    whatever the bounds allow, which ruins small blocks; ``shared_h`` fixes it instead of
+    fitting it. Each GPU type has its own eff, eff_mem, launch_us and gamma (gamma fixed at
+    1 without MPS data).
+    """
+    from scipy.optimize import least_squares
+
     per_gpu = [k for k in PARAM_NAMES if k != "half_sat_flops_per_sm"]
     gpus = sorted(samples)
     has_levels = {g: len({v for _w, v, _b, _l in samples[g]}) > 1 for g in gpus}
     y = np.concatenate([np.log([lat for *_r, lat in samples[g]]) for g in gpus])
     specs = {g: gpu_spec(g) for g in gpus}
     flat = {g: _Samples.build(samples[g]) for g in gpus}
+    names = [k for _g in gpus for k in per_gpu] + ([] if shared_h else ["half_sat_flops_per_sm"])
 
     def unpack(theta: np.ndarray) -> dict[str, dict[str, float]]:
         vals = np.exp(theta)
         out_p = {}
         for i, g in enumerate(gpus):
             p = dict(zip(per_gpu, vals[i * len(per_gpu) : (i + 1) * len(per_gpu)]))
-            p["half_sat_flops_per_sm"] = vals[-1]
+            p["half_sat_flops_per_sm"] = shared_h or vals[-1]
             if not has_levels[g]:
                 p["gamma"] = 1.0  # no MPS data: a 1/v share assumed to scale linearly
             out_p[g] = p
@@ -266,20 +336,17 @@ def fit_roofline(
         ps = unpack(theta)
         return np.log(np.concatenate([flat[g].latency_us(specs[g], ps[g]) for g in gpus])) - y
 
-    x0 = np.log([_X0[k] for _g in gpus for k in per_gpu] + [_X0["half_sat_flops_per_sm"]])
-    lo = np.log([_BOUNDS[k][0] for _g in gpus for k in per_gpu] + [_BOUNDS["half_sat_flops_per_sm"][0]])
-    hi = np.log([_BOUNDS[k][1] for _g in gpus for k in per_gpu] + [_BOUNDS["half_sat_flops_per_sm"][1]])
-    res = least_squares(resid, x0, bounds=(lo, hi))
+    res = least_squares(
+        resid,
+        np.log([_X0[k] for k in names]),
+        bounds=(np.log([_BOUNDS[k][0] for k in names]), np.log([_BOUNDS[k][1] for k in names])),
+    )
     fitted = unpack(res.x)
+    out: dict[str, dict] = {}
     start = 0
     for g in gpus:
         n = len(samples[g])
         r = res.fun[start : start + n]
         start += n
-        doc["gpus"][g] = {k: float(v) for k, v in fitted[g].items()}
-        doc["gpus"][g]["rms_log_error"] = float(np.sqrt(np.mean(r**2)))
-        doc["gpus"][g]["n_samples"] = n
-    if out is not None:
-        Path(out).write_text(json.dumps(doc, indent=2) + "\n")
-        _load_params.cache_clear()
-    return doc
+        out[g] = {k: float(v) for k, v in fitted[g].items()} | {"rms_log_error": float(np.sqrt(np.mean(r**2))), "n_samples": n}
+    return out
