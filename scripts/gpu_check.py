@@ -6,9 +6,12 @@ Steps (each prints its result and adds it to the JSON summary):
    with the torch backend (their shipped cuts, batches 1-8, levels 1-4 as the spec sheet
    offers them; MPS levels where a daemon runs, else time-sliced, as the provenance says),
    each block latency next to the roofline's estimate for this GPU type: median and p90 of
-   the relative error, and a batch-1 / batch-8 table per model.
-2. ``chain``: each model's blocks chained on the GPU in fp16 against the whole model in fp32
-   on the CPU (onnxruntime): top-1 agreement and the largest error.
+   the relative error, and a batch-1 / batch-8 table per model. Then the roofline's
+   constants fitted for this GPU type on these measurements (``roofline_<gpu>.json`` in
+   ``--out``; :func:`~ppipe.profiler.estimate.roofline.fit_measured`), with the error after.
+2. ``chain``: each model's blocks chained on the GPU against the whole model in fp32 on the
+   CPU (onnxruntime): in fp32 eagerly, and in fp16 as ``ppipe serve --backend torch`` runs
+   them (two partitions, CUDA graphs): top-1 agreement and the largest error.
 3. ``handoff``: a feature map handed between two processes on one GPU by CUDA IPC
    (:mod:`ppipe.runtime.cuda_ipc`): bytes equal, latency per handoff.
 
@@ -121,6 +124,43 @@ def _compare(prof, est: dict, gpu: str, seconds: float) -> dict:
     }
 
 
+def calibrate(profiles_dir: Path, gpu: str, out_dir: Path) -> dict:
+    """Fit the roofline's constants for ``gpu`` on what step 1 measured (:func:`fit_measured`).
+
+    Writes ``roofline_<gpu>.json`` to ``out_dir`` (not the shipped file) and prints the
+    constants and the error after calibration, in sample, next to the shipped constants' error.
+    """
+    from ppipe.profiler.estimate.roofline import fit_measured
+
+    dirs = [profiles_dir / m for m in MODELS if (profiles_dir / m / "profile.csv").is_file()]
+    path = out_dir / f"roofline_{gpu}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fitted = fit_measured(gpu, dirs, out=path)["gpus"][gpu]
+    before, after = _roofline_errors(dirs, gpu, None), _roofline_errors(dirs, gpu, fitted)
+    constants = {k: round(fitted[k], 4) for k in ("eff", "eff_mem", "launch_us", "gamma")}
+    say(f"calibrated the roofline for {gpu} on {fitted['measured_on']['points']} points: {constants}")
+    say(f"  error, in sample: median {_pct(after[0])}, p90 {_pct(after[1])} (shipped constants: median {_pct(before[0])}, p90 {_pct(before[1])})")
+    say(f"  to ship it: python -m ppipe.profiler.estimate fit-measured {gpu} <the profile folders>, and calibration: {gpu} in gpus.yaml")
+    return {"constants": constants, "file": str(path), "median_rel_error": after[0], "p90_rel_error": after[1],
+            "shipped_median_rel_error": before[0], "shipped_p90_rel_error": before[1]}
+
+
+def _roofline_errors(dirs: list[Path], gpu: str, params) -> tuple[float, float]:
+    """Median and p90 relative error of the roofline (``params``, or the shipped ones) over the measured rows."""
+    from ppipe.profiler.blocks import ensure_block_models
+    from ppipe.profiler.estimate.gpus import gpu_spec
+    from ppipe.profiler.estimate.roofline import block_latency_us, block_work_from_onnx, roofline_params
+    from ppipe.spec.profile import load_profile
+
+    params = params or roofline_params(gpu)
+    err = []
+    for d in dirs:
+        prof = load_profile(d)
+        works = block_work_from_onnx(ensure_block_models(prof))
+        err += [abs(block_latency_us(works[b], gpu_spec(gpu), params, v, n) - lat) / lat for (g, v, n, b), lat in prof.table.items() if g == gpu]
+    return float(np.median(err)), float(np.percentile(err, 90))
+
+
 def _print_model(name: str, prof, est: dict, gpu: str, r: dict) -> None:
     ratio = r["median_estimate_over_measured"]
     say(f"{name}: {r['measured']} points measured in {r['seconds']} s; roofline vs measured over {r['points']} points: median error "
@@ -141,36 +181,60 @@ def _us(x) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
-# ---- 2. blocks chained on the GPU in fp16 vs the whole model on the CPU -----------------------------------------
-def chain_models(batch: int, models=MODELS, device: str = "cuda", precision: str = "fp16") -> dict:
+# ---- 2. blocks chained on the GPU vs the whole model on the CPU -----------------------------------------------------
+def chain_models(batch: int, models=MODELS, device: str = "cuda") -> dict:
+    """Each model's blocks on the GPU against the whole model in fp32 on the CPU (onnxruntime).
+
+    Two ways: ``fp32`` runs the blocks eagerly one after another (the chain itself, no
+    precision loss); ``served`` is how ``ppipe serve --backend torch`` runs them: two
+    partitions (:class:`~ppipe.runtime.torch_backend.TorchBackend`; fp16 and CUDA graphs on
+    the GPU, fp32 on the CPU) with the feature maps handed over on the host, run twice so
+    that the second run replays the captured graphs.
+    """
     import onnxruntime as ort
 
     from ppipe.profiler.blocks import ensure_block_models, ensure_reference_model
     from ppipe.profiler.torch_backend import load_block
+    from ppipe.runtime.torch_backend import TorchBackend
     from ppipe.spec.profile import load_profile
 
     result = {}
     for name in models:
         prof = load_profile(REPO / "models" / name)
-        ref_path = str(ensure_reference_model(prof))
-        sess = ort.InferenceSession(ref_path, providers=["CPUExecutionProvider"])
-        inp = sess.get_inputs()[0].name
+        sess = ort.InferenceSession(str(ensure_reference_model(prof)), providers=["CPUExecutionProvider"])
+        inp, out = sess.get_inputs()[0].name, sess.get_outputs()[0].name
         x = np.random.default_rng(0).standard_normal((batch, *prof.manifest.input.shape)).astype(np.float32)
         want = sess.run(None, {inp: x})[0].reshape(batch, -1)
         env: dict = {inp: x}
         for path in ensure_block_models(prof):
-            env.update(load_block(path, device, precision)(env))
-        got = env[sess.get_outputs()[0].name].float().cpu().numpy().reshape(batch, -1)
-        r = {
-            "batch": batch,
-            "top1_agreement": float((got.argmax(1) == want.argmax(1)).mean()),
-            "max_abs_error": float(np.abs(got - want).max()),
-            "max_error_over_max_output": float(np.abs(got - want).max() / max(1e-30, np.abs(want).max())),
-        }
-        result[name] = r
-        say(f"{name}: {precision} blocks on {device} vs fp32 whole model on the CPU (onnxruntime), batch {batch}: top-1 agreement "
-            f"{100 * r['top1_agreement']:.0f}%, max |error| {r['max_abs_error']:.3g} ({100 * r['max_error_over_max_output']:.2g}% of max |output|)")
+            env.update(load_block(path, device, "fp32")(env))
+        runs = {"fp32": env[out].float().cpu().numpy()}
+        served = "fp16" if device == "cuda" else "fp32"  # fp16 runs on CUDA only
+        cut, gpu = prof.num_blocks // 2, "gpu" if device == "cuda" else "cpu"
+        up = TorchBackend(prof, gpu, 1, 0, cut - 1, precision=served)
+        down = TorchBackend(prof, gpu, 1, cut, prof.num_blocks - 1, precision=served)
+        first = down.run_sync(up.run_sync({inp: x}))[out]
+        runs["served"] = down.run_sync(up.run_sync({inp: x}))[out]
+        result[name] = {"batch": batch, "cuda_graphs": up.graphs is not None, "served_precision": served,
+                        "replay_equals_first_run": bool(np.array_equal(first, runs["served"]))}
+        for how in ("fp32", "served"):
+            result[name][how] = r = _agreement(runs[how].reshape(batch, -1), want)
+            what = "fp32 blocks one after another" if how == "fp32" else f"{served} served as two partitions"
+            say(f"{name}: {what} on {device} vs fp32 whole model on the CPU (onnxruntime), batch {batch}: top-1 agreement "
+                f"{100 * r['top1_agreement']:.0f}%, max |error| {r['max_abs_error']:.3g} ({100 * r['max_error_over_max_output']:.2g}% "
+                f"of max |output|), output std {r['output_std']:.3g}")
+        say(f"  served with CUDA graphs {'on' if result[name]['cuda_graphs'] else 'off'}; the second run equals the first: "
+            f"{result[name]['replay_equals_first_run']}")
     return result
+
+
+def _agreement(got: np.ndarray, want: np.ndarray) -> dict:
+    return {
+        "top1_agreement": float((got.argmax(1) == want.argmax(1)).mean()),
+        "max_abs_error": float(np.abs(got - want).max()),
+        "max_error_over_max_output": float(np.abs(got - want).max() / max(1e-30, np.abs(want).max())),
+        "output_std": float(want.std()),
+    }
 
 
 # ---- 3. two workers on one GPU: CUDA IPC ------------------------------------------------------------------------------
@@ -249,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default="profile,chain,handoff")
     ap.add_argument("--gpu-type", help="the spec sheet's name of this GPU (default: from the device name)")
     ap.add_argument("--profile-budget-s", type=float, default=200.0, help="start no further model after this long in step 1")
+    ap.add_argument("--merge", action="store_true", help="add this run's steps to the summary already in --out")
     args = ap.parse_args(argv)
     levels = [int(v) for v in args.levels.split(",")]
     env = environment()
@@ -256,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"environment: python {sys.version.split()[0]}, torch {env.get('torch', 'missing')}, device {env['device'] or 'none'} "
         f"(spec-sheet type {gpu or 'unknown'}), packages {env['packages']}")
     summary: dict = {"environment": env}
+    if args.merge and (args.out / "gpu_check.json").is_file():
+        summary = json.loads((args.out / "gpu_check.json").read_text()) | summary
     if args.dry_run or not env["cuda"]:
         summary["plan"] = dry_run(env, gpu, levels, dry=args.dry_run)
         return _finish(summary, args.out, ok=args.dry_run)
@@ -266,8 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         say(f"== 1. profile on {gpu} with the torch backend, next to the roofline")
         summary["profile"] = _step(profile_models, args.work / "profiles", gpu, args.reps, levels, on_sheet, args.profile_budget_s)
         _write(summary, args.out)
+        if on_sheet and "error" not in summary["profile"]:
+            say(f"== 1b. the roofline calibrated for {gpu} on these measurements")
+            summary["calibration"] = _step(calibrate, args.work / "profiles", gpu, args.out)
+            _write(summary, args.out)
     if "chain" in steps:
-        say("== 2. blocks chained on the GPU in fp16 vs the whole model on the CPU")
+        say("== 2. blocks chained on the GPU (fp32 eager; fp16 served as two partitions) vs the whole model on the CPU")
         summary["chain"] = _step(chain_models, 8)
         _write(summary, args.out)
     if "handoff" in steps:

@@ -21,14 +21,14 @@ def test_the_dry_run_completes_and_says_what_it_would_do_and_skip(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("OUT", None)
     res = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path / "out")],
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--mps", "--out", str(tmp_path / "out")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "would run:" in out and "-m gpu" in out
     assert "would profile resnet50, inception_v2, densenet121" in out and "would chain" in out and "would hand" in out
-    assert "skipped here (dry run" in out
+    assert "skipped here (dry run" in out and "would start an MPS control daemon for step 1" in out
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert summary["plan"]["dry_run"] is True and summary["plan"]["points_per_model"] > 0
 
