@@ -377,5 +377,5 @@ def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: i
     if name == "torch":
         from ppipe.runtime.torch_backend import TorchBackend
 
-        return TorchBackend(profile, gpu, vgpu, first, last, precision=options.get("precision"))
+        return TorchBackend(profile, gpu, vgpu, first, last, precision=options.get("precision"), warm_batch=options.get("opt_batch", 0))
     raise UserError(f"unknown backend '{name}'", fix=f"use one of {', '.join(BACKENDS)}")

@@ -7,9 +7,10 @@ GPU is the only one it sees (``CUDA_VISIBLE_DEVICES``, set by the worker before 
 loads) and the precision is the profile's for that GPU type (``fp16`` when its provenance
 says so, else ``tf32``); on the CPU, fp32 with ``cores // v`` threads.
 
-On a GPU the partition runs as one CUDA graph per input shape, captured at the first batch
-of that shape (:mod:`ppipe.profiler.cuda_graph`; eager with ``PPIPE_CUDA_GRAPHS=0``): the
-profile timed graph replays, so the served latencies are the profiled ones. Host inputs
+On a GPU the partition runs as one CUDA graph per input shape (:mod:`ppipe.profiler.cuda_graph`;
+eager with ``PPIPE_CUDA_GRAPHS=0``): the profile timed graph replays, so the served
+latencies are the profiled ones. The worker has the graphs of batches 1..its planned batch
+captured when it starts (:meth:`TorchBackend.warm`), so no request waits for a capture. Host inputs
 are copied to the device, the blocks run and the outputs come back, all on the
 backend's own CUDA stream (``torch.cuda.stream``), which is synchronized before ``run``
 returns: the feature maps handed on are complete whatever stream reads them next. On an
@@ -49,11 +50,16 @@ class TorchBackend:
     Args:
         profile, gpu, vgpu, first, last: the partition (as for the other backends).
         precision: ``fp16``, ``tf32`` or ``fp32`` (default: see the module docstring).
+        warm_batch: on a GPU, capture the graphs of batches 1..warm_batch now (the worker
+            passes the pipeline's planned batch, the largest the scheduler dispatches), so
+            that no request waits for a capture (:meth:`warm`).
     """
 
     name = "torch"
 
-    def __init__(self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, precision: str | None = None):
+    def __init__(
+        self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, precision: str | None = None, warm_batch: int = 0
+    ):
         from ppipe.profiler.cuda_graph import graphs_enabled
         from ppipe.profiler.onnx_torch import import_torch
         from ppipe.profiler.torch_backend import load_block
@@ -76,6 +82,21 @@ class TorchBackend:
         self.stream = torch.cuda.Stream() if cuda else None
         # one CUDA graph per input shape on a GPU (ppipe.profiler.cuda_graph), as the profile was timed
         self.graphs: dict[tuple, Any] | None = {} if graphs_enabled(self.device) else None
+        self.inputs = partition_inputs(self.modules, profile, first)
+        if self.graphs is not None and warm_batch > 0:
+            self.warm(warm_batch)
+
+    def warm(self, max_batch: int) -> None:
+        """Run batches 1..``max_batch`` of zeros shaped as :attr:`inputs` (on a GPU: capture their graphs).
+
+        A batch whose inputs differ from :attr:`inputs` (a tensor passed through this
+        partition unread, whose shape no block here declares) is captured at its first
+        arrival instead.
+        """
+        if self.inputs is None:
+            return
+        for b in range(1, max_batch + 1):
+            self.run_sync({name: np.zeros((b, *shape), dtype) for name, (shape, dtype) in self.inputs.items()})
 
     def _on_stream(self) -> Any:
         return self.torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -109,7 +130,7 @@ class TorchBackend:
         return {k: env[k] for k in (self.keep or last_outs)}
 
     def _replay(self, inputs: Tensors) -> Tensors:
-        """The partition as one CUDA graph per input shape (captured at its first batch)."""
+        """The partition as one CUDA graph per input shape (captured at its first batch, unless warmed)."""
         from ppipe.profiler.cuda_graph import GraphedRun, shape_key
 
         torch = self.torch
@@ -138,4 +159,30 @@ class TorchBackend:
         return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs, device_out)
 
 
-__all__ = ["TorchBackend", "serving_device"]
+def partition_inputs(modules: list[Any], profile: ModelProfile, first: int) -> dict[str, tuple[tuple[int, ...], Any]] | None:
+    """The tensors a partition reads from outside, as they arrive: {name: (per-sample shape, dtype)}.
+
+    Every block input that no earlier block of the partition produces. Floating tensors
+    arrive in fp16 from an upstream worker (feature maps cross partitions in fp16) and in
+    the model's input dtype at the first block. None where a block declares a symbolic
+    dimension.
+    """
+    model_input = profile.manifest.input
+    produced: set[str] = set()
+    inputs: dict[str, tuple[tuple[int, ...], Any]] = {}
+    for m in modules:
+        for name, shape, dtype in m.input_specs:
+            if name in produced or name in inputs:
+                continue
+            if shape is None:
+                return None
+            if first == 0 and name == model_input.name:
+                dtype = np.dtype(model_input.dtype)
+            elif np.dtype(dtype).kind == "f":
+                dtype = np.dtype(np.float16)
+            inputs[name] = (tuple(shape), np.dtype(dtype))
+        produced.update(m.output_names)
+    return inputs
+
+
+__all__ = ["TorchBackend", "partition_inputs", "serving_device"]

@@ -30,6 +30,22 @@ def test_torch_partitions_answer_like_ort_partitions(tinynet):
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 
+def test_a_partition_knows_the_inputs_it_is_sent_and_runs_on_zeros_of_them(tinynet):
+    from ppipe.runtime.backends import keep_after, make_backend
+    from ppipe.runtime.torch_backend import TorchBackend
+
+    first = TorchBackend(tinynet, "cpu", 1, 0, 0)
+    assert first.inputs == {"input": ((3, 8, 8), np.dtype(np.float32))}
+    for cut in range(tinynet.num_blocks - 1):
+        down = TorchBackend(tinynet, "cpu", 1, cut + 1, tinynet.num_blocks - 1)
+        sent = make_backend("torch", tinynet, "cpu", 1, 0, cut).run_sync({"input": _x(2)})
+        assert set(down.inputs) == set(keep_after(tinynet, cut)) == set(sent)
+        for name, (shape, dtype) in down.inputs.items():
+            assert shape == sent[name].shape[1:] and dtype == np.float16  # feature maps cross in fp16
+        zeros = {n: np.zeros((2, *shape), dtype) for n, (shape, dtype) in down.inputs.items()}
+        assert down.run_sync(zeros)["logits"].shape == (2, *tinynet.manifest.outputs[0].shape)
+
+
 def test_a_gpu_pool_without_cuda_is_refused_naming_the_fix(tinynet, monkeypatch):
     from ppipe.errors import NotAvailableError
     from ppipe.runtime.torch_backend import TorchBackend
@@ -93,3 +109,16 @@ def test_on_a_gpu_graph_replays_answer_like_eager_runs_at_every_batch_size_in_an
     for k in a:  # a device output keeps its values after the next replay
         np.testing.assert_array_equal(cp.asnumpy(a[k]), host_a[k])
         assert not np.array_equal(cp.asnumpy(b[k]), host_a[k])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
+def test_on_a_gpu_a_warmed_partition_has_every_batch_captured_before_the_first_request(tinynet):
+    from ppipe.runtime.backends import make_backend
+
+    down = make_backend("torch", tinynet, "L4", 1, 1, 2, opt_batch=4, precision="fp16")
+    assert len(down.graphs) == 4
+    up = make_backend("torch", tinynet, "L4", 1, 0, 0, opt_batch=4, precision="fp16")
+    for n in (3, 1, 4):
+        down.run_sync({k: v.astype(np.float16) for k, v in up.run_sync({"input": _x(n)}).items()})
+    assert len(down.graphs) == 4 and len(up.graphs) == 4  # the requests found their graphs captured
