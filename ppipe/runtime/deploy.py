@@ -9,7 +9,9 @@ node is that node. Start the nodes with e.g.
 
 On GPUs, each worker is pinned to the plan's GPU (``CUDA_VISIBLE_DEVICES``) and a worker
 of vGPU level v > 1 runs under MPS with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/v``; the
-MPS control daemon must run on every GPU server (``nvidia-cuda-mps-control -d``). Ray's
+MPS control daemon must run on every GPU server (``nvidia-cuda-mps-control -d``); a worker
+refuses to start without it where its profile was measured under MPS
+(:func:`~ppipe.runtime.worker.check_gpu_sharing`). Ray's
 own GPU accounting is bypassed (``num_gpus=0``) because the plan, not Ray, decides which
 vGPU shares which GPU.
 

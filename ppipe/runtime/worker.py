@@ -21,10 +21,11 @@ import asyncio
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from ppipe.errors import UserError
 from ppipe.runtime.clock import wall_us
 
 
@@ -72,6 +73,30 @@ def pin_cuda_env(env: dict[str, str]) -> None:
     os.environ.update(changed)
 
 
+def check_gpu_sharing(spec: WorkerSpec, gpu_resident: bool, provenance: str, mps_running: Callable[[], bool]) -> None:
+    """Refuse a GPU worker of level v > 1 that would share its GPU otherwise than its profile says.
+
+    A level-v latency in a profile is a 1/v MPS share of the GPU (the PPipe artifact's,
+    ``ppipe profile`` under an MPS daemon, and the roofline, whose constants are fitted on
+    such timings), unless its provenance says the v processes were time-sliced. Without an
+    MPS control daemon the GPU runs the v workers' contexts in turns, which is much slower
+    per worker than an MPS share (measured: ``docs/measurements/h100-2026-11-27``), and
+    every stage would overrun the plan. Workers off the GPU, at level 1, or profiled
+    time-sliced are not checked.
+
+    Raises:
+        UserError: the profile expects MPS shares and ``mps_running()`` is false.
+    """
+    if not gpu_resident or spec.vgpu == 1 or "time-sliced" in provenance or mps_running():
+        return
+    raise UserError(
+        f"vGPU {spec.vgpu_id} is a 1/{spec.vgpu} MPS share of a {spec.gpu} in the plan, as its profile was measured, "
+        "and no MPS control daemon runs on its server: its workers would take turns on the whole GPU instead",
+        fix="start the daemon on every GPU server (`nvidia-cuda-mps-control -d`, as the user that runs Ray) before "
+        "`ppipe serve`, or plan with a profile measured time-sliced",
+    )
+
+
 class VgpuWorker:
     """The body of a vGPU actor (wrapped with ``ray.remote`` by :mod:`ppipe.runtime.deploy`).
 
@@ -93,6 +118,9 @@ class VgpuWorker:
         profile = load_profile_ref(spec.profile)
         opts = {"opt_batch": spec.batch, **{k: v for k, v in (backend_options or {}).items() if k != "emulate_network"}}
         self.backend = make_backend(backend, profile, spec.gpu, spec.vgpu, spec.first_block, spec.last_block, **opts)
+        from ppipe.profiler.trt_backend import mps_available
+
+        check_gpu_sharing(spec, bool(getattr(self.backend, "gpu_resident", False)), profile.manifest.provenance.get(spec.gpu, ""), mps_available)
         # the emulated backend rehearses a cluster: feature maps take the planned NIC time
         self.emulate_network = backend == "emulated" and bool((backend_options or {}).get("emulate_network", True))
         self._lock: asyncio.Lock | None = None
