@@ -13,7 +13,8 @@ Steps (each prints its result and adds it to the JSON summary):
    CPU (onnxruntime): in fp32 eagerly, and in fp16 as ``ppipe serve --backend torch`` runs
    them (two partitions, CUDA graphs): top-1 agreement and the largest error.
 3. ``handoff``: a feature map handed between two processes on one GPU by CUDA IPC
-   (:mod:`ppipe.runtime.cuda_ipc`): bytes equal, latency per handoff.
+   (:mod:`ppipe.runtime.cuda_ipc`): bytes equal, latency per handoff; then the same maps
+   through the staging ring that same-GPU edges are to use (:mod:`ppipe.runtime.ring_link`).
 
 ``--dry-run`` does none of the GPU work: it checks what can be checked on any machine (the
 packages, the models, the GPU type's spec sheet) and prints what each step would do and
@@ -279,6 +280,76 @@ def handoff(n: int, shape: tuple[int, ...], device: str = "cuda") -> dict:
     return r
 
 
+def _ring_receiver(address, n: int, acks, digests) -> None:
+    import asyncio
+
+    from ppipe.runtime.ring_link import ring_link
+    from ppipe.runtime.transport import EdgeChannel
+
+    link = ring_link(address, 1)
+    channel = EdgeChannel(link, "up", "recv")
+    xp = link.xp
+
+    async def go():
+        for seq in range(n):
+            tensors, _ = await channel.recv(seq, seq)
+            acks.put(seq)  # the map is complete in this process's memory
+            host = xp.asnumpy(tensors["fmap"]) if hasattr(xp, "asnumpy") else tensors["fmap"]
+            digests.put(hashlib.sha256(host.tobytes()).hexdigest())
+
+    asyncio.run(go())
+    link.close()
+
+
+def ring_handoff(n: int, shape: tuple[int, ...], device: str = "cuda") -> dict:
+    """fp16 feature maps between two processes through the staging ring of :mod:`ppipe.runtime.ring_link`.
+
+    The sender posts each map on an :class:`~ppipe.runtime.transport.EdgeChannel` over a
+    ``RingLink`` (``cuda``: device memory and CUDA IPC events; ``cpu``: the host ring) and
+    waits for the receiver's acknowledgement (the map complete in its memory): latency from
+    send to that acknowledgement. The receiver's digests of what it got are compared after.
+    """
+    import asyncio
+    import multiprocessing as mp
+
+    from ppipe.runtime.ring_link import ring_address, ring_link
+    from ppipe.runtime.transport import EdgeChannel
+
+    kind = "cuda" if device == "cuda" else "host"
+    address = ring_address(kind)
+    ctx = mp.get_context("spawn")
+    acks, digests = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_ring_receiver, args=(address, n + 1, acks, digests))
+    proc.start()
+    link = ring_link(address, 0)
+    channel = EdgeChannel(link, "down", "send")
+    xp = link.xp
+    lat_us, wants = [], []
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        for seq in range(n + 1):  # message 0 warms up both ends
+            x = xp.asarray(np.random.default_rng(seq).standard_normal(shape).astype(np.float16))
+            wants.append(hashlib.sha256((xp.asnumpy(x) if hasattr(xp, "asnumpy") else x).tobytes()).hexdigest())
+            t0 = time.perf_counter()
+            await channel.send(seq, seq, {"fmap": x}, 0.0)
+            await loop.run_in_executor(None, lambda: acks.get(timeout=60))
+            if seq:
+                lat_us.append((time.perf_counter() - t0) * 1e6)
+
+    asyncio.run(go())
+    equal = [digests.get(timeout=60) == want for want in wants]
+    proc.join(timeout=60)
+    link.close()
+    nbytes = int(np.prod(shape)) * 2
+    r = {"device": device, "ring": kind, "messages": n, "bytes": nbytes, "all_equal": all(equal),
+         "median_us": float(np.median(lat_us)), "p90_us": float(np.percentile(lat_us, 90))}
+    say(f"ring: {n} fp16 feature maps of {nbytes / 1e6:.1f} MB between two processes through the {kind} staging ring "
+        f"(ppipe.runtime.ring_link): bytes equal {r['all_equal']}, latency (send to the receiver's ack) "
+        f"median {r['median_us']:.0f} us, p90 {r['p90_us']:.0f} us")
+    return r
+
+
 # ---- dry run ----------------------------------------------------------------------------------------------------------
 def dry_run(env: dict, gpu: str | None, levels: list[int], dry: bool = True) -> dict:
     """What each step would do, what is missing here, and what is skipped; no GPU work."""
@@ -297,6 +368,7 @@ def dry_run(env: dict, gpu: str | None, levels: list[int], dry: bool = True) -> 
         f"next to the roofline for {gpu} ({gpu_spec(gpu).source}){assumed}")
     say("would chain each model's blocks on the GPU in fp16 against the whole model on the CPU (onnxruntime fp32)")
     say("would hand fp16 feature maps between two processes on one GPU by CUDA IPC (bytes equal, latency)")
+    say("would send them through the CUDA staging ring of ppipe.runtime.ring_link too (bytes equal, latency)")
     why = "; ".join(w for w, on in (("dry run", dry), ("no CUDA device", not env["cuda"])) if on)
     say(f"skipped here ({why}): every step above" + (f"; missing packages: {', '.join(missing)}" if missing else ""))
     return {"dry_run": True, "gpu_type": gpu, "levels": lv, "points_per_model": points, "missing": missing, "skipped_because": why}
@@ -344,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if "handoff" in steps:
         say("== 3. two workers on one GPU: CUDA IPC handoff")
         summary["handoff"] = _step(handoff, 20, (8, 256, 56, 56))
+        summary["ring"] = _step(ring_handoff, 20, (8, 256, 56, 56))
     return _finish(summary, args.out, ok=not any("error" in v for v in summary.values() if isinstance(v, dict)))
 
 

@@ -19,8 +19,9 @@ between processes, whose pickler turns tensors into handles):
 
 Status: the protocol is tested on the CPU (tensors in host memory, one process, plain
 queues) and, with ``-m gpu``, between two processes on one GPU; ``scripts/gpu_check.sh``
-measures it. It is not yet wired into ``ppipe serve``'s worker, which sends such edges over
-the data path's TCP connections (:func:`ppipe.runtime.transport.choose_edge`).
+measures it. ``ppipe serve`` does not use it: each message opens a new IPC handle, which
+costs milliseconds; a worker's same-GPU edge is to be a
+:class:`~ppipe.runtime.ring_link.RingLink`, whose handles are opened once per edge.
 """
 
 from __future__ import annotations
