@@ -94,11 +94,12 @@ class _NullClock:
 )
 @click.option(
     "--transport",
-    type=click.Choice(["auto", "tcp", "nccl"]),
+    type=click.Choice(["auto", "tcp", "nccl", "ring"]),
     default="auto",
     show_default=True,
     help="How feature maps go between workers: NCCL between GPU workers when both can (auto), always the data path's TCP connections, "
-    "or NCCL required (an error if some worker cannot).",
+    "NCCL required (an error if some worker cannot), or auto plus a staging ring between two workers of one server that NCCL cannot "
+    "connect (two shares of one GPU, or two host workers; experimental: the GPU ring has not yet run on a GPU).",
 )
 @click.option("--policy", default="reservation", show_default=True, help="Data-plane policy (reservation | reactive).")
 @click.option("--max-queue", type=int, default=None, help="Admission control: bound on queued requests per model (data-plane option max_queue).")
@@ -267,6 +268,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
         + f"({len(workers)} vGPU workers, backend {backend}, policy {policy}, "
         f"{sum(t == 'nccl' for t, _ in edges.values())} of {len(edges)} worker pairs over NCCL"
+        + (f", {sum(t.startswith('ring') for t, _ in edges.values())} through a staging ring" if transport == "ring" else "")
         + (f"; {len(parts)} shards: " + ", ".join("+".join(ms) for ms in parts) if len(parts) > 1 else "") + ")"
     )
     uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])

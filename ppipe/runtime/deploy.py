@@ -409,21 +409,34 @@ class LinkOpener:
         caps_raw = ray.get([workers[v].transport_caps.remote() for v in involved], timeout=self.timeout_s) if involved else []
         return select_transports(self.requested, specs, {v: Capability(**c) for v, c in zip(involved, caps_raw)})
 
-    def open(self, workers: dict[str, Any], edges: list[tuple[str, str]], gen: int = 0) -> None:
-        """Open the communicators of ``edges`` (generation ``gen``).
+    def open(self, workers: dict[str, Any], edges: list[tuple[str, str]], gen: int = 0,
+             kinds: dict[tuple[str, str], str] | None = None) -> None:
+        """Open the links of ``edges`` (generation ``gen``): an NCCL communicator, or a staging
+        ring where ``kinds`` names ``ring-cuda``/``ring-host`` (its address made by the sender).
 
         Raises:
-            UserError: a pair could not open its communicator (named with NCCL's message).
+            UserError: a pair could not open its link (named with the underlying message).
         """
         import ray
 
-        uids = None if self.unique_id is None else [self.unique_id() for _ in edges]
+        from ppipe.runtime.ring_link import ring_link
+        from ppipe.runtime.transport import NCCL, RING_CUDA
+
+        kinds = kinds or {}
+        nccl = [e for e in edges if kinds.get(e, NCCL) == NCCL]
+        rings = [e for e in edges if kinds.get(e, NCCL) != NCCL]
         try:
-            connect_edges(workers, edges, self.link_factory, uids, timeout_s=self.timeout_s, gen=gen)
+            uids = None if self.unique_id is None else [self.unique_id() for _ in nccl]
+            connect_edges(workers, nccl, self.link_factory, uids, timeout_s=self.timeout_s, gen=gen)
+            if rings:
+                addresses = ray.get([workers[a].ring_address.remote("cuda" if kinds[(a, b)] == RING_CUDA else "host")
+                                     for a, b in rings], timeout=self.timeout_s)
+                connect_edges(workers, rings, ring_link, addresses, timeout_s=self.timeout_s, gen=gen)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            what = "NCCL communicators" if not rings else "links"
             raise UserError(
-                f"opening the NCCL communicators of {len(edges)} worker pair(s) failed: {first}",
+                f"opening the {what} of {len(edges)} worker pair(s) failed: {first}",
                 fix="check that NCCL can reach between the GPU servers (run with NCCL_DEBUG=INFO), "
                 "or serve with --transport tcp",
             ) from None
@@ -432,8 +445,8 @@ class LinkOpener:
 def setup_transport(
     dep: Deployment, workers: dict[str, Any], requested: str = "auto", timeout_s: float = 300.0
 ) -> dict[tuple[str, str], tuple[str, str]]:
-    """Choose each edge's transport from what the workers report, and open the NCCL edges
-    (:class:`LinkOpener` at start-up).
+    """Choose each edge's transport from what the workers report, and open the NCCL and ring
+    edges (:class:`LinkOpener` at start-up).
 
     Returns ``{(sender, receiver): (transport, reason)}`` for :class:`~ppipe.runtime.driver.Runtime`.
 
@@ -441,9 +454,10 @@ def setup_transport(
         UserError: ``requested == "nccl"`` and some worker of a multi-stage pipeline cannot
             use it, or a communicator could not open.
     """
-    from ppipe.runtime.transport import NCCL
+    from ppipe.runtime.transport import LINKED
 
     links = LinkOpener(requested, timeout_s)
     choice = links.choose(dep.plan, dep.cluster, dep.profiles, workers)
-    links.open(workers, [e for e, (t, _) in choice.items() if t == NCCL])
+    linked = {e: t for e, (t, _) in choice.items() if t in LINKED}
+    links.open(workers, sorted(linked), kinds=linked)
     return choice

@@ -44,7 +44,7 @@ from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, node_host
 from ppipe.runtime.wire import pack, unpack
 from ppipe.runtime.metrics import RuntimeMetrics
 from ppipe.runtime.refs import consume, kill_quietly
-from ppipe.runtime.transport import relink
+from ppipe.runtime.transport import LINKED, relink
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
@@ -230,7 +230,7 @@ class Runtime:
         # preparation), and the number of the next message on each (see ppipe.runtime.transport)
         self.links = links
         self.nccl_links: dict[tuple[str, str], int] = {
-            e: 0 for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) == "nccl"}
+            e: 0 for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) in LINKED}
         self._edge_seq: dict[tuple[str, str, int], int] = {}
         self._link_gen = 0  # the last generation a switch opened
         self._old_links: list[tuple[tuple[str, str], int]] = []  # earlier plans' edges, open until their drain ends
@@ -381,7 +381,8 @@ class Runtime:
         prepared.gen = self._link_gen
         prepared.links = relink(choice, prepared.kept, self.nccl_links, prepared.gen)
         prepared.opened = sorted(e for e, g in prepared.links.items() if g == prepared.gen)
-        await asyncio.to_thread(self.links.open, workers, prepared.opened, prepared.gen)
+        kinds = {e: choice[e][0] for e in prepared.opened}
+        await asyncio.to_thread(self.links.open, workers, prepared.opened, prepared.gen, kinds)
 
     def abort_switch(self, prepared: "PreparedSwitch") -> None:
         """Give up a prepared switch: close the edges it opened at kept workers and stop the

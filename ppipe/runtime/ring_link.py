@@ -26,9 +26,10 @@ no copy can overtake another. ``send`` returns once the sender's copies are queu
 processes on the CPU, which is how the tests check the numbering, chunking, credits and
 abort without a GPU).
 
-Status: not yet chosen by ``ppipe serve`` (:func:`~ppipe.runtime.transport.choose_edge`
-still sends same-GPU edges over TCP): the CUDA ring has to run on a GPU first
-(``scripts/gpu_check.sh`` step 3 measures it).
+Status: ``ppipe serve --transport ring`` uses it (:func:`~ppipe.runtime.transport.choose_edge`:
+``ring-cuda`` for two shares of one GPU, ``ring-host`` for two host workers of one server);
+``auto`` still sends those edges over TCP until the CUDA ring has run on a GPU
+(``scripts/gpu_check.sh`` step 3 measures it; the host ring is tested end to end).
 """
 
 from __future__ import annotations
@@ -124,7 +125,12 @@ class RingLink:
         self.mem.synchronize()
 
     def abort(self) -> None:
-        """Tell the peer and close: its blocked call raises :class:`RingClosed`, so does ours."""
+        """Tell the peer and close: its blocked call raises :class:`RingClosed`, so does ours.
+
+        The ring's memory is not freed here, since the peer may still be copying from it:
+        a host ring loses its name (the memory goes with the last mapping), a device ring
+        stays allocated until :meth:`close` or the sender's process ends.
+        """
         if self.closed is not None:
             return
         self.closed = "aborted"
@@ -133,6 +139,8 @@ class RingLink:
         except OSError:
             pass
         self.conn.close()
+        if self.rank == 0:
+            self.mem.unlink()
 
     def close(self) -> None:
         if self.closed is None:
@@ -199,6 +207,7 @@ class _HostRing:
         self.xp, self.stream, self.address = np, None, address
         self.shm: Any = None
         self.view: Any = None
+        self.unlinked = False
 
     def export(self) -> dict[str, Any]:
         from multiprocessing import shared_memory
@@ -227,12 +236,18 @@ class _HostRing:
     def synchronize(self) -> None:
         pass
 
+    def unlink(self) -> None:
+        """Remove the block's name; the mappings stay valid until closed."""
+        if self.shm is not None and not self.unlinked:
+            self.unlinked = True
+            self.shm.unlink()
+
     def close(self, owner: bool) -> None:
         if self.shm is not None:
             self.view = None
             self.shm.close()
             if owner:
-                self.shm.unlink()
+                self.unlink()
             self.shm = None
 
 
@@ -281,6 +296,9 @@ class _CudaRing:
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def unlink(self) -> None:
+        pass  # an IPC handle has no name to remove; the allocation is freed by close
 
     def close(self, owner: bool) -> None:
         if not self.ptr:

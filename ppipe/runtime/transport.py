@@ -50,7 +50,11 @@ edges (e.g. 3 x 8 = 24 for rtmdet_x); a 100-GPU plan can have hundreds, which is
 ``NCCL_BUFFSIZE`` is worth lowering.
 
 Edges whose two vGPUs share one physical GPU (two MPS shares of one card in consecutive
-pools) use the data path's connections: NCCL refuses two ranks on one device.
+pools) use the data path's connections: NCCL refuses two ranks on one device. With
+``--transport ring`` (experimental) they go through a staging ring instead
+(:mod:`ppipe.runtime.ring_link`: ``ring-cuda``), and so do edges between two CPU-resident
+workers of one server (``ring-host``, shared memory); ring edges are numbered, opened,
+kept and closed exactly as NCCL edges (:data:`LINKED`).
 
 Everything here except :class:`NcclLink` and :func:`nccl_capability` is plain Python and is
 tested on the CPU with a fake link injected explicitly by the tests; CuPy is imported
@@ -70,8 +74,10 @@ import numpy as np
 
 from ppipe.errors import UserError
 
-TRANSPORTS = ("auto", "tcp", "nccl")
+TRANSPORTS = ("auto", "tcp", "nccl", "ring")
 SOCKET, NCCL = "tcp", "nccl"
+RING_CUDA, RING_HOST = "ring-cuda", "ring-host"  # ppipe.runtime.ring_link, kinds "cuda" and "host"
+LINKED = (NCCL, RING_CUDA, RING_HOST)  # the transports whose edges are EdgeChannels over a Link
 HEADER_BYTES = 4096  # one message header; a cut with dozens of named tensors still fits
 
 Edge = tuple[str, str]  # (sender vGPU id, receiver vGPU id)
@@ -86,11 +92,13 @@ class Capability:
         nccl: the worker can send and receive device tensors over NCCL.
         reason: why not (empty when it can).
         device: the CUDA device the worker sees (``CUDA_VISIBLE_DEVICES``-relative), if any.
+        gpu_resident: the backend runs on CUDA (its tensors can stay on the GPU).
     """
 
     nccl: bool
     reason: str = ""
     device: int | None = None
+    gpu_resident: bool = False
 
 
 def nccl_capability(backend_name: str, gpu: str, gpu_resident: bool) -> Capability:
@@ -112,21 +120,23 @@ def nccl_capability(backend_name: str, gpu: str, gpu_resident: bool) -> Capabili
         import cupy
         from cupy.cuda import nccl  # noqa: F401  (absent when CuPy was built without NCCL)
     except ImportError as exc:
-        return Capability(False, f"CuPy with NCCL is not importable ({exc})")
+        return Capability(False, f"CuPy with NCCL is not importable ({exc})", gpu_resident=True)
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDA driver missing or broken
-        return Capability(False, f"no CUDA device ({exc})")
+        return Capability(False, f"no CUDA device ({exc})", gpu_resident=True)
     if n < 1:
-        return Capability(False, "no CUDA device")
-    return Capability(True, "", cupy.cuda.runtime.getDevice())
+        return Capability(False, "no CUDA device", gpu_resident=True)
+    return Capability(True, "", cupy.cuda.runtime.getDevice(), gpu_resident=True)
 
 
 def choose_edge(requested: str, up: Any, down: Any, cap_up: Capability, cap_down: Capability) -> tuple[str, str]:
     """The transport of one edge; returns ``(transport, reason)``.
 
     Args:
-        requested: ``auto``, ``tcp`` or ``nccl`` (``ppipe serve --transport``).
+        requested: ``auto``, ``tcp``, ``nccl`` or ``ring`` (``ppipe serve --transport``;
+            ``ring`` is ``auto`` plus a staging ring for the pairs of one server that NCCL
+            cannot take: two shares of one GPU, or two workers on the host).
         up, down: the sender's and receiver's :class:`~ppipe.runtime.worker.WorkerSpec`.
         cap_up, cap_down: their capabilities.
 
@@ -137,6 +147,11 @@ def choose_edge(requested: str, up: Any, down: Any, cap_up: Capability, cap_down
         raise UserError(f"unknown transport '{requested}'", fix=f"use one of {', '.join(TRANSPORTS)}")
     if requested == SOCKET:
         return SOCKET, "requested"
+    if requested == "ring" and up.server == down.server:
+        if cap_up.nccl and cap_down.nccl and up.gpu_index == down.gpu_index:
+            return RING_CUDA, "both vGPUs share one GPU"
+        if not any(c.nccl or c.gpu_resident for c in (cap_up, cap_down)):
+            return RING_HOST, "both workers run on the host of one server"
     for spec, cap in ((up, cap_up), (down, cap_down)):
         if not cap.nccl:
             if requested == NCCL:
@@ -172,7 +187,7 @@ def select_transports(requested: str, specs: Iterable[Any], caps: dict[str, Capa
 
 
 def relink(choice: dict[Edge, tuple[str, str]], kept: Iterable[str], current: dict[Edge, int], gen: int) -> dict[Edge, int]:
-    """The NCCL edges of a new plan, each with its *generation* (which communicator carries it).
+    """The linked edges of a new plan (NCCL or ring: :data:`LINKED`), each with its *generation* (which communicator carries it).
 
     An edge that the running plan sends over NCCL between two workers the new plan keeps
     keeps its communicator, its generation and its message numbering; every other edge that
@@ -184,7 +199,7 @@ def relink(choice: dict[Edge, tuple[str, str]], kept: Iterable[str], current: di
     """
     keep = set(kept)
     return {e: current[e] if e in current and e[0] in keep and e[1] in keep else gen
-            for e, (t, _) in choice.items() if t == NCCL}
+            for e, (t, _) in choice.items() if t in LINKED}
 
 
 # ---- the message header (pure) ---------------------------------------------------------------------------

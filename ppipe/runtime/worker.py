@@ -201,12 +201,19 @@ class VgpuWorker:
 
         return nccl_unique_id()
 
+    async def ring_address(self, kind: str) -> Any:
+        """A fresh meeting point for a ring edge, made here (the sender of an edge owns its ring)."""
+        from ppipe.runtime.ring_link import ring_address
+
+        return ring_address(kind)
+
     async def connect(self, peer: str, unique_id: Any, rank: int, link_factory: Any = None, gen: int = 0) -> str:
         """Join the two-rank communicator of the edge with ``peer`` (rank 0: this worker sends),
         of generation ``gen`` (0: opened at start-up; n: by the plan switch that opened it).
 
         Blocks (on a thread of its own) until the peer joins too, so the frontend posts
-        both ends at once. ``link_factory(unique_id, rank)`` replaces NCCL in tests only.
+        both ends at once. ``link_factory(unique_id, rank)`` makes the link: NCCL by default,
+        :func:`~ppipe.runtime.ring_link.ring_link` for a ring edge (its address as the id), a fake in tests.
         """
         from concurrent.futures import ThreadPoolExecutor
 

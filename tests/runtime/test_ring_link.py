@@ -106,6 +106,22 @@ def test_an_abort_releases_a_sender_that_waits_for_a_free_slot():
     tx.close(), rx.close()
 
 
+def test_a_sender_that_aborts_removes_its_rings_name_and_the_receiver_is_released():
+    from multiprocessing import shared_memory
+
+    tx, rx = _pair(ring_address("host", slot_bytes=1024, slots=2))
+    name = tx.mem.shm.name
+    failure = []
+    t = threading.Thread(target=lambda: failure.append(pytest.raises(RingClosed, rx.recv, np.empty(10, np.uint8))))
+    t.start()
+    tx.abort()
+    t.join(timeout=10)
+    assert failure and "aborted by the peer" in str(failure[0].value)
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name)
+    tx.close(), rx.close()
+
+
 def test_a_chunk_that_overfills_the_receivers_buffer_is_refused():
     tx, rx = _pair(ring_address("host", slot_bytes=1024, slots=2))
     tx.send(np.ones(1000, np.uint8))

@@ -279,7 +279,7 @@ class _AllNccl:
 
         return {e: ("nccl", "") for e in pipeline_edges(worker_specs(Deployment(plan, cluster, profiles)))}
 
-    def open(self, workers, edges, gen):
+    def open(self, workers, edges, gen, kinds=None):
         self.opened.append((gen, list(edges)))
 
 

@@ -52,6 +52,21 @@ def test_auto_uses_nccl_only_between_two_capable_workers_on_distinct_gpus():
     assert choose_edge("nccl", a, same, OK, OK)[0] == "tcp"  # NCCL cannot; not the user's fault
 
 
+def test_ring_takes_the_pairs_of_one_server_that_nccl_cannot_and_is_auto_elsewhere():
+    a = _spec("s-0/gpu0/s0")
+    same_gpu, other_gpu = _spec("s-0/gpu0/s1", partition=1), _spec("s-0/gpu1/s0", gpu_index=1, partition=1)
+    remote = _spec("s-1/gpu0/s0", server="s-1", partition=1)
+    assert choose_edge("ring", a, same_gpu, OK, OK) == ("ring-cuda", "both vGPUs share one GPU")
+    assert choose_edge("ring", a, other_gpu, OK, OK) == ("nccl", "")  # two devices: NCCL can
+    assert choose_edge("ring", a, remote, OK, OK) == ("nccl", "")
+    host = _spec("s-0/cpu/s1", partition=1, gpu="cpu")
+    assert choose_edge("ring", _spec("s-0/cpu/s0", gpu="cpu"), host, CPU, CPU)[0] == "ring-host"
+    assert choose_edge("ring", _spec("s-1/cpu/s0", server="s-1", gpu="cpu"), host, CPU, CPU)[0] == "tcp"  # two machines
+    no_cupy = Capability(False, "CuPy with NCCL is not importable", gpu_resident=True)
+    assert choose_edge("ring", a, same_gpu, no_cupy, OK)[0] == "tcp"  # a GPU worker's tensors cannot use the host ring
+    assert choose_edge("auto", a, same_gpu, OK, OK)[0] == "tcp"  # auto keeps TCP for one GPU
+
+
 def test_nccl_requested_but_unavailable_is_a_user_error_naming_the_worker():
     a, b = _spec("s-0/gpu0/s0"), _spec("s-1/gpu0/s0", server="s-1", partition=1)
     with pytest.raises(UserError, match=r"worker s-1/gpu0/s0 \(L4\) cannot use NCCL: no CUDA device"):
@@ -235,27 +250,52 @@ def test_nccl_link_moves_a_device_feature_map_between_two_gpus():
     np.testing.assert_allclose(got["feat"].get(), x, rtol=1e-2, atol=1e-2)
 
 
+def _tinynet_pair(tinynet, tmp_path, backend="ort"):
+    """Workers of a two-partition tinynet plan on local-cpu: (deployment, workers, sender id, receiver id)."""
+    from ppipe.runtime.deploy import load_deployment, start_workers
+    from ppipe.spec.cluster import load_cluster
+    from .conftest import make_plan
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
+    plan.save(tmp_path / "plan.yaml")
+    dep = load_deployment(tmp_path / "plan.yaml")
+    workers = start_workers(dep, backend=backend)
+    (up,), (down,) = ([p.vgpu_id for p in plan.placements_of("tinynet", 0, j)] for j in (0, 1))
+    return dep, workers, up, down
+
+
+def _answers(dep, workers, edges, xs):
+    """Serve ``xs`` one request each (FIFO batches of up to 3): (logits stacked, the runtime)."""
+    from ppipe.runtime.driver import Runtime
+    from .fakes import FifoScheduler
+
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, edges=edges, keep_traces=50,
+                 scheduler_factory=functools.partial(FifoScheduler, max_batch=3, window_us=3000.0))
+
+    async def main():
+        await rt.start()
+        try:
+            return await asyncio.gather(*(rt.infer("tinynet", {"input": x}) for x in xs))
+        finally:
+            await rt.stop()
+
+    return np.stack([o["logits"] for o in asyncio.run(main())]), rt
+
+
 # ---- end to end on Ray with a fake link (the protocol across processes; not NCCL) ----------------------------------
 @pytest.mark.ray
 def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster, tinynet, tmp_path, monkeypatch):
     import ray
     from ray.util.queue import Queue
 
-    from ppipe.runtime.deploy import connect_edges, load_deployment, setup_transport, start_workers
-    from ppipe.runtime.driver import Runtime
-    from ppipe.spec.cluster import load_cluster
-    from .conftest import make_plan
+    from ppipe.runtime.deploy import connect_edges, setup_transport
     from . import fakes
-    from .fakes import FifoScheduler, ray_queue_link
+    from .fakes import ray_queue_link
     from .tinynet import reference
 
     ray.cloudpickle.register_pickle_by_value(fakes)  # workers cannot import the tests package
 
-    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
-    plan.save(tmp_path / "plan.yaml")
-    dep = load_deployment(tmp_path / "plan.yaml")
-    workers = start_workers(dep, backend="ort")
-    (up,), (down,) = ([p.vgpu_id for p in plan.placements_of("tinynet", 0, j)] for j in (0, 1))
+    dep, workers, up, down = _tinynet_pair(tinynet, tmp_path)
     try:
         # what the workers report decides: CPU workers get the sockets, and NCCL on demand is refused
         assert setup_transport(dep, workers, "auto") == {(up, down): ("tcp", f"{up}: the pool runs on CPUs")}
@@ -268,19 +308,8 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
                 setup_transport(dep, workers, "auto", timeout_s=60)
         # the test picks the edge's transport itself: CPU workers would never get NCCL
         connect_edges(workers, [(up, down)], link_factory=ray_queue_link, unique_ids=[Queue()])
-        rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, edges={(up, down): "nccl"}, keep_traces=50,
-                     scheduler_factory=functools.partial(FifoScheduler, max_batch=3, window_us=3000.0))
         xs = np.random.default_rng(3).normal(size=(7, 3, 8, 8)).astype(np.float32)
-
-        async def main():
-            await rt.start()
-            try:
-                return await asyncio.gather(*(rt.infer("tinynet", {"input": x}) for x in xs))
-            finally:
-                await rt.stop()
-
-        outs = asyncio.run(main())
-        got = np.stack([o["logits"] for o in outs])
+        got, rt = _answers(dep, workers, {(up, down): "nccl"}, xs)
         np.testing.assert_allclose(got, reference(tinynet.directory, xs), rtol=2e-2, atol=2e-2)
         batches = [t for t in rt.traces if t.error is None]
         assert len(batches) >= 3 and sum(len(t.request_ids) for t in batches) == 7
@@ -291,6 +320,50 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
         if os.geteuid() == 0:  # workers undo Ray's worker niceness where they may
             assert pings[0]["nice"] == 0
         assert all(t.reports[1]["transfer_start_us"] <= t.reports[1]["transfer_end_us"] for t in batches)
+    finally:
+        for h in workers.values():
+            ray.kill(h)
+
+
+@pytest.mark.ray
+def test_two_host_workers_of_one_server_talk_through_a_shared_memory_ring_with_transport_ring(ray_cluster, tinynet, tmp_path):
+    """``--transport ring`` end to end on the CPU: the edge is chosen as ``ring-host``, the
+    sender makes the ring's address, both workers open it, and every batch's feature map
+    crosses it as a numbered message (the CUDA kind differs only in where the ring lives)."""
+    import ray
+
+    from ppipe.runtime.deploy import setup_transport
+    from .tinynet import reference
+
+    dep, workers, up, down = _tinynet_pair(tinynet, tmp_path)
+    try:
+        edges = setup_transport(dep, workers, "ring")
+        assert edges == {(up, down): ("ring-host", "both workers run on the host of one server")}
+        xs = np.random.default_rng(5).normal(size=(6, 3, 8, 8)).astype(np.float32)
+        got, rt = _answers(dep, workers, edges, xs)
+        np.testing.assert_allclose(got, reference(tinynet.directory, xs), rtol=2e-2, atol=2e-2)
+        batches = [t for t in rt.traces if t.error is None]
+        pings = ray.get([workers[up].ping.remote(), workers[down].ping.remote()])
+        assert pings[0]["edges"] == {f"send:{down}": len(batches)} and pings[1]["edges"] == {f"recv:{up}": len(batches)}
+    finally:
+        for h in workers.values():
+            ray.kill(h)
+
+
+@pytest.mark.ray
+def test_emulated_workers_rehearse_over_a_host_ring_too(ray_cluster, tinynet, tmp_path):
+    import ray
+
+    from ppipe.runtime.deploy import setup_transport
+
+    dep, workers, up, down = _tinynet_pair(tinynet, tmp_path, backend="emulated")
+    try:
+        edges = setup_transport(dep, workers, "ring")
+        assert edges[(up, down)][0] == "ring-host"
+        got, rt = _answers(dep, workers, edges, np.zeros((4, 3, 8, 8), np.float32))
+        assert got.shape == (4, *tinynet.manifest.outputs[0].shape)
+        sent = ray.get(workers[up].ping.remote())["edges"][f"send:{down}"]
+        assert sent == len([t for t in rt.traces if t.error is None]) > 0
     finally:
         for h in workers.values():
             ray.kill(h)
