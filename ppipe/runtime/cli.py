@@ -98,8 +98,8 @@ class _NullClock:
     default="auto",
     show_default=True,
     help="How feature maps go between workers: NCCL between GPU workers when both can (auto), always the data path's TCP connections, "
-    "NCCL required (an error if some worker cannot), or auto plus a staging ring between two workers of one server that NCCL cannot "
-    "connect (two shares of one GPU, or two host workers; experimental: the GPU ring has not yet run on a GPU).",
+    "NCCL required (an error if some worker cannot), or auto plus a staging ring in the GPU's memory between two shares of one GPU, "
+    "which NCCL cannot connect (experimental: the ring has not yet run on a GPU).",
 )
 @click.option("--policy", default="reservation", show_default=True, help="Data-plane policy (reservation | reactive).")
 @click.option("--max-queue", type=int, default=None, help="Admission control: bound on queued requests per model (data-plane option max_queue).")

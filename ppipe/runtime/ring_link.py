@@ -26,10 +26,12 @@ no copy can overtake another. ``send`` returns once the sender's copies are queu
 processes on the CPU, which is how the tests check the numbering, chunking, credits and
 abort without a GPU).
 
-Status: ``ppipe serve --transport ring`` uses it (:func:`~ppipe.runtime.transport.choose_edge`:
-``ring-cuda`` for two shares of one GPU, ``ring-host`` for two host workers of one server);
-``auto`` still sends those edges over TCP until the CUDA ring has run on a GPU
-(``scripts/gpu_check.sh`` step 3 measures it; the host ring is tested end to end).
+Status: ``ppipe serve --transport ring`` puts two shares of one GPU on a CUDA ring
+(:func:`~ppipe.runtime.transport.choose_edge`: ``ring-cuda``); ``auto`` still sends them
+over TCP until the CUDA ring has run on a GPU (``scripts/gpu_check.sh`` step 3 measures
+it). The host ring is slower than a TCP socket on the hosts measured
+(``scripts/bench_ring.py``: its chunks and credits cost more than the kernel's copies), so
+no transport choice uses it; the tests run the whole path over it.
 """
 
 from __future__ import annotations

@@ -51,10 +51,12 @@ edges (e.g. 3 x 8 = 24 for rtmdet_x); a 100-GPU plan can have hundreds, which is
 
 Edges whose two vGPUs share one physical GPU (two MPS shares of one card in consecutive
 pools) use the data path's connections: NCCL refuses two ranks on one device. With
-``--transport ring`` (experimental) they go through a staging ring instead
-(:mod:`ppipe.runtime.ring_link`: ``ring-cuda``), and so do edges between two CPU-resident
-workers of one server (``ring-host``, shared memory); ring edges are numbered, opened,
-kept and closed exactly as NCCL edges (:data:`LINKED`).
+``--transport ring`` (experimental) they go through a staging ring in the GPU's memory
+instead (:mod:`ppipe.runtime.ring_link`: ``ring-cuda``). Ring edges are numbered, opened,
+kept and closed exactly as NCCL edges (:data:`LINKED`). ``ring-host``, the same ring in
+shared memory, is slower than the data path's TCP on the hosts measured
+(``scripts/bench_ring.py``), so no ``--transport`` chooses it; the tests put an edge on it
+to run the whole path without a GPU.
 
 Everything here except :class:`NcclLink` and :func:`nccl_capability` is plain Python and is
 tested on the CPU with a fake link injected explicitly by the tests; CuPy is imported
@@ -135,8 +137,8 @@ def choose_edge(requested: str, up: Any, down: Any, cap_up: Capability, cap_down
 
     Args:
         requested: ``auto``, ``tcp``, ``nccl`` or ``ring`` (``ppipe serve --transport``;
-            ``ring`` is ``auto`` plus a staging ring for the pairs of one server that NCCL
-            cannot take: two shares of one GPU, or two workers on the host).
+            ``ring`` is ``auto`` plus a device ring between two shares of one GPU, which
+            NCCL cannot connect).
         up, down: the sender's and receiver's :class:`~ppipe.runtime.worker.WorkerSpec`.
         cap_up, cap_down: their capabilities.
 
@@ -147,11 +149,8 @@ def choose_edge(requested: str, up: Any, down: Any, cap_up: Capability, cap_down
         raise UserError(f"unknown transport '{requested}'", fix=f"use one of {', '.join(TRANSPORTS)}")
     if requested == SOCKET:
         return SOCKET, "requested"
-    if requested == "ring" and up.server == down.server:
-        if cap_up.nccl and cap_down.nccl and up.gpu_index == down.gpu_index:
-            return RING_CUDA, "both vGPUs share one GPU"
-        if not any(c.nccl or c.gpu_resident for c in (cap_up, cap_down)):
-            return RING_HOST, "both workers run on the host of one server"
+    if requested == "ring" and up.server == down.server and up.gpu_index == down.gpu_index and cap_up.nccl and cap_down.nccl:
+        return RING_CUDA, "both vGPUs share one GPU"
     for spec, cap in ((up, cap_up), (down, cap_down)):
         if not cap.nccl:
             if requested == NCCL:

@@ -52,7 +52,7 @@ def test_auto_uses_nccl_only_between_two_capable_workers_on_distinct_gpus():
     assert choose_edge("nccl", a, same, OK, OK)[0] == "tcp"  # NCCL cannot; not the user's fault
 
 
-def test_ring_takes_the_pairs_of_one_server_that_nccl_cannot_and_is_auto_elsewhere():
+def test_ring_takes_two_shares_of_one_gpu_and_is_auto_elsewhere():
     a = _spec("s-0/gpu0/s0")
     same_gpu, other_gpu = _spec("s-0/gpu0/s1", partition=1), _spec("s-0/gpu1/s0", gpu_index=1, partition=1)
     remote = _spec("s-1/gpu0/s0", server="s-1", partition=1)
@@ -60,10 +60,9 @@ def test_ring_takes_the_pairs_of_one_server_that_nccl_cannot_and_is_auto_elsewhe
     assert choose_edge("ring", a, other_gpu, OK, OK) == ("nccl", "")  # two devices: NCCL can
     assert choose_edge("ring", a, remote, OK, OK) == ("nccl", "")
     host = _spec("s-0/cpu/s1", partition=1, gpu="cpu")
-    assert choose_edge("ring", _spec("s-0/cpu/s0", gpu="cpu"), host, CPU, CPU)[0] == "ring-host"
-    assert choose_edge("ring", _spec("s-1/cpu/s0", server="s-1", gpu="cpu"), host, CPU, CPU)[0] == "tcp"  # two machines
+    assert choose_edge("ring", _spec("s-0/cpu/s0", gpu="cpu"), host, CPU, CPU)[0] == "tcp"  # the host ring is slower
     no_cupy = Capability(False, "CuPy with NCCL is not importable", gpu_resident=True)
-    assert choose_edge("ring", a, same_gpu, no_cupy, OK)[0] == "tcp"  # a GPU worker's tensors cannot use the host ring
+    assert choose_edge("ring", a, same_gpu, no_cupy, OK)[0] == "tcp"
     assert choose_edge("auto", a, same_gpu, OK, OK)[0] == "tcp"  # auto keeps TCP for one GPU
 
 
@@ -325,11 +324,16 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
             ray.kill(h)
 
 
+def _on_a_host_ring(monkeypatch, up, down):
+    """The test puts the edge on the shared-memory ring itself (no --transport chooses it)."""
+    monkeypatch.setattr("ppipe.runtime.transport.select_transports", lambda *a, **k: {(up, down): ("ring-host", "the test")})
+
+
 @pytest.mark.ray
-def test_two_host_workers_of_one_server_talk_through_a_shared_memory_ring_with_transport_ring(ray_cluster, tinynet, tmp_path):
-    """``--transport ring`` end to end on the CPU: the edge is chosen as ``ring-host``, the
-    sender makes the ring's address, both workers open it, and every batch's feature map
-    crosses it as a numbered message (the CUDA kind differs only in where the ring lives)."""
+def test_two_workers_talk_through_a_staging_ring_opened_as_serve_opens_it(ray_cluster, tinynet, tmp_path, monkeypatch):
+    """A ring edge end to end on the CPU: the sender makes the ring's address, both workers
+    open it (LinkOpener, as at start-up), and every batch's feature map crosses it as a
+    numbered message (the CUDA kind differs only in where the ring lives)."""
     import ray
 
     from ppipe.runtime.deploy import setup_transport
@@ -337,8 +341,9 @@ def test_two_host_workers_of_one_server_talk_through_a_shared_memory_ring_with_t
 
     dep, workers, up, down = _tinynet_pair(tinynet, tmp_path)
     try:
+        _on_a_host_ring(monkeypatch, up, down)
         edges = setup_transport(dep, workers, "ring")
-        assert edges == {(up, down): ("ring-host", "both workers run on the host of one server")}
+        assert edges == {(up, down): ("ring-host", "the test")}
         xs = np.random.default_rng(5).normal(size=(6, 3, 8, 8)).astype(np.float32)
         got, rt = _answers(dep, workers, edges, xs)
         np.testing.assert_allclose(got, reference(tinynet.directory, xs), rtol=2e-2, atol=2e-2)
@@ -351,13 +356,14 @@ def test_two_host_workers_of_one_server_talk_through_a_shared_memory_ring_with_t
 
 
 @pytest.mark.ray
-def test_emulated_workers_rehearse_over_a_host_ring_too(ray_cluster, tinynet, tmp_path):
+def test_emulated_workers_send_over_a_ring_edge_too(ray_cluster, tinynet, tmp_path, monkeypatch):
     import ray
 
     from ppipe.runtime.deploy import setup_transport
 
     dep, workers, up, down = _tinynet_pair(tinynet, tmp_path, backend="emulated")
     try:
+        _on_a_host_ring(monkeypatch, up, down)
         edges = setup_transport(dep, workers, "ring")
         assert edges[(up, down)][0] == "ring-host"
         got, rt = _answers(dep, workers, edges, np.zeros((4, 3, 8, 8), np.float32))
