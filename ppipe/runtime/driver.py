@@ -160,10 +160,10 @@ class Runtime:
             (metrics, the answer) is still judged against ``arrival + SLO``. The budget
             also grows by how late answers come here (:meth:`_answer_was_late`).
         edges: the transport of each (sender, receiver) vGPU pair, from
-            :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "tcp"}``
+            :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "ring-cuda" | "tcp"}``
             or ``{edge: (transport, reason)}``); edges not named go over the data path's connections.
         links: a :class:`~ppipe.runtime.deploy.LinkOpener`: a plan switch chooses the new
-            plan's transports with it and opens the NCCL edges it does not keep
+            plan's transports with it and opens the NCCL and ring edges it does not keep
             (:func:`ppipe.runtime.transport.relink`). None: switches put every edge on the
             data path's connections, and a runtime with NCCL edges cannot switch.
     """

@@ -355,7 +355,7 @@ class VgpuWorker:
                 # output has left (the receiver's report has the transfer's stamps)
                 await self._channel("send", send).send(send["seq"], batch_id, outputs, end)
                 sent = True
-                return report, {"tensors": None, "sent_wall_us": end, "transport": "nccl"}
+                return report, {"tensors": None, "sent_wall_us": end, "transport": "link"}  # the tensors went over the edge (NCCL or ring)
             if timing is not None and index + 1 == len(timing):
                 # the last stage's outputs ride in its report: one message to the frontend
                 report["outputs"] = outputs
