@@ -2,9 +2,9 @@
 
 Run eagerly, :class:`~ppipe.profiler.onnx_torch.OnnxTorchModule` launches each ONNX node's
 kernels from Python, one after another. A CNN block has 10-60 nodes and a kernel on a
-modern GPU often finishes before the next launch is issued, so the GPU waits on the host:
-on an H100 an eager ResNet-50 block took 5-8x the roofline's estimate and barely changed
-from batch 1 to 8. TensorRT, the backend the PPipe paper profiles with, enqueues a whole
+modern GPU often finishes before the next launch is issued, so the GPU waits on the host
+and an eager timing measures Python's launches, not the GPU (the H100 run in
+``docs/measurements/h100-2026-11-27``). TensorRT, the backend the PPipe paper profiles with, enqueues a whole
 engine at once. A CUDA graph (``torch.cuda.CUDAGraph``) does the same for PyTorch: the
 block's kernels are captured once for fixed input shapes and replayed with one launch.
 
@@ -58,12 +58,11 @@ class GraphedRun:
 
     def __init__(self, torch: Any, fn: Callable[[Tensors], Tensors], example: Tensors, what: str = "a block"):
         self.torch = torch
-        with torch.inference_mode():  # the static inputs are updated in place: inference tensors throughout
-            self.static_in = {k: v.clone() for k, v in example.items()}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.inference_mode():
+            with torch.inference_mode():  # the static inputs are updated in place: inference tensors throughout
+                self.static_in = {k: v.clone() for k, v in example.items()}
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())  # the warm-ups read the clones
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_CALLS):
                         fn(self.static_in)
