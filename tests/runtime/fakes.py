@@ -170,6 +170,13 @@ class FakeWorker:
         return rep, {"tensors": out, "sent_wall_us": t + 1}
 
 
+def close_workers(workers) -> None:
+    """Close fake workers' data paths: the ``on_shutdown`` of an app that serves them, so that
+    their sockets close on the server's loop, after the runtime, before the loop ends."""
+    for w in workers:
+        w.server.close()
+
+
 # ---- fake links for the NCCL transport's protocol (NOT a GPU, NOT NCCL) ----------------------------------
 # They move the bytes of ppipe.runtime.transport's messages through a queue, so that the
 # channel's numbering, header and error handling run on the CPU. Tests inject them

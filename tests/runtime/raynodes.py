@@ -249,7 +249,8 @@ class Serve:
         self.stdout, self.stderr = log_dir / "serve.out", log_dir / "serve.err"
         cmd = [sys.executable, "-c", "from ppipe.cli import main; main()", "serve", str(plan), "--ray-address", "auto",
                "--backend", "emulated", "--port", str(self.port), "--shards", "1"]
-        self.proc = subprocess.Popen(cmd, env=nodes.env, stdout=open(self.stdout, "w"), stderr=open(self.stderr, "w"),
+        self._logs = [open(self.stdout, "w"), open(self.stderr, "w")]  # closed by stop()
+        self.proc = subprocess.Popen(cmd, env=nodes.env, stdout=self._logs[0], stderr=self._logs[1],
                                      cwd=str(REPO), start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
@@ -275,6 +276,8 @@ class Serve:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        for f in self._logs:
+            f.close()
         return self.proc.returncode
 
     def log(self) -> str:

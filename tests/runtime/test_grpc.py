@@ -17,6 +17,7 @@ from ppipe.runtime import proto as pb
 from ppipe.runtime.grpc_server import GrpcServer
 from ppipe.runtime.server import BackgroundServer, create_app
 
+from .fakes import close_workers
 from .test_units import _runtime
 
 tg = pytest.importorskip("tritonclient.grpc")
@@ -27,9 +28,9 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 def _serve(tinynet, token=None, max_message_bytes=1 << 20, **sched):
-    rt, _ = _runtime(tinynet, **sched)
+    rt, workers = _runtime(tinynet, **sched)
     g = GrpcServer(rt, host="127.0.0.1", port=0, token=token, max_message_bytes=max_message_bytes)
-    srv = BackgroundServer(create_app(rt, token=token, companions=[g]))
+    srv = BackgroundServer(create_app(rt, token=token, companions=[g], on_shutdown=lambda: close_workers(workers.values())))
     return rt, g, srv
 
 

@@ -110,8 +110,7 @@ def _shard_server(plan, tinynet_dir, models, index, owner, grpc=False):
     from ppipe.runtime.driver import Runtime
     from ppipe.runtime.server import BackgroundServer, create_app
     from ppipe.spec.profile import load_profile
-    from .fakes import FifoScheduler
-    from .fakes import FakeWorker
+    from .fakes import FakeWorker, FifoScheduler, close_workers
 
     part = sub_plan(plan, models)
     profiles = {m: load_profile(tinynet_dir / m) for m in models}
@@ -124,7 +123,7 @@ def _shard_server(plan, tinynet_dir, models, index, owner, grpc=False):
 
         extra.append(GrpcServer(rt, port=0, token="t0k", router=router))
         router.grpc_server = extra[0]
-    router.app = create_app(rt, token="t0k", companions=[router, *extra])
+    router.app = create_app(rt, token="t0k", companions=[router, *extra], on_shutdown=lambda: close_workers(workers.values()))
     return BackgroundServer(router), router
 
 

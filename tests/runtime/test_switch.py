@@ -12,7 +12,7 @@ from ppipe.errors import UserError
 from ppipe.runtime.driver import DroppedError, Runtime
 from ppipe.spec.cluster import load_cluster
 from tests.runtime.conftest import make_plan
-from tests.runtime.fakes import FakeWorker
+from tests.runtime.fakes import FakeWorker, close_workers
 
 
 def _cluster():
@@ -234,7 +234,7 @@ def test_admin_endpoint_refusals(tinynet, tmp_path):
     def server(token, switcher):
         workers = {p.vgpu_id: FakeWorker(p.vgpu_id) for p in old_plan.placement}
         rt = Runtime(old_plan, {"tinynet": tinynet}, cluster, workers)
-        app = create_app(rt, token=token)
+        app = create_app(rt, token=token, on_shutdown=lambda: close_workers(workers.values()))
         if switcher:
             app.fe.switcher = PlanSwitcher(rt, Deployment(old_plan, cluster, {"tinynet": tinynet}, str(tmp_path / "plan.yaml")))
         return BackgroundServer(app)

@@ -436,8 +436,10 @@ def test_dispatch_lead_moves_the_schedulers_now_but_not_arrivals_or_deadlines(ti
     target, fired = asyncio.run(clock_part())
     now_s, true_s = fired[0]
     assert now_s >= target and true_s < target  # fired at the scheduler's time: lead_us early on the wall clock
+    loop = asyncio.new_event_loop()
     with pytest.raises(ValueError, match="lead_us must be >= 0"):
-        WallClock(asyncio.new_event_loop(), lead_us=-1)
+        WallClock(loop, lead_us=-1)
+    loop.close()
 
     rt, _ = _runtime(tinynet, max_batch=1)
     rt.dispatch_lead_us = 1e6  # large, so that a loaded host's pauses cannot blur the check
