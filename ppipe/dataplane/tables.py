@@ -39,7 +39,9 @@ EPS_US = 1e-6
 
 
 class ReservationTable:
-    """Busy intervals of one resource, sorted, non-overlapping.
+    """Busy intervals of one resource, sorted, non-overlapping, each longer than ``EPS_US``
+    (a shorter one occupies nothing at the tables' resolution: queries pass over it, so it
+    is never stored).
 
     Attributes:
         name: resource id, for messages.
@@ -97,7 +99,7 @@ class ReservationTable:
     # ---- updates -----------------------------------------------------------------
     def add(self, start: float, duration: float, key: Hashable = None) -> None:
         """Mark ``[start, start + duration)`` busy. The caller found it free (earliest_slot)."""
-        if duration <= 0:
+        if duration <= EPS_US:
             return
         end = start + duration
         starts, ends = self.starts, self.ends
@@ -180,11 +182,14 @@ class ReservationTable:
         moved behind the reported one; later ones that now overlap are pushed back,
         cascading, each keeping its duration (a late report still pushes back what was reserved behind it,
         even when the reported interval itself is already over). With ``now``, past
-        intervals are pruned afterwards. Returns how many later intervals moved.
+        intervals are pruned afterwards. Returns how many later intervals moved. A reported
+        interval of ``EPS_US`` or less occupied nothing: the key's interval is only removed.
         """
         self.remove(key, hint_start)
-        if end < start:
-            end = start
+        if end - start <= EPS_US:
+            if now is not None:
+                self.prune(now)
+            return 0
         i = bisect_left(self.starts, start)
         moved = 0
         if i > 0 and self.ends[i - 1] > start + EPS_US:

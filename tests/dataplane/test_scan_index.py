@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ppipe.dataplane import build_scheduler, reservation
@@ -44,6 +44,8 @@ _op = st.tuples(
 
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(_op, min_size=1, max_size=80), lat=st.sampled_from([(50.0, 80.0), (1e-3, 200.0), (100.0, 100.0)]))
+# Found once: a report of no time left an empty interval that the next reservation overlapped.
+@example(ops=[("add", 0, 0.0, 0.0), ("correct", 0, 2.220446049250313e-16, 0.0), ("add", 0, 0.0, 0.0)], lat=(50.0, 80.0))
 def test_scan_set_never_leaves_out_a_vgpu_that_could_finish_by_the_limit(ops, lat):
     infer = {1: lat[0], 2: lat[1]}
     pool = _pool(8, infer)

@@ -80,6 +80,19 @@ def test_correct_of_an_unknown_key_inserts_the_truth():
     assert [(s, e) for s, e, _ in t.intervals()] == [(0, 10), (10, 15)]
 
 
+def test_correct_to_an_empty_interval_frees_the_key_and_stores_nothing():
+    # A report of no time (start == end, or within EPS_US) occupied nothing: were it stored,
+    # a query at its start would pass over it and the reservation it returns would overlap it.
+    t = table((0, 50))
+    t.correct((0, 50), 2.2e-16 / 2, 2.2e-16 / 2)
+    assert t.intervals() == []
+    assert t.earliest(0.0, 50.0) == 0.0
+    t.add(0.0, 50.0, "next")
+    t.correct("ghost", 60.0, 60.0 + 1e-7)
+    assert [(s, e) for s, e, _ in t.intervals()] == [(0.0, 50.0)]
+    t.check()
+
+
 def test_confirm_answers_without_changing_the_table():
     t = table((0, 10), (20, 30))
     calls = []

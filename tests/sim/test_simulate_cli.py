@@ -33,7 +33,7 @@ def test_one_point_with_json_and_plots(plan_dir, tmp_path):
     recs = tmp_path / "requests.csv"
     r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--json", out, "--plot", figs, "--records", recs)
     assert r.exit_code == 0, r.output
-    rows = list(csv.DictReader(recs.open()))
+    rows = list(csv.DictReader(recs.read_text().splitlines()))
     assert rows and all(row["outcome"] == "ok" for row in rows)
     first = rows[0]
     # two stages, block 0 on a B vGPU then block 1 on the A vGPU; latency = completion - arrival
