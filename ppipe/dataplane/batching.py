@@ -346,8 +346,8 @@ class BatchingScheduler:
         self._housekeeping(now)
         out: list[Decision] = []
         for m in self.models:
-            t = self.wake_at[m]
-            if t is not None and t <= now + EPS_US:
+            t = self.wake_at[m]  # (on the model's planning timeline: now + its dispatch lead)
+            if t is not None and t <= now + self.lead_us(m) + EPS_US:
                 out.extend(self._run_model(m, now))
         return out
 
@@ -506,6 +506,14 @@ class BatchingScheduler:
                 q.extend(kept)
         return []
 
+    def lead_us(self, model: str) -> float:
+        """The model's dispatch lead: the fixed one, plus the input's transfer where the
+        options count it (:func:`ppipe.dataplane.topology.input_transfer_us`)."""
+        lead = self.options.dispatch_lead_us
+        if self.options.input_transfer_lead:
+            lead += self.topology.input_us.get(model, 0.0)
+        return lead
+
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> dict:
         """Counters as a plain dict (probes, dispatches, probes per dispatch, drops...)."""
@@ -520,7 +528,13 @@ class BatchingScheduler:
 
     # ---- Algorithm 1 ---------------------------------------------------------------
     def _run_model(self, model: str, now: float) -> list[Decision]:
+        """Algorithm 1 for one model, planned from ``now + dispatch lead`` for the deadline
+        ``deadline - answer budget`` (:class:`SchedulerOptions`); its WakeAt times are on the
+        clock's timeline."""
         out: list[Decision] = []
+        lead = self.lead_us(model)
+        budget = self.options.budget_us(model)
+        now += lead
         q = self.queues[model]
         self.wake_at[model] = None
         reuse = self.options.reuse_step1_probe
@@ -547,17 +561,18 @@ class BatchingScheduler:
                     best = r
             p = best.pipeline
             head = q[0]
+            due = head.deadline_us - budget  # the last end that leaves the answer its time
             # Step 2: the largest batch whose path finishes by the oldest deadline.
-            chosen = self._largest_fitting(best, head.deadline_us, now, reuse)
+            chosen = self._largest_fitting(best, due, now, reuse)
             if chosen is None and self.options.try_other_pipelines and len(step1) > 1:
                 # Not in the paper: before dropping, try the other pipelines, least waiting first.
                 others = [r if isinstance(r, ProbeResult) else self.probe(r, r.batches[0], now) for r in step1 if r is not best]
                 for r1 in sorted(others, key=lambda r: (r.wait, r.pipeline.index)):
-                    chosen = self._largest_fitting(r1, head.deadline_us, now, reuse)
+                    chosen = self._largest_fitting(r1, due, now, reuse)
                     if chosen is not None:
                         p = r1.pipeline
                         break
-            if k_min and self._shed_for_min_batch(p, chosen, k_min, now, out):
+            if k_min and self._shed_for_min_batch(p, chosen, k_min, now, lead, budget, out):
                 continue
             # Step 3: drop, wait or dispatch.
             if chosen is None:
@@ -569,7 +584,7 @@ class BatchingScheduler:
                     if bs > len(q):
                         continue
                     r = self.probe(p, bs, now)
-                    if r.finish <= head.deadline_us + EPS_US:
+                    if r.finish <= due + EPS_US:
                         now_r = r
                         break
                 if now_r is None:
@@ -577,18 +592,18 @@ class BatchingScheduler:
                     # now and the head cannot wait for a batch that fits -> drop it.
                     out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"pipeline {p.index}: no batch <= {len(q) + 1} fits"))
                     continue
-                slack = head.deadline_us - now_r.finish - self.options.wake_lead_us
+                slack = due - now_r.finish - self.options.wake_lead_us
                 if slack > EPS_US:
                     t = now + slack
                     if self.options.exact_last_moment and now_r.wait > EPS_US:
                         # The path waits now; starting later absorbs some of that waiting.
                         # The latest start with no waiting at all, if the tables allow it:
-                        t_late = head.deadline_us - (now_r.finish - now - now_r.wait)
-                        if self.probe(p, now_r.batch, t_late).finish <= head.deadline_us + EPS_US:
+                        t_late = due - (now_r.finish - now - now_r.wait)
+                        if self.probe(p, now_r.batch, t_late).finish <= due + EPS_US:
                             t = t_late
                     self.wake_at[model] = t
                     self.counters.waits += 1
-                    out.append(WakeAt(t))
+                    out.append(WakeAt(t - lead))
                     break
                 chosen = now_r
             elif self.options.defer_small_batches and chosen.batch < p.batches[0] and chosen.hops[0].start > now + EPS_US:
@@ -597,7 +612,7 @@ class BatchingScheduler:
                 t = chosen.hops[0].start
                 self.wake_at[model] = t
                 self.counters.waits += 1
-                out.append(WakeAt(t))
+                out.append(WakeAt(t - lead))
                 break
             self._dispatch(chosen, [q.popleft()] if chosen.batch == 1 else [q.popleft() for _ in range(chosen.batch)], out)
         return out
@@ -611,7 +626,8 @@ class BatchingScheduler:
                 return r
         return None
 
-    def _shed_for_min_batch(self, p: Pipeline, chosen: ProbeResult | None, k_min: int, now: float, out: list[Decision]) -> bool:
+    def _shed_for_min_batch(self, p: Pipeline, chosen: ProbeResult | None, k_min: int, now: float, lead: float,
+                            budget: float, out: list[Decision]) -> bool:
         """Optional overload fix (``min_batch_on_overload``); True if it shed requests.
 
         When the head's deadline only allows a batch smaller than ``bk`` (the largest usable
@@ -626,10 +642,10 @@ class BatchingScheduler:
             return False
         q = self.queues[p.model]
         r = self.probe(p, bk, now)
-        if r.finish > now + self.topology.slo_us[p.model] + EPS_US:
+        if r.finish > now - lead + self.topology.slo_us[p.model] - budget + EPS_US:
             return False  # even a fresh request misses a bk batch: keep the paper's rule
         shed = False
-        while q and q[0].deadline_us + EPS_US < r.finish:
+        while q and q[0].deadline_us - budget + EPS_US < r.finish:
             out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"shed to keep batches >= {bk} (min_batch_on_overload)"))
             shed = True
         return shed

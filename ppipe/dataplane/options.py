@@ -91,6 +91,20 @@ class SchedulerOptions(BaseModel):
             Under a wall clock a timer fires a little late, and a wake at the very last
             moment then turns the waiting head into a deadline drop; `ppipe serve` sets a
             few ms. Under the simulator's exact clock 0 is right.
+        dispatch_lead_us: the fixed part of the dispatch lead, the time from a decision to
+            the batch's first stage message at its worker. The batcher plans every decision
+            of a model from ``now + lead``, so no reservation starts before the input can be
+            there and every deadline test counts the lead (:mod:`ppipe.dataplane.margins`).
+            Default 0 (the paper, whose decisions take effect at once); `ppipe serve` and
+            `ppipe simulate` both set it, so the simulator runs the runtime's rule.
+        input_transfer_lead: add the input's transfer to each model's dispatch lead: its
+            largest planned batch of inputs over the slowest NIC of its first pools (the
+            request's tensor travels from the frontend to the first worker). Default off
+            (the paper does not model it).
+        answer_budget_us: per model (a mapping) or for all, the time an answer still needs
+            after the batch's last stage ends (the last report, the reply). The batcher
+            plans for the deadline ``arrival + SLO - budget``; lateness is still judged at
+            ``arrival + SLO``. Default 0 (the paper).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -113,6 +127,10 @@ class SchedulerOptions(BaseModel):
     min_batch_on_overload: int = Field(default=0, ge=0, description="Shed the oldest requests to keep batches this large (0: off).")
     defer_small_batches: bool = Field(default=False, description="Hold a small batch whose first vGPU is busy until it frees.")
     wake_lead_us: float = Field(default=0.0, description="Wake this long before a waiting batch's last moment, us.")
+    dispatch_lead_us: float = Field(default=0.0, ge=0, description="Time from a decision to its message at the first worker, us.")
+    input_transfer_lead: bool = Field(default=False, description="Add the input's transfer to the first pool to the dispatch lead.")
+    answer_budget_us: float | Mapping[str, float] = Field(
+        default=0.0, description="Time an answer needs after the last stage, us (per model name, or one for all).")
 
     @field_validator("max_queue")
     @classmethod
@@ -122,6 +140,19 @@ class SchedulerOptions(BaseModel):
             if b < 1:
                 raise ValueError(f"max_queue must be a positive integer per model, got {b!r}")
         return v
+
+    @field_validator("answer_budget_us")
+    @classmethod
+    def _non_negative_margins(cls, v: float | Mapping[str, float], info) -> float | Mapping[str, float]:
+        for m in v.values() if isinstance(v, Mapping) else [v]:
+            if not m >= 0:
+                raise ValueError(f"{info.field_name} must be >= 0 us per model, got {m!r}")
+        return v
+
+    def budget_us(self, model: str) -> float:
+        """The model's answer budget (0 for a model a mapping does not name)."""
+        v = self.answer_budget_us
+        return float(v.get(model, 0.0)) if isinstance(v, Mapping) else float(v)
 
     def queue_bound(self, model: str) -> int | None:
         if self.max_queue is None:

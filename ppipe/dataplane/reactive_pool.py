@@ -51,6 +51,7 @@ from ppipe.dataplane.api import (
 )
 from ppipe.dataplane.batching import Counters
 from ppipe.dataplane.options import SchedulerOptions
+from ppipe.errors import UserError
 from ppipe.dataplane.tables import EPS_US
 from ppipe.dataplane.topology import Pipeline, Topology, VGpu
 
@@ -87,6 +88,9 @@ class ReactivePoolScheduler:
         self.topology = topology
         self.clock = clock
         self.options = options or SchedulerOptions()
+        if self.options.dispatch_lead_us or self.options.input_transfer_lead or any(self.options.budget_us(m) for m in topology.pipelines):
+            raise UserError("the reactive-pool baseline does not apply the runtime's margins (a dispatch lead, an answer budget)",
+                            fix="simulate it with --dispatch-lead-ms 0 --answer-budget-ms 0")
         self.counters = Counters()
         self.models = list(topology.pipelines)
         self.queues: dict[tuple[str, int, int], deque[_Item]] = {}

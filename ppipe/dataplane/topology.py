@@ -26,7 +26,10 @@ value per GPU type; per server is finer where groups differ).
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Callable, Mapping
+
+import numpy as np
 
 from ppipe.dataplane.api import downlink, uplink, vgpu_resource
 from ppipe.dataplane.tables import ReservationTable
@@ -311,6 +314,7 @@ class Topology:
         self.pipelines: dict[str, list[Pipeline]] = {}  # model -> pipelines in plan order
         self.slo_us: dict[str, float] = {}
         self.nic: dict[str, ReservationTable] = {}  # resource id -> table (up/down of every server)
+        self.input_us: dict[str, float] = {}  # model -> its input's transfer to a first pool (input_transfer_us)
 
     def table(self, resource: str) -> ReservationTable | None:
         """The table of a resource id (``vgpu:...``, ``up:...``, ``down:...``)."""
@@ -408,4 +412,15 @@ def compile_plan(plan: Plan, profiles: Mapping[str, ModelProfile], cluster: Clus
             pipe.planned_rps = pp.throughput_rps
             pipes.append(pipe)
         topo.pipelines[m.name] = pipes
+        topo.input_us[m.name] = input_transfer_us(prof, pipes)
     return topo
+
+
+def input_transfer_us(profile: ModelProfile, pipes: list[Pipeline]) -> float:
+    """The time a batch's inputs take from the frontend to a first pool: the largest
+    planned batch of samples of ``bits_in`` bits (the manifest's input shape and dtype; 0
+    for a profile that names none) over the slowest NIC of the pipelines' first pools,
+    ``b * bits_in / bw``."""
+    t = profile.manifest.input
+    bits = 0.0 if t is None else 8.0 * math.prod(t.shape) * np.dtype(t.dtype).itemsize
+    return max((p.batches[0] * bits * 1e-3 / min(g.bw_gbps for g in p.pools[0].vgpus) for p in pipes), default=0.0)

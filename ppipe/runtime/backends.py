@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from bisect import bisect_left
 from typing import Protocol
 
 import numpy as np
 
 from ppipe.errors import NotAvailableError, UserError
+from ppipe.runtime.clock import sleep_until, wall_us
 from ppipe.spec.profile import ModelProfile
 
 BACKENDS = ("ort", "tensorrt", "torch", "emulated")
@@ -120,12 +120,9 @@ class EmulatedBackend:
         return t
 
     async def run(self, inputs: Tensors, batch: int) -> Tensors:
-        # one plain sleep: a spin for the last millisecond would be more punctual, but with
-        # dozens of emulated vGPUs on a few cores the spinning itself delays everyone
-        t_end = time.perf_counter() + self.latency_us(batch) / 1e6
-        left = t_end - time.perf_counter()
-        if left > 0:
-            await asyncio.sleep(left)
+        # the loop's timer, then a kernel sleep for the last millisecond (sleep_until): as
+        # punctual as a spin, without the spinning that would delay dozens of emulated vGPUs
+        await sleep_until(wall_us() + self.latency_us(batch))
         return self.outputs(batch)
 
     def outputs(self, batch: int) -> Tensors:

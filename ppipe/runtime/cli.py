@@ -10,6 +10,7 @@ import os
 
 import click
 
+from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US
 from ppipe.errors import UserError
 
 
@@ -17,8 +18,8 @@ from ppipe.errors import UserError
 # the runtime as users do). The dispatch lead covers the dispatch message's delivery and the
 # first worker's wake-up on a busy host (p99 2.5-3 ms here); see ppipe.runtime.clock.
 DEFAULT_WAKE_LEAD_MS = 2.0
-DEFAULT_DISPATCH_LEAD_MS = 3.0
-DEFAULT_ANSWER_BUDGET_MS = 3.0
+DEFAULT_DISPATCH_LEAD_MS = DEFAULT_DISPATCH_LEAD_US / 1e3
+DEFAULT_ANSWER_BUDGET_MS = DEFAULT_ANSWER_BUDGET_US / 1e3
 DEFAULT_REPORT_TOLERANCE_MS = 1.0  # Runtime(report_tolerance_us=...)
 # Slow clients: the same values as ppipe.runtime.server's defaults (a test checks), written
 # out here so that the CLI does not import the server (and the driver) to show its help.
@@ -106,13 +107,15 @@ class _NullClock:
 @click.option("--wake-lead-ms", default=DEFAULT_WAKE_LEAD_MS, show_default=True, type=float,
               help="Wake a waiting batch this long before its last feasible moment, so a late wall-clock timer does not turn it into a deadline drop (data-plane option wake_lead_us).")
 @click.option("--dispatch-lead-ms", default=DEFAULT_DISPATCH_LEAD_MS, show_default=True, type=float,
-              help="Plan every decision this far ahead of the wall clock: the time a dispatch takes to reach its first worker, "
-              "so reserved stages do not all start late (runtime option; no YAML field).")
+              help="Plan every decision this far (plus the input's transfer to the first pool) ahead of now: the time a "
+              "dispatch takes to reach its first worker, so reserved stages do not all start late. `ppipe simulate` "
+              "applies the same lead (data-plane option dispatch_lead_us; no YAML field).")
 @click.option("--answer-budget-ms", default=DEFAULT_ANSWER_BUDGET_MS, show_default=True, type=float,
               help="The scheduler must end every batch this long before the SLO: the time its answer still needs to reach "
               "the client (last report to the frontend, HTTP reply). It grows by the 95th percentile of how late the last "
-              "batches' answers came after their planned end (at most a quarter of the SLO). Lateness is still judged at "
-              "arrival + SLO (runtime option; no YAML field).")
+              "batches' answers came after their planned end, never so far that a model can no longer be served. Lateness "
+              "is still judged at arrival + SLO. A plan whose slack cannot hold the lead and this budget is refused, with "
+              "the margin it needs. `ppipe simulate` applies the same budget (data-plane option answer_budget_us; no YAML field).")
 @click.option("--report-tolerance-ms", default=DEFAULT_REPORT_TOLERANCE_MS, show_default=True, type=float,
               help="A stage that starts and ends within this of its reservation sends no report of its own; its report "
               "rides on with the batch's next one (fewer messages per batch). -1: every stage reports at once (runtime "
@@ -162,6 +165,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     """
     import uvicorn
 
+    from ppipe.runtime.budgets import ServiceBudgets
     from ppipe.runtime.deploy import LinkOpener, load_deployment, setup_transport, start_workers
     from ppipe.runtime.driver import check_whole_paths, default_scheduler_factory
     from ppipe.runtime.server import uvicorn_config
@@ -186,6 +190,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     # build the scheduler once before starting anything: a bad policy, option or a plan
     # that does not fit its profiles is a UserError now, not after the workers are up
     check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
+    # a plan whose slack cannot hold the runtime's margins would drop every request: refuse it now
+    ServiceBudgets(dispatch_lead_ms * 1e3, answer_budget_ms * 1e3).for_plan(dep.plan, dep.profiles, dep.cluster)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
     replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s,
                                    replan_curvature_window_s) if replan == "auto" else None

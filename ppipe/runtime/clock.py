@@ -6,17 +6,9 @@ the absolute wall time (:func:`wall_us`); :meth:`WallClock.from_wall_us` maps th
 onto the scheduler's timeline. Across hosts this assumes their clocks are synchronised
 (NTP/PTP); a skew shows up one-to-one as an error in the feedback the scheduler gets.
 
-**Dispatch lead.** A decision takes effect only when its message reaches the first worker
-and that worker wakes up: on a busy host, up to a few ms later. A scheduler that reserves
-a vGPU from "now"
-therefore starts every batch late, and at high load, where reservations sit back to back,
-the lateness cascades. With ``lead_us`` the clock tells the scheduler that it is
-``lead_us`` later than it is: every reservation starts no sooner than the message can arrive,
-and timers fire ``lead_us`` early on the wall clock (so a batch that waits still leaves in
-time). Request arrivals, deadlines and the workers' reports stay on the true timeline
-(:meth:`WallClock.true_now_us`, :meth:`WallClock.from_wall_us`), so the lead never loosens
-an SLO; it only makes the plan of each decision start later. The simulator's clock has
-no lead: its decisions take effect at once.
+The dispatch lead (a decision takes effect only when its message reaches the first
+worker) is the data plane's rule, not the clock's: :mod:`ppipe.dataplane.margins`, so
+that the simulator runs it too.
 """
 
 from __future__ import annotations
@@ -31,6 +23,28 @@ def wall_us() -> float:
     return time.time_ns() / 1e3
 
 
+PRECISE_TAIL_S = 0.001
+"""The last part of a timed wait that :func:`sleep_until` sleeps in the kernel, not on the loop."""
+
+
+async def sleep_until(t_wall_us: float) -> None:
+    """Wait until the wall clock reaches ``t_wall_us``, to a fraction of a millisecond.
+
+    An event loop's timers have a resolution of 1 ms (epoll's timeout and libuv's clock are
+    in ms) and fire late by up to that much; a worker that waits for a reserved start and
+    then for an emulated inference would slip by about a millisecond per stage. So the loop
+    sleeps until ``PRECISE_TAIL_S`` before the time, and a blocking ``time.sleep`` (a
+    kernel timer, no spinning) takes the rest. The loop is held for at most that tail
+    (about the timers' own error): what arrives meanwhile waits in the socket buffers.
+    """
+    left_s = (t_wall_us - wall_us()) / 1e6
+    if left_s > PRECISE_TAIL_S:
+        await asyncio.sleep(left_s - PRECISE_TAIL_S)
+        left_s = (t_wall_us - wall_us()) / 1e6
+    if left_s > 0:
+        time.sleep(left_s)
+
+
 class WallClock:
     """A :class:`ppipe.dataplane.api.Clock` on an asyncio event loop.
 
@@ -38,22 +52,18 @@ class WallClock:
         loop: the loop that runs the scheduler; ``call_at`` callbacks run on it. Defaults to
             the running loop.
         origin_wall_us: absolute wall time of t=0 (default: now).
-        lead_us: the dispatch lead (see the module's docstring); 0 = the true time.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, origin_wall_us: float | None = None, lead_us: float = 0.0):
-        if lead_us < 0:
-            raise ValueError(f"lead_us must be >= 0, got {lead_us}")
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, origin_wall_us: float | None = None):
         self._loop = loop or asyncio.get_running_loop()
         self.origin_wall_us = wall_us() if origin_wall_us is None else origin_wall_us
-        self.lead_us = lead_us
 
     def now_us(self) -> float:
-        """The scheduler's "now": the true time plus the dispatch lead."""
-        return wall_us() - self.origin_wall_us + self.lead_us
+        """Wall-clock microseconds since t=0."""
+        return wall_us() - self.origin_wall_us
 
     def true_now_us(self) -> float:
-        """The true time on the scheduler's timeline (arrivals, deadlines)."""
+        """The same as :meth:`now_us` (callers that mean arrivals and deadlines say so)."""
         return wall_us() - self.origin_wall_us
 
     def call_at(self, t_us: float, fn: Callable[[], None]) -> asyncio.TimerHandle:
@@ -75,7 +85,7 @@ class WallClock:
         return t_us + self.origin_wall_us
 
     def __repr__(self) -> str:
-        return f"WallClock(origin_wall_us={self.origin_wall_us:.0f}, lead_us={self.lead_us:g})"
+        return f"WallClock(origin_wall_us={self.origin_wall_us:.0f})"
 
 
-__all__: list[Any] = ["WallClock", "wall_us"]
+__all__: list[Any] = ["WallClock", "sleep_until", "wall_us"]

@@ -39,6 +39,7 @@ import numpy as np
 from ppipe.errors import UserError
 from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, StageReport, WakeAt
 from ppipe.dataplane.handover import SwitchingScheduler, kept_vgpus
+from ppipe.runtime.budgets import ServiceBudgets
 from ppipe.runtime.clock import WallClock, wall_us
 from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, node_host
 from ppipe.runtime.wire import pack, unpack
@@ -50,8 +51,6 @@ from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
 
 log = logging.getLogger("ppipe.runtime")
-ANSWER_LATENESS_WINDOW = 256  # batches whose answer lateness sets the answer budget's adaptive part
-ANSWER_LATENESS_EVERY = 32  # ... recomputed every this many batches
 
 SchedulerFactory = Callable[..., Any]
 
@@ -143,8 +142,9 @@ class Runtime:
         report_grace_s: a dispatched batch still missing reports this long (or the model's
             SLO, if longer) after its planned end is answered ``worker-failed``.
         keep_traces: remember the last N batches' routes and reports (:attr:`traces`).
-        dispatch_lead_us: the scheduler plans each decision this far ahead of the wall clock,
-            the time a dispatch takes to reach its first worker (:class:`~ppipe.runtime.clock.WallClock`).
+        dispatch_lead_us: the fixed part of the dispatch lead: the scheduler plans each
+            decision this far (plus the input's transfer) ahead of now, the time a dispatch
+            takes to reach its first worker (:mod:`ppipe.dataplane.margins`).
         report_tolerance_us: a stage whose start, end and NIC transfer each lie within this
             of its reservation sends no report of its own: its report rides on to the next
             report the batch sends (see :class:`~ppipe.runtime.datapath.StageServer`), so a
@@ -153,12 +153,13 @@ class Runtime:
             comes, and a worker's death fails the batches whose reports it carried on
             (the scheduler still holds their stages as running). None: every stage reports
             at once.
-        answer_budget_us: the deadline the scheduler gets is ``arrival + SLO - answer_budget``:
-            a batch must end this long before the SLO, which is the time its answer still
-            needs (the last report reaching the frontend, the HTTP reply). Without it, a
-            batch the scheduler fits just inside the deadline is answered late. Lateness
-            (metrics, the answer) is still judged against ``arrival + SLO``. The budget
-            also grows by how late answers come here (:meth:`_answer_was_late`).
+        answer_budget_us: the fixed part of the answer budget: the scheduler plans every batch
+            to end this long before ``arrival + SLO``, the time its answer still needs (the
+            last report reaching the frontend, the HTTP reply). Lateness (metrics, the
+            answer) is still judged against ``arrival + SLO``. The budget also grows by how
+            late answers come here, never so far that a model cannot be served
+            (:class:`~ppipe.runtime.budgets.ServiceBudgets`). A plan whose slack cannot hold
+            the lead and the budget is refused at :meth:`start` (UserError).
         edges: the transport of each (sender, receiver) vGPU pair, from
             :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "ring-cuda" | "tcp"}``
             or ``{edge: (transport, reason)}``); edges not named go over the data path's connections.
@@ -199,10 +200,9 @@ class Runtime:
         self.respawn, self.respawn_interval_s = respawn, respawn_interval_s
         self._revivals: dict[str, asyncio.Task] = {}
         self.keep_traces = keep_traces
-        self.dispatch_lead_us = dispatch_lead_us
-        if answer_budget_us < 0:
-            raise ValueError(f"answer_budget_us must be >= 0, got {answer_budget_us}")
-        self.answer_budget_us = answer_budget_us
+        if answer_budget_us < 0 or dispatch_lead_us < 0:
+            raise ValueError(f"dispatch_lead_us and answer_budget_us must be >= 0, got {dispatch_lead_us} and {answer_budget_us}")
+        self.budgets = ServiceBudgets(dispatch_lead_us, answer_budget_us, self.metrics.registry)
         if report_tolerance_us is not None and report_tolerance_us < 0:
             raise ValueError(f"report_tolerance_us must be >= 0 or None, got {report_tolerance_us}")
         self.report_tolerance_us = report_tolerance_us
@@ -215,9 +215,6 @@ class Runtime:
         self._ids = itertools.count()
         self._wakes: set[float] = set()
         self._late_peak_us = 0.0  # recent peak lateness of the wake timers (_timer_was_late)
-        self._answer_lateness = np.zeros(ANSWER_LATENESS_WINDOW)  # the last batches' answer lateness (_answer_was_late)
-        self._answers_seen = 0
-        self._answer_late_us = 0.0  # their 95th percentile, added to the answer budget
         self._lead_cap_us = 0.25e3 * min(m.slo_ms for m in plan.models)  # the wake lead's ceiling
         self._inflight: dict[int, _InFlight] = {}  # batch id -> the batch, until its last report
         self._inbox: Inbox | None = None
@@ -253,9 +250,9 @@ class Runtime:
         """Make the clock and the scheduler on the running loop, open the data path to every
         worker, and watch each worker's life."""
         loop = asyncio.get_running_loop()
-        self.clock = WallClock(loop, lead_us=self.dispatch_lead_us)
-        self.scheduler = self._factory(self.plan, self.profiles, self.cluster, self.clock, policy=self._policy, **self._options)
-        check_whole_paths(self.scheduler, self._policy)
+        self.clock = WallClock(loop)
+        self.scheduler, margins = self._build_scheduler(self.plan, self.profiles)
+        self.budgets.adopt(margins)
         self._inbox = Inbox(self._on_report, self.data_host or node_host())
         vgpus = list(self.workers)
         addrs = await asyncio.gather(*(self.workers[v].open_data_path.remote(self._inbox.address) for v in vgpus))
@@ -266,6 +263,21 @@ class Runtime:
         freeze_startup_objects()
         self._lifelines = [loop.create_task(self._watch(v, h)) for v, h in self.workers.items()]
         self._lifelines.append(loop.create_task(self._sweep_overdue()))
+
+    def _build_scheduler(self, plan: Plan, profiles: dict[str, ModelProfile]) -> tuple[Any, dict]:
+        """A scheduler for ``plan`` with the runtime's margins in its options, and the margins.
+
+        Raises:
+            UserError: a policy that dispatches partial paths, or a plan whose slack
+                cannot hold the margins.
+        """
+        options = dict(self._options)
+        margins = self.budgets.for_plan(plan, profiles, self.cluster) if self.budgets.active else {}
+        if margins:
+            options.update(self.budgets.options(margins))
+        scheduler = self._factory(plan, profiles, self.cluster, self.clock, policy=self._policy, **options)
+        check_whole_paths(scheduler, self._policy)
+        return scheduler, margins
 
     def _next_stage_addresses(self, vgpu_id: str) -> list[str]:
         """The data-path addresses of the vGPUs a worker may forward to (its pipeline's next pool)."""
@@ -352,13 +364,12 @@ class Runtime:
                             fix="pass links=LinkOpener(...) (ppipe serve does), or restart with the new plan")
         t0 = self.clock.true_now_us()
         current = self.scheduler.current if isinstance(self.scheduler, SwitchingScheduler) else self.scheduler
-        new = self._factory(plan, profiles, self.cluster, self.clock, policy=self._policy, **self._options)
-        check_whole_paths(new, self._policy)
+        new, margins = self._build_scheduler(plan, profiles)
         check_switchable(current, new)
         kept = kept_vgpus(current.topology, new.topology)
         fresh = sorted(p.vgpu_id for p in plan.placement if p.vgpu_id not in kept)
         handles = await start_workers(fresh) if fresh else {}
-        prepared = PreparedSwitch(plan, dict(profiles), new, kept, {}, handles, stop_worker, load_s=0.0)
+        prepared = PreparedSwitch(plan, dict(profiles), new, kept, {}, handles, stop_worker, load_s=0.0, margins=margins)
         try:
             addrs = await asyncio.gather(*(handles[v].open_data_path.remote(self._inbox.address) for v in fresh))
             prepared.fresh_addrs = dict(zip(fresh, addrs))
@@ -445,6 +456,7 @@ class Runtime:
         self.plan, self._placement = plan, {p.vgpu_id: p for p in plan.placement}
         self._lead_cap_us = 0.25e3 * min(m.slo_ms for m in plan.models)
         self.profiles = dict(prepared.profiles)
+        self.budgets.adopt(prepared.margins)
         self.workers = {**{v: self.workers[v] for v in kept}, **handles}
         self.addresses = {**{v: self.addresses[v] for v in kept}, **fresh_addrs}
         loop = asyncio.get_running_loop()
@@ -560,10 +572,8 @@ class Runtime:
         # arrival and deadline on the true timeline, never the lead's
         now = self.clock.true_now_us() if arrival_us is None else arrival_us
         slo_us = mp.slo_ms * 1e3
-        # the scheduler must leave the answer its time: the configured budget (at most half the
-        # SLO) and how late answers have been coming (at most a quarter of it)
-        budget = min(self.answer_budget_us, 0.5 * slo_us) + min(self._answer_late_us, 0.25 * slo_us)
-        req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + slo_us - budget, payload=inputs)
+        # (the scheduler plans for an earlier deadline itself: the answer budget, ppipe.runtime.budgets)
+        req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + slo_us, payload=inputs)
         loop = asyncio.get_running_loop()
         p = _Pending(req, loop.create_future(), now + slo_us)
         self._pending[req.id] = p
@@ -645,23 +655,13 @@ class Runtime:
             self._current_scheduler().options = opts.model_copy(update={"wake_lead_us": lead})
 
     def _answer_was_late(self, late_us: float) -> None:
-        """Keep the answer budget above how late batches end here.
-
-        A batch's answer reaches the frontend ``late_us`` after the end the scheduler
-        planned for its last stage: stages that started or ran late (on a loaded host,
-        behind a slow earlier batch) and the last report's trip. When the pools are full,
-        the scheduler fits requests right up to their deadline, so this lateness makes
-        them late unless the deadline it plans for leaves room for it. The budget's
-        adaptive part is the 95th percentile of the last ``ANSWER_LATENESS_WINDOW``
-        batches' lateness (0 when answers come early), recomputed every
-        ``ANSWER_LATENESS_EVERY`` batches, at most a quarter of the model's SLO
-        (:meth:`_submit`).
-        """
-        self._answer_lateness[self._answers_seen % ANSWER_LATENESS_WINDOW] = late_us
-        self._answers_seen += 1
-        if self._answers_seen % ANSWER_LATENESS_EVERY == 0:
-            seen = self._answer_lateness[: min(self._answers_seen, ANSWER_LATENESS_WINDOW)]
-            self._answer_late_us = max(0.0, float(np.percentile(seen, 95)))
+        """Keep the answer budget above how late batches end here (:class:`ServiceBudgets`):
+        when a model's budget moves, the current scheduler gets the new budgets."""
+        budgets = self.budgets.answer_was_late(late_us)
+        sched = self._current_scheduler()
+        opts = getattr(sched, "options", None)
+        if budgets is not None and opts is not None and hasattr(opts, "answer_budget_us"):
+            sched.options = opts.model_copy(update={"answer_budget_us": budgets})
 
     def _current_scheduler(self) -> Any:
         return self.scheduler.current if isinstance(self.scheduler, SwitchingScheduler) else self.scheduler
@@ -962,6 +962,7 @@ class PreparedSwitch:
     handles: dict[str, Any]  # new worker -> its actor handle
     stop_worker: Callable[[Any], None]
     load_s: float
+    margins: dict = field(default_factory=dict)  # the new plan's service margins (ppipe.runtime.budgets)
     links: dict[tuple[str, str], int] | None = None  # the new plan's NCCL edges -> generation (None: no link opener)
     gen: int = 0  # the generation this preparation opened
     opened: list[tuple[str, str]] = field(default_factory=list)  # the edges it opened

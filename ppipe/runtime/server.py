@@ -270,10 +270,12 @@ class Frontend:
         self.models.clear()
         self.models.update({m.name: m for m in plan.models})
         # the latest a JSON decode may end, from arrival: the SLO less the fastest pipeline
-        # and the answer's budget (later, no schedule can meet the deadline)
-        budget_us = getattr(self.runtime, "answer_budget_us", 0.0)
+        # and the runtime's margins (later, no schedule can meet the deadline)
+        budgets = getattr(self.runtime, "budgets", None)
+        margins = budgets.margins if budgets is not None else {}
         self._decode_slack_us = {
-            m.name: m.slo_ms * 1e3 - min((p.latency_us for p in m.pipelines), default=0.0) - min(budget_us, 0.5 * m.slo_ms * 1e3)
+            m.name: (margins[m.name].slack_us - margins[m.name].reserved_us) if m.name in margins
+            else m.slo_ms * 1e3 - min((p.latency_us for p in m.pipelines), default=0.0)
             for m in plan.models
         }
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ppipe.errors import UserError
-from ppipe.runtime.clock import wall_us
+from ppipe.runtime.clock import sleep_until, wall_us
 
 
 @dataclass(frozen=True)
@@ -326,9 +326,7 @@ class VgpuWorker:
                         not_before = max(not_before, t_xfer_end)
             if timing is not None:
                 not_before = max(not_before, timing[index][2])
-            wait_s = (not_before - wall_us()) / 1e6
-            if wait_s > 0:
-                await asyncio.sleep(wait_s)
+            await sleep_until(not_before)
             if self._lock is None:
                 self._lock = asyncio.Lock()
             async with self._lock:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US
 from ppipe.errors import UserError
 
 
@@ -22,6 +23,29 @@ def _policies() -> list[str]:
     except ImportError:  # the data plane sub-package is absent: the simulator will say so when it runs
         return []
     return sorted(POLICIES)
+
+
+def _serving_margins(plan, profiles, spec, policy: str, lead_ms: float, budget_ms: float) -> dict:
+    """The data-plane options of the runtime's margins (none when both are 0); warns where
+    a model's plan cannot hold them (`ppipe serve` refuses such a plan)."""
+    from ppipe.dataplane.margins import check_margins, service_margins, serving_options
+    from ppipe.dataplane.options import SchedulerOptions
+
+    if lead_ms < 0 or budget_ms < 0:
+        raise UserError(f"--dispatch-lead-ms and --answer-budget-ms must be >= 0, got {lead_ms} and {budget_ms}",
+                        fix="use 0 (the paper's data plane) or a few ms")
+    if lead_ms == 0 and budget_ms == 0:
+        return {}
+    if policy == "reactive-pool":
+        click.echo("note: the reactive-pool baseline runs without the runtime's margins (it is not served)", err=True)
+        return {}
+    options = serving_options(lead_ms * 1e3, budget_ms * 1e3)
+    try:
+        check_margins(service_margins(plan, profiles, spec, SchedulerOptions(**options)))
+    except UserError as err:
+        click.echo(f"warning: {err.message}; `ppipe serve` refuses this plan with these margins", err=True)
+    return options
+
 
 
 @click.command("simulate")
@@ -57,6 +81,12 @@ def _policies() -> list[str]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of arrivals and jitter.")
 @click.option("--policy", default="reservation", show_default=True, help="Data-plane policy: reservation (the paper's) or reactive (per-pool baseline).")
 @click.option("--jitter-cv", type=float, default=0.0, show_default=True, help="CV of lognormal jitter on inference times (0 = exactly the profile).")
+@click.option("--dispatch-lead-ms", type=float, default=DEFAULT_DISPATCH_LEAD_US / 1e3, show_default=True,
+              help="The runtime's dispatch lead, as `ppipe serve` applies it: every decision is planned this far (plus the "
+              "input's transfer to the first pool) after now. 0 with --answer-budget-ms 0: the paper's data plane.")
+@click.option("--answer-budget-ms", type=float, default=DEFAULT_ANSWER_BUDGET_US / 1e3, show_default=True,
+              help="The runtime's answer budget, as `ppipe serve` applies it (without its adaptive part): every batch is "
+              "planned to end this long before the SLO.")
 @click.option("--feedback", type=click.Choice(["all", "changed", "none"]), default=None,
               help="Which stages workers report to the scheduler: all (as the runtime), changed (only those that differ from the plan: "
                    "the same result, faster), none. Default: changed for the reservation policy, all for the others.")
@@ -68,7 +98,7 @@ def _policies() -> list[str]:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
 def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full_points, arrivals, period_s, replan,
              replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s, replan_curvature_window_s, trace_file, cv, duration_s, seed,
-             policy, jitter_cv, feedback, rates_from, plot_dir, records_out, json_out) -> None:
+             policy, jitter_cv, dispatch_lead_ms, answer_budget_ms, feedback, rates_from, plot_dir, records_out, json_out) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
     from ppipe.sim.simulator import SimConfig, default_feedback
@@ -102,7 +132,9 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
         feedback = default_feedback(policy)
     setup = _replan_setup(plan, profiles, spec, replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s,
                           replan_curvature_window_s) if replan == "auto" else None
-    config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy, replan=setup)
+    margins = _serving_margins(plan, profiles, spec, policy, dispatch_lead_ms, answer_budget_ms)
+    config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy, replan=setup,
+                       scheduler_options=margins)
     base = rates or base_rates(plan)
 
     if sweep:

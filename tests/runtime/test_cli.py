@@ -109,6 +109,19 @@ def test_serve_refuses_a_negative_answer_budget(tmp_path):
     assert "--answer-budget-ms must be >= 0" in r.output
 
 
+def test_serve_refuses_a_plan_without_room_for_its_margins_before_starting_ray(tmp_path, monkeypatch):
+    import ppipe.runtime.cli as serve_cli
+
+    monkeypatch.setattr(serve_cli, "init_ray", lambda *a, **k: pytest.fail("Ray started for a plan that is refused"))
+    r = CliRunner().invoke(main, ["plan", "-o", str(tmp_path / "plan.yaml")])  # the README's default plan
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--backend", "emulated", "--answer-budget-ms", "5"])
+    assert r.exit_code == 2, r.output
+    # resnet50's fastest path leaves 6.15 ms of its 15.26 ms SLO; the lead and this budget take more
+    assert "resnet50: the fastest path leaves 6.15 ms of its SLO, the runtime needs 6.98 ms" in r.output
+    assert "--margin" in r.output
+
+
 def test_serve_replan_auto_is_checked_before_anything_starts(tmp_path, tinynet):
     from ppipe.spec.cluster import load_cluster
     from .conftest import make_plan

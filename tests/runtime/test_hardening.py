@@ -42,7 +42,6 @@ class StubRuntime:
         self.profiles = {profile.name: profile}
         self.metrics = RuntimeMetrics()
         self.clock: WallClock | None = None
-        self.answer_budget_us = 0.0
         self.delay_s = delay_s
         self.arrivals: list[tuple[float | None, float]] = []  # (arrival given, clock at the call)
 

@@ -422,75 +422,49 @@ def test_a_request_nobody_decides_on_is_answered_with_a_timeout(tinynet):
     assert not rt._pending and rt._queued["tinynet"] == 0
 
 
-def test_dispatch_lead_moves_the_schedulers_now_but_not_arrivals_or_deadlines(tinynet):
-    async def clock_part():
-        c = WallClock(lead_us=200_000.0)  # large: a loaded host's late timers and pauses cannot blur the checks
-        true_us = c.true_now_us()
-        assert 200_000 <= c.now_us() - true_us < 250_000
-        fired = []
-        target = c.now_us() + 20_000  # scheduler time
-        c.call_at(target, lambda: fired.append((c.now_us(), c.true_now_us())))
-        await asyncio.sleep(0.05)
-        return target, fired
+def _real_runtime(tinynet, **kw):
+    """tinynet on two fake workers under the data plane's own scheduler (not the FIFO double)."""
+    rt, peers = _runtime(tinynet, max_batch=1)
+    return Runtime(rt.plan, rt.profiles, rt.cluster, peers, keep_traces=100, **kw)
 
-    target, fired = asyncio.run(clock_part())
-    now_s, true_s = fired[0]
-    assert now_s >= target and true_s < target  # fired at the scheduler's time: lead_us early on the wall clock
-    loop = asyncio.new_event_loop()
-    with pytest.raises(ValueError, match="lead_us must be >= 0"):
-        WallClock(loop, lead_us=-1)
-    loop.close()
 
-    rt, _ = _runtime(tinynet, max_batch=1)
-    rt.dispatch_lead_us = 1e6  # large, so that a loaded host's pauses cannot blur the check
+def test_the_margins_reach_the_data_plane_and_leave_arrivals_and_slo_deadlines_alone(tinynet):
+    from ppipe.dataplane.margins import service_margins
+    from ppipe.dataplane.options import SchedulerOptions
+
+    rt = _real_runtime(tinynet)
+    slack_us = service_margins(rt.plan, rt.profiles, rt.cluster, SchedulerOptions())["tinynet"].slack_us
+    lead_us, budget_us = 0.5 * slack_us, 0.1 * slack_us  # a large lead: a loaded host's pauses cannot blur the check
+    # (the batch of 4 waits for its last moment: a wake lead keeps a late timer from missing it)
+    rt = _real_runtime(tinynet, dispatch_lead_us=lead_us, answer_budget_us=budget_us, scheduler_options={"wake_lead_us": 0.2 * slack_us})
 
     async def main():
         await rt.start()
         t_true = rt.clock.true_now_us()
-        await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
+        await rt.infer("tinynet", {"x": np.zeros(2, np.float32)})
         await rt.stop()
         return t_true
 
     t_true = asyncio.run(main())
-    (d,) = rt.scheduler.dispatched
+    (trace,) = rt.traces
+    arrival = trace.arrivals_us[0]
+    assert t_true <= arrival < t_true + 0.1 * slack_us
+    assert trace.reserved_us[0][0] >= arrival + lead_us  # planned to start when the dispatch can be there
+    opts = rt.scheduler.options
+    assert opts.dispatch_lead_us == lead_us and opts.input_transfer_lead
+    assert opts.budget_us("tinynet") == budget_us
+    assert rt.budgets.margins["tinynet"].reserved_us == pytest.approx(rt.scheduler.lead_us("tinynet") + budget_us)
+    metrics = rt.metrics.render().decode()
+    assert 'ppipe_model_reserved_slack_ms{model="tinynet"}' in metrics and 'ppipe_model_slack_ms{model="tinynet"}' in metrics
+
+
+def test_a_plan_without_room_for_the_margins_is_refused_at_start(tinynet):
+    rt = _real_runtime(tinynet)
     slo_us = rt.plan.model("tinynet").slo_ms * 1e3
-    r = d.requests[0]
-    assert t_true <= r.arrival_us < t_true + 5e5  # the true arrival, not the lead's
-    assert r.deadline_us == pytest.approx(r.arrival_us + slo_us)
-    assert d.stages[0].start_us >= r.arrival_us + 1e6  # planned to start when the call can have arrived
-
-
-def test_answer_budget_shortens_the_schedulers_deadline_not_the_slo(tinynet):
-    rt, _ = _runtime(tinynet, max_batch=1)
-    slo_us = rt.plan.model("tinynet").slo_ms * 1e3
-    rt.answer_budget_us = 0.1 * slo_us
-
-    async def main(rt=rt):
-        await rt.start()
-        await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
-        p_deadline = {}
-        orig = rt._answer
-
-        def spy(rid, outputs):  # what the driver judges lateness by
-            p_deadline[rid] = rt._pending[rid].slo_deadline_us
-            orig(rid, outputs)
-
-        rt._answer = spy
-        await rt.infer("tinynet", {"x": np.zeros(1, np.float32)})
-        await rt.stop()
-        return p_deadline
-
-    p_deadline = asyncio.run(main())
-    d = rt.scheduler.dispatched[-1]
-    r = d.requests[0]
-    assert r.deadline_us == pytest.approx(r.arrival_us + 0.9 * slo_us)  # the scheduler plans for the answer's time
-    assert p_deadline[r.id] == pytest.approx(r.arrival_us + slo_us)  # lateness is judged at the SLO
-    rt, _ = _runtime(tinynet, max_batch=1)
-    rt.answer_budget_us = 10 * slo_us  # never more than half the SLO
-    asyncio.run(main(rt))
-    r = rt.scheduler.dispatched[-1].requests[0]
-    assert r.deadline_us == pytest.approx(r.arrival_us + 0.5 * slo_us)
-    with pytest.raises(ValueError, match="answer_budget_us must be >= 0"):
+    rt = _real_runtime(tinynet, answer_budget_us=slo_us)
+    with pytest.raises(UserError, match="leaves no time for the runtime's margins.*tinynet.*runtime needs"):
+        asyncio.run(rt.start())
+    with pytest.raises(ValueError, match="must be >= 0"):
         _runtime_with(tinynet, answer_budget_us=-1)
 
 
@@ -652,31 +626,3 @@ def test_the_wake_lead_follows_late_timers_so_a_waiting_request_is_not_dropped(t
         assert outcomes.count("deadline-unreachable") >= 6, outcomes
 
 
-def test_the_answer_budget_grows_by_how_late_answers_come(tinynet):
-    """The deadline the scheduler gets leaves room for the 95th percentile of the last
-    batches' answer lateness (their answer here, after their last stage's planned end),
-    at most a quarter of the SLO."""
-    from ppipe.runtime.driver import ANSWER_LATENESS_EVERY, ANSWER_LATENESS_WINDOW
-
-    rt, _ = _runtime(tinynet, max_batch=1)
-    slo_us = rt.plan.model("tinynet").slo_ms * 1e3
-    for _ in range(ANSWER_LATENESS_EVERY):
-        rt._answer_was_late(-500.0)  # early answers leave the budget as configured
-    assert rt._answer_late_us == 0.0
-    for _ in range(2 * ANSWER_LATENESS_EVERY):
-        rt._answer_was_late(0.1 * slo_us)
-    assert rt._answer_late_us == pytest.approx(0.1 * slo_us)
-
-    async def main():
-        await rt.start()
-        await rt.infer("tinynet", {"x": np.zeros(2, np.float32)})
-        for _ in range(ANSWER_LATENESS_WINDOW):  # far later than any SLO: the budget takes a quarter of it
-            rt._answer_was_late(10 * slo_us)
-        await rt.infer("tinynet", {"x": np.zeros(2, np.float32)})
-        await rt.stop()
-
-    asyncio.run(main())
-    first, second = (d.requests[0] for d in rt.scheduler.dispatched[:2])
-    # (the first infer's own answer, early, went into the window after its dispatch)
-    assert first.deadline_us == pytest.approx(first.arrival_us + slo_us - rt.answer_budget_us - 0.1 * slo_us)
-    assert second.deadline_us == pytest.approx(second.arrival_us + slo_us - rt.answer_budget_us - 0.25 * slo_us)

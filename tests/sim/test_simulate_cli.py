@@ -23,8 +23,26 @@ def plan_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def invoke(*args):
-    return CliRunner().invoke(main, ["simulate", *map(str, args)])
+def invoke(*args, margins: bool = False):
+    """`ppipe simulate ARGS`; the toy plan's SLO of a few ms has no room for the runtime's
+    default margins, so they are off unless asked for."""
+    off = [] if margins else ["--dispatch-lead-ms", "0", "--answer-budget-ms", "0"]
+    return CliRunner().invoke(main, ["simulate", *map(str, args), *off])
+
+
+def test_the_runtimes_margins_apply_by_default_and_a_plan_without_room_for_them_is_flagged(plan_dir):
+    out = {}
+    for name, extra in (("default", []), ("paper", ["--dispatch-lead-ms", 0, "--answer-budget-ms", 0])):
+        r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--json", plan_dir / f"{name}.json", *extra, margins=True)
+        assert r.exit_code == 0 and "leaves no time" not in r.output, r.output
+        out[name] = json.loads((plan_dir / f"{name}.json").read_text())["overall"]
+    # at a low load every request waits for nothing but the lead (1.5 ms plus its input's transfer)
+    assert out["default"]["p50_latency_ms"] >= out["paper"]["p50_latency_ms"] + 1.5
+    r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--answer-budget-ms", 1000, margins=True)
+    assert r.exit_code == 0, r.output
+    assert "leaves no time for the runtime's margins" in r.output and "`ppipe serve` refuses this plan" in r.output
+    r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--dispatch-lead-ms", -1, margins=True)
+    assert r.exit_code == 2 and "--dispatch-lead-ms and --answer-budget-ms must be >= 0" in r.output
 
 
 def test_one_point_with_json_and_plots(plan_dir, tmp_path):

@@ -1,0 +1,120 @@
+"""The runtime's service margins per model: what it takes off each SLO outside the path.
+
+The data plane applies the margins (:mod:`ppipe.dataplane.margins`: a dispatch lead
+``L_m`` and an answer budget ``A_m``, the same rule `ppipe simulate` runs); this module
+holds their values while serving:
+
+* the configured parts, a fixed lead ``L_0`` and a fixed budget ``A_0``, plus the input's
+  transfer, computed once per plan; a plan that leaves a model no time for them is
+  refused (:func:`~ppipe.dataplane.margins.check_margins`);
+* an adaptive part of the answer budget, ``a``: the 95th percentile of how late the last
+  ``WINDOW`` batches' answers came after their planned end (0 when they come early),
+  recomputed every ``EVERY`` batches. A model gets ``min(a, cap_m)`` on top of ``A_0``,
+  with ``cap_m = min(share * (S_m - L_m - A_0), T_m / 4)``
+  (:func:`~ppipe.dataplane.margins.adaptive_cap_us`): lateness that the plan's slack
+  cannot absorb makes answers late, but can never make the model unreachable. When the
+  cap binds, the server logs it once per model.
+
+``ppipe_model_reserved_slack_ms{model}`` shows ``L_m + A_m`` as it is, next to
+``ppipe_model_slack_ms{model}``, the slack ``S_m`` the plan leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+import numpy as np
+from prometheus_client import Gauge
+
+from ppipe.dataplane.margins import ModelMargins, adaptive_cap_us, check_margins, service_margins, serving_options
+from ppipe.dataplane.options import SchedulerOptions
+from ppipe.spec.cluster import ClusterSpec
+from ppipe.spec.plan import Plan
+from ppipe.spec.profile import ModelProfile
+
+log = logging.getLogger("ppipe.runtime")
+WINDOW = 256  # batches whose answer lateness sets the adaptive part
+EVERY = 32  # ... recomputed every this many batches
+CHANGE_US = 250.0  # the scheduler's options are replaced only when a budget moves this much
+
+
+class ServiceBudgets:
+    """Margins of the served plan, with the adaptive answer budget.
+
+    Args:
+        lead_us: the fixed dispatch lead ``L_0``.
+        budget_us: the fixed answer budget ``A_0``.
+        registry: where the two gauges are registered (None: none).
+    """
+
+    def __init__(self, lead_us: float = 0.0, budget_us: float = 0.0, registry=None):
+        if lead_us < 0 or budget_us < 0:
+            raise ValueError(f"dispatch lead and answer budget must be >= 0 us, got {lead_us} and {budget_us}")
+        self.lead_us, self.budget_us = lead_us, budget_us
+        self.margins: dict[str, ModelMargins] = {}
+        self._lateness = np.zeros(WINDOW)
+        self._seen = 0
+        self.late_us = 0.0  # the adaptive part a, before the per-model caps
+        self._capped: set[str] = set()  # models whose cap bound (logged once each)
+        self._applied: dict[str, float] = {}  # the answer budget per model in the scheduler's options
+        self._gauges = None if registry is None else (
+            Gauge("ppipe_model_reserved_slack_ms", "Time the runtime takes off the model's SLO outside the reserved path "
+                  "(dispatch lead with the input's transfer, plus the answer budget).", ["model"], registry=registry),
+            Gauge("ppipe_model_slack_ms", "The model's SLO less its fastest unloaded path in the plan.", ["model"], registry=registry),
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether any margin is configured (else the scheduler gets no margin options)."""
+        return self.lead_us > 0 or self.budget_us > 0
+
+    def for_plan(self, plan: Plan, profiles: Mapping[str, ModelProfile], cluster: ClusterSpec) -> dict[str, ModelMargins]:
+        """The plan's margins with the fixed parts; refuses a plan that cannot meet them (UserError)."""
+        margins = service_margins(plan, profiles, cluster, SchedulerOptions(**serving_options(self.lead_us, self.budget_us)))
+        check_margins(margins)
+        return margins
+
+    def options(self, margins: Mapping[str, ModelMargins]) -> dict:
+        """The scheduler options for these margins, the adaptive part of the budget included."""
+        return {**serving_options(self.lead_us, self.budget_us), "answer_budget_us": {m: self._budget(x) for m, x in margins.items()}}
+
+    def adopt(self, margins: Mapping[str, ModelMargins]) -> None:
+        """Make these the served plan's margins (at start, and when a plan switch commits)."""
+        self.margins = dict(margins)
+        self._applied = {m: self._budget(x) for m, x in margins.items()}
+        self._publish()
+
+    def answer_was_late(self, late_us: float) -> dict[str, float] | None:
+        """Record one batch's answer lateness; returns the new per-model answer budgets when
+        one moved by more than ``CHANGE_US`` (else None)."""
+        self._lateness[self._seen % WINDOW] = late_us
+        self._seen += 1
+        if self._seen % EVERY:
+            return None
+        seen = self._lateness[: min(self._seen, WINDOW)]
+        self.late_us = max(0.0, float(np.percentile(seen, 95)))
+        wanted = {m: self._budget(x) for m, x in self.margins.items()}
+        if all(abs(wanted[m] - self._applied.get(m, 0.0)) <= CHANGE_US for m in wanted):
+            return None
+        self._applied = wanted
+        self._publish()
+        return dict(wanted)
+
+    def _budget(self, x: ModelMargins) -> float:
+        """``A_0 + min(a, cap_m)``, logging once per model when the cap binds."""
+        cap = min(adaptive_cap_us(x), 0.25 * x.slo_us)
+        if self.late_us > cap and x.model not in self._capped:
+            self._capped.add(x.model)
+            log.warning("%s: answers come %.1f ms after their planned end, more than the %.1f ms its plan's slack leaves "
+                        "the answer budget; the budget stays at %.1f ms so that the model is still served (its answers "
+                        "may be late)", x.model, self.late_us / 1e3, cap / 1e3, (x.budget_us + cap) / 1e3)
+        return x.budget_us + min(self.late_us, cap)
+
+    def _publish(self) -> None:
+        if self._gauges is None:
+            return
+        reserved, slack = self._gauges
+        for m, x in self.margins.items():
+            reserved.labels(m).set((x.lead_us + self._applied.get(m, x.budget_us)) / 1e3)
+            slack.labels(m).set(x.slack_us / 1e3)

@@ -1,0 +1,120 @@
+"""The README's default plan served as a new user serves it, next to the simulator.
+
+Plans HC2-S for the three built-in models (``ppipe plan``'s default), then for each model
+alone, and for all three together, at ``--load`` of each model's planned rate:
+
+* ``ppipe simulate``'s figures for that load (the runtime's margins applied, as by default);
+* ``ppipe serve``'s: emulated Ray workers with the profiled latencies and the real inputs
+  and feature maps (no byte cap), driven open loop by ``ppipe bench --binary`` over HTTP;
+  per stage, how late the reserved starts were, from the batches' traces.
+
+Prints a host line, a table per run, and where the runtime's extra latency goes. What it
+leaves out: the GPUs (compute is emulated by sleeping), a network (every byte crosses
+loopback), and the client's own CPU on the same cores.
+
+    python scripts/bench_default_plan.py [--load 0.1] [--duration-s 10] [--plan plan.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serve import lateness, serve_in_process, stop  # noqa: E402  (a script next to this one)
+
+
+def host_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    la = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"host: {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}; load average {la}"
+
+
+def default_plan(plan_file: str | None):
+    """The plan (``ppipe plan``'s default unless a file is given), its profiles and cluster."""
+    from ppipe.runtime.deploy import load_deployment
+
+    if plan_file is None:
+        import tempfile
+
+        from ppipe.planner.api import plan as make_plan
+
+        plan_file = str(Path(tempfile.mkdtemp()) / "plan.yaml")
+        make_plan().save(plan_file)
+    dep = load_deployment(plan_file, None)
+    return dep.plan, dep.profiles, dep.cluster
+
+
+def simulate(plan, profiles, cluster, rates: dict[str, float], duration_s: float) -> dict[str, tuple[float, float | None]]:
+    """Attainment and p50 (ms) per model of ``ppipe simulate`` at these rates, with its default margins."""
+    from ppipe.dataplane.margins import serving_options
+    from ppipe.sim.simulator import SimConfig
+    from ppipe.sim.sweep import run_point
+
+    full = {m.name: rates.get(m.name, 0.0) for m in plan.models}
+    res = run_point(plan, profiles, cluster, 1.0, rates_rps=full,
+                    config=SimConfig(duration_s=duration_s, scheduler_options=serving_options()))
+    return {m: (res.models[m].attainment, res.models[m].p50_latency_ms) for m in rates}
+
+
+def drive(url: str, rates: dict[str, float], duration_s: float) -> dict[str, dict]:
+    """``ppipe bench --binary`` per model, all at once, each in its own process (a client
+    in the server's process would share its interpreter lock); returns their figures."""
+    import json
+    import subprocess
+    import tempfile
+
+    out = Path(tempfile.mkdtemp())
+    procs = [subprocess.Popen([str(Path(sys.executable).with_name("ppipe")), "bench", url, "--model", m, "--rate", f"{r}", "--duration-s",
+                               f"{duration_s}", "--binary", "--seed", str(i), "--json-out", str(out / f"{m}.json")],
+                              stdout=subprocess.DEVNULL) for i, (m, r) in enumerate(rates.items())]
+    for p in procs:
+        if p.wait() != 0:
+            raise SystemExit(f"ppipe bench exited with {p.returncode}")
+    return {m: json.loads((out / f"{m}.json").read_text()) for m in rates}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--load", type=float, default=0.1, help="Share of each model's planned rate.")
+    ap.add_argument("--duration-s", type=float, default=10.0)
+    ap.add_argument("--plan", default=None, help="A plan.yaml (default: plan HC2-S with the built-in models).")
+    args = ap.parse_args()
+    print(host_line())
+    plan, profiles, cluster = default_plan(args.plan)
+    planned = {m.name: m.throughput_rps for m in plan.models}
+    runs = [{m: args.load * r} for m, r in planned.items()] + [{m: args.load * r for m, r in planned.items()}]
+    from ppipe.runtime.cli import init_ray
+
+    init_ray(None, None, loopback_only=True)  # as `ppipe serve` starts its Ray
+    srv, workers, rt = serve_in_process(plan, profiles, cluster, keep_traces=10**6)
+    url = srv.url
+    try:
+        drive(url, {m: 5.0 for m in planned}, 2.0)  # warm-up: connections, first batches
+        for rates in runs:
+            sim = simulate(plan, profiles, cluster, rates, args.duration_s)
+            since = len(rt.traces)
+            served = drive(url, rates, args.duration_s)
+            label = "all three" if len(rates) > 1 else "alone"
+            print(f"\n{label} at {args.load:g} of the planned rate")
+            print(f"{'model':14} {'rate':>7} {'serve on time':>13} {'p50 ms':>7} {'p99 ms':>7} {'sim on time':>11} {'sim p50':>7}  drops")
+            for m, r in served.items():
+                sa, sp = sim[m]
+                print(f"{m:14} {rates[m]:7.1f} {100 * r['slo_attainment']:12.2f}% {r['p50_ms'] or float('nan'):7.2f} "
+                      f"{r['p99_ms'] or float('nan'):7.2f} {100 * sa:10.2f}% {sp or float('nan'):7.2f}  {r['drops'] or '-'}")
+            late = lateness(rt, since)
+            print("  stage starts late vs reserved (ms): " + ", ".join(f"{k.replace('_start_late', '')} {v:.2f}" for k, v in late.items()))
+    finally:
+        stop(srv, workers)
+
+
+if __name__ == "__main__":
+    main()
