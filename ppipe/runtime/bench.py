@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ppipe.errors import UserError
+from ppipe.runtime.clock import sleep_until, wall_us
 from ppipe.runtime.protocol import DATATYPES, encode_infer_request
 
 
@@ -249,11 +250,12 @@ async def run_bench(
     tasks = []
     try:
         t0 = time.perf_counter() + 0.05
+        wall0 = wall_us() - time.perf_counter() * 1e6  # perf_counter -> wall us
         for t in times_us:
             t_sched = t0 + t / 1e6
-            delay = t_sched - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            # to a fraction of a ms (the loop's timers alone send each request up to 1 ms
+            # late, and that lag counts as latency)
+            await sleep_until(wall0 + t_sched * 1e6)
             tasks.append(asyncio.create_task(one(t_sched)))
         await asyncio.gather(*tasks)
     finally:
