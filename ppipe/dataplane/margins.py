@@ -38,7 +38,7 @@ from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
 
-DEFAULT_DISPATCH_LEAD_US = 1500.0
+DEFAULT_DISPATCH_LEAD_US = 500.0
 """`ppipe serve`'s and `ppipe simulate`'s fixed dispatch lead ``L_0``."""
 DEFAULT_ANSWER_BUDGET_US = 1500.0
 """`ppipe serve`'s and `ppipe simulate`'s fixed answer budget ``A_0``."""

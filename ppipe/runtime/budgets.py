@@ -7,9 +7,9 @@ holds their values while serving:
 * the configured parts, a fixed lead ``L_0`` and a fixed budget ``A_0``, plus the input's
   transfer, computed once per plan; a plan that leaves a model no time for them is
   refused (:func:`~ppipe.dataplane.margins.check_margins`);
-* an adaptive part of the answer budget, ``a``: the 95th percentile of how late the last
-  ``WINDOW`` batches' answers came after their planned end (0 when they come early),
-  recomputed every ``EVERY`` batches. A model gets ``min(a, cap_m)`` on top of ``A_0``,
+* an adaptive part of the answer budget, ``a_m``: the 95th percentile of how late the model's
+  last ``WINDOW`` batches' answers came after their planned end (0 when they come early),
+  recomputed every ``EVERY`` of its batches. A model gets ``min(a_m, cap_m)`` on top of ``A_0``,
   with ``cap_m = min(share * (S_m - L_m - A_0), T_m / 4)``
   (:func:`~ppipe.dataplane.margins.adaptive_cap_us`): lateness that the plan's slack
   cannot absorb makes answers late, but can never make the model unreachable. When the
@@ -53,9 +53,9 @@ class ServiceBudgets:
             raise ValueError(f"dispatch lead and answer budget must be >= 0 us, got {lead_us} and {budget_us}")
         self.lead_us, self.budget_us = lead_us, budget_us
         self.margins: dict[str, ModelMargins] = {}
-        self._lateness = np.zeros(WINDOW)
-        self._seen = 0
-        self.late_us = 0.0  # the adaptive part a, before the per-model caps
+        self._lateness: dict[str, np.ndarray] = {}  # per model, its last WINDOW batches' answer lateness
+        self._seen: dict[str, int] = {}
+        self.late_us: dict[str, float] = {}  # per model, the adaptive part a before its cap
         self._capped: set[str] = set()  # models whose cap bound (logged once each)
         self._applied: dict[str, float] = {}  # the answer budget per model in the scheduler's options
         self._gauges = None if registry is None else (
@@ -85,31 +85,32 @@ class ServiceBudgets:
         self._applied = {m: self._budget(x) for m, x in margins.items()}
         self._publish()
 
-    def answer_was_late(self, late_us: float) -> dict[str, float] | None:
+    def answer_was_late(self, model: str, late_us: float) -> dict[str, float] | None:
         """Record one batch's answer lateness; returns the new per-model answer budgets when
-        one moved by more than ``CHANGE_US`` (else None)."""
-        self._lateness[self._seen % WINDOW] = late_us
-        self._seen += 1
-        if self._seen % EVERY:
+        the model's moved by more than ``CHANGE_US`` (else None)."""
+        window = self._lateness.setdefault(model, np.zeros(WINDOW))
+        seen = self._seen[model] = self._seen.get(model, 0) + 1
+        window[(seen - 1) % WINDOW] = late_us
+        if seen % EVERY:
             return None
-        seen = self._lateness[: min(self._seen, WINDOW)]
-        self.late_us = max(0.0, float(np.percentile(seen, 95)))
-        wanted = {m: self._budget(x) for m, x in self.margins.items()}
-        if all(abs(wanted[m] - self._applied.get(m, 0.0)) <= CHANGE_US for m in wanted):
+        self.late_us[model] = max(0.0, float(np.percentile(window[: min(seen, WINDOW)], 95)))
+        x = self.margins.get(model)
+        if x is None or abs(self._budget(x) - self._applied.get(model, 0.0)) <= CHANGE_US:
             return None
-        self._applied = wanted
+        self._applied[model] = self._budget(x)
         self._publish()
-        return dict(wanted)
+        return dict(self._applied)
 
     def _budget(self, x: ModelMargins) -> float:
         """``A_0 + min(a, cap_m)``, logging once per model when the cap binds."""
         cap = min(adaptive_cap_us(x), 0.25 * x.slo_us)
-        if self.late_us > cap and x.model not in self._capped:
+        late = self.late_us.get(x.model, 0.0)
+        if late > cap and x.model not in self._capped:
             self._capped.add(x.model)
             log.warning("%s: answers come %.1f ms after their planned end, more than the %.1f ms its plan's slack leaves "
                         "the answer budget; the budget stays at %.1f ms so that the model is still served (its answers "
-                        "may be late)", x.model, self.late_us / 1e3, cap / 1e3, (x.budget_us + cap) / 1e3)
-        return x.budget_us + min(self.late_us, cap)
+                        "may be late)", x.model, late / 1e3, cap / 1e3, (x.budget_us + cap) / 1e3)
+        return x.budget_us + min(late, cap)
 
     def _publish(self) -> None:
         if self._gauges is None:

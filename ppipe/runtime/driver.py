@@ -654,10 +654,10 @@ class Runtime:
         if abs(lead - opts.wake_lead_us) > 250.0:  # (not on every timer: a copy of the options)
             self._current_scheduler().options = opts.model_copy(update={"wake_lead_us": lead})
 
-    def _answer_was_late(self, late_us: float) -> None:
+    def _answer_was_late(self, model: str, late_us: float) -> None:
         """Keep the answer budget above how late batches end here (:class:`ServiceBudgets`):
         when a model's budget moves, the current scheduler gets the new budgets."""
-        budgets = self.budgets.answer_was_late(late_us)
+        budgets = self.budgets.answer_was_late(model, late_us)
         sched = self._current_scheduler()
         opts = getattr(sched, "options", None)
         if budgets is not None and opts is not None and hasattr(opts, "answer_budget_us"):
@@ -787,7 +787,7 @@ class Runtime:
             insort(batch.trace.reports, rep, key=lambda r: r["partition"])
         self._report(batch.d, k, rep)
         if k == len(batch.route) - 1:
-            self._answer_was_late(self.clock.true_now_us() - batch.d.stages[-1].end_us)
+            self._answer_was_late(batch.d.model, self.clock.true_now_us() - batch.d.stages[-1].end_us)
             for i, r in enumerate(batch.d.requests):
                 self._answer(r.id, {n: a[i] for n, a in outputs.items()})
         if not batch.unreported:

@@ -24,16 +24,17 @@ def test_the_adaptive_budget_follows_lateness_and_is_capped_so_the_model_stays_s
     b.adopt(margins)
     assert b.options(margins)["answer_budget_us"] == {"m": 1500.0}
     for _ in range(EVERY):
-        assert b.answer_was_late(-300.0) is None  # early answers: the budget stays as configured
+        assert b.answer_was_late("m", -300.0) is None  # early answers: the budget stays as configured
     changed = None
     for _ in range(2 * EVERY):
-        changed = b.answer_was_late(800.0) or changed
+        changed = b.answer_was_late("m", 800.0) or changed
     assert changed == {"m": pytest.approx(2300.0)}  # A_0 + the 95th percentile of the lateness
     with caplog.at_level(logging.WARNING, logger="ppipe.runtime"):
         for _ in range(2 * WINDOW):
-            changed = b.answer_was_late(50_000.0) or changed  # far later than the slack allows
+            changed = b.answer_was_late("m", 50_000.0) or changed  # far later than the slack allows
     cap = 0.5 * (6000.0 - 3500.0)  # half of what the slack leaves over the fixed margins
     assert changed == {"m": pytest.approx(1500.0 + cap)}
+    assert b.answer_was_late("other", 50_000.0) is None  # a model's lateness is its own
     assert b.margins["m"].reserved_us + cap < b.margins["m"].slack_us  # still reachable
     assert sum("the budget stays at" in r.getMessage() for r in caplog.records) == 1  # said once
     assert reg.get_sample_value("ppipe_model_reserved_slack_ms", {"model": "m"}) == pytest.approx((2000.0 + 1500.0 + cap) / 1e3)

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from sim_fakes import tiny_cluster, tiny_plan, tiny_profile
 
 from ppipe.cli import main
+from ppipe.dataplane.margins import DEFAULT_DISPATCH_LEAD_US
 
 
 @pytest.fixture
@@ -36,8 +37,8 @@ def test_the_runtimes_margins_apply_by_default_and_a_plan_without_room_for_them_
         r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--json", plan_dir / f"{name}.json", *extra, margins=True)
         assert r.exit_code == 0 and "leaves no time" not in r.output, r.output
         out[name] = json.loads((plan_dir / f"{name}.json").read_text())["overall"]
-    # at a low load every request waits for nothing but the lead (1.5 ms plus its input's transfer)
-    assert out["default"]["p50_latency_ms"] >= out["paper"]["p50_latency_ms"] + 1.5
+    # at a low load every request waits for nothing but the lead (0.5 ms plus its input's transfer)
+    assert out["default"]["p50_latency_ms"] >= out["paper"]["p50_latency_ms"] + DEFAULT_DISPATCH_LEAD_US / 1e3
     r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--answer-budget-ms", 1000, margins=True)
     assert r.exit_code == 0, r.output
     assert "leaves no time for the runtime's margins" in r.output and "`ppipe serve` refuses this plan" in r.output
