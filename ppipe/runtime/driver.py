@@ -723,7 +723,10 @@ class Runtime:
         """Send stage 0's message (the batch's inputs) and, for every stage that receives over
         NCCL, its message without tensors (both ends of an NCCL edge are posted at once)."""
         names = list(d.requests[0].payload)
-        inputs = {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
+        if len(d.requests) == 1:  # a view with the batch axis, not a copy of the input
+            inputs = {n: np.expand_dims(d.requests[0].payload[n], 0) for n in names}
+        else:
+            inputs = {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
         to_wall = self.clock.to_wall_us
         timing = [
             (None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us, to_wall(s.start_us),

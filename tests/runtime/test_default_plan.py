@@ -1,0 +1,93 @@
+"""The README's default plan served as a new user serves it: every model on time at a low load.
+
+``ppipe plan``'s default (HC2-S, the three built-in models) on emulated Ray workers with
+the real inputs and feature maps (the profiled latencies emulate the GPUs), the frontend
+with `ppipe serve`'s defaults, driven by ``ppipe bench --binary`` from its own process.
+The simulator, with the same margins, runs the same rates. Before the runtime's margins
+were data-plane rules, resnet50 (6.15 ms of slack in a 15.26 ms SLO) was dropped whole.
+
+What is checked: every model is served (at least half of its requests on time, at most a
+tenth dropped), where the old budgets answered every resnet50 request with a drop. On this
+2-core host with two dozen worker processes, the frontend and the load generators on it,
+resnet50 (whose pipeline leaves 6.15 ms) measures 73-96 % on time from run to run and the
+others 95-98 %; the 99 % target is a benchmark figure (``scripts/bench_default_plan.py``),
+not asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ppipe.dataplane.margins import serving_options
+from ppipe.runtime.cli import DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
+from ppipe.runtime.deploy import load_deployment, start_workers
+from ppipe.runtime.driver import Runtime
+from ppipe.runtime.server import BackgroundServer, create_app
+from ppipe.sim.simulator import SimConfig
+from ppipe.sim.sweep import run_point
+
+pytestmark = pytest.mark.ray
+
+LOAD = 0.03  # of each model's planned rate: ~40 req/s each
+FLOOR = 0.5  # on time, per model (see the module's docstring)
+MAX_DROPS = 0.1  # dropped, per model
+DURATION_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tmp_path_factory):
+    import ray
+
+    from ppipe.planner.api import plan as make_plan
+
+    path = tmp_path_factory.mktemp("default") / "plan.yaml"
+    make_plan().save(path)
+    dep = load_deployment(path)
+    workers = start_workers(dep, backend="emulated")  # real-size feature maps: no byte cap
+    opts = serving_options()
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1e3},
+                 dispatch_lead_us=opts["dispatch_lead_us"], answer_budget_us=opts["answer_budget_us"],
+                 report_tolerance_us=DEFAULT_REPORT_TOLERANCE_MS * 1e3)
+    with BackgroundServer(create_app(rt)) as srv:
+        bench(srv.url, {m.name: 5.0 for m in dep.plan.models}, 1.5, tmp_path_factory.mktemp("warm"))  # connections, first batches
+        yield srv.url, dep
+    for h in workers.values():
+        ray.kill(h)
+
+
+def bench(url: str, rates: dict[str, float], duration_s: float, out: Path) -> dict[str, dict]:
+    """``ppipe bench --binary`` per model, all at once, each in its own process."""
+    exe = str(Path(sys.executable).with_name("ppipe"))
+    procs = [subprocess.Popen([exe, "bench", url, "--model", m, "--rate", f"{r}", "--duration-s", f"{duration_s}", "--binary",
+                               "--seed", str(i), "--json-out", str(out / f"{m}.json")], stdout=subprocess.DEVNULL)
+             for i, (m, r) in enumerate(rates.items())]
+    assert all(p.wait() == 0 for p in procs)
+    return {m: json.loads((out / f"{m}.json").read_text()) for m in rates}
+
+
+def simulated(dep, rates: dict[str, float]) -> dict[str, float]:
+    full = {m.name: rates.get(m.name, 0.0) for m in dep.plan.models}
+    res = run_point(dep.plan, dep.profiles, dep.cluster, 1.0, rates_rps=full,
+                    config=SimConfig(duration_s=DURATION_S, scheduler_options=serving_options()))
+    return {m: res.models[m].attainment for m in rates}
+
+
+@pytest.mark.parametrize("alone", ["resnet50", "inception_v2", "densenet121", None])
+def test_every_model_of_the_default_plan_is_served_on_time_at_a_low_load(served, alone, tmp_path):
+    url, dep = served
+    planned = {m.name: m.throughput_rps for m in dep.plan.models}
+    # together, a third of the load each: the same total rate through the one frontend and
+    # three load generators on the same two cores
+    rates = {m: LOAD * r for m, r in planned.items() if m == alone} if alone else {m: LOAD / 3 * r for m, r in planned.items()}
+    got = bench(url, rates, DURATION_S, tmp_path)
+    sim = simulated(dep, rates)
+    for m, r in got.items():
+        assert r["sent"] >= 0.8 * rates[m] * DURATION_S
+        assert r["slo_attainment"] >= FLOOR, (m, r["slo_attainment"], r["drops"], r["p50_ms"], r["p99_ms"])
+        assert sum(r["drops"].values()) <= MAX_DROPS * r["sent"], (m, r["drops"], r["sent"])
+        assert sim[m] >= 0.99, (m, sim[m])
