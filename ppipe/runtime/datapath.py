@@ -15,13 +15,15 @@ done. Feature maps between two workers therefore never pass through the frontend
 frontend's cost per batch is one message out and one report in per stage, a small fraction
 of a Ray actor call's.
 
-Both ends are asyncio protocols on the process's event loop: a message is one ``send``
-system call from the loop's thread and one read where the loop already waits. There is
-no transport thread on purpose: a messaging library with an I/O thread of its own
-(ZeroMQ's) pays a cross-thread wake-up per message, which on small VMs costs several times
-the send itself. Sending never blocks: a connection that is not
-up yet queues its messages, and a peer that stops reading fills the transport's buffer up
-to ``MAX_BUFFERED_BYTES``, past which the send raises :class:`DataPathFull` and the caller
+Both ends are asyncio protocols on the process's event loop: a small message is one
+``send`` system call from the loop's thread and one read where the loop already waits; a
+feature map goes out a megabyte at a time as the socket takes it, as views of its array
+(:class:`_Sender`), and is read in place into a buffer of its own (:class:`_Receiver`), so
+neither end copies it. There is no transport thread on purpose: a messaging library with
+an I/O thread of its own (ZeroMQ's) pays a cross-thread wake-up per message, which on
+small VMs costs several times the send itself. Sending never blocks: a connection that is
+not up yet queues its messages, and a peer that stops reading lets them wait up to
+``MAX_BUFFERED_BYTES``, past which the send raises :class:`DataPathFull` and the caller
 fails that batch.
 
 Connections carry data only (msgpack and raw tensors, never pickle). They listen on the
@@ -35,7 +37,10 @@ import asyncio
 import ipaddress
 import logging
 import socket
+from collections import deque
 from typing import Any, Awaitable, Callable, Iterable
+
+import numpy as np
 
 from ppipe.runtime.wire import LENGTH, MAX_MESSAGE_BYTES, WireError, pack, unpack
 
@@ -78,13 +83,36 @@ def node_host() -> str:
     return LOOPBACK if nodes <= {here} else here
 
 
-class _Receiver(asyncio.Protocol):
-    """One accepted connection: cuts the byte stream into messages for ``on_message``."""
+SMALL_READ_BYTES = 256 * 1024  # a connection's shared buffer for length prefixes and small messages
+
+
+class _Receiver(asyncio.BufferedProtocol):
+    """One accepted connection: cuts the byte stream into messages for the inbox.
+
+    The socket reads straight into buffers this class hands out (``get_buffer``), so the
+    bytes of a message are copied at most once after the kernel's copy, however many reads
+    bring them. Between messages, reads go to one shared buffer of ``SMALL_READ_BYTES``:
+    whole messages found there are delivered as copies (``bytes``; they are smaller than
+    that buffer, which the next read overwrites), and a message that does not end there
+    gets a buffer of its own, sized from its length prefix, holding the part that came
+    and then filled in place by the following reads, each asked for exactly what the
+    message still lacks. Once full, it is delivered as a read-only memoryview of that
+    buffer, which nothing here touches again, so views of it (the tensors
+    :func:`~ppipe.runtime.wire.unpack` makes) stay valid as long as they live.
+
+    A message of ``m`` bytes arriving in ``k`` reads thus costs at most ``min(m,
+    SMALL_READ_BYTES)`` bytes of copying, not ``O(k m)``. A length prefix that no message
+    can have (over :data:`~ppipe.runtime.wire.MAX_MESSAGE_BYTES`, or under a header length
+    field), or one this process has no memory for, closes the connection with a warning.
+    """
 
     def __init__(self, inbox: "Inbox"):
         self.inbox = inbox
-        self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
+        self.small = memoryview(bytearray(SMALL_READ_BYTES))
+        self.small_end = 0  # small[:small_end]: received, not yet cut (under a length prefix)
+        self.message: memoryview | None = None  # the message being filled, if any
+        self.filled = 0  # bytes of ``message`` received
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -92,26 +120,55 @@ class _Receiver(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.inbox.conns.discard(self)
+        self.message = None
 
-    def data_received(self, data: bytes) -> None:
-        if self.buf:
-            self.buf += data
-            data = self.buf
-        view, pos, end = memoryview(data), 0, len(data)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.message is not None:
+            return self.message[self.filled :]
+        return self.small[self.small_end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.message is None:
+            self.small_end += nbytes
+            self._cut()
+            return
+        self.filled += nbytes
+        if self.filled == len(self.message):
+            message, self.message = self.message, None
+            self.inbox.deliver(message.toreadonly())
+
+    def _cut(self) -> None:
+        """Deliver the whole messages in the shared buffer; start the one that does not end there."""
+        view, pos, end = self.small, 0, self.small_end
         while end - pos >= LENGTH:
             n = int.from_bytes(view[pos : pos + LENGTH], "little")
             if n > MAX_MESSAGE_BYTES or n < LENGTH:
-                log.warning("data path: a message of %d bytes to %s is malformed; closing its connection", n, self.inbox.address)
-                self.transport.close()
-                self.buf = bytearray()
+                self._refuse(f"a message of {n} bytes is malformed")
                 return
-            if end - pos - LENGTH < n:
-                break
-            message = view[pos + LENGTH : pos + LENGTH + n]
-            # a bytearray is reused below, so its message is copied; bytes stay alive in the views
-            self.inbox.deliver(bytes(message) if data is self.buf else message)
-            pos += LENGTH + n
-        self.buf = bytearray(view[pos:]) if pos < end else bytearray()
+            body = pos + LENGTH
+            if end - body < n:
+                self.small_end = 0
+                self._start_message(n, view[body:end])
+                return
+            self.inbox.deliver(bytes(view[body : body + n]))
+            pos = body + n
+        view[: end - pos] = view[pos:end]  # a partial length prefix, under LENGTH bytes
+        self.small_end = end - pos
+
+    def _start_message(self, n: int, head: memoryview) -> None:
+        """Allocate an ``n``-byte message holding ``head``, its first bytes."""
+        try:
+            self.message = memoryview(np.empty(n, np.uint8))  # not zeroed: every byte is received into it
+        except MemoryError:
+            self._refuse(f"no memory for a message of {n} bytes")
+            return
+        self.message[: len(head)] = head
+        self.filled = len(head)
+
+    def _refuse(self, why: str) -> None:
+        log.warning("data path: %s to %s; closing its connection", why, self.inbox.address)
+        self.small_end = 0
+        self.transport.close()
 
 
 class Inbox:
@@ -152,38 +209,115 @@ class Inbox:
         self.conns.clear()
 
 
+WRITE_CHUNK_BYTES = 1024 * 1024  # the most one write hands the transport
+COALESCE_BYTES = 128 * 1024  # pieces under this size are small: a transport that joins gets runs of them joined
+
+
 class _Sender(asyncio.Protocol):
-    """One outgoing connection; queues messages until it is up."""
+    """One outgoing connection: hands its queued pieces to the transport as the socket takes them.
+
+    A message's pieces (a header, then the tensors' memoryviews) wait in ``queue``,
+    uncopied, until the transport's buffer is empty. Then they go to the transport one
+    write at a time (:meth:`_next_write`: small pieces together, a large one
+    ``WRITE_CHUNK_BYTES`` at a time) until a write leaves bytes in its buffer (the socket
+    is full): the transport's high-water mark is 0, so it then pauses this protocol, and
+    resumes it once the socket has taken everything.
+
+    How a write is handed over depends on the transport's ``writelines``. Where the
+    transport has its own (uvloop's, CPython >= 3.12's), it writes the pieces with one
+    ``writev``/``sendmsg`` and keeps references to what the socket did not take, without
+    copying: a write is ``writelines`` of a run of small pieces and the next slice of a
+    large one (a header and the start of its tensor: one system call). CPython 3.11's
+    selector transport inherits the base class's, which joins the pieces (a copy of the
+    whole message), and its ``write`` copies what the socket did not take into a
+    bytearray, whose tail is copied again each time it halves. There a write is either a
+    run of small pieces joined (a header and its small tensors: one system call) or one
+    slice of a large piece: each time the socket fills up, at most ``WRITE_CHUNK_BYTES``
+    are copied, and nothing when it takes the write whole.
+
+    Either way the queued views refer to the senders' arrays: an array must not change
+    once sent (stage outputs and batch inputs are fresh arrays).
+    """
 
     def __init__(self, outbox: "Outbox", addr: str):
         self.outbox, self.addr = outbox, addr
         self.transport: asyncio.Transport | None = None
-        self.pending: list[Any] = []
-        self.pending_bytes = 0
+        self.gathers = False  # whether the transport's writelines writes pieces without joining them
+        self.queue: deque[memoryview | bytes] = deque()
+        self.queued_bytes = 0
+        self.paused = False
         self.lost = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        if self.pending:
-            transport.writelines(self.pending)
-            self.pending, self.pending_bytes = [], 0
+        self.gathers = type(transport).writelines is not asyncio.WriteTransport.writelines
+        transport.set_write_buffer_limits(high=0)
+        self._flush()
 
     def connection_lost(self, exc) -> None:
         self.lost = True
+        self.queue.clear()
+        self.queued_bytes = 0
         self.outbox.forget(self)
 
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._flush()
+
+    def waiting_bytes(self) -> int:
+        """Bytes sent to this peer that the socket has not taken yet."""
+        return self.queued_bytes + (self.transport.get_write_buffer_size() if self.transport is not None else 0)
+
     def send(self, pieces: list[Any]) -> None:
-        t = self.transport
-        if t is None:
-            size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
-            if self.pending_bytes + size > MAX_BUFFERED_BYTES:
-                raise DataPathFull(f"{self.pending_bytes} bytes already wait for {self.addr}, which is not connected")
-            self.pending.extend(pieces)
-            self.pending_bytes += size
+        views = [p if type(p) is bytes else memoryview(p).cast("B") for p in pieces]
+        size = sum(map(len, views))
+        waiting = self.waiting_bytes()
+        if waiting and waiting + size > MAX_BUFFERED_BYTES:  # a message to an idle peer always goes
+            state = "is not connected" if self.transport is None else "stopped reading"
+            raise DataPathFull(f"{waiting} bytes already wait for {self.addr}, which {state}")
+        if len(views) == 1 and not waiting and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(views[0])  # a header alone (a report, an ack): nothing to cut or join
             return
-        if t.get_write_buffer_size() > MAX_BUFFERED_BYTES:
-            raise DataPathFull(f"{t.get_write_buffer_size()} bytes already wait for {self.addr}, which stopped reading")
-        t.writelines(pieces)
+        self.queue.extend(v for v in views if len(v))
+        self.queued_bytes += size
+        self._flush()
+
+    def _flush(self) -> None:
+        t = self.transport
+        while self.queue and not self.paused and t is not None and not t.is_closing():
+            unit = self._next_write()
+            self.queued_bytes -= sum(len(p) for p in unit)
+            if self.gathers:
+                t.writelines(unit)
+            else:
+                t.write(unit[0] if len(unit) == 1 else b"".join(unit))
+
+    def _next_write(self) -> list[memoryview | bytes]:
+        """Take the pieces of the next write off the queue: a run of small pieces (under
+        ``COALESCE_BYTES``, at most ``WRITE_CHUNK_BYTES`` in all), then, for a transport that
+        gathers, or alone, for one that joins, the next ``WRITE_CHUNK_BYTES`` of a larger
+        piece (cut at multiples of that size from the piece's start)."""
+        queue, unit, small = self.queue, [], 0
+        while queue:
+            piece = queue[0]
+            if len(piece) < COALESCE_BYTES:
+                if unit and small + len(piece) > WRITE_CHUNK_BYTES:
+                    break
+                unit.append(queue.popleft())
+                small += len(piece)
+                continue
+            if unit and not self.gathers:
+                break
+            if len(piece) > WRITE_CHUNK_BYTES:
+                queue[0], piece = piece[WRITE_CHUNK_BYTES:], piece[:WRITE_CHUNK_BYTES]
+            else:
+                queue.popleft()
+            unit.append(piece)
+            break
+        return unit
 
 
 class Outbox:

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, StageServer, is_loopback_address, ran_as_reserved
+from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, StageServer, _Receiver, is_loopback_address, ran_as_reserved
 from ppipe.runtime.wire import WireError, pack, unpack
 
 
@@ -239,3 +239,182 @@ def test_a_receiver_closes_a_connection_whose_length_prefix_is_impossible():
 
     got, closed = asyncio.run(main())
     assert got == [] and closed == b""
+
+
+# ---- receiving in place, sending without joining ---------------------------------------------------------
+class _FakeInbox:
+    address = "tcp://127.0.0.1:0"
+
+    def __init__(self):
+        self.conns, self.got = set(), []
+
+    def deliver(self, message):
+        self.got.append(message)
+
+
+class _FakeReadTransport:
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def _receiver():
+    r = _Receiver(_FakeInbox())
+    r.connection_made(_FakeReadTransport())
+    return r
+
+
+def _feed(r, data: bytes, chunk: int) -> list:
+    """Feed ``data`` to a receiver the way the transport does: read at most ``chunk`` bytes
+    into each buffer ``get_buffer`` hands out; returns those buffers."""
+    bufs, pos = [], 0
+    while pos < len(data):
+        buf = r.get_buffer(-1)
+        n = min(chunk, len(buf), len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        bufs.append(buf)
+        r.buffer_updated(n)
+        pos += n
+    return bufs
+
+
+def _wire_bytes(header, tensors=None) -> bytes:
+    return b"".join(bytes(p) for p in pack(header, tensors))
+
+
+@pytest.mark.parametrize("chunk, floats", [(1, 3_000), (7, 40_000), (64 * 1024, 300_000)])
+def test_a_message_in_many_small_reads_is_delivered_whole(chunk, floats):
+    x = np.random.default_rng(chunk).standard_normal(floats).astype(np.float32)  # 300_000: more than the shared buffer
+    data = _wire_bytes({"i": 1}, {"x": x}) + _wire_bytes({"i": 2})
+    r = _receiver()
+    _feed(r, data, chunk)
+    assert len(r.inbox.got) == 2 and not r.transport.closed
+    (h1, t1), (h2, t2) = (unpack(m) for m in r.inbox.got)
+    assert h1 == {"i": 1} and t1["x"].tobytes() == x.tobytes() and (h2, t2) == ({"i": 2}, {})
+
+
+def test_two_messages_in_one_read_are_both_delivered_and_survive_the_next_read():
+    a, b = _wire_bytes({"i": 1}, {"x": np.arange(5, dtype=np.int16)}), _wire_bytes({"i": 2})
+    r = _receiver()
+    _feed(r, a + b + a[:3], len(a + b) + 3)  # two messages and the start of a length prefix
+    assert [unpack(m)[0]["i"] for m in r.inbox.got] == [1, 2]
+    _feed(r, a[3:] + b"\xff" * 64, len(a))  # overwrites the shared buffer the first two were read into
+    (h1, t1), _, (h3, t3) = (unpack(m) for m in r.inbox.got)
+    assert h1 == h3 == {"i": 1} and t1["x"].tolist() == t3["x"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_bad_length_prefix_closes_the_connection_after_the_messages_before_it(caplog):
+    r = _receiver()
+    _feed(r, _wire_bytes({"i": 1}) + (3).to_bytes(4, "little") + b"xyz", 1 << 20)
+    assert [unpack(m)[0] for m in r.inbox.got] == [{"i": 1}]
+    assert r.transport.closed and "a message of 3 bytes is malformed" in caplog.text
+
+
+def test_a_big_message_is_read_into_one_buffer_of_its_own_whatever_the_number_of_reads():
+    """The receive cost is linear: after the first read, every read of a message lands in
+    place in the message's own buffer (the view handed out is of that buffer, just past
+    what came), and that buffer, not a copy, is delivered, read-only."""
+    x = np.random.default_rng(0).standard_normal(2_000_000).astype(np.float16)
+    data = _wire_bytes({"i": 1}, {"x": x})
+    r = _receiver()
+    bufs = _feed(r, data, 64 * 1024)
+    own = bufs[1].obj
+    assert bufs[0].obj is not own  # the first read: the shared buffer, for the length prefix
+    assert all(b.obj is own for b in bufs[1:]) and len(bufs) == -(-len(data) // (64 * 1024))
+    assert [len(b) for b in bufs[1:]] == [len(data) - k * 64 * 1024 for k in range(1, len(bufs))]
+    (message,) = r.inbox.got
+    assert message.obj is own and message.readonly
+    _, tensors = unpack(message)
+    assert np.shares_memory(tensors["x"], np.asarray(own)) and not tensors["x"].flags.writeable
+    assert tensors["x"].tobytes() == x.tobytes()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_13_mb_tensor_round_trips_byte_exact_over_loopback(loop):
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+    x = np.random.default_rng(13).standard_normal(13 * 2**20 // 2).astype(np.float16)
+
+    async def main():
+        got = asyncio.get_running_loop().create_future()
+        inbox = Inbox(lambda m: got.set_result(unpack(m)))
+        out = Outbox()
+        out.send(inbox.address, pack({"b": 1}, {"x": x, "y": np.arange(3)}))
+        header, tensors = await asyncio.wait_for(got, 20)
+        out.close(), inbox.close()
+        return header, tensors
+
+    header, tensors = asyncio.run(main()) if loop == "asyncio" else uvloop.run(main())
+    assert header == {"b": 1} and tensors["y"].tolist() == [0, 1, 2]
+    assert tensors["x"].dtype == np.float16 and tensors["x"].view(np.uint16).tobytes() == x.view(np.uint16).tobytes()
+
+
+class _FakeWriteTransport(asyncio.WriteTransport):
+    """Takes ``capacity`` bytes per write into the "socket" and buffers the rest, as
+    asyncio's transports do; ``writelines`` is the base class's, which joins."""
+
+    def __init__(self, protocol, capacity: int):
+        super().__init__()
+        self.protocol, self.capacity, self.writes, self.buffered = protocol, capacity, [], 0
+
+    def set_write_buffer_limits(self, high=None, low=None):
+        assert high == 0
+
+    def get_write_buffer_size(self):
+        return self.buffered
+
+    def is_closing(self):
+        return False
+
+    def write(self, data):
+        self._take([data])
+
+    def _take(self, pieces):
+        self.writes.append(pieces)
+        self.buffered += max(0, sum(len(p) for p in pieces) - self.capacity)
+        if self.buffered:
+            self.protocol.pause_writing()
+
+    def drain(self):
+        self.buffered = 0
+        self.protocol.resume_writing()
+
+
+class _FakeGatheringTransport(_FakeWriteTransport):
+    def writelines(self, pieces):  # its own: one writev, no join
+        self._take(list(pieces))
+
+
+@pytest.mark.parametrize("gathers", [False, True])
+def test_a_sender_hands_the_transport_views_of_the_tensor_a_chunk_at_a_time(gathers):
+    from ppipe.runtime import datapath
+
+    chunk = datapath.WRITE_CHUNK_BYTES
+    x = np.arange(int(2.5 * chunk) // 4, dtype=np.float32)
+    s = datapath._Sender(Outbox(), "tcp://127.0.0.1:9")
+    s.send(pack({"b": 1}, {"x": x}))  # not connected yet: queued
+    t = (_FakeGatheringTransport if gathers else _FakeWriteTransport)(s, capacity=chunk // 2)
+    s.connection_made(t)
+    assert s.gathers is gathers
+    assert len(t.writes) == (1 if gathers else 2) and s.paused  # the socket is full: the rest waits, uncopied
+    while s.queue:
+        t.drain()
+    pieces = [p for w in t.writes for p in w]
+    assert all(sum(len(p) for p in w) <= chunk + 1024 for w in t.writes)
+    tensor_pieces = [p for p in pieces if isinstance(p, memoryview)]
+    assert [len(p) for p in tensor_pieces] == [chunk, chunk, x.nbytes - 2 * chunk]
+    assert all(p.obj is x for p in tensor_pieces)  # views of the array: nothing copied
+    assert len(t.writes) == (3 if gathers else 4)  # the header rides with the first chunk where the transport gathers
+    assert b"".join(bytes(p) for p in pieces) == _wire_bytes({"b": 1}, {"x": x})
+
+
+def test_a_sender_joins_a_header_and_its_small_tensors_into_one_write():
+    from ppipe.runtime import datapath
+
+    s = datapath._Sender(Outbox(), "tcp://127.0.0.1:9")
+    t = _FakeWriteTransport(s, capacity=1 << 30)
+    s.connection_made(t)
+    s.send(pack({"b": 1}, {"x": np.zeros(3), "y": np.ones(2, np.int8)}))
+    assert len(t.writes) == 1 and bytes(t.writes[0][0]) == _wire_bytes({"b": 1}, {"x": np.zeros(3), "y": np.ones(2, np.int8)})
