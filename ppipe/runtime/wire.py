@@ -6,9 +6,12 @@ On a connection, each message is a 4-byte little-endian length ``n`` and ``n`` b
 
 The header's key ``"t"`` lists the tensors that follow as ``[name, dtype, shape]`` (dtype
 as NumPy's ``dtype.str``, e.g. ``"<f2"``), in order; each tensor is its array's
-C-contiguous bytes. :func:`pack` returns the pieces to write (the arrays' buffers are not
-copied); :func:`unpack` reads a message without copying its tensors
-(:func:`numpy.frombuffer`: read-only views that keep the message alive).
+C-contiguous bytes. :func:`pack` returns the pieces to write: the length prefix, header
+length and header as one ``bytes``, then each tensor's buffer (a memoryview of its array,
+not a copy), so a sender can hand them to the socket without joining them.
+:func:`unpack` reads a message without copying its tensors (:func:`numpy.frombuffer`:
+views that keep the message alive, read-only where the message is, as the receiver's
+are).
 
 Why msgpack and raw bytes rather than pickle: a message carries data, never code, so a
 peer that can reach a worker's port can at worst send a batch that fails, and decoding is
@@ -38,7 +41,10 @@ MAX_MESSAGE_BYTES = 2**32 - 1
 
 
 def pack(header: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
-    """The pieces of one message on a connection, length prefix first; write them in order."""
+    """The pieces of one message on a connection, in order: ``bytes`` of the length prefix,
+    header length and header, then the tensors' buffers (memoryviews of C-contiguous
+    arrays; a non-contiguous array is copied first). The views share the arrays' memory:
+    an array must not change until its message is sent."""
     specs, bufs, size = [], [], 0
     for name, arr in (tensors or {}).items():
         arr = np.asarray(arr)
@@ -52,7 +58,7 @@ def pack(header: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -
     n = LENGTH + len(head) + size
     if n > MAX_MESSAGE_BYTES:
         raise WireError(f"a message of {n} bytes exceeds the wire's limit of {MAX_MESSAGE_BYTES}")
-    return [n.to_bytes(LENGTH, "little") + len(head).to_bytes(LENGTH, "little"), head, *bufs]
+    return [n.to_bytes(LENGTH, "little") + len(head).to_bytes(LENGTH, "little") + head, *bufs]
 
 
 def unpack(message: bytes | memoryview) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
