@@ -347,7 +347,7 @@ class Outbox:
             # a dead peer is tried once per message sent to it: one warning, the repeats at debug level
             level = logging.DEBUG if peer.addr in self._unreachable else logging.WARNING
             self._unreachable.add(peer.addr)
-            log.log(level, "data path: cannot connect to %s (%s); %d queued bytes dropped", peer.addr, why, peer.pending_bytes)
+            log.log(level, "data path: cannot connect to %s (%s); %d queued bytes dropped", peer.addr, why, peer.queued_bytes)
             peer.lost = True
             self.forget(peer)
         else:
