@@ -278,8 +278,15 @@ class _Sender(asyncio.Protocol):
         if waiting and waiting + size > MAX_BUFFERED_BYTES:  # a message to an idle peer always goes
             state = "is not connected" if self.transport is None else "stopped reading"
             raise DataPathFull(f"{waiting} bytes already wait for {self.addr}, which {state}")
-        if len(views) == 1 and not waiting and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(views[0])  # a header alone (a report, an ack): nothing to cut or join
+        t = self.transport
+        if size < COALESCE_BYTES and not waiting and t is not None and not t.is_closing():
+            # a small message (a report, an ack) on an idle connection: one write, no queue
+            if len(views) == 1:
+                t.write(views[0])
+            elif self.gathers:
+                t.writelines(views)
+            else:
+                t.write(b"".join(views))
             return
         self.queue.extend(v for v in views if len(v))
         self.queued_bytes += size
