@@ -418,3 +418,19 @@ def test_a_sender_joins_a_header_and_its_small_tensors_into_one_write():
     s.connection_made(t)
     s.send(pack({"b": 1}, {"x": np.zeros(3), "y": np.ones(2, np.int8)}))
     assert len(t.writes) == 1 and bytes(t.writes[0][0]) == _wire_bytes({"b": 1}, {"x": np.zeros(3), "y": np.ones(2, np.int8)})
+
+
+def test_a_peer_that_cannot_be_reached_drops_its_queue_with_one_warning(caplog):
+    async def main():
+        box = Outbox()
+        box.send("tcp://127.0.0.1:9", pack({"b": 1}, {"x": np.zeros(100)}))  # nobody listens on port 9
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if "tcp://127.0.0.1:9" not in box.peers:
+                break
+        box.close()
+        return box
+
+    box = asyncio.run(main())
+    assert box.peers == {} and "cannot connect to tcp://127.0.0.1:9" in caplog.text
+    assert f"{len(_wire_bytes({'b': 1}, {'x': np.zeros(100)}))} queued bytes dropped" in caplog.text
