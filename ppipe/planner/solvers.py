@@ -2,8 +2,10 @@
 
 Each backend takes a :class:`~ppipe.planner.milp.Milp` and returns a :class:`SolveResult`;
 none prints. The status is read from the solver itself (not from a wrapper's summary) and
-mapped to one of ``optimal`` (proven within the gap), ``time_limit`` (stopped with a
-feasible solution), ``infeasible``, or an error:
+mapped to one of ``optimal`` (proven within the gap), ``time_limit`` (the clock stopped it
+with a feasible solution), ``feasible`` (a work limit, e.g. HiGHS's node limit, stopped it
+with a feasible solution: unlike the clock, at the same point on every machine),
+``infeasible``, or an error:
 
 * no solution when the time limit struck: :class:`SolverTimeLimitError` (a UserError: the
   fix is a longer limit);
@@ -51,7 +53,7 @@ class SolveResult:
 
     Attributes:
         solver: backend name.
-        status: ``optimal`` | ``time_limit`` | ``infeasible``.
+        status: ``optimal`` | ``time_limit`` | ``feasible`` (stopped by a node limit) | ``infeasible``.
         x: column values (None when infeasible).
         objective: objective value of ``x``.
         gap: relative MIP gap at the end (``inf`` when the backend does not report it).
@@ -94,6 +96,11 @@ class Solver:
     def tuned_for(self, gpu_rule: str, single_model: bool = False) -> "Solver":
         """This solver with the settings measured best for MILPs of ``gpu_rule`` (and of one
         model alone, ``single_model``) (default: itself)."""
+        return self
+
+    def with_node_limit(self, max_nodes: int | None) -> "Solver":
+        """This solver stopping its MILPs after about ``max_nodes`` branch-and-bound nodes
+        (status ``feasible``); None: no limit. A backend without the option ignores it."""
         return self
 
 
@@ -154,6 +161,13 @@ class HighsSolver(Solver):
         if not self._default or not extra:
             return self
         return HighsSolver({**self.options, **extra})
+
+    def with_node_limit(self, max_nodes: int | None) -> "HighsSolver":
+        """This solver with HiGHS's ``mip_max_nodes``: a stop at the same point of the search
+        on every machine, which the clock is not."""
+        if max_nodes is None:
+            return self
+        return HighsSolver({**self.options, "mip_max_nodes": int(max_nodes)})
 
     def relaxation(self, milp: Milp, *, time_limit_s: float | None = None) -> SolveResult:
         """The LP relaxation of ``milp`` (integrality dropped), solved with
@@ -235,6 +249,10 @@ class HighsSolver(Solver):
             obj = float(info.objective_function_value)
             g = max(0.0, proof["target"] / obj - 1.0) if obj > 0 else math.inf
             return SolveResult(self.name, "optimal", x, obj, g, secs, method=proof["method"], **work)
+        if st == MS.kSolutionLimit and x is not None:
+            # mip_max_nodes (with_node_limit): a work limit, reached at the same point on every machine.
+            g = float(info.mip_gap)
+            return SolveResult(self.name, "feasible", x, float(info.objective_function_value), g if math.isfinite(g) else math.inf, secs, **work)
         # kObjectiveTarget: stopped at the option objective_target (the price bound sets it).
         if st in (MS.kTimeLimit, MS.kInterrupt, MS.kIterationLimit, MS.kSolutionLimit, MS.kObjectiveBound, MS.kObjectiveTarget):
             if x is None:
@@ -424,12 +442,17 @@ class GurobiSolver(Solver):
     accepts_prover = True  # passed on to HiGHS when the licence refuses the model
     accepts_start = True
 
-    def __init__(self, fallback: HighsSolver | None = None):
+    def __init__(self, fallback: HighsSolver | None = None, node_limit: int | None = None):
         self.fallback = fallback or HighsSolver()
+        self.node_limit = node_limit
 
     def tuned_for(self, gpu_rule: str, single_model: bool = False) -> "GurobiSolver":
         """Gurobi with its defaults; the HiGHS fallback tuned for ``gpu_rule``."""
-        return GurobiSolver(self.fallback.tuned_for(gpu_rule, single_model))
+        return GurobiSolver(self.fallback.tuned_for(gpu_rule, single_model), self.node_limit)
+
+    def with_node_limit(self, max_nodes: int | None) -> "GurobiSolver":
+        """Gurobi's ``NodeLimit`` (and the fallback's node limit)."""
+        return GurobiSolver(self.fallback.with_node_limit(max_nodes), max_nodes)
 
     def solve(self, milp, *, time_limit_s=None, gap=1e-4, threads=None, prover=None, prover_after_polls=0, start=None):
         """Solve ``milp``; ``start`` is a MIP start, ``prover``/``prover_after_polls`` only serve the HiGHS fallback (see :meth:`HighsSolver.solve`)."""
@@ -465,6 +488,8 @@ class GurobiSolver(Solver):
                 m.Params.TimeLimit = time_limit_s
             if threads is not None:
                 m.Params.Threads = threads
+            if self.node_limit is not None:
+                m.Params.NodeLimit = self.node_limit
             if start is not None and integ.any():
                 x.Start = np.asarray(start, dtype=float)
             m.optimize()
@@ -484,7 +509,7 @@ class GurobiSolver(Solver):
                 if m.SolCount == 0:
                     raise _timeout("Gurobi", time_limit_s)
                 g = float(m.MIPGap) if is_mip else 0.0
-                return SolveResult(self.name, "time_limit", np.array(x.X), float(m.ObjVal), g if math.isfinite(g) else math.inf, secs, **work)
+                return SolveResult(self.name, "feasible" if st == GRB.NODE_LIMIT else "time_limit", np.array(x.X), float(m.ObjVal), g if math.isfinite(g) else math.inf, secs, **work)
             raise SolverError(f"Gurobi ended with status code {st}")
         except gp.GurobiError as exc:
             if getattr(exc, "errno", None) in (GUROBI_NO_LICENSE, GUROBI_SIZE_LIMIT):
