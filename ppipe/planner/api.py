@@ -16,6 +16,11 @@ Defaults, and where they come from:
   latency (model.yaml's slo_ms ignored), and the batch-build estimate of their scripts:
   the NP plan for several models, their whole-GPU estimate for one
   (:func:`~ppipe.planner.baselines.whole_gpu_estimate`). Explicit arguments still win.
+* ``time_limit_s`` is the budget of the whole call. The NP plan behind the batch-build
+  estimate may take ESTIMATE_SHARE of it and stops after ESTIMATE_MAX_NODES nodes (x_hat
+  only sizes beta(b)); the plan's own MILP gets the rest (:mod:`ppipe.planner.core` splits
+  it further). A plan found by then is returned with its gap; only where none was found is
+  it a :class:`~ppipe.planner.solvers.SolverTimeLimitError` that names the limit.
 * A profile must time every GPU type of the cluster (at some level); GPU types the
   cluster lacks are ignored (the PPipe artifact times four types for every model).
 * Headroom (:mod:`ppipe.planner.headroom`): GPUs the plan leaves idle become extra vGPUs
@@ -42,7 +47,7 @@ from ppipe.planner.baselines import dart_r, np_levels, whole_gpu_estimate
 from ppipe.planner.configs import ModelSpec
 from ppipe.planner.core import milp_plan
 from ppipe.planner.objectives import ObjectiveLike, get_objective
-from ppipe.planner.solvers import get_solver, time_left
+from ppipe.planner.solvers import SolverTimeLimitError, get_solver, time_left
 from ppipe.spec.cluster import ClusterSpec, load_cluster, resolve_cluster_path
 from ppipe.spec.plan import Plan, PlanSettings, SolverReport
 from ppipe.spec.profile import ModelProfile, load_profile, load_profile_ref, profile_ref, resolve_model_dir  # noqa: F401 (re-exported)
@@ -51,6 +56,12 @@ PLANNERS = ("ppipe", "np", "dart-r")
 FORMULATIONS = ("ppipe", "ppipe-atc25")
 DEFAULT_SLO_SCALE = 5.0
 REFERENCE_GPU = "L4"
+# The NP plan behind the batch-gathering estimate x_hat may take this share of the time
+# limit, and stops after about ESTIMATE_MAX_NODES branch-and-bound nodes (on 1,000 GPUs its
+# MILP of 63 columns takes 250,000 nodes without closing a 0.1 % gap; every case of
+# scripts/bench_planner.py proves it within one node). x_hat only sizes beta(b).
+ESTIMATE_SHARE = 0.2
+ESTIMATE_MAX_NODES = 5_000
 
 ModelRef = Union[ModelProfile, str, Path]
 
@@ -347,8 +358,16 @@ def plan(
     specs = _model_specs(profiles, spec, slo_ms, slo_scale, weights, st.paper_slo)
     run = _Run(st, spec, levels, get_solver(solver), gap, [_model_file(p) for p in profiles],
                None if time_limit_s is None else t0 + time_limit_s)
-    specs, np_out = _with_batch_build(run, specs)
-    models_out, report = _solve(run, specs, np_out, obj)
+    try:
+        specs, np_out, estimate_clocked = _with_batch_build(run, specs)
+        models_out, report = _solve(run, specs, np_out, obj)
+    except SolverTimeLimitError as err:
+        raise SolverTimeLimitError(
+            f"no plan found within the time limit of {time_limit_s} s (time_limit_s, --time-limit-s): {err.message}",
+            fix="raise --time-limit-s (or time_limit_s=); or plan less at once: fewer models, --max-partitions 2",
+        ) from None
+    if estimate_clocked and report.status in ("optimal", "feasible"):
+        report = report.model_copy(update={"status": "time_limit"})  # the clock stopped the estimate's NP plan
     report = report.model_copy(update={"seconds": time.perf_counter() - t0})
     target_util = _headroom_target(opts.headroom, st.planner, st.formulation, obj.name)
     if target_util is not None:
@@ -394,10 +413,15 @@ class _Run:
     files: list[str | None]
     deadline: float | None
 
-    def milp(self, specs, objective, *, no_partitioning: bool = False):
+    def milp(self, specs, objective, *, no_partitioning: bool = False, estimate: bool = False):
         """:func:`milp_plan` with this call's settings; ``no_partitioning``: the NP plan
-        (one partition, level 1 only)."""
+        (one partition, level 1 only); ``estimate``: the NP plan behind x_hat, within
+        ESTIMATE_SHARE of the time left and ESTIMATE_MAX_NODES nodes."""
         st = self.settings
+        deadline = self.deadline
+        if estimate and deadline is not None:
+            now = time.perf_counter()
+            deadline = now + ESTIMATE_SHARE * max(0.0, deadline - now)
         return milp_plan(
             specs,
             self.cluster,
@@ -406,34 +430,44 @@ class _Run:
             max_partitions=1 if no_partitioning else st.max_partitions,
             gpu_rule=st.gpu_rule,
             one_config_per_template=st.one_config_per_template,
-            time_limit_s=time_left(self.deadline),
+            time_limit_s=time_left(deadline),
             solver=self.solver,
             margin=st.margin,
             gap=self.gap,
             files=self.files,
             authors_arithmetic=st.authors,
+            node_limit=ESTIMATE_MAX_NODES if estimate else None,
         )
 
 
 def _with_batch_build(run: _Run, specs: list[ModelSpec]):
-    """(specs with the batch-gathering estimate's x_hat where it applies, the NP plan or None).
+    """(specs with the batch-gathering estimate's x_hat where it applies, the NP plan or
+    None, whether the clock shaped the estimate).
 
     The NP plan gives x_hat (and is DART-r's start); the authors' single-model runs take
     their whole-GPU estimate instead. NP's own plan has no estimate (NP is its source).
+    The NP plan may take ESTIMATE_SHARE of the time left and ESTIMATE_MAX_NODES nodes; one
+    the clock stopped makes the plan say time_limit, and where it found no plan at all,
+    beta is off (``settings.batch_build`` then says false).
     """
     st = run.settings
     if st.planner == "ppipe" and st.batch_build and st.authors and len(specs) == 1:
         xhat1 = whole_gpu_estimate(specs[0], run.cluster, st.margin)
-        return [replace(specs[0], batch_build_rps=xhat1 if xhat1 > 0 else None)], None
+        return [replace(specs[0], batch_build_rps=xhat1 if xhat1 > 0 else None)], None, False
     if not (st.planner == "dart-r" or (st.planner == "ppipe" and st.batch_build)):
-        return specs, None
+        return specs, None, False
+    estimate = st.planner == "ppipe"  # DART-r's NP plan is its own start: the whole budget
     try:
-        np_out = run.milp(specs, get_objective("max-min"), no_partitioning=True)
+        np_out = run.milp(specs, get_objective("max-min"), no_partitioning=True, estimate=estimate)
     except InfeasibleError:
-        return specs, None  # no whole-model GPU meets some SLO: no estimate, beta off
+        return specs, None, False  # no whole-model GPU meets some SLO: no estimate, beta off
+    except SolverTimeLimitError:
+        if not estimate:
+            raise
+        return specs, None, True
     xhat = {m.name: m.throughput_rps for m in np_out.models}
     specs = [replace(s, batch_build_rps=xhat[s.name] if st.batch_build and xhat[s.name] > 0 else None) for s in specs]
-    return specs, np_out
+    return specs, np_out, estimate and np_out.result.status == "time_limit"
 
 
 def _solve(run: _Run, specs: list[ModelSpec], np_out, obj):

@@ -12,9 +12,14 @@ framework of :mod:`ppipe.planner.bounds`: its cover bound under physical packing
 price bound of :mod:`ppipe.planner.price_bound` under the paper's rule).
 
 The same inputs give the same plan: every choice follows the solvers' search (HiGHS's
-incumbents and interrupt checks, the price bound's batches merged in order), never the
-clock or the threads' timing. The time limit only stops a search; a plan that a stopped
-search shaped reports ``time_limit`` with its proven gap.
+incumbents and interrupt checks, the price bound's batches merged in order, node limits),
+never the clock or the threads' timing. The time limit only stops a search; a plan that a
+stopped search shaped reports ``time_limit`` with its proven gap.
+
+The time limit is one budget: the split search may take START_SHARE of it, the LP-support
+start LP_SUPPORT_SHARE of what is left, and the solve of the whole MILP the rest. A plan
+found on the way (a start) is never lost: where the last solve finds none, it is the
+result, with status ``time_limit`` and its gap to the bound that came with it.
 """
 
 from __future__ import annotations
@@ -118,6 +123,9 @@ PROVER_AFTER_POLLS = 8
 FALLBACK_GAP = 1e-3
 # Share of the time limit that the split search, or the distinct-type start, may take.
 START_SHARE = 0.25
+# Share of the time left that the LP-support start (relaxation and restricted MILP) may
+# take: the solve of the whole MILP keeps the rest.
+LP_SUPPORT_SHARE = 0.5
 # The distinct-type start serves plans of at most this many models (with several, the
 # restriction's solve costs more than it saves: scripts/bench_planner.py --suite main).
 DISTINCT_START_MAX_MODELS = 1
@@ -227,12 +235,14 @@ def wants_split_start(objective, solver, specs, cluster, gpu_rule: str) -> bool:
 
 @dataclass(frozen=True)
 class Start:
-    """A MIP start: column values (None: no start), the split search's plan (or None), and
-    whether the wall clock stopped the search that made it (the plan then says time_limit)."""
+    """A MIP start: column values (None: no start), the split search's plan (or None),
+    whether the wall clock stopped the search that made it (the plan then says time_limit),
+    and a bound on the optimum known with it."""
 
     x: np.ndarray | None = None
     restricted: SplitPlan | None = None
     timed_out: bool = False
+    bound: float = math.inf  # an upper bound on the MILP's optimum that came with it (the LP relaxation's)
 
 
 def split_start(configs, specs, cluster, milp, variables, time_limit_s, paper_templates: bool = False) -> Start:
@@ -315,10 +325,11 @@ def lp_support_start(specs, configs, cluster, milp, variables, solver, *, gpu_ru
     except SolverTimeLimitError:
         return Start(timed_out=True), relaxed.objective, work
     work = dict(nodes=max(res.nodes, 0), lp_iterations=work["lp_iterations"] + max(res.lp_iterations, 0))
-    if res.status != "optimal":
+    if res.x is None:
         return Start(timed_out=res.status == "time_limit"), relaxed.objective, work
+    # A solve the clock stopped still leaves a plan: the start, which then says time_limit.
     x = solution_vector(extract(res.x, rv, specs), variables, milp.num_cols)
-    return Start(x if is_feasible(milp, x) else None), relaxed.objective, work
+    return Start(x if is_feasible(milp, x) else None, timed_out=res.status == "time_limit"), relaxed.objective, work
 
 
 def is_feasible(milp, x: np.ndarray, tol: float = 1e-6) -> bool:
@@ -331,6 +342,31 @@ def is_feasible(milp, x: np.ndarray, tol: float = 1e-6) -> bool:
     np.add.at(act, r, v * x[c])
     scale = 1.0 + np.abs(act)
     return not ((act < row_lb - tol * scale).any() or (act > row_ub + tol * scale).any())
+
+
+def share_deadline(deadline: float | None, share: float) -> float | None:
+    """The deadline of a step that may take ``share`` of the time left before ``deadline``."""
+    if deadline is None:
+        return None
+    now = time.perf_counter()
+    return now + share * max(0.0, deadline - now)
+
+
+def start_result(solver, start: Start, variables) -> SolveResult:
+    """The start as the solve's result where the solver found no plan before the deadline:
+    status time_limit, its gap to the start's bound (inf where none is known).
+
+    Raises:
+        SolverTimeLimitError: there is no start either, so no plan at all.
+    """
+    if start.x is None:
+        raise SolverTimeLimitError(
+            "the solver found no plan before the time limit",
+            fix="raise --time-limit-s (or time_limit_s=), or simplify: fewer models, --max-partitions 2",
+        )
+    z = float(start.x[variables.extra["z"]]) if "z" in variables.extra else math.nan
+    gap = max(0.0, start.bound / z - 1.0) if z > 0 and math.isfinite(start.bound) else math.inf
+    return SolveResult(getattr(solver, "name", "highs"), "time_limit", start.x, z, gap, 0.0, method="start (no solver plan)")
 
 
 def milp_plan(
@@ -348,11 +384,14 @@ def milp_plan(
     gap: float,
     files: list[str | None] | None = None,
     authors_arithmetic: bool = False,
+    node_limit: int | None = None,
 ) -> MilpOutcome:
     """Build, solve and extract one MILP plan (no placement).
 
     ``authors_arithmetic``: the margin and NIC-cap arithmetic of the authors' ``ilp_v4.py``
-    (:func:`~ppipe.planner.configs.enumerate_configs`).
+    (:func:`~ppipe.planner.configs.enumerate_configs`). ``node_limit``: the solver stops
+    after about that many branch-and-bound nodes (status ``feasible``, the same on every
+    machine).
     """
     t0 = time.perf_counter()
     configs = model_configs(
@@ -368,11 +407,12 @@ def milp_plan(
         authors_arithmetic=authors_arithmetic,
         files=files,
     )
-    milp, variables = build(specs, configs, cluster, gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
-    objective.apply(milp, variables)
     # time_limit_s covers building and the split search too: the solver gets the rest.
     deadline = None if time_limit_s is None else t0 + time_limit_s
     solver = solver.tuned_for(gpu_rule, single_model=len(specs) == 1) if hasattr(solver, "tuned_for") else solver
+    solver = solver.with_node_limit(node_limit) if hasattr(solver, "with_node_limit") else solver
+    milp, variables = build(specs, configs, cluster, gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
+    objective.apply(milp, variables)
 
     start = Start()
     if wants_split_start(objective, solver, specs, cluster, gpu_rule):
@@ -386,7 +426,10 @@ def milp_plan(
         result = _proven_solve(milp, variables, specs, configs, cluster, solver, start, deadline=deadline, gap=gap,
                                gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
     else:
-        result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, **({} if start.x is None else {"start": start.x}))
+        try:
+            result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, **({} if start.x is None else {"start": start.x}))
+        except SolverTimeLimitError:
+            result = start_result(solver, start, variables)
     if start.timed_out and result.status == "optimal":
         # The clock stopped the start's search, so another run may start elsewhere and end
         # at another plan: the plan says that a time limit shaped it, with its proven gap.
@@ -410,11 +453,12 @@ def milp_plan(
 
 
 def _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover, *, deadline, gap) -> tuple[Start, SolveResult | None]:
-    """(The start of :func:`lp_support_start`, and the solve's result where the relaxation's
-    bound or ``prover`` proves that start optimal within ``gap``, else None)."""
+    """(The start of :func:`lp_support_start`, with the relaxation's bound, and the solve's
+    result where that bound or ``prover`` proves the start optimal within ``gap``, else None)."""
     t0 = time.perf_counter()
     start, bound, work = lp_support_start(specs, configs, cluster, milp, variables, solver, gpu_rule="physical",
                                           deadline=deadline, gap=gap)
+    start = replace(start, bound=bound)
     z = 0.0 if start.x is None else float(start.x[variables.extra["z"]])
     if z <= 0:
         return start, None
@@ -424,7 +468,8 @@ def _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover
         proven_gap, method = gap, prover.method
     else:
         return start, None
-    return start, SolveResult(solver.name, "optimal", start.x, z, proven_gap, time.perf_counter() - t0,
+    status = "time_limit" if start.timed_out else "optimal"  # a stopped solve's plan: the clock chose it
+    return start, SolveResult(solver.name, status, start.x, z, proven_gap, time.perf_counter() - t0,
                               method="LP-support incumbent + " + method, **work)
 
 
@@ -460,12 +505,16 @@ def _proven_solve(milp, variables, specs, configs, cluster, solver, start: Start
     prover = Prover(configs, specs, cluster, price_bound=price, deadline=deadline, gap=gap, columns=columns,
                          cover=gpu_rule == "physical")
     if start.x is None and gpu_rule == "physical" and not one_config_per_template and hasattr(solver, "relaxation"):
-        start, ended = _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover, deadline=deadline, gap=gap)
+        start, ended = _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover,
+                                           deadline=share_deadline(deadline, LP_SUPPORT_SHARE), gap=gap)
         if ended is not None:
             return ended
     after = 0 if price is not None else PROVER_AFTER_POLLS
     kw = {} if start.x is None else {"start": start.x}
-    result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_polls=after, **kw)
+    try:
+        result = solver.solve(milp, time_limit_s=time_left(deadline), gap=gap, prover=prover, prover_after_polls=after, **kw)
+    except SolverTimeLimitError:
+        result = start_result(solver, start, variables)
     if start.timed_out and result.status == "optimal":
         result = replace(result, status="time_limit")  # as in milp_plan: the clock shaped the start
     if result.status == "time_limit" and prover.weak is not None and result.objective > 0:
