@@ -212,6 +212,7 @@ class PlanOptions(BaseModel):
     time_limit_s: float | None = Field(default=None, gt=0)
     gap: float = Field(default=1e-4, ge=0)
     headroom: bool | float | None = None
+    column_generation: bool | None = None
 
     @field_validator("planner", mode="before")
     @classmethod
@@ -238,6 +239,7 @@ _OPTION_FIXES = {
     "time_limit_s": "pass a positive number of seconds, or None for no limit (option --time-limit-s)",
     "gap": "pass a relative gap >= 0, e.g. --gap 1e-4",
     "headroom": "pass True, False or a utilization in [0, 1), e.g. --headroom-util 0.8, or --no-headroom",
+    "column_generation": "pass True, False or None (option --column-generation/--no-column-generation)",
 }
 
 
@@ -265,11 +267,13 @@ class _Settings:
     batch_build: bool
     paper_slo: bool
     authors: bool
+    column_generation: bool | None = None
 
 
 def _settings(opts: PlanOptions) -> _Settings:
     fd = _formulation_defaults(opts.formulation)
     return _Settings(
+        column_generation=opts.column_generation,
         planner=opts.planner,
         formulation=opts.formulation,
         gpu_rule=opts.gpu_rule or fd["gpu_rule"],
@@ -303,6 +307,8 @@ def plan(
     gap: float = 1e-4,
     place: bool = True,
     headroom: bool | float | None = None,
+    column_generation: bool | None = None,
+    warm_start: Plan | None = None,
 ) -> Plan:
     """Plan pooled pipelines for models on a cluster.
 
@@ -334,6 +340,14 @@ def plan(
             load extra vGPUs from the GPUs the plan leaves idle (:mod:`ppipe.planner.headroom`):
             True = target 0.8, a number in [0, 1) = that target, False = off; None = the
             default (see the module docstring). The objective value does not change.
+        column_generation: price configurations against the LP's duals and solve the MILP
+            over the generated ones (:mod:`ppipe.planner.colgen`; max-min, physical packing,
+            several configurations per template) instead of the MILP over all of them.
+            None = where the whole MILP would exceed 5,000 columns. The gap reported is
+            then to the LP bound of the whole configuration space.
+        warm_start: the served plan of a re-plan: with column generation, its
+            configurations start the pricing and its pools (headroom taken off) start the
+            solve where they are still a plan. Its models are matched by name.
 
     Returns:
         The immutable plan.
@@ -348,16 +362,17 @@ def plan(
     opts = plan_options(
         planner=planner, formulation=formulation, gpu_rule=gpu_rule, configs_per_template=configs_per_template,
         margin=margin, max_partitions=max_partitions, batch_build=batch_build, time_limit_s=time_limit_s, gap=gap,
-        headroom=headroom,
+        headroom=headroom, column_generation=column_generation,
     )
     st = _settings(opts)
     obj = get_objective(objective, required_rps)
+    _check_column_generation(st, obj)
     spec, cluster_file = resolve_cluster(cluster)
     profiles = resolve_models(models)
     levels = [usable_levels(p, spec) for p in profiles]
     specs = _model_specs(profiles, spec, slo_ms, slo_scale, weights, st.paper_slo)
     run = _Run(st, spec, levels, get_solver(solver), gap, [_model_file(p) for p in profiles],
-               None if time_limit_s is None else t0 + time_limit_s)
+               None if time_limit_s is None else t0 + time_limit_s, None if warm_start is None else list(warm_start.models))
     try:
         specs, np_out, estimate_clocked = _with_batch_build(run, specs)
         models_out, report = _solve(run, specs, np_out, obj)
@@ -401,9 +416,24 @@ def _model_specs(profiles, cluster, slo_ms, slo_scale, weights, paper_slo: bool)
     return [ModelSpec(profile=p, slo_ms=slos[p.name], weight=w[p.name], profile_ref=profile_ref(p)) for p in profiles]
 
 
+def _check_column_generation(st: _Settings, obj) -> None:
+    """Column generation asked for where it cannot plan is a UserError."""
+    from ppipe.planner.core import column_generation_applies
+
+    if st.column_generation and st.planner == "ppipe" and not column_generation_applies(obj, st.gpu_rule, st.one_config_per_template):
+        raise UserError(
+            f"column generation plans the max-min objective under physical packing with several configurations "
+            f"per template, not objective '{obj.name}' with gpu_rule '{st.gpu_rule}' and "
+            f"configs_per_template '{'one' if st.one_config_per_template else 'many'}'",
+            fix="drop --column-generation (column_generation=), or use --objective max-min --gpu-rule physical "
+                "--configs-per-template many",
+        )
+
+
 @dataclass(frozen=True)
 class _Run:
-    """What every MILP of one planning call shares: settings, cluster, levels, solver, deadline."""
+    """What every MILP of one planning call shares: settings, cluster, levels, solver,
+    deadline, and the served plan of a re-plan (or None)."""
 
     settings: _Settings
     cluster: ClusterSpec
@@ -412,6 +442,7 @@ class _Run:
     gap: float
     files: list[str | None]
     deadline: float | None
+    warm: list | None = None
 
     def milp(self, specs, objective, *, no_partitioning: bool = False, estimate: bool = False):
         """:func:`milp_plan` with this call's settings; ``no_partitioning``: the NP plan
@@ -436,7 +467,9 @@ class _Run:
             gap=self.gap,
             files=self.files,
             authors_arithmetic=st.authors,
+            column_generation=None if estimate else st.column_generation,
             node_limit=ESTIMATE_MAX_NODES if estimate else None,
+            warm=None if estimate or no_partitioning else self.warm,
         )
 
 

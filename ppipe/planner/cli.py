@@ -55,10 +55,12 @@ def _parse_per_model(values: tuple[str, ...], flag: str):
 @click.option("--gap", type=float, default=1e-4, show_default=True, help="Relative MIP gap at which the solver stops. Reported in solver.gap.")
 @click.option("--headroom/--no-headroom", default=None, help="Give pools busier than --headroom-util extra vGPUs from GPUs the plan leaves idle (the objective does not change). Sets settings.headroom_util (default: on for --planner ppipe with max-min/total, in both formulations: the plan stays an optimal solution of the paper's MILP; off for the baselines).")
 @click.option("--headroom-util", type=float, default=None, help="Utilization target of the headroom pass, in [0, 1): pools are grown until they are at or below it at the planned load (0 = use every idle GPU a pool can take). Sets settings.headroom_util (default 0.8); implies --headroom.")
+@click.option("--column-generation/--no-column-generation", default=None, help="Price pipeline configurations against the LP's duals and solve the MILP over the generated ones (max-min, physical packing, several configurations per template), the gap then being to the LP bound of every configuration. Reported in solver.method and solver.columns (default: where the MILP over all configurations would exceed 5,000 columns).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.yaml", show_default=True, help="Where to write the plan.")
 @click.option("--quiet", is_flag=True, help="Do not print the summary.")
 def plan(cluster, model_dirs, slo_ms, slo_scale, weights, margin, max_partitions, planner, solver, formulation, gpu_rule,
-         configs_per_template, batch_build, objective, required_rps, time_limit_s, gap, headroom, headroom_util, output, quiet):
+         configs_per_template, batch_build, objective, required_rps, time_limit_s, gap, headroom, headroom_util, column_generation,
+         output, quiet):
     """Plan pooled pipelines: CLUSTER (file or built-in name, default HC2-S) and MODEL_DIRs
     (profile folders or built-in model names, default every built-in model) -> plan.yaml."""
     from ppipe.planner.api import plan as make_plan
@@ -83,6 +85,7 @@ def plan(cluster, model_dirs, slo_ms, slo_scale, weights, margin, max_partitions
             time_limit_s=time_limit_s,
             gap=gap,
             headroom=(False if headroom is False else (headroom_util if headroom_util is not None else headroom)),
+            column_generation=column_generation,
         )
     out = Path(output)
     result = relative_profiles(result, out.parent)

@@ -11,6 +11,12 @@ a bound that proves HiGHS's incumbents optimal where branch and bound is slow to
 framework of :mod:`ppipe.planner.bounds`: its cover bound under physical packing, the
 price bound of :mod:`ppipe.planner.price_bound` under the paper's rule).
 
+Where the MILP over every configuration would be large (more than
+:data:`~ppipe.planner.colgen.CG_MIN_COLUMNS` columns, e.g. 1,000 GPUs of six types), the
+max-min plan under physical packing is made by column generation instead
+(:mod:`ppipe.planner.colgen`): the LP bound of the whole configuration space from a few
+columns, and the MILP over those.
+
 The same inputs give the same plan: every choice follows the solvers' search (HiGHS's
 incumbents and interrupt checks, the price bound's batches merged in order, node limits),
 never the clock or the threads' timing. The time limit only stops a search; a plan that a
@@ -32,6 +38,7 @@ from typing import Callable
 import numpy as np
 
 from ppipe.errors import InfeasibleError, SolverError
+from ppipe.planner.colgen import CG_MIN_COLUMNS, column_generation_plan, pool_columns
 from ppipe.planner.configs import ConfigSet, ModelSpec, enumerate_configs, subset
 from ppipe.planner.formulation import build, extract, solution_vector
 from ppipe.planner.bounds import CoverBound
@@ -384,14 +391,19 @@ def milp_plan(
     gap: float,
     files: list[str | None] | None = None,
     authors_arithmetic: bool = False,
+    column_generation: bool | None = None,
     node_limit: int | None = None,
+    warm: list[ModelPlan] | None = None,
 ) -> MilpOutcome:
     """Build, solve and extract one MILP plan (no placement).
 
     ``authors_arithmetic``: the margin and NIC-cap arithmetic of the authors' ``ilp_v4.py``
-    (:func:`~ppipe.planner.configs.enumerate_configs`). ``node_limit``: the solver stops
-    after about that many branch-and-bound nodes (status ``feasible``, the same on every
-    machine).
+    (:func:`~ppipe.planner.configs.enumerate_configs`). ``column_generation``: plan by
+    :mod:`ppipe.planner.colgen` instead of the MILP over every configuration (True),
+    never (False), or where :func:`wants_column_generation` says (None). ``node_limit``:
+    the solver stops after about that many branch-and-bound nodes (status ``feasible``,
+    the same on every machine). ``warm``: a served plan of these models, whose
+    configurations and pools start column generation (unused on the other path).
     """
     t0 = time.perf_counter()
     configs = model_configs(
@@ -411,6 +423,10 @@ def milp_plan(
     deadline = None if time_limit_s is None else t0 + time_limit_s
     solver = solver.tuned_for(gpu_rule, single_model=len(specs) == 1) if hasattr(solver, "tuned_for") else solver
     solver = solver.with_node_limit(node_limit) if hasattr(solver, "with_node_limit") else solver
+    if wants_column_generation(column_generation, objective, gpu_rule, one_config_per_template, configs):
+        cg = column_generation_plan(specs, configs, cluster, solver, deadline=deadline, gap=gap, warm=warm)
+        return MilpOutcome(models=cg.models, result=cg.result, columns=cg.columns, configurations=cg.configurations,
+                           seconds=time.perf_counter() - t0)
     milp, variables = build(specs, configs, cluster, gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
     objective.apply(milp, variables)
 
@@ -450,6 +466,22 @@ def milp_plan(
         configurations=sum(len(c) for c in configs),
         seconds=time.perf_counter() - t0,
     )
+
+
+def column_generation_applies(objective, gpu_rule: str, one_config_per_template: bool) -> bool:
+    """Whether :mod:`ppipe.planner.colgen` can plan: the max-min objective under physical
+    packing with several configurations per template (its master LP is that MILP's relaxation)."""
+    return isinstance(objective, MaxMinNormalized) and gpu_rule == "physical" and not one_config_per_template
+
+
+def wants_column_generation(choice: bool | None, objective, gpu_rule: str, one_config_per_template: bool,
+                            configs: list[ConfigSet]) -> bool:
+    """Column generation where asked (``choice`` True) or, by default (None), where it
+    applies and the whole MILP would exceed :data:`~ppipe.planner.colgen.CG_MIN_COLUMNS`
+    columns: a rule on the inputs alone, so the same inputs take the same path."""
+    if choice is False or not column_generation_applies(objective, gpu_rule, one_config_per_template):
+        return False
+    return choice is True or pool_columns(configs) > CG_MIN_COLUMNS
 
 
 def _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover, *, deadline, gap) -> tuple[Start, SolveResult | None]:

@@ -121,3 +121,11 @@ def test_no_plan_at_all_names_the_time_limit_and_the_fix(monkeypatch):
     _Recorder(monkeypatch, fail=lambda rec, milp, mip: mip)
     with pytest.raises(SolverTimeLimitError, match=r"time limit of 3\.0 s \(time_limit_s, --time-limit-s\)(.|\n)*raise --time-limit-s"):
         api.plan(cl, models, time_limit_s=3.0, **kw)
+
+
+def test_column_generation_returns_its_rounded_plan_when_the_solver_finds_none(monkeypatch):
+    cl, models, kw = _instance()
+    _Recorder(monkeypatch, fail=lambda rec, milp, mip: mip and not rec.in_estimate)
+    plan = api.plan(cl, models, time_limit_s=30.0, column_generation=True, **kw)
+    assert plan.solver.status == "time_limit" and plan.solver.objective > 0
+    assert plan.solver.method.startswith("column generation")

@@ -1,0 +1,412 @@
+r"""Columns on demand: the max-min plan under physical packing by column generation.
+
+Why. At fleet scale (1,000 GPUs of six types, ten models, three partitions) the MILP of
+:mod:`ppipe.planner.formulation` over every kept configuration has over 100,000 columns;
+HiGHS then spends minutes without even a bound. Its LP relaxation, though, depends on a
+configuration only through one vector per configuration, and at its optimum uses a few
+configurations per model. This module finds those by pricing against the LP's duals, so
+that only a few hundred columns ever enter an LP or a MILP.
+
+Sets and parameters (as in :mod:`ppipe.planner.formulation`)
+    K, N_k      GPU types and their counts.
+    M, w_m      models and weights.
+    C_m         the configurations of model m (:func:`~ppipe.planner.configs.enumerate_configs`).
+    a_{c,k}     = sum_{d: k_{c,d} = k} 1 / (v_{c,d} X_{c,d}): GPUs of type k that one req/s
+                of c's pipeline occupies (a slot at level v with per-vGPU rate X needs
+                1 / X vGPUs per req/s, i.e. 1 / (v X) GPUs).
+
+Master LP over column sets S_m subset of C_m
+    maximize z
+    (3)   w_m z - sum_{c in S_m} x_c <= 0                 for every model m   (dual alpha_m >= 0)
+    (2')  sum_m sum_{c in S_m} a_{c,k} x_c <= N_k         for every type k    (dual mu_k >= 0)
+          x_c >= 0
+    With S_m = C_m this is the LP relaxation of the whole MILP: with g and P continuous,
+    rows (4) and (2a) are met at least cost by g_{c,d} = x_c / X_{c,d} and
+    P_{k,v} = sum g / v, and the pool bounds U_{c,d} >= x_max,c / X_{c,d} never cut that.
+    The dominance pruning of :mod:`ppipe.planner.configs` only drops configurations with a
+    cost vector a no smaller in any component, so it leaves this LP's value unchanged too.
+
+Pricing. A column c of model m raises the master's value iff its reduced cost
+alpha_m - mu . a_c is positive; per model the pool's cost vectors are one (C_m, K)
+array, so a round prices every configuration by one matrix-vector product and adds the
+:data:`PRICE_COLUMNS` best. Generation ends when no configuration of any model prices
+positive (relative tolerance :data:`PRICE_TOL`).
+
+Bound (Farley's, valid at every round). For any mu >= 0, a plan of value z gives model m
+at least z w_m req/s, each costing at least pi_m(mu) = min_{c in C_m} mu . a_c GPUs at
+prices mu, within mu . N in all; hence
+
+    z <= mu . N / sum_m w_m pi_m(mu).
+
+The smallest value over the rounds bounds the MILP's optimum even where the clock stops
+the generation; at convergence it equals the master's value (strong duality).
+
+Integer plan. The MILP of :mod:`ppipe.planner.formulation` over the generated columns, a
+restriction of the whole MILP (so each of its plans is one of the whole MILP's), started
+from a rounding of the master's solution (:func:`rounded_start`) and solved by the given
+solver to the gap or :data:`RESTRICTED_MAX_NODES` nodes, a stop at the same point on every
+machine. Its gap is reported against the bound above: status ``optimal`` when that gap is
+within the requested one, ``feasible`` when the node limit or the restriction leaves more,
+``time_limit`` when the clock stopped the generation or the solve.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ppipe.errors import SolverError
+from ppipe.planner.configs import ConfigSet, ModelSpec, subset
+from ppipe.planner.formulation import PlanVariables, build, extract, pipeline_columns, solution_vector
+from ppipe.planner.highs_util import new_highs
+from ppipe.planner.objectives import MaxMinNormalized
+from ppipe.planner.solvers import HighsSolver, SolveResult, Solver, SolverTimeLimitError, time_left
+from ppipe.spec.cluster import ClusterSpec
+from ppipe.spec.plan import ModelPlan
+
+# Where the whole MILP would have more g and x_c columns than this, the planner generates
+# its columns instead (every case of scripts/bench_planner.py has at most 2,269).
+CG_MIN_COLUMNS = 5_000
+PRICE_COLUMNS = 5  # columns added per model and round: the best by reduced cost
+PRICE_TOL = 1e-7  # a column enters only where alpha_m - mu . a_c > PRICE_TOL * alpha_m
+MAX_ROUNDS = 500  # pricing rounds at most (the fleet case converges in under ten)
+RESTRICTED_MAX_NODES = 2_000  # branch-and-bound nodes of the restricted MILP at most
+# HiGHS's RINS sub-MIPs on the restricted MILP: on the 1,000-GPU case (scripts/bench_fleet.py)
+# 2,000 nodes reach a 0.57 % gap with them and 0.73 % without (8,000 nodes without: 0.59 %).
+RESTRICTED_HIGHS_OPTIONS: dict[str, object] = {"mip_heuristic_run_rins": True}
+_BISECTION_STEPS = 50
+
+
+def lp_costs(cs: ConfigSet, num_types: int) -> np.ndarray:
+    """a_{c,k} of every configuration of ``cs``: GPUs of type k per req/s, shape (C, K)."""
+    a = np.zeros((len(cs), num_types))
+    for d in range(cs.gpu.shape[1]):
+        used = np.nonzero(cs.gpu[:, d] >= 0)[0]
+        np.add.at(a, (used, cs.gpu[used, d]), 1.0 / (cs.level[used, d] * cs.X[used, d]))
+    return a
+
+
+def pool_columns(configs: list[ConfigSet]) -> int:
+    """The g_{c,d} and x_c columns the whole MILP would have over ``configs``."""
+    return int(sum((cs.gpu >= 0).sum() + (cs.nparts >= 2).sum() for cs in configs))
+
+
+class _MasterLp:
+    """The master LP in HiGHS, grown one column at a time (each solve starts from the last basis)."""
+
+    def __init__(self, weights: np.ndarray, counts: np.ndarray):
+        import highspy
+
+        self.M, self.K = len(weights), len(counts)
+        self.h = new_highs()
+        inf = highspy.kHighsInf
+        self.h.addVars(1, np.zeros(1), np.full(1, inf))  # z
+        self.h.changeColsCost(1, np.zeros(1, np.int32), np.ones(1))
+        self.h.changeObjectiveSense(highspy.ObjSense.kMaximize)
+        M, K = self.M, self.K
+        self.h.addRows(M, np.full(M, -inf), np.zeros(M), M, np.arange(M, dtype=np.int32), np.zeros(M, np.int32),
+                       np.asarray(weights, float))  # (3)
+        self.h.addRows(K, np.full(K, -inf), np.asarray(counts, float), 0, np.zeros(K, np.int32),
+                       np.zeros(0, np.int32), np.zeros(0))  # (2')
+        self.owner: list[tuple[int, int]] = []  # per x column: (model, configuration)
+
+    def add(self, m: int, c: int, a: np.ndarray) -> None:
+        nz = np.nonzero(a)[0]
+        idx = np.r_[m, self.M + nz].astype(np.int32)
+        self.h.addCol(0.0, 0.0, np.inf, idx.size, idx, np.r_[-1.0, a[nz]])
+        self.owner.append((m, c))
+
+    def solve(self) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
+        """(z, x per added column, alpha, mu) at the master's optimum."""
+        import highspy
+
+        self.h.run()
+        if self.h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            # Every master is feasible (z = 0) and bounded (each x_c uses GPUs): a solver fault.
+            raise SolverError(f"HiGHS: the column-generation master LP ended as '{self.h.modelStatusToString(self.h.getModelStatus())}'")
+        sol = self.h.getSolution()
+        dual = np.maximum(np.array(sol.row_dual), 0.0)  # >= 0 for rows <= of a maximization
+        return float(self.h.getInfo().objective_function_value), np.array(sol.col_value)[1:], dual[: self.M], dual[self.M :]
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What column generation found.
+
+    Attributes:
+        columns: per model, the generated configurations (indices into its ConfigSet, ascending).
+        flows: per model, the master's x_c of those columns at its last solve.
+        value: the master's last value (the LP relaxation's where ``converged``).
+        bound: the smallest Farley bound of the rounds, >= the whole MILP's optimum.
+        rounds: master solves.
+        converged: no configuration priced positive at the end.
+        timed_out: the deadline stopped the generation.
+    """
+
+    columns: list[np.ndarray]
+    flows: list[np.ndarray]
+    value: float
+    bound: float
+    rounds: int
+    converged: bool
+    timed_out: bool = False
+
+
+def generate_columns(configs: list[ConfigSet], weights, counts, *, deadline: float | None = None,
+                     initial: list[list[int]] | None = None) -> Generated:
+    """Column generation for the master LP over ``configs`` (see the module docstring).
+
+    Args:
+        configs: per model, the pool of configurations that pricing scans.
+        weights: w_m per model.
+        counts: N_k per GPU type (cluster order).
+        deadline: ``time.perf_counter()`` value after which no round starts (None: none).
+        initial: per model, configurations to start from (a served plan's); the cheapest
+            ones at prices 1 / N_k are added in any case.
+    """
+    w, N = np.asarray(weights, float), np.asarray(counts, float)
+    costs = [lp_costs(cs, N.size) for cs in configs]
+    master = _MasterLp(w, N)
+    chosen: list[set[int]] = [set() for _ in configs]
+    mu0 = np.where(N > 0, 1.0 / np.maximum(N, 1.0), 0.0)
+    for m, a in enumerate(costs):
+        first = list(initial[m]) if initial else []
+        first += [int(c) for c in np.argsort(a @ mu0, kind="stable")[:PRICE_COLUMNS]]
+        for c in first:
+            if c not in chosen[m]:
+                chosen[m].add(c)
+                master.add(m, c, a[c])
+    bound, rounds, converged, timed_out = math.inf, 0, False, False
+    while True:
+        z, x, alpha, mu = master.solve()
+        rounds += 1
+        priced = [a @ mu for a in costs]
+        bound = min(bound, _farley_bound(mu, N, w, priced))
+        added = _price(costs, priced, alpha, chosen, master)
+        if not added:
+            converged = True
+            break
+        if rounds >= MAX_ROUNDS:
+            break
+        if deadline is not None and time.perf_counter() >= deadline:
+            timed_out = True
+            break
+    if not converged:
+        z, x, alpha, mu = master.solve()
+    flows = _flows(master.owner, x, len(configs))
+    columns = [np.array(sorted(s), dtype=int) for s in chosen]
+    ordered = [np.array([flows[m].get(int(c), 0.0) for c in columns[m]]) for m in range(len(configs))]
+    return Generated(columns, ordered, z, max(bound, z), rounds, converged, timed_out)
+
+
+def _farley_bound(mu: np.ndarray, counts: np.ndarray, weights: np.ndarray, priced: list[np.ndarray]) -> float:
+    """mu . N / sum_m w_m min_c mu . a_c: an upper bound on every plan's value (inf where uninformative)."""
+    need = float(sum(wm * (p.min() if p.size else math.inf) for wm, p in zip(weights, priced)))
+    return float(mu @ counts) / need if need > 0 else math.inf
+
+
+def _price(costs, priced, alpha, chosen: list[set[int]], master: _MasterLp) -> int:
+    """Add per model up to PRICE_COLUMNS new configurations of largest positive reduced
+    cost alpha_m - mu . a_c (ties in pool order); returns how many were added."""
+    added = 0
+    for m, (a, p) in enumerate(zip(costs, priced)):
+        rc = alpha[m] - p
+        here = 0
+        for c in np.argsort(-rc, kind="stable"):
+            if here >= PRICE_COLUMNS or rc[c] <= PRICE_TOL * max(alpha[m], 1e-12):
+                break
+            if int(c) not in chosen[m]:
+                chosen[m].add(int(c))
+                master.add(m, int(c), a[c])
+                here += 1
+        added += here
+    return added
+
+
+def _flows(owner: list[tuple[int, int]], x: np.ndarray, num_models: int) -> list[dict[int, float]]:
+    out: list[dict[int, float]] = [{} for _ in range(num_models)]
+    for (m, c), v in zip(owner, x):
+        out[m][c] = out[m].get(c, 0.0) + float(v)
+    return out
+
+
+def rounded_start(configs: list[ConfigSet], flows: list[np.ndarray], counts) -> list[list[tuple[int, list[int], float]]]:
+    """Integer pipelines from the master's solution: every pipeline scaled by the largest
+    common theta in [0, 1] whose rounded-up pools fit the GPUs.
+
+    With t_c = theta x_c, pool d gets g_{c,d} = ceil(t_c / X_{c,d}) vGPUs, so the pipeline
+    carries at least t_c; the pools grow with theta, so bisection finds the largest theta
+    that meets (2a) (sum_v ceil(vGPUs at (k, v) / v) <= N_k). Returns, per model,
+    (configuration, vGPUs per slot, throughput) of the pipelines that get every pool.
+    """
+    N = np.asarray(counts, float)
+
+    def pools(theta: float):
+        out = []
+        for cs, x in zip(configs, flows):
+            n = cs.nparts
+            with np.errstate(divide="ignore", invalid="ignore"):
+                g = np.where(cs.gpu >= 0, np.ceil(theta * x[:, None] / np.where(cs.gpu >= 0, cs.X, 1.0) - 1e-9), 0.0)
+            out.append(np.where(np.arange(cs.gpu.shape[1])[None, :] < n[:, None], np.maximum(g, 0.0), 0.0))
+        return out
+
+    def fits(theta: float) -> bool:
+        use: dict[tuple[int, int], float] = {}
+        for cs, g in zip(configs, pools(theta)):
+            for c, d in zip(*np.nonzero(g > 0)):
+                key = (int(cs.gpu[c, d]), int(cs.level[c, d]))
+                use[key] = use.get(key, 0.0) + g[c, d]
+        per_type = np.zeros(N.size)
+        for (k, v), n in use.items():
+            per_type[k] += math.ceil(n / v - 1e-9)
+        return bool((per_type <= N + 1e-9).all())
+
+    lo, hi = 0.0, 1.0
+    if fits(hi):
+        lo = hi
+    else:
+        for _ in range(_BISECTION_STEPS):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    chosen = []
+    for cs, g in zip(configs, pools(lo)):
+        pipes = []
+        for c in range(len(cs)):
+            n = int(cs.nparts[c])
+            if (g[c, :n] >= 1).all():
+                # x_c's bound: what the pipeline carries with every GPU of each slot's type.
+                cap = float((N[cs.gpu[c, :n]] * cs.level[c, :n] * cs.X[c, :n]).min())
+                pipes.append((c, [int(a) for a in g[c, :n]], min(cap, float((cs.X[c, :n] * g[c, :n]).min()))))
+        chosen.append(pipes)
+    return chosen
+
+
+@dataclass(frozen=True)
+class ColumnPlan:
+    """A column-generation plan: per-model plans, the solve's result (status and gap
+    against the LP bound), the restricted MILP's columns and configurations."""
+
+    models: list[ModelPlan]
+    result: SolveResult
+    columns: int
+    configurations: int
+
+
+def column_generation_plan(specs: list[ModelSpec], configs: list[ConfigSet], cluster: ClusterSpec, solver: Solver, *,
+                           deadline: float | None, gap: float, warm: list[ModelPlan] | None = None) -> ColumnPlan:
+    """The max-min plan under physical packing by column generation (see the module docstring).
+
+    Args:
+        specs: the models.
+        configs: per model, every kept configuration (the pool that pricing scans).
+        cluster: the cluster.
+        solver: the MILP backend of the restricted MILP.
+        deadline: ``time.perf_counter()`` value at which searches stop (None: none).
+        gap: the requested relative gap.
+        warm: a served plan of the same models: its configurations start the generation
+            and, where it is still a plan of the restricted MILP, it is a start of the solve.
+
+    Raises:
+        SolverTimeLimitError: no plan at all before the deadline.
+    """
+    t0 = time.perf_counter()
+    types = [g.name for g in cluster.gpu_types]
+    counts = np.array([cluster.gpu_counts[k] for k in types], dtype=float)
+    initial = warm_columns(configs, specs, warm) if warm else None
+    gen = generate_columns(configs, [s.weight for s in specs], counts, deadline=deadline, initial=initial)
+    sub = [subset(cs, cols) for cs, cols in zip(configs, gen.columns)]
+    milp, v = build(specs, sub, cluster, gpu_rule="physical")
+    MaxMinNormalized().apply(milp, v)
+    start = _best_start(milp, v, specs, sub, gen, counts, warm)
+    res = _restricted_solve(milp, solver, start, deadline=deadline, gap=gap)
+    z = float(res.objective)
+    proven = max(0.0, gen.bound / z - 1.0) if z > 0 else math.inf
+    clocked = gen.timed_out or res.status == "time_limit"
+    status = "time_limit" if clocked else ("optimal" if proven <= gap * (1 + 1e-9) else "feasible")
+    method = (f"column generation ({sum(len(c) for c in gen.columns)} of {sum(len(cs) for cs in configs)} configurations, "
+              f"{gen.rounds} LP rounds) + LP bound")
+    result = SolveResult(res.solver, status, res.x, z, proven, time.perf_counter() - t0, nodes=res.nodes,
+                         lp_iterations=res.lp_iterations, method=method)
+    return ColumnPlan(extract(res.x, v, specs), result, milp.num_cols, sum(len(s) for s in sub))
+
+
+def _best_start(milp, v: PlanVariables, specs, sub, gen: Generated, counts, warm) -> np.ndarray | None:
+    """The better of the rounded master solution and the served plan (where it is one of this MILP's)."""
+    from ppipe.planner.core import is_feasible
+
+    cands = []
+    x = pipeline_columns(v, milp.num_cols, rounded_start(sub, gen.flows, counts))
+    cands.append(x)
+    if warm:
+        try:
+            cands.append(solution_vector(_by_name(warm, specs), v, milp.num_cols))
+        except ValueError:
+            pass  # a served pipeline's configuration is no column here (inputs changed)
+    best, best_z = None, -math.inf
+    for x in cands:
+        zs = min(x[v.x_model[s.name]] / s.weight for s in specs)
+        x[v.extra["z"]] = zs
+        if is_feasible(milp, x) and zs > best_z:
+            best, best_z = x, zs
+    return best
+
+
+def _restricted_solve(milp, solver: Solver, start: np.ndarray | None, *, deadline, gap) -> SolveResult:
+    """The restricted MILP to ``gap`` or RESTRICTED_MAX_NODES nodes; the start where the solver finds nothing."""
+    kw = {"start": start} if start is not None and getattr(solver, "accepts_start", False) else {}
+    if isinstance(solver, HighsSolver):
+        solver = HighsSolver({**solver.options, **RESTRICTED_HIGHS_OPTIONS})
+    try:
+        res = solver.with_node_limit(RESTRICTED_MAX_NODES).solve(milp, time_limit_s=time_left(deadline), gap=gap, **kw)
+    except SolverTimeLimitError:
+        if start is None:
+            raise
+        return SolveResult(solver.name, "time_limit", start, milp_objective(milp, start), math.inf, 0.0)
+    if start is not None and res.x is not None and milp_objective(milp, start) > res.objective + 1e-9:
+        res = SolveResult(res.solver, res.status, start, milp_objective(milp, start), res.gap, res.seconds,
+                          res.nodes, res.lp_iterations)
+    return res
+
+
+def milp_objective(milp, x: np.ndarray) -> float:
+    """The objective value of column values ``x``."""
+    return float(sum(coef * x[c] for c, coef in milp.objective.items()))
+
+
+def warm_columns(configs: list[ConfigSet], specs: list[ModelSpec], warm: list[ModelPlan]) -> list[list[int]]:
+    """Per model, the pool configurations of a served plan's pipelines (those still in the pool)."""
+    from ppipe.planner.formulation import _config_of
+
+    by_name = {m.name: m for m in warm}
+    out = []
+    for cs, s in zip(configs, specs):
+        served = by_name.get(s.name)
+        found = [_config_of(cs, p) for p in (served.pipelines if served else [])]
+        out.append([c for c in found if c is not None])
+    return out
+
+
+def _by_name(warm: list[ModelPlan], specs: list[ModelSpec]) -> list[ModelPlan]:
+    """The served plan's models in the order of ``specs``, the headroom pass's vGPUs taken
+    off (they exceed the pool bounds U by design); a model it lacks has no pipeline."""
+    by_name = {m.name: m for m in warm}
+    out = []
+    for s in specs:
+        m = by_name.get(s.name)
+        if m is None:
+            m = ModelPlan(name=s.name, profile=s.profile_ref or "", slo_ms=s.slo_ms, weight=s.weight, throughput_rps=0.0, pipelines=[])
+        out.append(_without_headroom(m))
+    return out
+
+
+def _without_headroom(m: ModelPlan) -> ModelPlan:
+    pipes = []
+    for p in m.pipelines:
+        parts = [q.model_copy(update=dict(count=q.count - q.headroom, headroom=0,
+                                          throughput_rps=q.throughput_rps / q.count * (q.count - q.headroom)))
+                 for q in p.partitions]
+        pipes.append(p.model_copy(update=dict(partitions=parts, throughput_rps=min(q.throughput_rps for q in parts))))
+    return m.model_copy(update=dict(pipelines=pipes, throughput_rps=sum(p.throughput_rps for p in pipes)))
