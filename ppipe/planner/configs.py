@@ -205,7 +205,7 @@ def enumerate_configs(
     D = max_partitions
     templates = templates_for(len(times.types), D)
     parts: list[dict[str, np.ndarray]] = []
-    enumerated, min_lat_b1 = 0, float("inf")
+    enumerated, feasible, min_lat_b1 = 0, 0, float("inf")
     for ti, tmpl in enumerate(templates):
         if len(tmpl) > times.blocks:
             continue
@@ -217,9 +217,11 @@ def enumerate_configs(
         if prune and group_by_multiset:
             ok &= _no_repeated_slot_level(tmpl, tl.latency.shape)
         if ok.any():
-            parts.append(_configurations(times, ti, tmpl, tl, ok, D))
+            part = _configurations(times, ti, tmpl, tl, ok, D)
+            feasible += part["n"].size
+            parts.append(_undominated_part(part, group_by_multiset) if prune else part)
     cs = _config_set(m, times.types, templates, parts, D, enumerated, min_lat_b1)
-    cs.stats["feasible"] = len(cs)
+    cs.stats["feasible"] = feasible
     if prune and len(cs):
         cs = subset(cs, pareto_keep(cs, group_by_multiset, across_levels))
     cs.stats["kept"] = len(cs)
@@ -362,6 +364,25 @@ def _configurations(times: _ModelTimes, ti: int, tmpl: tuple[int, ...], tl: _Tem
         out["X"][:, d] = x
     out.update(tmpl=np.full(C, ti), n=np.full(C, n), b=bsz.astype(int), lat=tl.latency[ok])
     return out
+
+
+def _undominated_part(part: dict, group_by_multiset: bool) -> dict:
+    """The configurations of one template that no other one of it dominates by the first
+    rule of :func:`pareto_keep` (same multiset of (type, level), or same levels).
+
+    Why: the SLO-feasible configurations of all templates (e.g. 257,000 for one model on six
+    GPU types with three partitions) never need to exist at once; pruning each template as
+    it is made keeps only its survivors. It changes nothing: a configuration dropped here
+    is dominated in the whole set too, and one it dominated is dominated by what dominated
+    it (the relation is transitive), with ties broken the same way (latency, then order).
+    """
+    if group_by_multiset:
+        codes, X = _sorted_slots(part["gpu"], part["lvl"], part["X"])
+        keep = _undominated(X, part["lat"], _row_codes(codes))
+    else:
+        levels = np.where(part["gpu"] >= 0, part["lvl"], 0)
+        keep = _undominated(part["X"], part["lat"], _row_codes(np.concatenate([part["tmpl"][:, None], levels], axis=1)))
+    return {key: val[keep] for key, val in part.items()}
 
 
 def _config_set(m, types, templates, parts: list[dict], D: int, enumerated: int, min_lat_b1: float) -> ConfigSet:
