@@ -135,3 +135,12 @@ def test_warnings_during_planning_print_as_one_line(capsys):
     err = capsys.readouterr().err
     assert err == "warning: Gurobi refused the model (too large); solving with HiGHS instead\n"
     assert warnings.showwarning is before
+
+
+def test_column_generation_flag(tmp_path, model_dir):
+    out = tmp_path / "plan.yaml"
+    r = run("plan", "HC2-S", str(model_dir), "--slo-ms", "40", "--margin", "0.2", "--column-generation", "-o", str(out), "--quiet")
+    assert r.exit_code == 0, r.output
+    assert load_plan(out).solver.method.startswith("column generation")
+    bad = run("plan", "HC2-S", str(model_dir), "--slo-ms", "40", "--gpu-rule", "paper", "--column-generation", "-o", str(out))
+    assert bad.exit_code == 2 and "To fix" in bad.output and "Traceback" not in bad.output
