@@ -95,9 +95,10 @@ class ServiceBudgets:
             return None
         self.late_us[model] = max(0.0, float(np.percentile(window[: min(seen, WINDOW)], 95)))
         x = self.margins.get(model)
-        if x is None or abs(self._budget(x) - self._applied.get(model, 0.0)) <= CHANGE_US:
+        budget = None if x is None else self._budget(x)
+        if budget is None or abs(budget - self._applied.get(model, 0.0)) <= CHANGE_US:
             return None
-        self._applied[model] = self._budget(x)
+        self._applied[model] = budget
         self._publish()
         return dict(self._applied)
 

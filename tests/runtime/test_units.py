@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from ppipe.dataplane.api import Dispatch, Drop, DropReason, Stage, WakeAt
+from ppipe.dataplane.api import Drop, DropReason, WakeAt
 from ppipe.errors import NotAvailableError, UserError
 from ppipe.runtime.backends import EmulatedBackend, OrtBackend, interpolated_latency_us, make_backend
 from ppipe.runtime.clock import WallClock, wall_us
