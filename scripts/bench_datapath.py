@@ -5,10 +5,10 @@ For each size, a float16 map goes from a sender process to a receiver process an
 receiver answers with a small acknowledgement; the time is "send called" to "ack
 received" at the sender, median over ``--repeats`` messages (after two warm-ups):
 
-* ``datapath``: :class:`~ppipe.runtime.datapath.Outbox` -> :class:`~ppipe.runtime.datapath.Inbox`,
+* ``datapath``: :class:`~ppipe.runtime.wire.datapath.Outbox` -> :class:`~ppipe.runtime.wire.datapath.Inbox`,
   each process on its own event loop (``--loop``: stock asyncio, uvloop, or both), the
-  message built by :func:`~ppipe.runtime.wire.pack` and decoded by
-  :func:`~ppipe.runtime.wire.unpack` on arrival; the ack is a header-only data-path
+  message built by :func:`~ppipe.runtime.wire.frames.pack` and decoded by
+  :func:`~ppipe.runtime.wire.frames.unpack` on arrival; the ack is a header-only data-path
   message back to an Inbox in the sender.
 * ``socket``: the same bytes with ``sendall`` into a blocking socket, received with
   ``recv_into`` into a buffer allocated once; a one-byte ack. Its time is the floor the
@@ -63,8 +63,8 @@ def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
 # ---- the data path -------------------------------------------------------------------------------
 def _datapath_receiver(kind: str, ack_addr: str, pipe) -> None:
     """Answer every map with ``{"i": i}`` to ``ack_addr``; stop on a header with ``stop``."""
-    from ppipe.runtime.datapath import Inbox, Outbox
-    from ppipe.runtime.wire import pack, unpack
+    from ppipe.runtime.wire.datapath import Inbox, Outbox
+    from ppipe.runtime.wire.frames import pack, unpack
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -99,8 +99,8 @@ class DatapathPair:
         self.loop.run_until_complete(self._open(kind))
 
     async def _open(self, kind: str) -> None:
-        from ppipe.runtime.datapath import Inbox, Outbox
-        from ppipe.runtime.wire import unpack
+        from ppipe.runtime.wire.datapath import Inbox, Outbox
+        from ppipe.runtime.wire.frames import unpack
 
         self.inbox = Inbox(lambda m: self.acks.pop(unpack(m)[0]["i"]).set_result(None))
         self.out = Outbox()
@@ -110,7 +110,7 @@ class DatapathPair:
         self.addr = await asyncio.to_thread(parent.recv)
 
     async def _one(self, x: np.ndarray) -> float:
-        from ppipe.runtime.wire import pack
+        from ppipe.runtime.wire.frames import pack
 
         self.i += 1
         ack = self.acks[self.i] = self.loop.create_future()
@@ -124,7 +124,7 @@ class DatapathPair:
         return self.loop.run_until_complete(self._one(x))
 
     def close(self) -> None:
-        from ppipe.runtime.wire import pack
+        from ppipe.runtime.wire.frames import pack
 
         async def stop() -> None:
             self.out.send(self.addr, pack({"stop": True}))

@@ -40,7 +40,7 @@ def host_line() -> str:
 
 def default_plan(plan_file: str | None):
     """The plan (``ppipe plan``'s default unless a file is given), its profiles and cluster."""
-    from ppipe.runtime.deploy import load_deployment
+    from ppipe.runtime.launch.deploy import load_deployment
 
     if plan_file is None:
         import tempfile

@@ -38,7 +38,7 @@ PORT = 18431
 
 def start_server(tmp: Path) -> tuple[subprocess.Popen, str, float, float]:
     """Plan and serve the README's local plan; returns (process, url, planned req/s, SLO ms)."""
-    from ppipe.runtime.httpclient import wait_until_ready
+    from ppipe.runtime.client.httpclient import wait_until_ready
     from ppipe.spec.plan import load_plan
 
     plan_file = tmp / "r50.yaml"
@@ -54,7 +54,7 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str, float, float]:
 
 
 async def one_run(url: str, rate: float, duration_s: float, binary: bool, seed: int, delay_s: float = 0.0) -> list:
-    from ppipe.runtime.bench import run_bench
+    from ppipe.runtime.client.bench import run_bench
 
     await asyncio.sleep(delay_s)
     records: list = []

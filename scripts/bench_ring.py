@@ -2,11 +2,11 @@
 """Feature maps between two processes on this host: the host staging ring against a TCP socket.
 
 ``ppipe serve --transport ring`` puts two host workers of one server on a shared-memory
-ring (:mod:`ppipe.runtime.ring_link`, kind ``host``) instead of the data path's TCP
+ring (:mod:`ppipe.runtime.workers.ring_link`, kind ``host``) instead of the data path's TCP
 connection. This measures, for fp16 maps of a few sizes, the latency from "send" to the
 receiver's acknowledgement that the map is complete in its memory:
 
-* ``ring``: an :class:`~ppipe.runtime.transport.EdgeChannel` over a host ``RingLink``
+* ``ring``: an :class:`~ppipe.runtime.workers.transport.EdgeChannel` over a host ``RingLink``
   (header, chunks through the ring, credits), as the workers use it
   (``scripts/gpu_check.py``'s ``ring_handoff`` on the CPU);
 * ``tcp``: the same bytes over a localhost TCP socket, received into a preallocated

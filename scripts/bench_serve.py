@@ -132,9 +132,9 @@ def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lea
     """Start emulated workers and the frontend (uvicorn thread) with `ppipe serve`'s
     defaults; returns (server, workers, runtime)."""
     from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
-    from ppipe.runtime.deploy import Deployment, start_workers
-    from ppipe.runtime.driver import Runtime
-    from ppipe.runtime.server import BackgroundServer, create_app
+    from ppipe.runtime.launch.deploy import Deployment, start_workers
+    from ppipe.runtime.scheduler.host import Runtime
+    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
 
     dep = Deployment(plan=plan, cluster=cluster, profiles=profiles)
     workers = start_workers(dep, backend="emulated", backend_options=backend_options)
@@ -372,7 +372,7 @@ def http_floor(duration_s: float, seed: int, rates: list[float]) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     code = ("import sys, uvicorn; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import bench_serve; "
-            "from ppipe.runtime.server import uvicorn_config; "
+            "from ppipe.runtime.ingress.http_server import uvicorn_config; "
             "uvicorn.Server(uvicorn_config(bench_serve.null_app, '127.0.0.1', int(sys.argv[3]))).run()")
     proc = subprocess.Popen([sys.executable, "-c", code, str(REPO / "scripts"), str(REPO), str(port)])
     url = f"http://127.0.0.1:{port}"
@@ -431,7 +431,7 @@ def scaleout(duration_s: float, seed: int, tmp: Path, rates: list[float], shard_
     """The highest total rate two batch-1 models (1 us emulated stages) get at >= 99 %
     attainment from `ppipe serve --shards N`, as a user runs it, for each N: the frontend is
     the bottleneck, so this is what sharding buys. Each model has its own `ppipe bench`."""
-    from ppipe.runtime.httpclient import wait_until_ready
+    from ppipe.runtime.client.httpclient import wait_until_ready
     from ppipe.spec.base import dump_yaml
     from ppipe.spec.cluster import load_cluster
 

@@ -65,10 +65,10 @@ def serve(tmp: Path):
     """Plan A served in this process (emulated workers, `ppipe serve`'s defaults, a token);
     returns (server, runtime, switcher, workers)."""
     from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_WAKE_LEAD_MS
-    from ppipe.runtime.deploy import load_deployment, start_workers
-    from ppipe.runtime.driver import Runtime
-    from ppipe.runtime.server import BackgroundServer, create_app
-    from ppipe.runtime.switch import PlanSwitcher
+    from ppipe.runtime.launch.deploy import load_deployment, start_workers
+    from ppipe.runtime.scheduler.host import Runtime
+    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.control.switch import PlanSwitcher
 
     dep = load_deployment(tmp / "a.yaml", "HC1-S")
     opts = {"max_bytes_per_sample": 4096}  # feature maps capped (they still wait their planned NIC time)

@@ -13,8 +13,8 @@ Steps (each prints its result and adds it to the JSON summary):
    CPU (onnxruntime): in fp32 eagerly, and in fp16 as ``ppipe serve --backend torch`` runs
    them (two partitions, CUDA graphs): top-1 agreement and the largest error.
 3. ``handoff``: a feature map handed between two processes on one GPU by CUDA IPC
-   (:mod:`ppipe.runtime.cuda_ipc`): bytes equal, latency per handoff; then the same maps
-   through the staging ring that same-GPU edges are to use (:mod:`ppipe.runtime.ring_link`).
+   (:mod:`ppipe.runtime.workers.cuda_ipc`): bytes equal, latency per handoff; then the same maps
+   through the staging ring that same-GPU edges are to use (:mod:`ppipe.runtime.workers.ring_link`).
 
 ``--dry-run`` does none of the GPU work: it checks what can be checked on any machine (the
 packages, the models, the GPU type's spec sheet) and prints what each step would do and
@@ -188,7 +188,7 @@ def chain_models(batch: int, models=MODELS, device: str = "cuda") -> dict:
 
     Two ways: ``fp32`` runs the blocks eagerly one after another (the chain itself, no
     precision loss); ``served`` is how ``ppipe serve --backend torch`` runs them: two
-    partitions (:class:`~ppipe.runtime.torch_backend.TorchBackend`; fp16 and CUDA graphs on
+    partitions (:class:`~ppipe.runtime.workers.torch_backend.TorchBackend`; fp16 and CUDA graphs on
     the GPU, fp32 on the CPU) with the feature maps handed over on the host, run twice so
     that the second run replays the captured graphs.
     """
@@ -196,7 +196,7 @@ def chain_models(batch: int, models=MODELS, device: str = "cuda") -> dict:
 
     from ppipe.profiler.blocks import ensure_block_models, ensure_reference_model
     from ppipe.profiler.torch_backend import load_block
-    from ppipe.runtime.torch_backend import TorchBackend
+    from ppipe.runtime.workers.torch_backend import TorchBackend
     from ppipe.spec.profile import load_profile
 
     result = {}
@@ -240,7 +240,7 @@ def _agreement(got: np.ndarray, want: np.ndarray) -> dict:
 
 # ---- 3. two workers on one GPU: CUDA IPC ------------------------------------------------------------------------------
 def _ipc_receiver(inbox, acks, digests, n: int) -> None:
-    from ppipe.runtime.cuda_ipc import IpcReceiver
+    from ppipe.runtime.workers.cuda_ipc import IpcReceiver
 
     rx = IpcReceiver(inbox, acks)
     for _ in range(n):
@@ -252,7 +252,7 @@ def handoff(n: int, shape: tuple[int, ...], device: str = "cuda") -> dict:
     import torch
     import torch.multiprocessing as mp
 
-    from ppipe.runtime.cuda_ipc import IpcSender
+    from ppipe.runtime.workers.cuda_ipc import IpcSender
 
     ctx = mp.get_context("spawn")
     inbox, acks, digests = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -283,8 +283,8 @@ def handoff(n: int, shape: tuple[int, ...], device: str = "cuda") -> dict:
 def _ring_receiver(address, n: int, acks, digests) -> None:
     import asyncio
 
-    from ppipe.runtime.ring_link import ring_link
-    from ppipe.runtime.transport import EdgeChannel
+    from ppipe.runtime.workers.ring_link import ring_link
+    from ppipe.runtime.workers.transport import EdgeChannel
 
     link = ring_link(address, 1)
     channel = EdgeChannel(link, "up", "recv")
@@ -302,9 +302,9 @@ def _ring_receiver(address, n: int, acks, digests) -> None:
 
 
 def ring_handoff(n: int, shape: tuple[int, ...], device: str = "cuda") -> dict:
-    """fp16 feature maps between two processes through the staging ring of :mod:`ppipe.runtime.ring_link`.
+    """fp16 feature maps between two processes through the staging ring of :mod:`ppipe.runtime.workers.ring_link`.
 
-    The sender posts each map on an :class:`~ppipe.runtime.transport.EdgeChannel` over a
+    The sender posts each map on an :class:`~ppipe.runtime.workers.transport.EdgeChannel` over a
     ``RingLink`` (``cuda``: device memory and CUDA IPC events; ``cpu``: the host ring) and
     waits for the receiver's acknowledgement (the map complete in its memory): latency from
     send to that acknowledgement. The receiver's digests of what it got are compared after.
@@ -312,8 +312,8 @@ def ring_handoff(n: int, shape: tuple[int, ...], device: str = "cuda") -> dict:
     import asyncio
     import multiprocessing as mp
 
-    from ppipe.runtime.ring_link import ring_address, ring_link
-    from ppipe.runtime.transport import EdgeChannel
+    from ppipe.runtime.workers.ring_link import ring_address, ring_link
+    from ppipe.runtime.workers.transport import EdgeChannel
 
     kind = "cuda" if device == "cuda" else "host"
     address = ring_address(kind)
@@ -345,7 +345,7 @@ def ring_handoff(n: int, shape: tuple[int, ...], device: str = "cuda") -> dict:
     r = {"device": device, "ring": kind, "messages": n, "bytes": nbytes, "all_equal": all(equal),
          "median_us": float(np.median(lat_us)), "p90_us": float(np.percentile(lat_us, 90))}
     say(f"ring: {n} fp16 feature maps of {nbytes / 1e6:.1f} MB between two processes through the {kind} staging ring "
-        f"(ppipe.runtime.ring_link): bytes equal {r['all_equal']}, latency (send to the receiver's ack) "
+        f"(ppipe.runtime.workers.ring_link): bytes equal {r['all_equal']}, latency (send to the receiver's ack) "
         f"median {r['median_us']:.0f} us, p90 {r['p90_us']:.0f} us")
     return r
 
@@ -368,7 +368,7 @@ def dry_run(env: dict, gpu: str | None, levels: list[int], dry: bool = True) -> 
         f"next to the roofline for {gpu} ({gpu_spec(gpu).source}){assumed}")
     say("would chain each model's blocks on the GPU in fp16 against the whole model on the CPU (onnxruntime fp32)")
     say("would hand fp16 feature maps between two processes on one GPU by CUDA IPC (bytes equal, latency)")
-    say("would send them through the CUDA staging ring of ppipe.runtime.ring_link too (bytes equal, latency)")
+    say("would send them through the CUDA staging ring of ppipe.runtime.workers.ring_link too (bytes equal, latency)")
     why = "; ".join(w for w, on in (("dry run", dry), ("no CUDA device", not env["cuda"])) if on)
     say(f"skipped here ({why}): every step above" + (f"; missing packages: {', '.join(missing)}" if missing else ""))
     return {"dry_run": True, "gpu_type": gpu, "levels": lv, "points_per_model": points, "missing": missing, "skipped_because": why}

@@ -30,7 +30,7 @@ old plan still holds and can hand them to the new plan's tables:
   failed in the new one.
 
 **Resources that change hands between schedulers** (the shards of one server, each a
-scheduler over its own models, :mod:`ppipe.runtime.shards`): a new plan may give a physical
+scheduler over its own models, :mod:`ppipe.runtime.launch.shards`): a new plan may give a physical
 GPU or a NIC that one shard's old plan used to another shard. The taker cannot see the
 giver's tables, so its hand-over puts the resource under *embargo*: its new vGPUs on the
 GPU (those not kept) and its NIC table are busy from the switch on, without end. The

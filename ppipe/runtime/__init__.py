@@ -1,30 +1,21 @@
-"""The runtime: ``ppipe serve`` on Ray behind an Open Inference Protocol (KServe v2) API.
+"""The runtime: ``ppipe serve`` behind an Open Inference Protocol (KServe v2) API.
 
-Pieces (each a module):
+Laid out by role, as the drawing in DESIGN.md ("The runtime at scale"):
 
-- :mod:`~ppipe.runtime.clock`: :class:`WallClock`, the data plane's ``Clock`` on the
-  asyncio loop of the frontend; converts workers' wall times to the scheduler's timeline.
-- :mod:`~ppipe.runtime.protocol`: KServe v2 request/response encoding (JSON tensors and
-  the binary tensor extension), pure functions.
-- :mod:`~ppipe.runtime.backends`: how a worker runs its partition: ``ort`` (onnxruntime),
-  ``tensorrt`` (GPU) or ``emulated`` (sleeps for the profiled latency, emits tensors of
-  the profiled size; for rehearsals and tests, never a stand-in for a GPU result).
-- :mod:`~ppipe.runtime.worker`: :class:`VgpuWorker`, one Ray actor per vGPU of the plan.
-  A batch goes worker to worker along its reserved path (fp16 feature maps); only the last
-  stage's output goes back to the frontend.
-- :mod:`~ppipe.runtime.transport`: how feature maps cross: NCCL (CuPy) between GPU workers
-  on distinct GPUs, with both ends posted at dispatch; otherwise the data path's connections.
-  Chosen per worker pair (``ppipe serve --transport auto|tcp|nccl``).
-- :mod:`~ppipe.runtime.wire`, :mod:`~ppipe.runtime.datapath`: the per-batch data path,
-  TCP connections from the frontend along each batch's reserved route and reports back
-  (Ray places the workers and watches their lives; it carries no batch).
-- :mod:`~ppipe.runtime.deploy`: placing the workers on the Ray nodes the plan names.
-- :mod:`~ppipe.runtime.driver`: :class:`Runtime`, which runs the data plane's scheduler
-  under the wall clock and turns its decisions into data-path messages.
-- :mod:`~ppipe.runtime.server`: the starlette app (health, metadata, infer, /metrics).
-- :mod:`~ppipe.runtime.bench`: the open-loop load generator behind ``ppipe bench``
-  (arrivals from :mod:`ppipe.sim.arrivals`; requests through
-  :mod:`~ppipe.runtime.httpclient`).
+- :mod:`~ppipe.runtime.ingress`: HTTP and gRPC (KServe v2), the protocol's encoding, the
+  OpenAPI document and the decoding of request bodies. No Ray, no torch.
+- :mod:`~ppipe.runtime.scheduler`: the host of the data plane's scheduler under the wall
+  clock (:class:`~ppipe.runtime.scheduler.host.Runtime`): it submits requests, applies the
+  scheduler's decisions, answers, times out, and learns from the workers' reports; budgets
+  and metrics. No HTTP server, no Ray, no torch.
+- :mod:`~ppipe.runtime.workers`: one worker per vGPU: the stage server, the backends
+  (``ort``, ``tensorrt``, ``torch``, ``emulated``) and the worker-to-worker transports
+  (NCCL, staging rings, CUDA IPC).
+- :mod:`~ppipe.runtime.wire.frames`: the data path's framing and its TCP connections.
+- :mod:`~ppipe.runtime.launch`: starting a plan's workers (Ray), frontend shards.
+- :mod:`~ppipe.runtime.control`: live plan switches and the re-plan loop.
+- :mod:`~ppipe.runtime.client`: ``ppipe bench``'s load generator and HTTP client.
+- :mod:`~ppipe.runtime.clock`: the wall clock handed to the data plane, shared by all roles.
 
 Ray, onnxruntime and TensorRT are imported lazily: importing this package is cheap.
 """

@@ -21,7 +21,7 @@ DEFAULT_WAKE_LEAD_MS = 2.0
 DEFAULT_DISPATCH_LEAD_MS = DEFAULT_DISPATCH_LEAD_US / 1e3
 DEFAULT_ANSWER_BUDGET_MS = DEFAULT_ANSWER_BUDGET_US / 1e3
 DEFAULT_REPORT_TOLERANCE_MS = 1.0  # Runtime(report_tolerance_us=...)
-# Slow clients: the same values as ppipe.runtime.server's defaults (a test checks), written
+# Slow clients: the same values as ppipe.runtime.ingress.http_server's defaults (a test checks), written
 # out here so that the CLI does not import the server (and the driver) to show its help.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -49,7 +49,7 @@ def init_ray(ray_address: str | None, num_cpus: int | None, loopback_only: bool)
     the environment sets it): Ray's default of 15 lets every other process on the machine
     (the frontend, a load generator, a batch job) run before a vGPU worker whose stage is
     reserved to start now, and a worker can lower its niceness itself only with root or
-    ``RLIMIT_NICE`` (``ppipe.runtime.worker._undo_ray_niceness``). A joined cluster's
+    ``RLIMIT_NICE`` (``ppipe.runtime.workers.worker._undo_ray_niceness``). A joined cluster's
     workers have the niceness of its ``ray start`` (the README says how to set it there).
     """
     import ray
@@ -165,11 +165,11 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     """
     import uvicorn
 
-    from ppipe.runtime.budgets import ServiceBudgets
-    from ppipe.runtime.deploy import LinkOpener, load_deployment, setup_transport, start_workers
-    from ppipe.runtime.driver import check_whole_paths, default_scheduler_factory
-    from ppipe.runtime.server import uvicorn_config
-    from ppipe.runtime.shards import (
+    from ppipe.runtime.scheduler.budgets import ServiceBudgets
+    from ppipe.runtime.launch.deploy import LinkOpener, load_deployment, setup_transport, start_workers
+    from ppipe.runtime.scheduler.host import check_whole_paths, default_scheduler_factory
+    from ppipe.runtime.ingress.http_server import uvicorn_config
+    from ppipe.runtime.launch.shards import (
         PeerExchange, ServeSettings, assign_shards, build_shard, here_strategy, parse_shards, reuseport_socket, shard_actor_class,
     )
 
@@ -196,7 +196,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s,
                                    replan_curvature_window_s) if replan == "auto" else None
     if grpc_port is not None:
-        from ppipe.runtime.grpc_server import check_port_free
+        from ppipe.runtime.ingress.grpc_server import check_port_free
 
         if grpc_port == port or not 0 < grpc_port < 65536:
             raise UserError(f"--grpc-port {grpc_port} must be a free port other than --port {port}", fix="e.g. --grpc-port 8001")
@@ -251,8 +251,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         raise
 
     def companions(rt, router):
-        from ppipe.runtime.shards import sub_plan
-        from ppipe.runtime.switch import PlanSwitcher, ShardedSwitcher, SighupReload
+        from ppipe.runtime.launch.shards import sub_plan
+        from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload
 
         out = [] if router is None else [PeerExchange(router, actors, addresses)]
         if router is None:  # one shard
@@ -262,7 +262,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
             switchers.append(ShardedSwitcher(PlanSwitcher(rt, mine, backend=backend, backend_options=opts), dep, owner, actors, router))
         out.append(SighupReload(switchers[0], plan_file))  # ppipe apply and SIGHUP switch plans
         if replan_policy is not None:
-            from ppipe.runtime.replan import ReplanLoop
+            from ppipe.runtime.control.replan import ReplanLoop
 
             out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
         return out
@@ -315,7 +315,7 @@ def _replan_policy(dep, time_limit_s: float, min_interval_s: float, window_s: fl
 def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape, grpc_address,
           records_out):
     """Open-loop load against URL (a `ppipe serve`): SLO attainment, goodput, p50/p99, drops."""
-    from ppipe.runtime.bench import format_table, run_bench, to_json
+    from ppipe.runtime.client.bench import format_table, run_bench, to_json
 
     if rate_rps <= 0 or duration_s <= 0:
         raise UserError("--rate and --duration-s must be positive")

@@ -13,7 +13,7 @@ import asyncio
 
 from ppipe.dataplane.api import Dispatch, Drop, DropReason, Stage, WakeAt
 from ppipe.runtime.clock import wall_us
-from ppipe.runtime.datapath import StageServer
+from ppipe.runtime.wire.datapath import StageServer
 
 
 class FifoScheduler:
@@ -178,7 +178,7 @@ def close_workers(workers) -> None:
 
 
 # ---- fake links for the NCCL transport's protocol (NOT a GPU, NOT NCCL) ----------------------------------
-# They move the bytes of ppipe.runtime.transport's messages through a queue, so that the
+# They move the bytes of ppipe.runtime.workers.transport's messages through a queue, so that the
 # channel's numbering, header and error handling run on the CPU. Tests inject them
 # explicitly (EdgeChannel(link, ...) or connect_edges(..., link_factory=...)); the real
 # NcclLink is only exercised by the CUDA tests.

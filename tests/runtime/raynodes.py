@@ -294,7 +294,7 @@ class Load:
 
         import numpy as np
 
-        from ppipe.runtime.protocol import encode_infer_request
+        from ppipe.runtime.ingress.protocol import encode_infer_request
 
         self.url, self.models, self.rate = url, models, rate
         self.body, self.headers = encode_infer_request({"input": np.zeros((1, 3, 8, 8), np.float32)}, binary=True)

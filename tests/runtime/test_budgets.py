@@ -1,4 +1,4 @@
-"""The runtime's service margins while serving (ppipe.runtime.budgets) and its punctual sleep."""
+"""The runtime's service margins while serving (ppipe.runtime.scheduler.budgets) and its punctual sleep."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from ppipe.dataplane.margins import ModelMargins
-from ppipe.runtime.budgets import EVERY, WINDOW, ServiceBudgets
+from ppipe.runtime.scheduler.budgets import EVERY, WINDOW, ServiceBudgets
 from ppipe.runtime.clock import sleep_until, wall_us
 
 

@@ -49,9 +49,9 @@ def test_bench_without_a_server_says_so():
 def test_bench_against_a_running_server(ray_cluster, tinynet, tmp_path):
     import ray
 
-    from ppipe.runtime.deploy import load_deployment, start_workers
-    from ppipe.runtime.driver import Runtime
-    from ppipe.runtime.server import BackgroundServer, create_app
+    from ppipe.runtime.launch.deploy import load_deployment, start_workers
+    from ppipe.runtime.scheduler.host import Runtime
+    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
     from ppipe.spec.cluster import load_cluster
     from .conftest import make_plan
 

@@ -11,7 +11,7 @@ import queue
 
 import pytest
 
-from ppipe.runtime.cuda_ipc import IpcProtocolError, IpcReceiver, IpcSender
+from ppipe.runtime.workers.cuda_ipc import IpcProtocolError, IpcReceiver, IpcSender
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install '.[torch]'); CI's .[test] does not pull it")
 

@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, StageServer, _Receiver, is_loopback_address, ran_as_reserved
-from ppipe.runtime.wire import WireError, pack, unpack
+from ppipe.runtime.wire.datapath import DataPathFull, Inbox, Outbox, StageServer, _Receiver, is_loopback_address, ran_as_reserved
+from ppipe.runtime.wire.frames import WireError, pack, unpack
 
 
 def _message(header, tensors=None) -> bytes:
@@ -192,7 +192,7 @@ def test_a_failing_stage_reports_its_error_and_forwards_nothing():
 
 
 def test_a_peer_that_is_not_reading_fails_the_send_instead_of_blocking(monkeypatch):
-    monkeypatch.setattr("ppipe.runtime.datapath.MAX_BUFFERED_BYTES", 1000)
+    monkeypatch.setattr("ppipe.runtime.wire.datapath.MAX_BUFFERED_BYTES", 1000)
 
     async def main():
         box = Outbox()
@@ -389,7 +389,7 @@ class _FakeGatheringTransport(_FakeWriteTransport):
 
 @pytest.mark.parametrize("gathers", [False, True])
 def test_a_sender_hands_the_transport_views_of_the_tensor_a_chunk_at_a_time(gathers):
-    from ppipe.runtime import datapath
+    from ppipe.runtime.wire import datapath
 
     chunk = datapath.WRITE_CHUNK_BYTES
     x = np.arange(int(2.5 * chunk) // 4, dtype=np.float32)
@@ -411,7 +411,7 @@ def test_a_sender_hands_the_transport_views_of_the_tensor_a_chunk_at_a_time(gath
 
 
 def test_a_sender_joins_a_header_and_its_small_tensors_into_one_write():
-    from ppipe.runtime import datapath
+    from ppipe.runtime.wire import datapath
 
     s = datapath._Sender(Outbox(), "tcp://127.0.0.1:9")
     t = _FakeWriteTransport(s, capacity=1 << 30)

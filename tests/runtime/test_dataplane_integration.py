@@ -10,10 +10,10 @@ import httpx
 import numpy as np
 import pytest
 
-from ppipe.runtime.deploy import load_deployment, start_workers
-from ppipe.runtime.driver import Runtime
-from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
-from ppipe.runtime.server import BackgroundServer, create_app
+from ppipe.runtime.launch.deploy import load_deployment, start_workers
+from ppipe.runtime.scheduler.host import Runtime
+from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
+from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
 from ppipe.spec.cluster import load_cluster
 from .conftest import make_plan
 from .tinynet import reference, write_tinynet
@@ -202,7 +202,7 @@ def test_a_killed_worker_is_re_created_and_the_model_is_served_again(ray_cluster
     (deploy.respawn_worker), it loads its blocks, and the scheduler routes to it again."""
     import ray
 
-    from ppipe.runtime.deploy import respawn_worker
+    from ppipe.runtime.launch.deploy import respawn_worker
 
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
     plan.save(tmp_path / "plan.yaml")

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ppipe.runtime.deploy import worker_env
-from ppipe.runtime.worker import WorkerSpec, pin_cuda_env
+from ppipe.runtime.launch.deploy import worker_env
+from ppipe.runtime.workers.worker import WorkerSpec, pin_cuda_env
 
 
 def _spec(gpu_index=3, vgpu=4, gpu="L4"):
@@ -48,7 +48,7 @@ SLICED_PROFILE = "measured: PyTorch 2.11 on an L4; level v = v processes at once
 
 def test_a_gpu_share_profiled_under_mps_is_refused_where_no_mps_daemon_runs():
     from ppipe.errors import UserError
-    from ppipe.runtime.worker import check_gpu_sharing
+    from ppipe.runtime.workers.worker import check_gpu_sharing
 
     with pytest.raises(UserError, match=r"1/4 MPS share of a L4.*no MPS control daemon") as exc:
         check_gpu_sharing(_spec(vgpu=4), True, MPS_PROFILE, lambda: False)
@@ -59,7 +59,7 @@ def test_a_gpu_share_profiled_under_mps_is_refused_where_no_mps_daemon_runs():
 
 
 def test_mps_running_level_1_cpu_workers_and_time_sliced_profiles_pass_the_sharing_check():
-    from ppipe.runtime.worker import check_gpu_sharing
+    from ppipe.runtime.workers.worker import check_gpu_sharing
 
     asked = []
 

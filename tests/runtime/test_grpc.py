@@ -13,9 +13,9 @@ import grpc
 import numpy as np
 import pytest
 
-from ppipe.runtime import proto as pb
-from ppipe.runtime.grpc_server import GrpcServer
-from ppipe.runtime.server import BackgroundServer, create_app
+from ppipe.runtime.ingress import proto as pb
+from ppipe.runtime.ingress.grpc_server import GrpcServer
+from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
 
 from .fakes import close_workers
 from .test_units import _runtime
@@ -198,7 +198,7 @@ def test_a_drop_is_unavailable_with_its_reason_and_a_big_message_resource_exhaus
 def test_bench_drives_the_grpc_frontend(served):
     import asyncio
 
-    from ppipe.runtime.bench import run_bench
+    from ppipe.runtime.client.bench import run_bench
 
     rt, g = served
     for binary in (True, False):  # raw_input_contents, typed contents
@@ -212,10 +212,10 @@ def test_bench_drives_the_grpc_frontend(served):
 
 def test_the_shipped_descriptor_matches_the_proto():
     pytest.importorskip("grpc_tools")
-    from ppipe.runtime.proto import _regen
-    from ppipe.runtime.proto.grpc_predict_v2_desc import FILE_DESCRIPTOR
+    from ppipe.runtime.ingress.proto import _regen
+    from ppipe.runtime.ingress.proto.grpc_predict_v2_desc import FILE_DESCRIPTOR
 
-    assert _regen.serialized_descriptor() == FILE_DESCRIPTOR, "run: python -m ppipe.runtime.proto._regen"
+    assert _regen.serialized_descriptor() == FILE_DESCRIPTOR, "run: python -m ppipe.runtime.ingress.proto._regen"
 
 
 def test_bench_cli_with_grpc(served):

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ppipe.runtime.clock import WallClock
-from ppipe.runtime.metrics import RuntimeMetrics
-from ppipe.runtime.protocol import decode_job, encode_infer_request
-from ppipe.runtime.server import BackgroundServer, BodyDecoder, create_app
+from ppipe.runtime.scheduler.metrics import RuntimeMetrics
+from ppipe.runtime.ingress.protocol import decode_job, encode_infer_request
+from ppipe.runtime.ingress.http_server import BackgroundServer, BodyDecoder, create_app
 from ppipe.spec.cluster import load_cluster
 
 from .conftest import make_plan
@@ -34,7 +34,7 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 class StubRuntime:
-    """What the frontend uses of a :class:`~ppipe.runtime.driver.Runtime`; infer answers
+    """What the frontend uses of a :class:`~ppipe.runtime.scheduler.host.Runtime`; infer answers
     ``logits = sum(x)`` after ``delay_s`` and records ``arrival_us``."""
 
     def __init__(self, profile, slo_ms: float = 200.0, delay_s: float = 0.0):
@@ -515,7 +515,8 @@ def test_serve_help_says_what_the_token_guards_and_the_timeouts():
 
 
 def test_serve_defaults_are_the_servers():
-    from ppipe.runtime import cli, server
+    from ppipe.runtime import cli
+    from ppipe.runtime.ingress import http_server as server
 
     for name in ("DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_BODY_TIMEOUT_S", "DEFAULT_SHUTDOWN_TIMEOUT_S"):
         assert getattr(cli, name) == getattr(server, name), name
@@ -555,7 +556,7 @@ def test_decode_processes_leave_ctrl_c_to_the_server():
     import os
     import signal
 
-    from ppipe.runtime.server import _process_pool
+    from ppipe.runtime.ingress.http_server import _process_pool
 
     pool = _process_pool(1)
     try:

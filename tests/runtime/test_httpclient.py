@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ppipe.runtime.httpclient import RawHttpClient
+from ppipe.runtime.client.httpclient import RawHttpClient
 
 
 async def _serve_once_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

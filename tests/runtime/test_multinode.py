@@ -69,7 +69,7 @@ def test_readme_steps_work_with_token_auth_and_place_workers_by_ray_resource(two
 
     import numpy as np
 
-    from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
+    from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
 
     body, headers = encode_infer_request({"input": np.zeros((2, 3, 8, 8), np.float32)}, binary=True)
     with httpx.Client(base_url=serve.url, timeout=30) as c:

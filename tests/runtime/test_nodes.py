@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ppipe.runtime import deploy
-from ppipe.runtime.deploy import actor_name, next_incarnation
-from ppipe.runtime.metrics import RuntimeMetrics, capacity_alive_ratio
-from ppipe.runtime.refs import consume
+from ppipe.runtime.launch import deploy
+from ppipe.runtime.launch.deploy import actor_name, next_incarnation
+from ppipe.runtime.scheduler.metrics import RuntimeMetrics, capacity_alive_ratio
+from ppipe.runtime.launch.refs import consume
 from ppipe.spec.cluster import load_cluster
 from .conftest import make_plan
 
@@ -73,7 +73,7 @@ def test_the_capacity_gauge_is_read_at_each_scrape(tinynet):
 
 
 def test_server_is_ready_while_at_least_one_model_is(tinynet):
-    from ppipe.runtime.server import Frontend
+    from ppipe.runtime.ingress.http_server import Frontend
 
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)])
     b = plan.models[0].model_copy(update={"name": "b"})
@@ -117,7 +117,7 @@ def test_consumed_references_retrieve_their_error():
 def test_workers_are_named_actors_and_a_held_name_takes_the_next_incarnation(ray_cluster, tinynet, tmp_path):
     import ray
 
-    from ppipe.runtime.deploy import load_deployment, respawn_worker, start_workers
+    from ppipe.runtime.launch.deploy import load_deployment, respawn_worker, start_workers
 
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)])
     plan.save(tmp_path / "plan.yaml")
@@ -149,7 +149,7 @@ def test_a_consumed_reference_of_a_failed_call_is_no_unhandled_error(ray_cluster
     import ray
     import ray._private.worker as ray_worker
 
-    from ppipe.runtime.refs import settle
+    from ppipe.runtime.launch.refs import settle
 
     @ray.remote(num_cpus=0)
     class Fails:
@@ -190,7 +190,7 @@ def test_a_consumed_reference_of_a_failed_call_is_no_unhandled_error(ray_cluster
 
 
 def test_a_re_created_worker_that_cannot_open_its_data_path_is_killed_before_the_next_try(tinynet, monkeypatch):
-    from ppipe.runtime import driver
+    from ppipe.runtime.scheduler import host as driver
     from .fakes import FakeWorker
     from .test_units import _runtime
 
@@ -230,7 +230,7 @@ def test_a_re_created_worker_that_cannot_open_its_data_path_is_killed_before_the
 
 
 def test_a_server_leaving_and_coming_back_is_logged_once_each(caplog):
-    from ppipe.runtime.deploy import note_server
+    from ppipe.runtime.launch.deploy import note_server
 
     caplog.set_level("WARNING", logger="ppipe.runtime")
     seen = [note_server("p4-7", offered) for offered in (True, False, False, False, True, True, False, True)]

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ppipe.runtime.openapi import INFERENCE_REQUEST
-from ppipe.runtime.protocol import encode_infer_request
+from ppipe.runtime.ingress.openapi import INFERENCE_REQUEST
+from ppipe.runtime.ingress.protocol import encode_infer_request
 
 from .test_hardening import AUTH, TOKEN, AsgiHarness, StubRuntime, counted
 

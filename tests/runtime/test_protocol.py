@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from ppipe.runtime.protocol import (
+from ppipe.runtime.ingress.protocol import (
     MAX_DIMS,
     ProtocolError,
     decode_infer_response,

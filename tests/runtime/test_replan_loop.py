@@ -1,4 +1,4 @@
-"""``ppipe serve --replan auto``'s loop (ppipe.runtime.replan.ReplanLoop): arrivals logged by
+"""``ppipe serve --replan auto``'s loop (ppipe.runtime.control.replan.ReplanLoop): arrivals logged by
 the runtime reach the controller, a decision is applied through the switcher, a refused
 switch is handed back to the controller."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 from ppipe.control.replan import ReplanPolicy
 from ppipe.dataplane.testing import ToyModel, ToyPartition, ToyPipeline, toy_cluster, toy_plan
 from ppipe.errors import UserError
-from ppipe.runtime.replan import ReplanLoop
-from ppipe.runtime.switch import PlanSwitcher
+from ppipe.runtime.control.replan import ReplanLoop
+from ppipe.runtime.control.switch import PlanSwitcher
 
 CLUSTER = toy_cluster([("n", "A", 1, 2, 8.0)])
 

@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import pytest
 
-from ppipe.runtime.ring_link import RingClosed, ring_address, ring_link
-from ppipe.runtime.transport import EdgeChannel, UpstreamFailed
+from ppipe.runtime.workers.ring_link import RingClosed, ring_address, ring_link
+from ppipe.runtime.workers.transport import EdgeChannel, UpstreamFailed
 
 
 def _messages(xp=np):

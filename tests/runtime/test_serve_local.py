@@ -13,10 +13,10 @@ import httpx
 import numpy as np
 import pytest
 
-from ppipe.runtime.deploy import load_deployment, start_workers
-from ppipe.runtime.driver import Runtime
-from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
-from ppipe.runtime.server import BackgroundServer, create_app
+from ppipe.runtime.launch.deploy import load_deployment, start_workers
+from ppipe.runtime.scheduler.host import Runtime
+from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
+from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
 from ppipe.spec.cluster import load_cluster
 from .conftest import make_plan
 from .fakes import FifoScheduler

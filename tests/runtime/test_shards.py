@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ppipe.planner.placement import place
-from ppipe.runtime.shards import ShardRouter, assign_shards, auto_shards, merge_metrics, nic_components, parse_shards, sub_plan
+from ppipe.runtime.launch.shards import ShardRouter, assign_shards, auto_shards, merge_metrics, nic_components, parse_shards, sub_plan
 from ppipe.spec.cluster import load_cluster
 from ppipe.errors import UserError
 from .conftest import make_plan
@@ -107,8 +107,8 @@ def test_the_whole_plans_scheduler_decides_as_the_shards_schedulers_do(tmp_path)
 
 # ---- passing requests between shards (in-process: two routers, fake workers, real HTTP) -----------------
 def _shard_server(plan, tinynet_dir, models, index, owner, grpc=False):
-    from ppipe.runtime.driver import Runtime
-    from ppipe.runtime.server import BackgroundServer, create_app
+    from ppipe.runtime.scheduler.host import Runtime
+    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
     from ppipe.spec.profile import load_profile
     from .fakes import FakeWorker, FifoScheduler, close_workers
 
@@ -119,7 +119,7 @@ def _shard_server(plan, tinynet_dir, models, index, owner, grpc=False):
     router = ShardRouter(None, index, owner)
     extra = []
     if grpc:
-        from ppipe.runtime.grpc_server import GrpcServer
+        from ppipe.runtime.ingress.grpc_server import GrpcServer
 
         extra.append(GrpcServer(rt, port=0, token="t0k", router=router))
         router.grpc_server = extra[0]
@@ -158,7 +158,7 @@ def test_sharded_server_is_ready_while_some_shard_has_a_ready_model(tmp_path):
 
 
 def test_a_shard_passes_other_models_requests_to_their_owner_and_answers_for_all(tmp_path):
-    from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
+    from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
 
     srv0, r0, srv1, r1 = _two_shards(tmp_path)
     auth = {"authorization": "Bearer t0k"}
@@ -259,7 +259,7 @@ def _serve_two_shards(tmp_path, port: int, *flags: str):
     import subprocess
     import sys
 
-    from ppipe.runtime.httpclient import wait_until_ready
+    from ppipe.runtime.client.httpclient import wait_until_ready
 
     proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(tmp_path / "plan.yaml"), "--backend", "emulated",
                              "--shards", "2", "--port", str(port), "--num-cpus", "2", *flags],
@@ -302,7 +302,7 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
     stop on SIGINT."""
     import signal
 
-    from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
+    from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
 
     plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
     plan.save(tmp_path / "plan.yaml")
@@ -337,7 +337,7 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
 
 
 def test_a_server_of_shards_is_ready_once_every_shard_has_started_and_then_while_one_is():
-    from ppipe.runtime.shards import merge_readiness
+    from ppipe.runtime.launch.shards import merge_readiness
 
     ready = (200, [], b'{"ready": true, "started": true}')
     lost = (503, [], b'{"ready": false, "started": true}')  # its models' workers are gone
@@ -349,7 +349,7 @@ def test_a_server_of_shards_is_ready_once_every_shard_has_started_and_then_while
     assert merge_readiness([lost, lost]) == lost
 
 
-# ---- plan switches of a server of shards (ppipe.runtime.switch.ShardedSwitcher) -----------------
+# ---- plan switches of a server of shards (ppipe.runtime.control.switch.ShardedSwitcher) -----------------
 def _swapped(plan):
     """The plan with models a and b on each other's GPUs."""
     gpu = {p.model: (p.gpu_index, p.vgpu_id) for p in plan.placement}
@@ -359,7 +359,7 @@ def _swapped(plan):
 
 
 def test_a_switch_keeps_each_model_on_its_shard_and_refuses_what_would_move_one(tmp_path):
-    from ppipe.runtime.shards import incoming_resources, shard_owners
+    from ppipe.runtime.launch.shards import incoming_resources, shard_owners
 
     plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
     owner = {"a": 0, "b": 1}
@@ -382,7 +382,7 @@ def test_a_switch_keeps_each_model_on_its_shard_and_refuses_what_would_move_one(
 def test_shards_commit_givers_first_and_a_cycle_under_an_embargo_that_the_later_commit_lifts(tmp_path):
     import asyncio
 
-    from ppipe.runtime.switch import ShardedSwitcher
+    from ppipe.runtime.control.switch import ShardedSwitcher
 
     calls = []
 
@@ -418,7 +418,7 @@ def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_pa
     from click.testing import CliRunner
 
     from ppipe.cli import main
-    from ppipe.runtime.bench import run_bench
+    from ppipe.runtime.client.bench import run_bench
 
     plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
     plan.save(tmp_path / "plan.yaml")
@@ -462,7 +462,7 @@ def test_a_switch_that_fails_part_way_says_which_shards_serve_which_plan_and_ref
     import asyncio
     from types import SimpleNamespace
 
-    from ppipe.runtime.switch import PartialSwitch, ShardedSwitcher
+    from ppipe.runtime.control.switch import PartialSwitch, ShardedSwitcher
 
     calls = []
 
@@ -504,7 +504,7 @@ def test_a_new_models_owner_is_told_to_every_shard_before_its_owner_commits():
     import asyncio
     from types import SimpleNamespace
 
-    from ppipe.runtime.switch import ShardedSwitcher
+    from ppipe.runtime.control.switch import ShardedSwitcher
 
     calls = []
 

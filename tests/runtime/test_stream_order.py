@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from ppipe.runtime.transport import EdgeChannel
+from ppipe.runtime.workers.transport import EdgeChannel
 from tests.runtime.fake_cupy import FakeCupy
 
 STAGING = ("h2d", "astype", "ascontiguousarray", "empty", "copy", "d2h")
@@ -115,7 +115,7 @@ class _DoublingContext:
 
 
 def _fake_trt_backend(xp):
-    from ppipe.runtime.backends import TensorRTBackend
+    from ppipe.runtime.workers.backends import TensorRTBackend
 
     be = object.__new__(TensorRTBackend)  # skips the engine build: the run path is what is tested
     be.cp, be.trt, be.keep, be.max_batch, be._buffers = xp, _FakeTrt, None, 8, {}

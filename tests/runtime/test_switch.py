@@ -1,4 +1,4 @@
-"""Live plan switches of the runtime (Runtime.switch_plan, ppipe.runtime.switch): the data
+"""Live plan switches of the runtime (Runtime.switch_plan, ppipe.runtime.control.switch): the data
 plane's real scheduler, in-process workers on the real data path, no Ray."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ppipe.errors import UserError
-from ppipe.runtime.driver import DroppedError, Runtime
+from ppipe.runtime.scheduler.host import DroppedError, Runtime
 from ppipe.spec.cluster import load_cluster
 from tests.runtime.conftest import make_plan
 from tests.runtime.fakes import FakeWorker, close_workers
@@ -142,10 +142,10 @@ def test_ppipe_apply_switches_a_serving_server_with_every_request_answered(ray_c
     from click.testing import CliRunner
 
     from ppipe.cli import main
-    from ppipe.runtime.bench import run_bench
-    from ppipe.runtime.deploy import load_deployment, start_workers
-    from ppipe.runtime.server import BackgroundServer, create_app
-    from ppipe.runtime.switch import PlanSwitcher
+    from ppipe.runtime.client.bench import run_bench
+    from ppipe.runtime.launch.deploy import load_deployment, start_workers
+    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.control.switch import PlanSwitcher
 
     cluster = load_cluster("local-cpu")
     old_plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)], batch=1, slo_ms=200.0)
@@ -190,7 +190,7 @@ def test_sighup_rereads_the_plan_file_and_a_bad_file_leaves_the_old_plan(tinynet
     import os
     import signal
 
-    from ppipe.runtime.switch import PlanSwitcher, SighupReload
+    from ppipe.runtime.control.switch import PlanSwitcher, SighupReload
 
     cluster, old_plan, new_plan = _plans(tinynet)
     applied = []
@@ -224,9 +224,9 @@ def test_sighup_rereads_the_plan_file_and_a_bad_file_leaves_the_old_plan(tinynet
 def test_admin_endpoint_refusals(tinynet, tmp_path):
     import httpx
 
-    from ppipe.runtime.deploy import Deployment
-    from ppipe.runtime.server import BackgroundServer, create_app
-    from ppipe.runtime.switch import PlanSwitcher
+    from ppipe.runtime.launch.deploy import Deployment
+    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.control.switch import PlanSwitcher
 
     cluster, old_plan, new_plan = _plans(tinynet)
     old_plan.save(tmp_path / "plan.yaml")
@@ -274,8 +274,8 @@ class _AllNccl:
         self.opened: list[tuple[int, list]] = []
 
     def choose(self, plan, cluster, profiles, workers):
-        from ppipe.runtime.deploy import Deployment, worker_specs
-        from ppipe.runtime.transport import pipeline_edges
+        from ppipe.runtime.launch.deploy import Deployment, worker_specs
+        from ppipe.runtime.workers.transport import pipeline_edges
 
         return {e: ("nccl", "") for e in pipeline_edges(worker_specs(Deployment(plan, cluster, profiles)))}
 

@@ -16,7 +16,7 @@ def _x(n=3):
 
 
 def test_torch_partitions_answer_like_ort_partitions(tinynet):
-    from ppipe.runtime.backends import OrtBackend, make_backend
+    from ppipe.runtime.workers.backends import OrtBackend, make_backend
 
     x = _x()
     want = OrtBackend(tinynet, "cpu", 1, 0, 2).run_sync({"input": x})["logits"]
@@ -31,8 +31,8 @@ def test_torch_partitions_answer_like_ort_partitions(tinynet):
 
 
 def test_a_partition_knows_the_inputs_it_is_sent_and_runs_on_zeros_of_them(tinynet):
-    from ppipe.runtime.backends import keep_after, make_backend
-    from ppipe.runtime.torch_backend import TorchBackend
+    from ppipe.runtime.workers.backends import keep_after, make_backend
+    from ppipe.runtime.workers.torch_backend import TorchBackend
 
     first = TorchBackend(tinynet, "cpu", 1, 0, 0)
     assert first.inputs == {"input": ((3, 8, 8), np.dtype(np.float32))}
@@ -48,7 +48,7 @@ def test_a_partition_knows_the_inputs_it_is_sent_and_runs_on_zeros_of_them(tinyn
 
 def test_a_gpu_pool_without_cuda_is_refused_naming_the_fix(tinynet, monkeypatch):
     from ppipe.errors import NotAvailableError
-    from ppipe.runtime.torch_backend import TorchBackend
+    from ppipe.runtime.workers.torch_backend import TorchBackend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(NotAvailableError, match="torch sees no CUDA device"):
@@ -58,8 +58,8 @@ def test_a_gpu_pool_without_cuda_is_refused_naming_the_fix(tinynet, monkeypatch)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
 def test_on_a_gpu_fp16_partitions_answer_like_the_cpu(tinynet):
-    from ppipe.runtime.backends import OrtBackend
-    from ppipe.runtime.torch_backend import TorchBackend
+    from ppipe.runtime.workers.backends import OrtBackend
+    from ppipe.runtime.workers.torch_backend import TorchBackend
 
     x = _x(8)
     want = OrtBackend(tinynet, "cpu", 1, 0, 2).run_sync({"input": x})["logits"]
@@ -74,7 +74,7 @@ def test_on_a_gpu_fp16_partitions_answer_like_the_cpu(tinynet):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
 def test_on_a_gpu_device_outputs_and_inputs_go_through_cupy_unchanged(tinynet):
     cp = pytest.importorskip("cupy", reason="device outputs for NCCL need CuPy")
-    from ppipe.runtime.torch_backend import TorchBackend
+    from ppipe.runtime.workers.torch_backend import TorchBackend
 
     x = _x(4)
     up, down = TorchBackend(tinynet, "L4", 1, 0, 0, precision="fp16"), TorchBackend(tinynet, "L4", 1, 1, 2, precision="fp16")
@@ -92,7 +92,7 @@ def test_on_a_gpu_device_outputs_and_inputs_go_through_cupy_unchanged(tinynet):
 def test_on_a_gpu_graph_replays_answer_like_eager_runs_at_every_batch_size_in_any_order(tinynet, monkeypatch):
     cp = pytest.importorskip("cupy", reason="device outputs for NCCL need CuPy")
     from ppipe.profiler.cuda_graph import ENV_SWITCH
-    from ppipe.runtime.torch_backend import TorchBackend
+    from ppipe.runtime.workers.torch_backend import TorchBackend
 
     graphed = TorchBackend(tinynet, "L4", 1, 0, 0, precision="fp32")
     monkeypatch.setenv(ENV_SWITCH, "0")
@@ -114,7 +114,7 @@ def test_on_a_gpu_graph_replays_answer_like_eager_runs_at_every_batch_size_in_an
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build of torch and a GPU")
 def test_on_a_gpu_a_warmed_partition_has_every_batch_captured_before_the_first_request(tinynet):
-    from ppipe.runtime.backends import make_backend
+    from ppipe.runtime.workers.backends import make_backend
 
     down = make_backend("torch", tinynet, "L4", 1, 1, 2, opt_batch=4, precision="fp16")
     assert len(down.graphs) == 4

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ppipe.errors import UserError
-from ppipe.runtime.transport import (
+from ppipe.runtime.workers.transport import (
     HEADER_BYTES,
     Capability,
     EdgeAborted,
@@ -28,7 +28,7 @@ from ppipe.runtime.transport import (
     pipeline_edges,
     select_transports,
 )
-from ppipe.runtime.worker import WorkerSpec
+from ppipe.runtime.workers.worker import WorkerSpec
 from .fakes import queue_link_pair
 
 OK = Capability(True, "", 0)
@@ -220,7 +220,7 @@ def test_nccl_link_moves_a_device_feature_map_between_two_gpus():
 
     import cupy
 
-    from ppipe.runtime.transport import NcclLink, nccl_unique_id
+    from ppipe.runtime.workers.transport import NcclLink, nccl_unique_id
 
     uid = nccl_unique_id()
     links = {}
@@ -251,7 +251,7 @@ def test_nccl_link_moves_a_device_feature_map_between_two_gpus():
 
 def _tinynet_pair(tinynet, tmp_path, backend="ort"):
     """Workers of a two-partition tinynet plan on local-cpu: (deployment, workers, sender id, receiver id)."""
-    from ppipe.runtime.deploy import load_deployment, start_workers
+    from ppipe.runtime.launch.deploy import load_deployment, start_workers
     from ppipe.spec.cluster import load_cluster
     from .conftest import make_plan
 
@@ -265,7 +265,7 @@ def _tinynet_pair(tinynet, tmp_path, backend="ort"):
 
 def _answers(dep, workers, edges, xs):
     """Serve ``xs`` one request each (FIFO batches of up to 3): (logits stacked, the runtime)."""
-    from ppipe.runtime.driver import Runtime
+    from ppipe.runtime.scheduler.host import Runtime
     from .fakes import FifoScheduler
 
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, edges=edges, keep_traces=50,
@@ -287,7 +287,7 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
     import ray
     from ray.util.queue import Queue
 
-    from ppipe.runtime.deploy import connect_edges, setup_transport
+    from ppipe.runtime.launch.deploy import connect_edges, setup_transport
     from . import fakes
     from .fakes import ray_queue_link
     from .tinynet import reference
@@ -302,7 +302,7 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
             setup_transport(dep, workers, "nccl")
         # a pair that cannot open its communicator (no CuPy here) is a UserError, not a hang
         with monkeypatch.context() as m:
-            m.setattr("ppipe.runtime.transport.select_transports", lambda *a, **k: {(up, down): ("nccl", "")})
+            m.setattr("ppipe.runtime.workers.transport.select_transports", lambda *a, **k: {(up, down): ("nccl", "")})
             with pytest.raises(UserError, match=r"opening the NCCL communicators of 1 worker pair\(s\) failed"):
                 setup_transport(dep, workers, "auto", timeout_s=60)
         # the test picks the edge's transport itself: CPU workers would never get NCCL
@@ -326,7 +326,7 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
 
 def _on_a_host_ring(monkeypatch, up, down):
     """The test puts the edge on the shared-memory ring itself (no --transport chooses it)."""
-    monkeypatch.setattr("ppipe.runtime.transport.select_transports", lambda *a, **k: {(up, down): ("ring-host", "the test")})
+    monkeypatch.setattr("ppipe.runtime.workers.transport.select_transports", lambda *a, **k: {(up, down): ("ring-host", "the test")})
 
 
 @pytest.mark.ray
@@ -336,7 +336,7 @@ def test_two_workers_talk_through_a_staging_ring_opened_as_serve_opens_it(ray_cl
     numbered message (the CUDA kind differs only in where the ring lives)."""
     import ray
 
-    from ppipe.runtime.deploy import setup_transport
+    from ppipe.runtime.launch.deploy import setup_transport
     from .tinynet import reference
 
     dep, workers, up, down = _tinynet_pair(tinynet, tmp_path)
@@ -359,7 +359,7 @@ def test_two_workers_talk_through_a_staging_ring_opened_as_serve_opens_it(ray_cl
 def test_emulated_workers_send_over_a_ring_edge_too(ray_cluster, tinynet, tmp_path, monkeypatch):
     import ray
 
-    from ppipe.runtime.deploy import setup_transport
+    from ppipe.runtime.launch.deploy import setup_transport
 
     dep, workers, up, down = _tinynet_pair(tinynet, tmp_path, backend="emulated")
     try:
@@ -377,7 +377,7 @@ def test_emulated_workers_send_over_a_ring_edge_too(ray_cluster, tinynet, tmp_pa
 
 # ---- the worker's NCCL path in-process (two VgpuWorker bodies, a fake link, onnxruntime) ------------------------------
 def _pair_of_workers(tinynet):
-    from ppipe.runtime.worker import VgpuWorker
+    from ppipe.runtime.workers.worker import VgpuWorker
     from ppipe.spec.profile import profile_ref
 
     ref = profile_ref(tinynet)
@@ -404,7 +404,7 @@ def test_a_worker_keeps_edges_of_two_generations_to_one_vgpu_id_apart_and_closes
     """After a plan switch that re-cut its peer, a kept worker holds an edge to the old
     worker of that id (generation 0) and one to the new worker (generation 1): each message
     goes on the edge its link names, and closing the old edge leaves the new one."""
-    from ppipe.runtime.worker import VgpuWorker
+    from ppipe.runtime.workers.worker import VgpuWorker
     from ppipe.spec.profile import profile_ref
     from .tinynet import reference
 

@@ -11,11 +11,11 @@ import pytest
 
 from ppipe.dataplane.api import Drop, DropReason, WakeAt
 from ppipe.errors import NotAvailableError, UserError
-from ppipe.runtime.backends import EmulatedBackend, OrtBackend, interpolated_latency_us, make_backend
+from ppipe.runtime.workers.backends import EmulatedBackend, OrtBackend, interpolated_latency_us, make_backend
 from ppipe.runtime.clock import WallClock, wall_us
-from ppipe.runtime.deploy import Deployment, node_resources_for, worker_env, worker_specs
-from ppipe.runtime.driver import DroppedError, Runtime
-from ppipe.runtime.worker import WorkerSpec, to_wire
+from ppipe.runtime.launch.deploy import Deployment, node_resources_for, worker_env, worker_specs
+from ppipe.runtime.scheduler.host import DroppedError, Runtime
+from ppipe.runtime.workers.worker import WorkerSpec, to_wire
 from ppipe.spec.cluster import ClusterSpec, load_cluster
 from .conftest import make_plan
 from .fakes import FakeWorker, FifoScheduler
@@ -469,7 +469,7 @@ def test_a_plan_without_room_for_the_margins_is_refused_at_start(tinynet):
 
 
 def _runtime_with(tinynet, **kw):
-    from ppipe.runtime.driver import Runtime
+    from ppipe.runtime.scheduler.host import Runtime
 
     rt, peers = _runtime(tinynet, max_batch=1)
     return Runtime(rt.plan, rt.profiles, rt.cluster, peers, **kw)
@@ -478,8 +478,8 @@ def _runtime_with(tinynet, **kw):
 def test_infer_fast_path_answers_like_the_routes_and_leaves_the_rest_to_them(tinynet):
     import httpx
 
-    from ppipe.runtime.protocol import decode_infer_response, encode_infer_request
-    from ppipe.runtime.server import create_app
+    from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
+    from ppipe.runtime.ingress.http_server import create_app
 
     rt, _ = _runtime(tinynet, max_batch=1)
     app = create_app(rt, token="t0k", max_body_bytes=4096)
@@ -520,7 +520,7 @@ def test_tensorrt_precision_follows_the_profiles_provenance():
 def test_a_refused_multi_sample_request_stops_submitting_and_withdraws_its_queued_samples(tinynet):
     """Issue 20: a 503 for a request of 100 samples computed 22 of them. Now the first drop
     ends the request: later samples are not submitted, queued ones are withdrawn."""
-    from ppipe.runtime.driver import DroppedError
+    from ppipe.runtime.scheduler.host import DroppedError
 
     rt, _ = _runtime(tinynet, max_batch=100, window_us=50_000.0)  # samples wait in the queue for a batch
 
@@ -563,7 +563,7 @@ def test_a_refused_multi_sample_request_stops_submitting_and_withdraws_its_queue
 def test_a_batch_whose_reports_stop_is_answered_worker_failed_not_left_to_time_out(tinynet):
     """A lost data-path message (a broken connection between workers) never reports: the
     batch is answered once it is report_grace_s (or the SLO) past its planned end."""
-    from ppipe.runtime.driver import DroppedError
+    from ppipe.runtime.scheduler.host import DroppedError
 
     cluster = load_cluster("local-cpu")
     plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)], slo_ms=100.0)
@@ -595,7 +595,7 @@ def test_the_wake_lead_follows_late_timers_so_a_waiting_request_is_not_dropped(t
     """A lone request of a batch-4 plan waits for partners until its last feasible moment
     less the wake lead. Timers that fire 15 ms late (a busy host) dropped it at 2 ms of lead;
     the runtime widens the lead to twice the lateness it sees."""
-    from ppipe.runtime.driver import DroppedError
+    from ppipe.runtime.scheduler.host import DroppedError
 
     cluster = load_cluster("local-cpu")
     cluster = cluster.model_copy(update={"servers": [s.model_copy(update={"gpus_per_server": 2}) for s in cluster.servers]})

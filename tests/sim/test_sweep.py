@@ -91,7 +91,7 @@ def test_plans_made_from_in_memory_artifact_profiles_reload(artifact_dir, tmp_pa
     """plan.yaml records such profiles as 'ppipe-artifact:<dir>#<model>'; simulate and serve
     must reload them through the same resolver as the planner."""
     import ppipe
-    from ppipe.runtime.deploy import load_deployment
+    from ppipe.runtime.launch.deploy import load_deployment
     from ppipe.spec.artifact import load_artifact_model
 
     prof = load_artifact_model(artifact_dir, "repvgg-b3")

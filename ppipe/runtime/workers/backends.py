@@ -10,7 +10,7 @@ are available, by name:
 - ``tensorrt``: TensorRT engines built from the same sub-models (at the profile's
   precision, tf32 by default), on the GPU the worker was pinned to. Needs ``tensorrt`` and
   ``cupy`` (``pip install ppipe[gpu]``).
-- ``torch``: PyTorch over the same sub-models (:mod:`ppipe.runtime.torch_backend`), on
+- ``torch``: PyTorch over the same sub-models (:mod:`ppipe.runtime.workers.torch_backend`), on
   CUDA in fp16/tf32 or on the CPU; needs ``pip install ppipe[torch]``.
 - ``emulated``: sleeps for the profiled latency of the partition at the batch
   (``ModelProfile.partition_latency_us``) and emits fp16 tensors of the profiled size
@@ -372,7 +372,7 @@ def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: i
             precision=options.get("precision"),
         )
     if name == "torch":
-        from ppipe.runtime.torch_backend import TorchBackend
+        from ppipe.runtime.workers.torch_backend import TorchBackend
 
         return TorchBackend(profile, gpu, vgpu, first, last, precision=options.get("precision"), warm_batch=options.get("opt_batch", 0))
     raise UserError(f"unknown backend '{name}'", fix=f"use one of {', '.join(BACKENDS)}")

@@ -21,7 +21,7 @@ Status: the protocol is tested on the CPU (tensors in host memory, one process, 
 queues) and, with ``-m gpu``, between two processes on one GPU; ``scripts/gpu_check.sh``
 measures it. ``ppipe serve`` does not use it: each message opens a new IPC handle, which
 costs milliseconds; a worker's same-GPU edge is to be a
-:class:`~ppipe.runtime.ring_link.RingLink`, whose handles are opened once per edge.
+:class:`~ppipe.runtime.workers.ring_link.RingLink`, whose handles are opened once per edge.
 """
 
 from __future__ import annotations

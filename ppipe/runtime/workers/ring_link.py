@@ -2,8 +2,8 @@
 
 Two vGPUs of consecutive pools can be MPS shares of one card; NCCL will not open a
 communicator between them, so today their feature maps cross over TCP, through host
-memory twice. A :class:`RingLink` is a :class:`~ppipe.runtime.transport.Link` (what an
-:class:`~ppipe.runtime.transport.EdgeChannel` sends and receives through) whose bytes move
+memory twice. A :class:`RingLink` is a :class:`~ppipe.runtime.workers.transport.Link` (what an
+:class:`~ppipe.runtime.workers.transport.EdgeChannel` sends and receives through) whose bytes move
 through a ring of ``slots`` buffers of ``slot_bytes`` owned by the sender:
 
 * set-up (once per edge): the sender allocates the ring and listens on a Unix socket; the
@@ -27,7 +27,7 @@ processes on the CPU, which is how the tests check the numbering, chunking, cred
 abort without a GPU).
 
 Status: ``ppipe serve --transport ring`` puts two shares of one GPU on a CUDA ring
-(:func:`~ppipe.runtime.transport.choose_edge`: ``ring-cuda``); ``auto`` still sends them
+(:func:`~ppipe.runtime.workers.transport.choose_edge`: ``ring-cuda``); ``auto`` still sends them
 over TCP until the CUDA ring has run on a GPU (``scripts/gpu_check.sh`` step 3 measures
 it). The host ring is slower than a TCP socket on the hosts measured
 (``scripts/bench_ring.py``: its chunks and credits cost more than the kernel's copies), so

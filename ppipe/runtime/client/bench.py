@@ -7,7 +7,7 @@ measured from a request's *scheduled* send time, so a client that falls behind s
 as latency rather than as a lower offered rate. A request attains its SLO when it is
 answered 200 within the model's SLO (from its metadata, or ``--slo-ms``).
 
-Requests go out through :class:`ppipe.runtime.httpclient.RawHttpClient` (default; see
+Requests go out through :class:`ppipe.runtime.client.httpclient.RawHttpClient` (default; see
 there why) or httpx (``client="httpx"``), or with ``grpc="HOST:PORT"`` over the KServe v2
 gRPC API (``ppipe serve --grpc-port``; :class:`GrpcInferClient`). The model's metadata
 (input, SLO) always comes from the REST URL: the v2 gRPC metadata has no SLO.
@@ -29,7 +29,7 @@ from rich.text import Text
 
 from ppipe.errors import UserError
 from ppipe.runtime.clock import sleep_until, wall_us
-from ppipe.runtime.protocol import DATATYPES, encode_infer_request
+from ppipe.runtime.ingress.protocol import DATATYPES, encode_infer_request
 
 
 @dataclass
@@ -78,9 +78,9 @@ def sample_input(meta: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
 def encode_grpc_request(model: str, inputs: dict[str, np.ndarray], raw: bool = True) -> bytes:
     """A serialized ``ModelInferRequest``: the tensors in raw_input_contents (``raw``) or
     as typed contents (not for FP16, which has no typed field)."""
-    from ppipe.runtime import proto as pb
-    from ppipe.runtime.grpc_server import CONTENTS_FIELD
-    from ppipe.runtime.protocol import datatype_of
+    from ppipe.runtime.ingress import proto as pb
+    from ppipe.runtime.ingress.grpc_server import CONTENTS_FIELD
+    from ppipe.runtime.ingress.protocol import datatype_of
 
     req = pb.ModelInferRequest(model_name=model)
     for name, arr in inputs.items():
@@ -108,7 +108,7 @@ class GrpcInferClient:
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 60.0):
         import grpc
 
-        from ppipe.runtime import proto as pb
+        from ppipe.runtime.ingress import proto as pb
 
         self.channel = grpc.aio.insecure_channel(
             address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
@@ -164,7 +164,7 @@ async def run_bench(
     answer order; the outcome is ``"200"``, the drop reason, or the error."""
     import httpx
 
-    from ppipe.runtime.httpclient import HttpError, RawHttpClient
+    from ppipe.runtime.client.httpclient import HttpError, RawHttpClient
 
     headers = {"authorization": f"Bearer {token}"} if token else {}
     base = url.rstrip("/")

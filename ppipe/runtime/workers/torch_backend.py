@@ -64,7 +64,7 @@ class TorchBackend:
         from ppipe.profiler.onnx_torch import import_torch
         from ppipe.profiler.torch_backend import load_block
         from ppipe.profiler.trt_backend import precision_of
-        from ppipe.runtime.backends import _cpu_threads, block_model_paths, keep_after
+        from ppipe.runtime.workers.backends import _cpu_threads, block_model_paths, keep_after
 
         torch = self.torch = import_torch()
         self.device = serving_device(torch, gpu)
@@ -76,7 +76,7 @@ class TorchBackend:
         self.keep = keep_after(profile, last)
         self.is_last = last == profile.num_blocks - 1
         self.gpu_resident = cuda
-        # NCCL edges (ppipe.runtime.worker): CuPy inputs from a receive are read in place
+        # NCCL edges (ppipe.runtime.workers.worker): CuPy inputs from a receive are read in place
         # (torch.as_tensor reads __cuda_array_interface__), outputs can stay on the GPU
         self.accepts_device = self.device_outputs = cuda
         self.stream = torch.cuda.Stream() if cuda else None

@@ -9,22 +9,22 @@ Endpoints::
     GET  /v2/models/{name}/ready    200 while the model has a complete pipeline of live vGPUs, else 503
     POST /v2/models/{name}/infer    inference (JSON tensors or the binary extension)
     GET  /metrics                   Prometheus metrics
-    GET  /v2/openapi.json           this API as OpenAPI 3.1 (ppipe.runtime.openapi)
+    GET  /v2/openapi.json           this API as OpenAPI 3.1 (ppipe.runtime.ingress.openapi)
     GET  /v2/admin/plan             the plan served and the switches made     (token needed, always)
     POST /v2/admin/plan             switch to the plan.yaml in the body       (token needed, always;
                                     ``ppipe apply``; ``?as_placed=1``: keep its placement as
-                                    written; see ppipe.runtime.switch)
+                                    written; see ppipe.runtime.control.switch)
 
 **Readiness.** A server is ready while at least one of its models is ready (can serve a
 request), so a load balancer keeps a server that lost the node of one model but still
 serves the others; route by model with ``/v2/models/{name}/ready``, and weigh by
 ``ppipe_model_capacity_alive_ratio{model}`` on ``/metrics`` (the share of the model's
-planned throughput that its live vGPUs provide; :func:`ppipe.runtime.metrics.capacity_alive_ratio`).
+planned throughput that its live vGPUs provide; :func:`ppipe.runtime.scheduler.metrics.capacity_alive_ratio`).
 This departs on purpose from the Open Inference Protocol's text, whose "server ready" says
 that *all* models are ready: with models spread over machines, that rule takes a whole
 server out of rotation for one lost machine (Triton makes the same choice an option,
 ``--strict-readiness``). A server of several frontend shards is ready once every shard has
-started, and then while one of them is ready (:mod:`ppipe.runtime.shards`).
+started, and then while one of them is ready (:mod:`ppipe.runtime.launch.shards`).
 
 Status codes of ``infer`` (the body is always ``{"error": "..."}`` on failure):
 
@@ -80,8 +80,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ppipe.errors import UserError
-from ppipe.runtime.driver import DroppedError, Runtime
-from ppipe.runtime.protocol import (
+from ppipe.runtime.scheduler.host import DroppedError, Runtime
+from ppipe.runtime.ingress.protocol import (
     DATATYPES,
     brief,
     HEADER_LENGTH,
@@ -380,9 +380,9 @@ class Frontend:
         return JSONResponse({"name": "ppipe", "version": __version__, "extensions": ["binary_tensor_data"]})
 
     async def openapi(self, request: Request) -> Response:
-        """GET /v2/openapi.json: this API as OpenAPI 3.1 (:mod:`ppipe.runtime.openapi`)."""
+        """GET /v2/openapi.json: this API as OpenAPI 3.1 (:mod:`ppipe.runtime.ingress.openapi`)."""
         from ppipe import __version__
-        from ppipe.runtime.openapi import openapi_document
+        from ppipe.runtime.ingress.openapi import openapi_document
 
         if not self._authorized(request):
             return _error(401, _UNAUTHORIZED)
@@ -471,7 +471,7 @@ class Frontend:
         m.bound(m.latency, name).observe(asyncio.get_running_loop().time() - t0)
         return 200, body_out, headers
 
-    # ---- plan switches (ppipe.runtime.switch) --------------------------------------------------
+    # ---- plan switches (ppipe.runtime.control.switch) --------------------------------------------------
     def _admin_refusal(self, request: Request) -> Response | None:
         if not self.token:
             return _error(403, "plan switches over HTTP need a token: start `ppipe serve` with --token "
@@ -493,7 +493,7 @@ class Frontend:
 
     async def admin_plan_apply(self, request: Request) -> Response:
         """POST /v2/admin/plan with a plan.yaml as the body: switch to it (``ppipe apply``)."""
-        from ppipe.runtime.switch import PartialSwitch, SwitchBusy
+        from ppipe.runtime.control.switch import PartialSwitch, SwitchBusy
 
         refusal = self._admin_refusal(request)
         if refusal is not None:

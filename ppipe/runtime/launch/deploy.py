@@ -11,7 +11,7 @@ On GPUs, each worker is pinned to the plan's GPU (``CUDA_VISIBLE_DEVICES``) and 
 of vGPU level v > 1 runs under MPS with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/v``; the
 MPS control daemon must run on every GPU server (``nvidia-cuda-mps-control -d``); a worker
 refuses to start without it where its profile was measured under MPS
-(:func:`~ppipe.runtime.worker.check_gpu_sharing`). Ray's
+(:func:`~ppipe.runtime.workers.worker.check_gpu_sharing`). Ray's
 own GPU accounting is bypassed (``num_gpus=0``) because the plan, not Ray, decides which
 vGPU shares which GPU.
 
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ppipe.errors import UserError
-from ppipe.runtime.refs import settle
-from ppipe.runtime.worker import WorkerSpec, actor_class
+from ppipe.runtime.launch.refs import settle
+from ppipe.runtime.workers.worker import WorkerSpec, actor_class
 from ppipe.spec.cluster import ClusterSpec, load_cluster
 from ppipe.spec.plan import Plan, load_plan
 from ppipe.spec.profile import ModelProfile, load_profile_ref, profile_ref
@@ -357,10 +357,10 @@ def connect_edges(
         workers: {vGPU id: actor handle}.
         edges: (sender, receiver) pairs to connect.
         link_factory: ``f(unique_id, rank) -> Link`` run in the workers; None means NCCL
-            (:func:`ppipe.runtime.transport.nccl_link`). Tests inject a fake here.
+            (:func:`ppipe.runtime.workers.transport.nccl_link`). Tests inject a fake here.
         unique_ids: one per edge; by default each sender makes its edge's NCCL unique id.
         gen: 0 at start-up; a plan switch opens its new edges as a generation of its own
-            (:func:`ppipe.runtime.transport.relink`).
+            (:func:`ppipe.runtime.workers.transport.relink`).
     """
     import ray
 
@@ -382,7 +382,7 @@ class LinkOpener:
     report, :meth:`open` opens the NCCL edges' communicators.
 
     Attributes:
-        requested: ``auto``, ``tcp`` or ``nccl`` (:func:`ppipe.runtime.transport.choose_edge`).
+        requested: ``auto``, ``tcp`` or ``nccl`` (:func:`ppipe.runtime.workers.transport.choose_edge`).
         timeout_s: for the workers' answers and the communicators' set-up.
         link_factory, unique_id: tests only: ``link_factory(unique_id, rank)`` replaces NCCL
             in the workers and ``unique_id()`` makes each edge's id here (a fake link's).
@@ -402,7 +402,7 @@ class LinkOpener:
         """
         import ray
 
-        from ppipe.runtime.transport import Capability, pipeline_edges, select_transports
+        from ppipe.runtime.workers.transport import Capability, pipeline_edges, select_transports
 
         specs = worker_specs(Deployment(plan, cluster, profiles))
         involved = sorted({v for e in pipeline_edges(specs) for v in e})
@@ -419,8 +419,8 @@ class LinkOpener:
         """
         import ray
 
-        from ppipe.runtime.ring_link import ring_link
-        from ppipe.runtime.transport import NCCL, RING_CUDA
+        from ppipe.runtime.workers.ring_link import ring_link
+        from ppipe.runtime.workers.transport import NCCL, RING_CUDA
 
         kinds = kinds or {}
         nccl = [e for e in edges if kinds.get(e, NCCL) == NCCL]
@@ -448,13 +448,13 @@ def setup_transport(
     """Choose each edge's transport from what the workers report, and open the NCCL and ring
     edges (:class:`LinkOpener` at start-up).
 
-    Returns ``{(sender, receiver): (transport, reason)}`` for :class:`~ppipe.runtime.driver.Runtime`.
+    Returns ``{(sender, receiver): (transport, reason)}`` for :class:`~ppipe.runtime.scheduler.host.Runtime`.
 
     Raises:
         UserError: ``requested == "nccl"`` and some worker of a multi-stage pipeline cannot
             use it, or a communicator could not open.
     """
-    from ppipe.runtime.transport import LINKED
+    from ppipe.runtime.workers.transport import LINKED
 
     links = LinkOpener(requested, timeout_s)
     choice = links.choose(dep.plan, dep.cluster, dep.profiles, workers)

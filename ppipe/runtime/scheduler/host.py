@@ -5,7 +5,7 @@ any factory with its signature) and applies its decisions:
 
 - :class:`~ppipe.dataplane.api.Dispatch`: stack the requests' inputs into a batch and send
   it, with the reserved route, to the first worker over the data path
-  (:mod:`ppipe.runtime.datapath`); the workers pass it along the route themselves. Each
+  (:mod:`ppipe.runtime.wire.datapath`); the workers pass it along the route themselves. Each
   worker's report goes to ``scheduler.report`` as it arrives; the last one carries the
   outputs, whose rows answer the batch's requests.
 - :class:`~ppipe.dataplane.api.Drop`: answer the request with :class:`DroppedError`.
@@ -39,13 +39,13 @@ import numpy as np
 from ppipe.errors import UserError
 from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, StageReport, WakeAt
 from ppipe.dataplane.handover import SwitchingScheduler, kept_vgpus
-from ppipe.runtime.budgets import ServiceBudgets
+from ppipe.runtime.scheduler.budgets import ServiceBudgets
 from ppipe.runtime.clock import WallClock, wall_us
-from ppipe.runtime.datapath import DataPathFull, Inbox, Outbox, node_host
-from ppipe.runtime.wire import pack, unpack
-from ppipe.runtime.metrics import RuntimeMetrics
-from ppipe.runtime.refs import consume, kill_quietly
-from ppipe.runtime.transport import LINKED, relink
+from ppipe.runtime.wire.datapath import DataPathFull, Inbox, Outbox, node_host
+from ppipe.runtime.wire.frames import pack, unpack
+from ppipe.runtime.scheduler.metrics import RuntimeMetrics
+from ppipe.runtime.launch.refs import consume, kill_quietly
+from ppipe.runtime.workers.transport import LINKED, relink
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
@@ -125,7 +125,7 @@ class Runtime:
 
     Args:
         plan, profiles, cluster: what to serve (profiles by model name).
-        workers: {vGPU id: Ray actor handle} from :func:`ppipe.runtime.deploy.start_workers`
+        workers: {vGPU id: Ray actor handle} from :func:`ppipe.runtime.launch.deploy.start_workers`
             (its methods ``open_data_path``, ``connect_peers``, ``lifeline``, ``drop_peer``
             are called with ``.remote``).
         scheduler_factory: ``f(plan, profiles, cluster, clock, policy=..., **options)``;
@@ -147,7 +147,7 @@ class Runtime:
             takes to reach its first worker (:mod:`ppipe.dataplane.margins`).
         report_tolerance_us: a stage whose start, end and NIC transfer each lie within this
             of its reservation sends no report of its own: its report rides on to the next
-            report the batch sends (see :class:`~ppipe.runtime.datapath.StageServer`), so a
+            report the batch sends (see :class:`~ppipe.runtime.wire.datapath.StageServer`), so a
             batch that runs as reserved costs one report message, not one per stage. The
             scheduler then learns of such small deviations when the batch's next report
             comes, and a worker's death fails the batches whose reports it carried on
@@ -158,14 +158,14 @@ class Runtime:
             last report reaching the frontend, the HTTP reply). Lateness (metrics, the
             answer) is still judged against ``arrival + SLO``. The budget also grows by how
             late answers come here, never so far that a model cannot be served
-            (:class:`~ppipe.runtime.budgets.ServiceBudgets`). A plan whose slack cannot hold
+            (:class:`~ppipe.runtime.scheduler.budgets.ServiceBudgets`). A plan whose slack cannot hold
             the lead and the budget is refused at :meth:`start` (UserError).
         edges: the transport of each (sender, receiver) vGPU pair, from
-            :func:`ppipe.runtime.deploy.setup_transport` (``{edge: "nccl" | "ring-cuda" | "tcp"}``
+            :func:`ppipe.runtime.launch.deploy.setup_transport` (``{edge: "nccl" | "ring-cuda" | "tcp"}``
             or ``{edge: (transport, reason)}``); edges not named go over the data path's connections.
-        links: a :class:`~ppipe.runtime.deploy.LinkOpener`: a plan switch chooses the new
+        links: a :class:`~ppipe.runtime.launch.deploy.LinkOpener`: a plan switch chooses the new
             plan's transports with it and opens the NCCL and ring edges it does not keep
-            (:func:`ppipe.runtime.transport.relink`). None: switches put every edge on the
+            (:func:`ppipe.runtime.workers.transport.relink`). None: switches put every edge on the
             data path's connections, and a runtime with NCCL edges cannot switch.
     """
 
@@ -224,7 +224,7 @@ class Runtime:
         self._lifelines: list[asyncio.Task] = []
         self._queued: dict[str, int] = {m.name: 0 for m in plan.models}
         # NCCL edges with their generation (0: opened at start-up; n: by the n-th switch
-        # preparation), and the number of the next message on each (see ppipe.runtime.transport)
+        # preparation), and the number of the next message on each (see ppipe.runtime.workers.transport)
         self.links = links
         self.nccl_links: dict[tuple[str, str], int] = {
             e: 0 for e, t in (edges or {}).items() if (t if isinstance(t, str) else t[0]) in LINKED}
@@ -331,7 +331,7 @@ class Runtime:
            still open are answered with ``plan-switch``).
 
         Steps 1-2 are :meth:`prepare_switch`, 3-4 :meth:`commit_switch` (a server of several
-        shards runs them apart, :class:`ppipe.runtime.switch.ShardedSwitcher`).
+        shards runs them apart, :class:`ppipe.runtime.control.switch.ShardedSwitcher`).
 
         Args:
             start_workers: ``await start_workers(vgpu_ids)`` starts these vGPUs of ``plan``,
@@ -572,7 +572,7 @@ class Runtime:
         # arrival and deadline on the true timeline, never the lead's
         now = self.clock.true_now_us() if arrival_us is None else arrival_us
         slo_us = mp.slo_ms * 1e3
-        # (the scheduler plans for an earlier deadline itself: the answer budget, ppipe.runtime.budgets)
+        # (the scheduler plans for an earlier deadline itself: the answer budget, ppipe.runtime.scheduler.budgets)
         req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + slo_us, payload=inputs)
         loop = asyncio.get_running_loop()
         p = _Pending(req, loop.create_future(), now + slo_us)
@@ -765,7 +765,7 @@ class Runtime:
         Reports of one batch come from different workers over different connections, so
         they may arrive in any order: stage k+1's before stage k's. A message may also hold
         the reports of earlier stages that ran as reserved (``carried``, see
-        :class:`~ppipe.runtime.datapath.StageServer`); they are taken first, in stage order.
+        :class:`~ppipe.runtime.wire.datapath.StageServer`); they are taken first, in stage order.
         The batch is answered by the last stage's report and forgotten once every stage has
         reported.
         """
@@ -965,7 +965,7 @@ class PreparedSwitch:
     handles: dict[str, Any]  # new worker -> its actor handle
     stop_worker: Callable[[Any], None]
     load_s: float
-    margins: dict = field(default_factory=dict)  # the new plan's service margins (ppipe.runtime.budgets)
+    margins: dict = field(default_factory=dict)  # the new plan's service margins (ppipe.runtime.scheduler.budgets)
     links: dict[tuple[str, str], int] | None = None  # the new plan's NCCL edges -> generation (None: no link opener)
     gen: int = 0  # the generation this preparation opened
     opened: list[tuple[str, str]] = field(default_factory=list)  # the edges it opened

@@ -240,7 +240,7 @@ class ShardRouter:
     """ASGI: serves the models this shard owns with ``app``; passes the others to their owners.
 
     Args:
-        app: this shard's app (:func:`ppipe.runtime.server.create_app`).
+        app: this shard's app (:func:`ppipe.runtime.ingress.http_server.create_app`).
         index: this shard's number.
         owner: model name -> the shard that owns it (every model of the plan).
 
@@ -263,7 +263,7 @@ class ShardRouter:
 
     # lifecycle (a companion of the app: started and stopped on the server's loop)
     async def start(self) -> None:
-        from ppipe.runtime.datapath import Inbox, LOOPBACK, Outbox
+        from ppipe.runtime.wire.datapath import Inbox, LOOPBACK, Outbox
 
         self._inbox, self._outbox = Inbox(self._on_message, LOOPBACK), Outbox()
         self.address = self._inbox.address
@@ -325,10 +325,10 @@ class ShardRouter:
 
     async def ask_grpc(self, target: int, rpc: str, request: bytes, metadata: list) -> tuple[str | None, str, list, bytes]:
         """Shard ``target``'s gRPC answer to ``rpc`` (:meth:`GrpcFrontend.serve_passed
-        <ppipe.runtime.grpc_server.GrpcFrontend.serve_passed>`): ``(code, message, trailing, response)``."""
+        <ppipe.runtime.ingress.grpc_server.GrpcFrontend.serve_passed>`): ``(code, message, trailing, response)``."""
         if self.peers is None:
             return "UNAVAILABLE", "the server is starting; retry shortly", [], b""
-        from ppipe.runtime.wire import pack
+        from ppipe.runtime.wire.frames import pack
 
         rid = next(self._ids)
         fut = self._waiting[rid] = asyncio.get_running_loop().create_future()
@@ -348,7 +348,7 @@ class ShardRouter:
             return await self._replay_here(_wire_scope(scope), body)
         if self.peers is None:
             return _STARTING
-        from ppipe.runtime.wire import pack
+        from ppipe.runtime.wire.frames import pack
 
         rid = next(self._ids)
         fut = self._waiting[rid] = asyncio.get_running_loop().create_future()
@@ -363,7 +363,7 @@ class ShardRouter:
             self._waiting.pop(rid, None)
 
     def _on_message(self, message) -> None:
-        from ppipe.runtime.wire import unpack
+        from ppipe.runtime.wire.frames import unpack
 
         head, tensors = unpack(message)
         body = tensors["body"].tobytes() if "body" in tensors else b""
@@ -388,7 +388,7 @@ class ShardRouter:
         return await _replay(self.app, head, body)
 
     async def _serve_peer(self, head: dict[str, Any], body: bytes) -> None:
-        from ppipe.runtime.wire import pack
+        from ppipe.runtime.wire.frames import pack
 
         try:
             status, headers, out = await self._replay_here(head, body)
@@ -400,7 +400,7 @@ class ShardRouter:
 
 
     async def _serve_grpc(self, head: dict[str, Any], body: bytes) -> None:
-        from ppipe.runtime.wire import pack
+        from ppipe.runtime.wire.frames import pack
 
         if self.grpc is None:
             answer = ("UNIMPLEMENTED", "this shard does not serve gRPC", [], b"")
@@ -499,14 +499,14 @@ class ServeSettings:
     """How every shard serves (the flags of ``ppipe serve``).
 
     Attributes:
-        runtime: keyword arguments of :class:`ppipe.runtime.driver.Runtime` (policy,
+        runtime: keyword arguments of :class:`ppipe.runtime.scheduler.host.Runtime` (policy,
             scheduler options, dispatch lead, answer budget, the link opener of plan switches).
-        app: keyword arguments of :func:`ppipe.runtime.server.create_app` (token, body
+        app: keyword arguments of :func:`ppipe.runtime.ingress.http_server.create_app` (token, body
             limits and timeouts, decode workers).
-        server: keyword arguments of :func:`ppipe.runtime.server.uvicorn_config` (timeouts).
+        server: keyword arguments of :func:`ppipe.runtime.ingress.http_server.uvicorn_config` (timeouts).
         workers: how a failed vGPU's worker is re-created (``backend``,
-            ``backend_options`` of :func:`ppipe.runtime.deploy.respawn_worker`); empty: never.
-        grpc: keyword arguments of :class:`ppipe.runtime.grpc_server.GrpcServer` (host,
+            ``backend_options`` of :func:`ppipe.runtime.launch.deploy.respawn_worker`); empty: never.
+        grpc: keyword arguments of :class:`ppipe.runtime.ingress.grpc_server.GrpcServer` (host,
             port, token, message limit); empty: no gRPC frontend.
     """
 
@@ -526,14 +526,14 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
     ``companions(runtime, router)`` gives more companions of the shard's app (the peer
     exchange, plan switches), started after the router on the app's loop; the gRPC
     frontend (``settings.grpc``) comes last."""
-    from ppipe.runtime.driver import Runtime
-    from ppipe.runtime.server import create_app
+    from ppipe.runtime.scheduler.host import Runtime
+    from ppipe.runtime.ingress.http_server import create_app
 
     plan = sub_plan(dep.plan, models)
     mine = {p.vgpu_id for p in plan.placement}
     respawn = None
     if settings.workers:
-        from ppipe.runtime.deploy import respawn_worker
+        from ppipe.runtime.launch.deploy import respawn_worker
 
         async def respawn(vgpu_id: str) -> Any:
             return await asyncio.to_thread(respawn_worker, dep, vgpu_id, **settings.workers)
@@ -543,7 +543,7 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
     router = ShardRouter(None, index, owner) if len(set(owner.values())) > 1 else None
     extra = list(companions(rt, router)) if companions else []
     if settings.grpc:
-        from ppipe.runtime.grpc_server import GrpcServer
+        from ppipe.runtime.ingress.grpc_server import GrpcServer
 
         # started by the app's lifespan on uvicorn's loop, the runtime's (see create_app)
         extra.append(GrpcServer(rt, router=router, **settings.grpc))
@@ -560,7 +560,7 @@ class ShardServer:
 
     def __init__(self, index: int, dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings,
                  owner: dict[str, int], host: str, port: int):
-        from ppipe.runtime.worker import _undo_ray_niceness
+        from ppipe.runtime.workers.worker import _undo_ray_niceness
 
         _undo_ray_niceness()  # on every request's path, like the workers
         self.index, self.host, self.port = index, host, port
@@ -572,8 +572,8 @@ class ShardServer:
         """Start serving; returns this shard's router address (for :meth:`set_peers`)."""
         from dataclasses import replace
 
-        from ppipe.runtime.server import BackgroundServer
-        from ppipe.runtime.switch import PlanSwitcher
+        from ppipe.runtime.ingress.http_server import BackgroundServer
+        from ppipe.runtime.control.switch import PlanSwitcher
 
         dep, models, settings = self._args[0], self._args[1], self._args[4]
         app, rt, self.router = build_shard(*self._args)
@@ -586,12 +586,12 @@ class ShardServer:
     async def set_peers(self, addresses: list[str]) -> None:
         self.server.loop.call_soon_threadsafe(self.router.set_peers, addresses)
 
-    # this shard's part of plan switches (ppipe.runtime.switch.ShardedSwitcher), run on its loop
+    # this shard's part of plan switches (ppipe.runtime.control.switch.ShardedSwitcher), run on its loop
     async def _on_loop(self, coro) -> Any:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.server.loop))
 
     async def switcher_call(self, method: str, *args: Any) -> Any:
-        """``await self.switcher.<method>(*args)`` on the shard's loop (:class:`ppipe.runtime.switch.ShardedSwitcher`)."""
+        """``await self.switcher.<method>(*args)`` on the shard's loop (:class:`ppipe.runtime.control.switch.ShardedSwitcher`)."""
         return await self._on_loop(getattr(self.switcher, method)(*args))
 
     async def set_owner(self, owner: dict[str, int]) -> None:

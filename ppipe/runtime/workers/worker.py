@@ -1,13 +1,13 @@
 """One Ray actor per vGPU: runs its partition; feature maps go worker to worker.
 
 Ray places the actor (custom resources), starts it and tells the frontend when it dies;
-the batches themselves come over the data path (:mod:`ppipe.runtime.datapath`): the
+the batches themselves come over the data path (:mod:`ppipe.runtime.wire.datapath`): the
 worker's inbox receives a stage message (the batch's tensors, the reserved route and its
 workers' addresses), :meth:`VgpuWorker.run_stage` waits for the reserved start and runs the
 partition, and the output goes straight to the next stage's worker while a small report
 (when the stage really ran, in wall-clock stamps) goes to the frontend. The last stage's
 report carries the model's outputs. Between GPU workers that can, the feature maps go over
-NCCL instead (:mod:`ppipe.runtime.transport`: the frontend posts both stages of an edge
+NCCL instead (:mod:`ppipe.runtime.workers.transport`: the frontend posts both stages of an edge
 at once, the sender's "send your output to P as message n", the receiver's "receive
 message n from P"). Feature maps are cast to fp16 before they leave a worker.
 
@@ -98,19 +98,19 @@ def check_gpu_sharing(spec: WorkerSpec, gpu_resident: bool, provenance: str, mps
 
 
 class VgpuWorker:
-    """The body of a vGPU actor (wrapped with ``ray.remote`` by :mod:`ppipe.runtime.deploy`).
+    """The body of a vGPU actor (wrapped with ``ray.remote`` by :mod:`ppipe.runtime.launch.deploy`).
 
     Args:
         spec: the vGPU and the partition it runs.
         backend: ``ort``, ``tensorrt`` or ``emulated``.
-        backend_options: passed to :func:`ppipe.runtime.backends.make_backend`.
+        backend_options: passed to :func:`ppipe.runtime.workers.backends.make_backend`.
     """
 
     def __init__(self, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None = None):
-        from ppipe.runtime.backends import make_backend
+        from ppipe.runtime.workers.backends import make_backend
         from ppipe.spec.profile import load_profile_ref
 
-        from ppipe.runtime.deploy import worker_env
+        from ppipe.runtime.launch.deploy import worker_env
 
         pin_cuda_env(worker_env(spec, backend))  # before the backend loads any CUDA library
         self.nice = _undo_ray_niceness()
@@ -131,7 +131,7 @@ class VgpuWorker:
         self.data_path: Any = None  # the StageServer, once the frontend opens the data path
         self._data_loop: asyncio.AbstractEventLoop | None = None
         self._node: str | None = None
-        from ppipe.runtime.driver import freeze_startup_objects
+        from ppipe.runtime.scheduler.host import freeze_startup_objects
 
         freeze_startup_objects()  # a worker is on the latency path too: no full-GC stalls over start-up objects
 
@@ -149,7 +149,7 @@ class VgpuWorker:
             "edges": {f"{role}:{peer}" + (f"@{gen}" if gen else ""): ch.next_seq for (role, peer, gen), ch in self.channels.items()},
         }
 
-    # ---- data path (see ppipe.runtime.datapath) ------------------------------------------------------
+    # ---- data path (see ppipe.runtime.wire.datapath) ------------------------------------------------------
     async def open_data_path(self, frontend: str) -> str:
         """Bind this worker's inbox and connect to the frontend's; returns the inbox's address.
 
@@ -158,7 +158,7 @@ class VgpuWorker:
         only for their own work, not for Ray's tracing wrappers and wake-ups (measured
         here: about half the worker's CPU per stage).
         """
-        from ppipe.runtime.datapath import StageServer
+        from ppipe.runtime.wire.datapath import StageServer
 
         def open_() -> str:
             if self.data_path is None:
@@ -185,25 +185,25 @@ class VgpuWorker:
         """Never returns: the frontend awaits it, and Ray fails the call when this actor dies."""
         await asyncio.Event().wait()
 
-    # ---- transport (NCCL edges; see ppipe.runtime.transport) -------------------------------------
+    # ---- transport (NCCL edges; see ppipe.runtime.workers.transport) -------------------------------------
     async def transport_caps(self) -> dict[str, Any]:
         """Whether this worker can use NCCL (checked here: its node, its GPU, its backend)."""
         from dataclasses import asdict
 
-        from ppipe.runtime.transport import nccl_capability
+        from ppipe.runtime.workers.transport import nccl_capability
 
         cap = nccl_capability(self.backend.name, self.spec.gpu, bool(getattr(self.backend, "gpu_resident", False)))
         return asdict(cap)
 
     async def nccl_unique_id(self) -> Any:
         """A fresh NCCL unique id, made here (the sender of an edge makes its edge's id)."""
-        from ppipe.runtime.transport import nccl_unique_id
+        from ppipe.runtime.workers.transport import nccl_unique_id
 
         return nccl_unique_id()
 
     async def ring_address(self, kind: str) -> Any:
         """A fresh meeting point for a ring edge, made here (the sender of an edge owns its ring)."""
-        from ppipe.runtime.ring_link import ring_address
+        from ppipe.runtime.workers.ring_link import ring_address
 
         return ring_address(kind)
 
@@ -213,11 +213,11 @@ class VgpuWorker:
 
         Blocks (on a thread of its own) until the peer joins too, so the frontend posts
         both ends at once. ``link_factory(unique_id, rank)`` makes the link: NCCL by default,
-        :func:`~ppipe.runtime.ring_link.ring_link` for a ring edge (its address as the id), a fake in tests.
+        :func:`~ppipe.runtime.workers.ring_link.ring_link` for a ring edge (its address as the id), a fake in tests.
         """
         from concurrent.futures import ThreadPoolExecutor
 
-        from ppipe.runtime.transport import EdgeChannel, nccl_link
+        from ppipe.runtime.workers.transport import EdgeChannel, nccl_link
 
         factory = link_factory or nccl_link
         with ThreadPoolExecutor(max_workers=1) as pool:  # init blocks; never on a shared pool

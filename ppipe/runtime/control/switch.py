@@ -1,7 +1,7 @@
 """Live plan switches of a running ``ppipe serve``: ``ppipe apply``, ``POST /v2/admin/plan`` and SIGHUP.
 
 :class:`PlanSwitcher` turns a new plan (a file, or YAML text from the admin endpoint) into
-a :meth:`Runtime.switch_plan <ppipe.runtime.driver.Runtime.switch_plan>` call: it checks the
+a :meth:`Runtime.switch_plan <ppipe.runtime.scheduler.host.Runtime.switch_plan>` call: it checks the
 plan against the running cluster, loads its profiles, starts the workers the new plan
 needs (on Ray, in a thread, while the old plan serves) and stops the retiring ones when
 the runtime has drained them. One switch runs at a time; a second one asked for meanwhile
@@ -50,8 +50,8 @@ class PlanSwitcher:
     """Switches a runtime to new plans, starting and stopping workers on Ray.
 
     Args:
-        runtime: the running :class:`~ppipe.runtime.driver.Runtime` (its loop is this one's).
-        dep: the :class:`~ppipe.runtime.deploy.Deployment` being served (cluster, profiles, plan file).
+        runtime: the running :class:`~ppipe.runtime.scheduler.host.Runtime` (its loop is this one's).
+        dep: the :class:`~ppipe.runtime.launch.deploy.Deployment` being served (cluster, profiles, plan file).
         backend, backend_options: how new workers run (as ``ppipe serve`` started the first ones).
         start_timeout_s: a new worker must have loaded its blocks within this.
     """
@@ -117,7 +117,7 @@ class PlanSwitcher:
 
     def _deployment(self, plan: Plan, source: str) -> Any:
         """The new plan with the running cluster and its profiles; checks its placement."""
-        from ppipe.runtime.deploy import worker_specs
+        from ppipe.runtime.launch.deploy import worker_specs
 
         cluster = self.dep.cluster
         if plan.cluster != cluster.name:
@@ -154,7 +154,7 @@ class PlanSwitcher:
             return None
 
     async def _start(self, dep: Any, vgpu_ids: list[str]) -> dict[str, Any]:
-        from ppipe.runtime.deploy import start_workers
+        from ppipe.runtime.launch.deploy import start_workers
 
         handles = await asyncio.to_thread(start_workers, dep, self.backend, self.backend_options, self.start_timeout_s, set(vgpu_ids))
         self.started.extend(handles.values())
@@ -191,7 +191,7 @@ class PlanSwitcher:
     async def lift(self, resource: str, until_us: float) -> None:
         self.runtime.lift_embargo(resource, until_us)
 
-    # ---- the arrivals a re-plan loop counts (ppipe.runtime.replan) ------------------------
+    # ---- the arrivals a re-plan loop counts (ppipe.runtime.control.replan) ------------------------
     async def log_arrivals(self, on: bool) -> None:
         """Start (or stop) logging each request's (model, arrival) in the runtime."""
         self.runtime.arrival_log = [] if on else None
@@ -205,7 +205,7 @@ class PlanSwitcher:
         """Re-created workers (after a failure) are the new plan's."""
         if self.runtime.respawn is None:
             return
-        from ppipe.runtime.deploy import respawn_worker
+        from ppipe.runtime.launch.deploy import respawn_worker
 
         async def respawn(vgpu_id: str) -> Any:
             handle = await asyncio.to_thread(respawn_worker, dep, vgpu_id, self.backend, self.backend_options)
@@ -222,8 +222,8 @@ class ShardedSwitcher(PlanSwitcher):
         local: shard 0's :class:`PlanSwitcher` (its runtime is this process's).
         dep: the whole deployment served (every shard's models).
         owner: model -> the shard that serves it.
-        actors: the other shards (:class:`ppipe.runtime.shards.ShardServer` actors), by index - 1.
-        router: shard 0's :class:`ppipe.runtime.shards.ShardRouter` (its owner map follows the switches).
+        actors: the other shards (:class:`ppipe.runtime.launch.shards.ShardServer` actors), by index - 1.
+        router: shard 0's :class:`ppipe.runtime.launch.shards.ShardRouter` (its owner map follows the switches).
 
     A switch, with the old plan serving until each shard commits:
 
@@ -291,7 +291,7 @@ class ShardedSwitcher(PlanSwitcher):
     def _split(self, dep: Any, source: str) -> tuple[dict[str, int], dict[int, Any], dict[int, dict[str, set[int]]], int]:
         """Steps 2 and 4's inputs: the new owners, the part of each shard whose part changes
         (a deployment), what each takes from the others, and the vGPUs of the other shards."""
-        from ppipe.runtime.shards import incoming_resources, shard_owners, sub_plan
+        from ppipe.runtime.launch.shards import incoming_resources, shard_owners, sub_plan
 
         n = len(self.actors) + 1
         owner = shard_owners(self.dep.plan, self.owner, dep.plan, n, source)
@@ -373,7 +373,7 @@ class ShardedSwitcher(PlanSwitcher):
         actor = self.actors[shard - 1]
         return await (actor.set_owner.remote(*args) if method == "set_owner" else actor.switcher_call.remote(method, *args))
 
-    # the arrivals a re-plan loop counts (ppipe.runtime.replan): every shard's
+    # the arrivals a re-plan loop counts (ppipe.runtime.control.replan): every shard's
     async def log_arrivals(self, on: bool) -> None:
         await asyncio.gather(*(self._call(i, "log_arrivals", on) for i in range(len(self.actors) + 1)))
 

@@ -4,7 +4,7 @@ Two transports, chosen per *edge* (an ordered pair of vGPUs of consecutive pools
 pipeline, the sender upstream):
 
 - ``tcp``: worker i sends its output to worker i+1 as stage i+1's message over the data
-  path's TCP connections (:mod:`ppipe.runtime.datapath`), host memory to host memory.
+  path's TCP connections (:mod:`ppipe.runtime.wire.datapath`), host memory to host memory.
 - ``nccl``: a dedicated two-rank NCCL communicator per edge (rank 0 the sender, rank 1 the
   receiver; :class:`cupy.cuda.nccl.NcclCommunicator`, its unique id made by the sender and
   handed to the receiver through Ray at start-up). At dispatch the frontend posts *both*
@@ -34,7 +34,7 @@ and the receiver answers its stage with the upstream error instead of waiting fo
 worker dies, the frontend aborts the communicators of its edges on the surviving side
 (:meth:`EdgeChannel.abort`), which releases a receive that would never complete.
 
-**Plan switches.** A switch (:meth:`ppipe.runtime.driver.Runtime.prepare_switch`) chooses
+**Plan switches.** A switch (:meth:`ppipe.runtime.scheduler.host.Runtime.prepare_switch`) chooses
 the new plan's transports as at start-up; an NCCL edge between two workers it keeps keeps
 its communicator and numbering, and every other NCCL edge opens a communicator of the
 switch's own *generation* while the old plan serves (:func:`relink`). Both ends key an
@@ -52,7 +52,7 @@ edges (e.g. 3 x 8 = 24 for rtmdet_x); a 100-GPU plan can have hundreds, which is
 Edges whose two vGPUs share one physical GPU (two MPS shares of one card in consecutive
 pools) use the data path's connections: NCCL refuses two ranks on one device. With
 ``--transport ring`` (experimental) they go through a staging ring in the GPU's memory
-instead (:mod:`ppipe.runtime.ring_link`: ``ring-cuda``). Ring edges are numbered, opened,
+instead (:mod:`ppipe.runtime.workers.ring_link`: ``ring-cuda``). Ring edges are numbered, opened,
 kept and closed exactly as NCCL edges (:data:`LINKED`). ``ring-host``, the same ring in
 shared memory, is slower than the data path's TCP on the hosts measured
 (``scripts/bench_ring.py``), so no ``--transport`` chooses it; the tests put an edge on it
@@ -78,7 +78,7 @@ from ppipe.errors import UserError
 
 TRANSPORTS = ("auto", "tcp", "nccl", "ring")
 SOCKET, NCCL = "tcp", "nccl"
-RING_CUDA, RING_HOST = "ring-cuda", "ring-host"  # ppipe.runtime.ring_link, kinds "cuda" and "host"
+RING_CUDA, RING_HOST = "ring-cuda", "ring-host"  # ppipe.runtime.workers.ring_link, kinds "cuda" and "host"
 LINKED = (NCCL, RING_CUDA, RING_HOST)  # the transports whose edges are EdgeChannels over a Link
 HEADER_BYTES = 4096  # one message header; a cut with dozens of named tensors still fits
 
@@ -139,7 +139,7 @@ def choose_edge(requested: str, up: Any, down: Any, cap_up: Capability, cap_down
         requested: ``auto``, ``tcp``, ``nccl`` or ``ring`` (``ppipe serve --transport``;
             ``ring`` is ``auto`` plus a device ring between two shares of one GPU, which
             NCCL cannot connect).
-        up, down: the sender's and receiver's :class:`~ppipe.runtime.worker.WorkerSpec`.
+        up, down: the sender's and receiver's :class:`~ppipe.runtime.workers.worker.WorkerSpec`.
         cap_up, cap_down: their capabilities.
 
     Raises:

@@ -1,7 +1,7 @@
 """The gRPC frontend: the KServe v2 (Open Inference Protocol) gRPC API on grpc.aio.
 
-Service ``inference.GRPCInferenceService`` (messages: :mod:`ppipe.runtime.proto`), beside
-the REST frontend (:mod:`ppipe.runtime.server`) and over the same :class:`Runtime`::
+Service ``inference.GRPCInferenceService`` (messages: :mod:`ppipe.runtime.ingress.proto`), beside
+the REST frontend (:mod:`ppipe.runtime.ingress.http_server`) and over the same :class:`Runtime`::
 
     ServerLive       live: true while the process serves
     ServerReady      ready: at least one model is ready (as REST's /v2/health/ready)
@@ -29,7 +29,7 @@ reason in the trailing metadata ``ppipe-drop-reason``, as REST's header does.
 
 The server runs on the asyncio loop of the Runtime (the scheduler may only be called from
 that loop): ``ppipe serve`` passes a :class:`GrpcServer` to
-:func:`ppipe.runtime.server.create_app` as a companion, which the app's lifespan starts
+:func:`ppipe.runtime.ingress.http_server.create_app` as a companion, which the app's lifespan starts
 after the runtime and stops before it, on uvicorn's loop.
 """
 
@@ -43,10 +43,10 @@ import socket
 import grpc
 import numpy as np
 
-from ppipe.runtime import proto as pb
-from ppipe.runtime.driver import DroppedError, Runtime
-from ppipe.runtime.protocol import DATATYPES, MAX_DIMS, InferInput, ProtocolError, datatype_of
-from ppipe.runtime.server import DEFAULT_MAX_BODY_BYTES, DROP_STATUS, Frontend, check_infer_inputs
+from ppipe.runtime.ingress import proto as pb
+from ppipe.runtime.scheduler.host import DroppedError, Runtime
+from ppipe.runtime.ingress.protocol import DATATYPES, MAX_DIMS, InferInput, ProtocolError, datatype_of
+from ppipe.runtime.ingress.http_server import DEFAULT_MAX_BODY_BYTES, DROP_STATUS, Frontend, check_infer_inputs
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def encode_outputs(response, outputs: dict[str, np.ndarray]) -> None:
 
 class GrpcFrontend:
     """The RPC handlers around a :class:`Runtime`; same checks and answers as the REST
-    :class:`~ppipe.runtime.server.Frontend` (whose metadata and token check it reuses)."""
+    :class:`~ppipe.runtime.ingress.http_server.Frontend` (whose metadata and token check it reuses)."""
 
     def __init__(self, runtime: Runtime, token: str | None = None, router=None):
         self.runtime = runtime
@@ -356,7 +356,7 @@ class GrpcServer:
         runtime: the runtime to serve (already started, on this loop, when :meth:`start` runs).
         host, port: where to bind; port 0 picks a free port (see :attr:`port` after start).
         token: bearer token required on ModelMetadata and ModelInfer, as on REST.
-        router: the shard's :class:`~ppipe.runtime.shards.ShardRouter` on a server of several
+        router: the shard's :class:`~ppipe.runtime.launch.shards.ShardRouter` on a server of several
             shards: every shard serves the port, and passes RPCs of other shards' models to
             their owner (the answer, error or not, comes back as the owner gave it).
         max_message_bytes: largest request accepted (RESOURCE_EXHAUSTED above), REST's body limit.

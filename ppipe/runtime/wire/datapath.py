@@ -1,7 +1,7 @@
 """The per-batch data path: TCP connections between the frontend and the vGPU workers.
 
 Ray places the workers, watches their lives and carries the start-up calls; batches travel
-on plain connections, one message per stage (:mod:`ppipe.runtime.wire` gives the format)::
+on plain connections, one message per stage (:mod:`ppipe.runtime.wire.frames` gives the format)::
 
     frontend --stage 0--> worker(route[0]) --stage 1--> worker(route[1]) --> ...
        ^                        |                           |
@@ -42,7 +42,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 import numpy as np
 
-from ppipe.runtime.wire import LENGTH, MAX_MESSAGE_BYTES, WireError, pack, unpack
+from ppipe.runtime.wire.frames import LENGTH, MAX_MESSAGE_BYTES, WireError, pack, unpack
 
 log = logging.getLogger("ppipe.runtime")
 
@@ -98,11 +98,11 @@ class _Receiver(asyncio.BufferedProtocol):
     and then filled in place by the following reads, each asked for exactly what the
     message still lacks. Once full, it is delivered as a read-only memoryview of that
     buffer, which nothing here touches again, so views of it (the tensors
-    :func:`~ppipe.runtime.wire.unpack` makes) stay valid as long as they live.
+    :func:`~ppipe.runtime.wire.frames.unpack` makes) stay valid as long as they live.
 
     A message of ``m`` bytes arriving in ``k`` reads thus costs at most ``min(m,
     SMALL_READ_BYTES)`` bytes of copying, not ``O(k m)``. A length prefix that no message
-    can have (over :data:`~ppipe.runtime.wire.MAX_MESSAGE_BYTES`, or under a header length
+    can have (over :data:`~ppipe.runtime.wire.frames.MAX_MESSAGE_BYTES`, or under a header length
     field), or one this process has no memory for, closes the connection with a warning.
     """
 
@@ -366,7 +366,7 @@ class Outbox:
             del self.peers[peer.addr]
 
     def send(self, addr: str, pieces: list[Any]) -> None:
-        """Queue a message (:func:`ppipe.runtime.wire.pack`'s pieces) to ``addr``.
+        """Queue a message (:func:`ppipe.runtime.wire.frames.pack`'s pieces) to ``addr``.
 
         Raises:
             DataPathFull: ``MAX_BUFFERED_BYTES`` already wait for that peer.
@@ -394,7 +394,7 @@ class StageServer:
     Args:
         vgpu_id: the worker's vGPU (in error reports).
         run: ``await run(batch_id, index, vgpu_id, payload, batch, timing, link)`` ->
-            ``(report, output)``, as :meth:`ppipe.runtime.worker.VgpuWorker.run_stage`.
+            ``(report, output)``, as :meth:`ppipe.runtime.workers.worker.VgpuWorker.run_stage`.
 
     A stage message's header holds ``b`` (batch id), ``k`` (stage index), ``route`` (vGPU
     ids), ``addr`` (their data-path addresses), ``n`` (batch size), ``timing`` (per stage,

@@ -2,7 +2,7 @@
 
 ``grpc_predict_v2.proto`` (wire-compatible with KServe's reference definition) is compiled
 once into ``grpc_predict_v2_desc.py``, its serialized FileDescriptorProto (regenerate with
-``python -m ppipe.runtime.proto._regen``); the message classes are built from it here.
+``python -m ppipe.runtime.ingress.proto._regen``); the message classes are built from it here.
 
 Why not the usual ``_pb2``/``_pb2_grpc`` modules:
 
@@ -15,7 +15,7 @@ Why not the usual ``_pb2``/``_pb2_grpc`` modules:
   ``ValidateProtobufRuntimeVersion``): code from one protoc refuses older runtimes and
   runtimes two majors newer, while setup.cfg allows protobuf 4.25 to 7.x. A serialized
   descriptor has no such guard and loads on every protobuf 4.25+.
-- The service itself needs no generated code: :mod:`ppipe.runtime.grpc_server` and the
+- The service itself needs no generated code: :mod:`ppipe.runtime.ingress.grpc_server` and the
   bench client use grpc's generic handlers and ``channel.unary_unary`` with the paths in
   :data:`METHODS`.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from ppipe.runtime.proto.grpc_predict_v2_desc import FILE_DESCRIPTOR
+from ppipe.runtime.ingress.proto.grpc_predict_v2_desc import FILE_DESCRIPTOR
 
 PACKAGE = "inference"
 SERVICE = f"{PACKAGE}.GRPCInferenceService"

@@ -12,7 +12,7 @@ runtime's clock:
   loop must not wait for;
 * a decision is applied like ``ppipe apply``: the new plan's workers start while the old
   plan serves, and the switch itself is one step on the loop
-  (:class:`ppipe.runtime.switch.PlanSwitcher`, which also renames the new plan's GPUs to
+  (:class:`ppipe.runtime.control.switch.PlanSwitcher`, which also renames the new plan's GPUs to
   keep running workers). A switch that fails is logged and handed back to the controller
   (``refused``), which goes on from the plan actually served.
 """
@@ -39,7 +39,7 @@ class ReplanLoop:
     """Runs the re-plan controller for a serving runtime (a companion of the HTTP app).
 
     Args:
-        switcher: the server's :class:`~ppipe.runtime.switch.PlanSwitcher` (its runtime is served).
+        switcher: the server's :class:`~ppipe.runtime.control.switch.PlanSwitcher` (its runtime is served).
         policy: the controller's tunables (:class:`ppipe.control.replan.ReplanPolicy`).
         time_limit_s: the planner's time limit per re-plan.
         replan: ``replan(weights) -> Plan`` instead of the planner in its process (tests).

@@ -1,0 +1,2 @@
+"""Clients of a running ``ppipe serve``: the ``ppipe bench`` load generator and its HTTP client.
+"""

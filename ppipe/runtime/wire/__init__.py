@@ -1,0 +1,2 @@
+"""The wire: message types and framing of every process boundary, and the data path's TCP connections.
+"""
