@@ -61,8 +61,23 @@ def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
 
 
 # ---- the data path -------------------------------------------------------------------------------
+def _probe_type():
+    """The benchmark's message: map number ``i`` of ``nbytes`` bytes, or ``stop``."""
+    import msgspec
+
+    class Probe(msgspec.Struct, array_like=True, frozen=True):
+        i: int
+        nbytes: int = 0
+        stop: bool = False
+
+    return Probe
+
+
+Probe = _probe_type()
+
+
 def _datapath_receiver(kind: str, ack_addr: str, pipe) -> None:
-    """Answer every map with ``{"i": i}`` to ``ack_addr``; stop on a header with ``stop``."""
+    """Answer every map with ``Probe(i)`` to ``ack_addr``; stop on a probe with ``stop``."""
     from ppipe.runtime.wire.datapath import Inbox, Outbox
     from ppipe.runtime.wire.frames import pack, unpack
 
@@ -71,12 +86,12 @@ def _datapath_receiver(kind: str, ack_addr: str, pipe) -> None:
         out = Outbox()
 
         def on_message(message) -> None:
-            header, tensors = unpack(message)
-            if header.get("stop"):
+            header, tensors = unpack(message, Probe)
+            if header.stop:
                 stop.set()
                 return
-            assert tensors["x"].nbytes == header["nbytes"]
-            out.send(ack_addr, pack({"i": header["i"]}))
+            assert tensors["x"].nbytes == header.nbytes
+            out.send(ack_addr, pack(Probe(header.i)))
 
         inbox = Inbox(on_message)
         out.connect(ack_addr)
@@ -102,7 +117,7 @@ class DatapathPair:
         from ppipe.runtime.wire.datapath import Inbox, Outbox
         from ppipe.runtime.wire.frames import unpack
 
-        self.inbox = Inbox(lambda m: self.acks.pop(unpack(m)[0]["i"]).set_result(None))
+        self.inbox = Inbox(lambda m: self.acks.pop(unpack(m, Probe)[0].i).set_result(None))
         self.out = Outbox()
         parent, child = mp.Pipe()
         self.proc = mp.get_context("spawn").Process(target=_datapath_receiver, args=(kind, self.inbox.address, child))
@@ -115,7 +130,7 @@ class DatapathPair:
         self.i += 1
         ack = self.acks[self.i] = self.loop.create_future()
         t0 = time.perf_counter()
-        self.out.send(self.addr, pack({"i": self.i, "nbytes": x.nbytes}, {"x": x}))
+        self.out.send(self.addr, pack(Probe(self.i, x.nbytes), {"x": x}))
         await ack
         return time.perf_counter() - t0
 
@@ -127,7 +142,7 @@ class DatapathPair:
         from ppipe.runtime.wire.frames import pack
 
         async def stop() -> None:
-            self.out.send(self.addr, pack({"stop": True}))
+            self.out.send(self.addr, pack(Probe(0, stop=True)))
             await asyncio.to_thread(self.proc.join, 30)
             self.out.close(), self.inbox.close()
             if self.proc.is_alive():

@@ -178,9 +178,9 @@ def lateness(rt, since: int) -> dict[str, float]:
     call: list[float] = []  # dispatch -> the first stage's message reaching its worker
     for t in rt.traces[since:]:
         for k, (rep, (start, _)) in enumerate(zip(t.reports, t.reserved_us)):
-            late.setdefault(k, []).append((rt.clock.from_wall_us(rep["start_us"]) - start) / 1e3)
-        if t.reports and t.reports[0]["partition"] == 0:
-            call.append((rt.clock.from_wall_us(t.reports[0]["received_us"]) - t.dispatched_us) / 1e3)
+            late.setdefault(k, []).append((rt.clock.from_wall_us(rep.start_us) - start) / 1e3)
+        if t.reports and t.reports[0].stage == 0:
+            call.append((rt.clock.from_wall_us(t.reports[0].received_us) - t.dispatched_us) / 1e3)
     out = {}
     if call:
         out["call_delay_p50_ms"] = float(np.percentile(call, 50))

@@ -13,7 +13,8 @@ import asyncio
 
 from ppipe.dataplane.api import Dispatch, Drop, DropReason, Stage, WakeAt
 from ppipe.runtime.clock import wall_us
-from ppipe.runtime.wire.datapath import StageServer
+from ppipe.runtime.wire.messages import StageReport
+from ppipe.runtime.workers.stage_server import StageResult, StageServer
 
 
 class FifoScheduler:
@@ -145,29 +146,26 @@ class FakeWorker:
     def _box(self, key):
         return self.mailbox.setdefault(key, asyncio.get_running_loop().create_future())
 
-    async def _run(self, batch_id, index, vgpu_id, payload, batch, timing, link=None):
-        self.links.append((batch_id, link))
+    async def _run(self, msg, tensors):
+        k = msg.stage
+        link = msg.links[k] if msg.links is not None else None
+        self.links.append((msg.batch_id, link))
         if self.hold is not None:
             await self.hold.wait()
         if self.die_on_next_stage:
             self.kill()
             await asyncio.Event().wait()  # the stage never ends
-        if link and "recv" in link:
-            assert payload["tensors"] is None  # nothing came through the frontend
-            payload = await self._box((link["recv"]["peer"], self.vgpu_id, link["recv"]["gen"], link["recv"]["seq"]))
+        if link is not None and link.recv is not None:
+            assert tensors is None  # nothing came through the frontend
+            tensors = await self._box((link.recv.peer, self.vgpu_id, link.recv.gen, link.recv.seq))
         t = wall_us()
-        rep = {"batch_id": batch_id, "partition": index, "vgpu_id": self.vgpu_id, "start_us": t, "end_us": t + 1,
-               "transfer_start_us": None, "transfer_end_us": None}
-        x = payload["tensors"]
-        v = next(iter(x.values()))  # the one input, whatever its name
-        out = {"x": v + 1} if index + 1 < len(timing) else {"y": v * 2}
-        if link and "send" in link:
-            self._box((self.vgpu_id, link["send"]["peer"], link["send"]["gen"], link["send"]["seq"])).set_result({"tensors": out, "sent_wall_us": t + 1})
-            return rep, {"tensors": None, "sent_wall_us": t + 1}
-        if index + 1 == len(timing):
-            rep["outputs"] = out
-            return rep, None
-        return rep, {"tensors": out, "sent_wall_us": t + 1}
+        rep = StageReport(msg.batch_id, k, self.vgpu_id, t, t + 1)
+        v = next(iter(tensors.values()))  # the one input, whatever its name
+        out = {"x": v + 1} if k + 1 < len(msg.route) else {"y": v * 2}
+        if link is not None and link.send is not None:
+            self._box((self.vgpu_id, link.send.peer, link.send.gen, link.send.seq)).set_result(out)
+            return StageResult(rep, None, t + 1)
+        return StageResult(rep, out, t + 1)
 
 
 def close_workers(workers) -> None:

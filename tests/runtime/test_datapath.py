@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import asyncio
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 
-from ppipe.runtime.wire.datapath import DataPathFull, Inbox, Outbox, StageServer, _Receiver, is_loopback_address, ran_as_reserved
+from ppipe.runtime.wire.datapath import DataPathFull, Inbox, Outbox, _Receiver, is_loopback_address
 from ppipe.runtime.wire.frames import WireError, pack, unpack
+from ppipe.runtime.wire.messages import EdgeRef, Reservation, StageLinks, StageMsg, StageReport, ran_as_reserved
+from ppipe.runtime.workers.stage_server import StageResult, StageServer
+
+
+class Probe(msgspec.Struct, array_like=True, frozen=True):
+    """A message type for the framing's tests."""
+
+    i: int
 
 
 def _message(header, tensors=None) -> bytes:
@@ -29,11 +37,15 @@ def test_a_message_round_trips_header_and_tensors_of_any_dtype_and_shape():
         "c": np.zeros((0, 5), np.int64),
         "d": np.array(7, np.uint8),
     }
-    header, got = unpack(_message({"b": 3, "route": ["x", "y"]}, tensors))
-    assert header == {"b": 3, "route": ["x", "y"]}
+    header, got = unpack(_message(Probe(3), tensors), Probe)
+    assert header == Probe(3)
     assert list(got) == list(tensors)
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape and np.array_equal(got[k], v)
+
+
+def _head(message, specs) -> bytes:
+    return msgspec.msgpack.encode((message, specs))
 
 
 @pytest.mark.parametrize(
@@ -41,21 +53,36 @@ def test_a_message_round_trips_header_and_tensors_of_any_dtype_and_shape():
     [
         (b"", "has no header"),
         (b"\x09\0\0\0" + b"\0" * 4, "overruns"),
-        (_raw(b"\xc1"), "not msgpack"),
-        (_raw(msgpack.packb([1, 2])), "not a map"),
-        (_raw(msgpack.packb({"t": 5})), "not a list"),
-        (_raw(msgpack.packb({"t": [["a", "<f4", [2]]]})), "needs 8 bytes, the message has 0 left"),
-        (_raw(msgpack.packb({"t": [["a", "<f4", [2]]]}), b"\0" * 9), "1 bytes after its tensors"),
-        (_raw(msgpack.packb({"t": [["a", "O", [1]]]}), b"\0" * 8), "bad dtype or shape"),
-        (_raw(msgpack.packb({"t": [["a", "nope", [1]]]}), b"\0"), "unknown dtype"),
-        (_raw(msgpack.packb({"t": [["a", "<f4", [-1]]]})), "bad dtype or shape"),
-        (_raw(msgpack.packb({"t": [["a", "<f4", [2**40] * 2]]})), "bad dtype or shape"),
-        (_raw(msgpack.packb({"t": [[1, "<f4", [1]]]}), b"\0" * 4), "not \\[name, dtype, shape\\]"),
+        (_raw(b"\xc1"), "not a Probe"),
+        (_raw(msgspec.msgpack.encode({"i": 1})), "not a Probe"),
+        (_raw(_head([1], 5)), "not a Probe"),
+        (_raw(_head(["one"], [])), "not a Probe"),
+        (_raw(_head([1], [["a", "<f4", [2]]])), "needs 8 bytes, the message has 0 left"),
+        (_raw(_head([1], [["a", "<f4", [2]]]), b"\0" * 9), "1 bytes after its tensors"),
+        (_raw(_head([1], [["a", "O", [1]]]), b"\0" * 8), "holds objects"),
+        (_raw(_head([1], [["a", "nope", [1]]]), b"\0"), "unknown dtype"),
+        (_raw(_head([1], [["a", "<f4", [-1]]])), "not a Probe"),
+        (_raw(_head([1], [["a", "<f4", [2**40] * 2]])), "not a Probe"),
+        (_raw(_head([1], [["a", "<f4", [1] * 17]])), "not a Probe"),
+        (_raw(_head([1], [["a", "<f4", [1]]] * 65)), "not a Probe"),
+        (_raw(_head([1], [[1, "<f4", [1]]]), b"\0" * 4), "not a Probe"),
     ],
 )
 def test_malformed_messages_raise_wire_errors(message, match):
     with pytest.raises(WireError, match=match):
-        unpack(message)
+        unpack(message, Probe)
+
+
+def test_a_stage_message_that_contradicts_its_route_is_refused_at_decoding():
+    ok = StageMsg(1, 0, ("a", "b"), ("tcp://x:1", "tcp://y:2"), 2, (Reservation(None, 0, 1, 2),) * 2)
+    assert unpack(_message(ok), StageMsg)[0] == ok
+    for bad in ({"stage": 2}, {"addresses": ("tcp://x:1",)}, {"timing": ()}, {"batch": 0}, {"links": (None,)}):
+        fields = {**msgspec.structs.asdict(ok), **bad}
+        raw = _raw(_head(list(fields.values()), []))
+        with pytest.raises(WireError, match="not a StageMsg"):
+            unpack(raw, StageMsg)
+    with pytest.raises(WireError, match="not a StageMsg"):  # a report is not a stage message
+        unpack(_message(StageReport(1, 0, "a")), StageMsg)
 
 
 def test_loopback_addresses():
@@ -77,24 +104,18 @@ def _three_stage_route(tol=None, late=()):
         done = asyncio.Event()
 
         def on_report(message):
-            reports.append(unpack(message))
-            if sum(1 + len(h.get("carried", [])) for h, _ in reports) == 3 * 4:
+            reports.append(unpack(message, StageReport))
+            if sum(1 + len(h.carried) for h, _ in reports) == 3 * 4:
                 done.set()
 
         inbox = Inbox(on_report)
 
         def runner(k):
-            async def run(batch_id, index, vgpu_id, payload, batch, timing, link):
-                x = payload["tensors"]["x"]
-                assert index == k and vgpu_id == f"v{k}" and batch == len(x)
-                start = timing[k][2] + (5000.0 if (batch_id, k) in late else 0.0)
-                rep = {"batch_id": batch_id, "partition": index, "vgpu_id": vgpu_id, "start_us": start, "end_us": start + 5.0,
-                       "transfer_start_us": None, "transfer_end_us": None}
-                out = {"x": x + k + 1}
-                if index == 2:
-                    rep["outputs"] = out
-                    return rep, None
-                return rep, {"tensors": out, "sent_wall_us": 1.0}
+            async def run(msg, tensors):
+                x = tensors["x"]
+                assert msg.stage == k and msg.route[k] == f"v{k}" and msg.batch == len(x)
+                start = msg.timing[k].start_us + (5000.0 if (msg.batch_id, k) in late else 0.0)
+                return StageResult(StageReport(msg.batch_id, k, msg.route[k], start, start + 5.0), {"x": x + k + 1}, 1.0)
 
             return run
 
@@ -104,10 +125,9 @@ def _three_stage_route(tol=None, late=()):
             servers[k].connect([addrs[k + 1]])
         out = Outbox()
         for b in range(4):
-            timing = [(None, 0.0, 100.0 * b + 10 * k, 100.0 * b + 10 * k + 5) for k in range(3)]
-            header = {"b": b, "k": 0, "route": ["v0", "v1", "v2"], "addr": addrs, "n": 2, "timing": timing, "links": None,
-                      "tol": tol, "sent": 0.0}
-            out.send(addrs[0], pack(header, {"x": np.full(2, 10.0 * b, np.float32)}))
+            timing = tuple(Reservation(None, 0.0, 100.0 * b + 10 * k, 100.0 * b + 10 * k + 5) for k in range(3))
+            message = StageMsg(b, 0, ("v0", "v1", "v2"), tuple(addrs), 2, timing, None, tol, 0.0)
+            out.send(addrs[0], pack(message, {"x": np.full(2, 10.0 * b, np.float32)}))
         # a malformed message is dropped by the worker, which keeps serving
         out.send(addrs[0], [(5).to_bytes(4, "little"), b"\1\0\0\0\xc1"])
         await asyncio.wait_for(done.wait(), 10)
@@ -124,8 +144,8 @@ def test_a_batch_travels_the_route_worker_to_worker_and_every_stage_reports():
     reports = _three_stage_route()
     by_batch: dict[int, list] = {}
     for rep, tensors in reports:
-        assert "carried" not in rep  # no tolerance: every stage reports on its own
-        by_batch.setdefault(rep["batch_id"], []).append((rep["partition"], tensors))
+        assert rep.carried == ()  # no tolerance: every stage reports on its own
+        by_batch.setdefault(rep.batch_id, []).append((rep.stage, tensors))
     assert sorted(by_batch) == [0, 1, 2, 3]
     for b, reps in by_batch.items():
         assert sorted(k for k, _ in reps) == [0, 1, 2]
@@ -138,7 +158,7 @@ def test_stages_that_ran_as_reserved_ride_on_to_the_next_report_and_late_ones_re
     reports = _three_stage_route(tol=1000.0, late={(1, 1), (2, 0), (3, 2)})
     messages = {}
     for rep, tensors in reports:
-        messages.setdefault(rep["batch_id"], []).append(([c["partition"] for c in rep.get("carried", [])], rep["partition"], tensors))
+        messages.setdefault(rep.batch_id, []).append(([c.stage for c in rep.carried], rep.stage, tensors))
     for b in messages:
         messages[b].sort(key=lambda m: m[1])
     # (the partitions carried, the sender's partition) of each report message, per batch
@@ -153,20 +173,19 @@ def test_stages_that_ran_as_reserved_ride_on_to_the_next_report_and_late_ones_re
 
 
 def test_ran_as_reserved_compares_start_end_and_a_reserved_transfer_within_the_tolerance():
-    rep = {"start_us": 1000.0, "end_us": 2000.0, "transfer_start_us": 500.0, "transfer_end_us": 900.0}
-    assert ran_as_reserved(rep, [None, 0.0, 1000.5, 1999.5], 1.0)  # no NIC reserved: the transfer is not compared
-    assert not ran_as_reserved(rep, [None, 0.0, 1002.0, 2000.0], 1.0)
-    assert not ran_as_reserved(rep, [None, 0.0, 1000.0, 1998.0], 1.0)
-    assert ran_as_reserved(rep, [500.0, 400.0, 1000.0, 2000.0], 1.0)
-    assert not ran_as_reserved(rep, [500.0, 300.0, 1000.0, 2000.0], 1.0)  # the transfer ended 100 us late
-    assert not ran_as_reserved({**rep, "transfer_start_us": None}, [500.0, 400.0, 1000.0, 2000.0], 1.0)
-    assert not ran_as_reserved(rep, [None, 0.0, 1000.0], 1.0)  # a timing without the reserved end
+    rep = StageReport(1, 0, "v", 1000.0, 2000.0, 500.0, 900.0)
+    assert ran_as_reserved(rep, Reservation(None, 0.0, 1000.5, 1999.5), 1.0)  # no NIC reserved: the transfer is not compared
+    assert not ran_as_reserved(rep, Reservation(None, 0.0, 1002.0, 2000.0), 1.0)
+    assert not ran_as_reserved(rep, Reservation(None, 0.0, 1000.0, 1998.0), 1.0)
+    assert ran_as_reserved(rep, Reservation(500.0, 400.0, 1000.0, 2000.0), 1.0)
+    assert not ran_as_reserved(rep, Reservation(500.0, 300.0, 1000.0, 2000.0), 1.0)  # the transfer ended 100 us late
+    assert not ran_as_reserved(msgspec.structs.replace(rep, transfer_start_us=None), Reservation(500.0, 400.0, 1000.0, 2000.0), 1.0)
 
 
 def test_a_failing_stage_reports_its_error_and_forwards_nothing():
     async def main():
         got = []
-        inbox = Inbox(lambda message: got.append(unpack(message)[0]))
+        inbox = Inbox(lambda message: got.append(unpack(message, StageReport)[0]))
 
         async def boom(*args):
             raise ValueError("bad input")
@@ -175,9 +194,9 @@ def test_a_failing_stage_reports_its_error_and_forwards_nothing():
         nxt = Inbox(lambda message: forwarded.append(message))
         s = StageServer("v0", boom)
         addr = s.open(inbox.address)
-        header = {"b": 9, "k": 0, "route": ["v0", "v1"], "addr": [addr, nxt.address], "n": 1, "timing": None, "links": None, "sent": 0.0}
+        message = StageMsg(9, 0, ("v0", "v1"), (addr, nxt.address), 1, (Reservation(None, 0, 0, 0),) * 2, sent_us=0.0)
         out = Outbox()  # kept open: closing a socket drops what it has not sent yet
-        out.send(addr, pack(header, {"x": np.zeros(1)}))
+        out.send(addr, pack(message, {"x": np.zeros(1)}))
         for _ in range(200):
             await asyncio.sleep(0.01)
             if got:
@@ -187,7 +206,7 @@ def test_a_failing_stage_reports_its_error_and_forwards_nothing():
         return got, forwarded
 
     got, forwarded = asyncio.run(main())
-    assert got == [{"batch_id": 9, "partition": 0, "vgpu_id": "v0", "err": "ValueError: bad input"}]
+    assert got == [StageReport(9, 0, "v0", error="ValueError: bad input")]
     assert forwarded == []
 
 
@@ -198,7 +217,7 @@ def test_a_peer_that_is_not_reading_fails_the_send_instead_of_blocking(monkeypat
         box = Outbox()
         with pytest.raises(DataPathFull, match="bytes already wait for tcp://127.0.0.1:9, which is not connected"):
             for _ in range(100):  # nobody listens on port 9: the queue fills and the send says so
-                box.send("tcp://127.0.0.1:9", pack({"b": 1}, {"x": np.zeros(100)}))
+                box.send("tcp://127.0.0.1:9", pack(Probe(1), {"x": np.zeros(100)}))
         box.close()
 
     asyncio.run(main())
@@ -211,18 +230,18 @@ def test_messages_split_and_merged_by_the_stream_arrive_whole_and_in_order():
     async def main():
         got = []
         done = asyncio.Event()
-        inbox = Inbox(lambda m: (got.append(unpack(m)), len(got) == 60 and done.set()))
+        inbox = Inbox(lambda m: (got.append(unpack(m, Probe)), len(got) == 60 and done.set()))
         out = Outbox()
         for i in range(60):
             n = 300_000 if i % 10 == 0 else 3
-            out.send(inbox.address, pack({"i": i}, {"x": np.full(n, i, np.float32)}))
+            out.send(inbox.address, pack(Probe(i), {"x": np.full(n, i, np.float32)}))
         await asyncio.wait_for(done.wait(), 20)
         out.close(), inbox.close()
         return got
 
     got = asyncio.run(main())
-    assert [h["i"] for h, _ in got] == list(range(60))
-    assert all(t["x"].size == (300_000 if h["i"] % 10 == 0 else 3) and np.all(t["x"] == h["i"]) for h, t in got)
+    assert [h.i for h, _ in got] == list(range(60))
+    assert all(t["x"].size == (300_000 if h.i % 10 == 0 else 3) and np.all(t["x"] == h.i) for h, t in got)
 
 
 def test_a_receiver_closes_a_connection_whose_length_prefix_is_impossible():
@@ -287,28 +306,28 @@ def _wire_bytes(header, tensors=None) -> bytes:
 @pytest.mark.parametrize("chunk, floats", [(1, 3_000), (7, 40_000), (64 * 1024, 300_000)])
 def test_a_message_in_many_small_reads_is_delivered_whole(chunk, floats):
     x = np.random.default_rng(chunk).standard_normal(floats).astype(np.float32)  # 300_000: more than the shared buffer
-    data = _wire_bytes({"i": 1}, {"x": x}) + _wire_bytes({"i": 2})
+    data = _wire_bytes(Probe(1), {"x": x}) + _wire_bytes(Probe(2))
     r = _receiver()
     _feed(r, data, chunk)
     assert len(r.inbox.got) == 2 and not r.transport.closed
-    (h1, t1), (h2, t2) = (unpack(m) for m in r.inbox.got)
-    assert h1 == {"i": 1} and t1["x"].tobytes() == x.tobytes() and (h2, t2) == ({"i": 2}, {})
+    (h1, t1), (h2, t2) = (unpack(m, Probe) for m in r.inbox.got)
+    assert h1 == Probe(1) and t1["x"].tobytes() == x.tobytes() and (h2, t2) == (Probe(2), {})
 
 
 def test_two_messages_in_one_read_are_both_delivered_and_survive_the_next_read():
-    a, b = _wire_bytes({"i": 1}, {"x": np.arange(5, dtype=np.int16)}), _wire_bytes({"i": 2})
+    a, b = _wire_bytes(Probe(1), {"x": np.arange(5, dtype=np.int16)}), _wire_bytes(Probe(2))
     r = _receiver()
     _feed(r, a + b + a[:3], len(a + b) + 3)  # two messages and the start of a length prefix
-    assert [unpack(m)[0]["i"] for m in r.inbox.got] == [1, 2]
+    assert [unpack(m, Probe)[0].i for m in r.inbox.got] == [1, 2]
     _feed(r, a[3:] + b"\xff" * 64, len(a))  # overwrites the shared buffer the first two were read into
-    (h1, t1), _, (h3, t3) = (unpack(m) for m in r.inbox.got)
-    assert h1 == h3 == {"i": 1} and t1["x"].tolist() == t3["x"].tolist() == [0, 1, 2, 3, 4]
+    (h1, t1), _, (h3, t3) = (unpack(m, Probe) for m in r.inbox.got)
+    assert h1 == h3 == Probe(1) and t1["x"].tolist() == t3["x"].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_a_bad_length_prefix_closes_the_connection_after_the_messages_before_it(caplog):
     r = _receiver()
-    _feed(r, _wire_bytes({"i": 1}) + (3).to_bytes(4, "little") + b"xyz", 1 << 20)
-    assert [unpack(m)[0] for m in r.inbox.got] == [{"i": 1}]
+    _feed(r, _wire_bytes(Probe(1)) + (3).to_bytes(4, "little") + b"xyz", 1 << 20)
+    assert [unpack(m, Probe)[0] for m in r.inbox.got] == [Probe(1)]
     assert r.transport.closed and "a message of 3 bytes is malformed" in caplog.text
 
 
@@ -317,7 +336,7 @@ def test_a_big_message_is_read_into_one_buffer_of_its_own_whatever_the_number_of
     place in the message's own buffer (the view handed out is of that buffer, just past
     what came), and that buffer, not a copy, is delivered, read-only."""
     x = np.random.default_rng(0).standard_normal(2_000_000).astype(np.float16)
-    data = _wire_bytes({"i": 1}, {"x": x})
+    data = _wire_bytes(Probe(1), {"x": x})
     r = _receiver()
     bufs = _feed(r, data, 64 * 1024)
     own = bufs[1].obj
@@ -326,7 +345,7 @@ def test_a_big_message_is_read_into_one_buffer_of_its_own_whatever_the_number_of
     assert [len(b) for b in bufs[1:]] == [len(data) - k * 64 * 1024 for k in range(1, len(bufs))]
     (message,) = r.inbox.got
     assert message.obj is own and message.readonly
-    _, tensors = unpack(message)
+    _, tensors = unpack(message, Probe)
     assert np.shares_memory(tensors["x"], np.asarray(own)) and not tensors["x"].flags.writeable
     assert tensors["x"].tobytes() == x.tobytes()
 
@@ -339,15 +358,15 @@ def test_a_13_mb_tensor_round_trips_byte_exact_over_loopback(loop):
 
     async def main():
         got = asyncio.get_running_loop().create_future()
-        inbox = Inbox(lambda m: got.set_result(unpack(m)))
+        inbox = Inbox(lambda m: got.set_result(unpack(m, Probe)))
         out = Outbox()
-        out.send(inbox.address, pack({"b": 1}, {"x": x, "y": np.arange(3)}))
+        out.send(inbox.address, pack(Probe(1), {"x": x, "y": np.arange(3)}))
         header, tensors = await asyncio.wait_for(got, 20)
         out.close(), inbox.close()
         return header, tensors
 
     header, tensors = asyncio.run(main()) if loop == "asyncio" else uvloop.run(main())
-    assert header == {"b": 1} and tensors["y"].tolist() == [0, 1, 2]
+    assert header == Probe(1) and tensors["y"].tolist() == [0, 1, 2]
     assert tensors["x"].dtype == np.float16 and tensors["x"].view(np.uint16).tobytes() == x.view(np.uint16).tobytes()
 
 
@@ -394,7 +413,7 @@ def test_a_sender_hands_the_transport_views_of_the_tensor_a_chunk_at_a_time(gath
     chunk = datapath.WRITE_CHUNK_BYTES
     x = np.arange(int(2.5 * chunk) // 4, dtype=np.float32)
     s = datapath._Sender(Outbox(), "tcp://127.0.0.1:9")
-    s.send(pack({"b": 1}, {"x": x}))  # not connected yet: queued
+    s.send(pack(Probe(1), {"x": x}))  # not connected yet: queued
     t = (_FakeGatheringTransport if gathers else _FakeWriteTransport)(s, capacity=chunk // 2)
     s.connection_made(t)
     assert s.gathers is gathers
@@ -407,7 +426,7 @@ def test_a_sender_hands_the_transport_views_of_the_tensor_a_chunk_at_a_time(gath
     assert [len(p) for p in tensor_pieces] == [chunk, chunk, x.nbytes - 2 * chunk]
     assert all(p.obj is x for p in tensor_pieces)  # views of the array: nothing copied
     assert len(t.writes) == (3 if gathers else 4)  # the header rides with the first chunk where the transport gathers
-    assert b"".join(bytes(p) for p in pieces) == _wire_bytes({"b": 1}, {"x": x})
+    assert b"".join(bytes(p) for p in pieces) == _wire_bytes(Probe(1), {"x": x})
 
 
 def test_a_sender_joins_a_header_and_its_small_tensors_into_one_write():
@@ -416,14 +435,14 @@ def test_a_sender_joins_a_header_and_its_small_tensors_into_one_write():
     s = datapath._Sender(Outbox(), "tcp://127.0.0.1:9")
     t = _FakeWriteTransport(s, capacity=1 << 30)
     s.connection_made(t)
-    s.send(pack({"b": 1}, {"x": np.zeros(3), "y": np.ones(2, np.int8)}))
-    assert len(t.writes) == 1 and bytes(t.writes[0][0]) == _wire_bytes({"b": 1}, {"x": np.zeros(3), "y": np.ones(2, np.int8)})
+    s.send(pack(Probe(1), {"x": np.zeros(3), "y": np.ones(2, np.int8)}))
+    assert len(t.writes) == 1 and bytes(t.writes[0][0]) == _wire_bytes(Probe(1), {"x": np.zeros(3), "y": np.ones(2, np.int8)})
 
 
 def test_a_peer_that_cannot_be_reached_drops_its_queue_with_one_warning(caplog):
     async def main():
         box = Outbox()
-        box.send("tcp://127.0.0.1:9", pack({"b": 1}, {"x": np.zeros(100)}))  # nobody listens on port 9
+        box.send("tcp://127.0.0.1:9", pack(Probe(1), {"x": np.zeros(100)}))  # nobody listens on port 9
         for _ in range(200):
             await asyncio.sleep(0.01)
             if "tcp://127.0.0.1:9" not in box.peers:
@@ -433,4 +452,4 @@ def test_a_peer_that_cannot_be_reached_drops_its_queue_with_one_warning(caplog):
 
     box = asyncio.run(main())
     assert box.peers == {} and "cannot connect to tcp://127.0.0.1:9" in caplog.text
-    assert f"{len(_wire_bytes({'b': 1}, {'x': np.zeros(100)}))} queued bytes dropped" in caplog.text
+    assert f"{len(_wire_bytes(Probe(1), {'x': np.zeros(100)}))} queued bytes dropped" in caplog.text

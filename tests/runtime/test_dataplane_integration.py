@@ -105,7 +105,7 @@ def test_batches_cross_nodes_along_reserved_paths(ray_cluster, tmp_path):
     for t in rt.traces:
         assert t.error is None
         assert [r["node_id"] for r in t.reports] == [node_of["nodeA"], node_of["nodeB"]]
-        assert [r["vgpu_id"] for r in t.reports] == t.route
+        assert [r.vgpu_id for r in t.reports] == t.route
 
 
 def test_killed_worker_fails_its_requests_and_the_rest_keeps_serving(ray_cluster, tmp_path):

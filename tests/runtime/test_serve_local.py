@@ -63,12 +63,12 @@ def test_two_partitions_answer_like_the_whole_model(served, tinynet):
         np.testing.assert_allclose(got, reference(tinynet.directory, xs), rtol=2e-2, atol=2e-2)
     # batches really went through both partitions' workers, worker to worker
     done = [t for t in rt.traces if t.error is None]
-    assert done and all([r["partition"] for r in t.reports] == [0, 1] for t in done)
+    assert done and all([r.stage for r in t.reports] == [0, 1] for t in done)
     assert max(len(t.request_ids) for t in done) > 1  # the 6-sample request was batched
     # the feature map crossed as a transfer: the second stage's report has transfer stamps
-    assert all(t.reports[1]["transfer_start_us"] <= t.reports[1]["transfer_end_us"] for t in done)
+    assert all(t.reports[1].transfer_start_us <= t.reports[1].transfer_end_us for t in done)
     # a stage starts after its call reached the worker
-    assert all(r["received_us"] <= r["start_us"] for t in done for r in t.reports)
+    assert all(r.received_us <= r.start_us for t in done for r in t.reports)
 
 
 def test_reports_reach_the_scheduler_on_its_timeline(served):

@@ -323,10 +323,10 @@ def test_a_switch_over_nccl_keeps_the_edges_of_kept_workers_and_opens_the_others
     assert record["kept"] == 1 and record["started"] == 2 and record["nccl_opened"] == 2
     assert links.opened == [(1, sorted([(up, mid), (mid, last)]))]
     assert rt.nccl_links == {(up, mid): 1, (mid, last): 1}
-    sends = [link["send"] for _, link in workers[up].links if link and "send" in link]
-    gens = [s["gen"] for s in sends]
+    sends = [link.send for _, link in workers[up].links if link is not None and link.send is not None]
+    gens = [s.gen for s in sends]
     assert gens == sorted(gens) and set(gens) == {0, 1}  # generation 0 until the switch, 1 after
     for g in (0, 1):  # each generation numbered from 0, without gaps
-        assert [s["seq"] for s in sends if s["gen"] == g] == list(range(gens.count(g)))
+        assert [s.seq for s in sends if s.gen == g] == list(range(gens.count(g)))
     assert workers[up].closed == [(mid, 0)]  # the old edge, closed at the kept worker after the drain
     assert workers[mid] in launcher.stopped

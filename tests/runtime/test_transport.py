@@ -9,6 +9,7 @@ import asyncio
 import functools
 import os
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -28,6 +29,7 @@ from ppipe.runtime.workers.transport import (
     pipeline_edges,
     select_transports,
 )
+from ppipe.runtime.wire.messages import EdgeRef, Reservation, StageLinks, StageMsg
 from ppipe.runtime.workers.worker import WorkerSpec
 from .fakes import queue_link_pair
 
@@ -318,7 +320,7 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
         assert pings[1]["edges"] == {f"recv:{up}": len(batches)}
         if os.geteuid() == 0:  # workers undo Ray's worker niceness where they may
             assert pings[0]["nice"] == 0
-        assert all(t.reports[1]["transfer_start_us"] <= t.reports[1]["transfer_end_us"] for t in batches)
+        assert all(t.reports[1].transfer_start_us <= t.reports[1].transfer_end_us for t in batches)
     finally:
         for h in workers.values():
             ray.kill(h)
@@ -390,14 +392,10 @@ def _pair_of_workers(tinynet):
 
 
 def _stage_pair(up, down, batch_id, seq, x, down_id="b/gpu0/s0", gen=None):
-    send = {"send": {"peer": "b/gpu0/s0", "seq": seq}}
-    recv = {"recv": {"peer": "a/gpu0/s0", "seq": seq}}
-    if gen is not None:
-        send["send"]["gen"] = recv["recv"]["gen"] = gen
-    return (
-        up.run_stage(batch_id, 0, "a/gpu0/s0", {"tensors": {"input": x}, "sent_wall_us": 0.0}, len(x), None, send),
-        down.run_stage(batch_id, 1, down_id, {"tensors": None, "sent_wall_us": None}, len(x), [(None, 0, 0), (0, 0, 0)], recv),
-    )
+    edge = dict(seq=seq) if gen is None else dict(seq=seq, gen=gen)
+    links = (StageLinks(send=EdgeRef("b/gpu0/s0", **edge)), StageLinks(recv=EdgeRef("a/gpu0/s0", **edge)))
+    msg = StageMsg(batch_id, 0, ("a/gpu0/s0", down_id), ("tcp://up:1", "tcp://down:1"), len(x), (Reservation(None, 0, 0, 0),) * 2, links, sent_us=0.0)
+    return up.run_stage(msg, {"input": x}), down.run_stage(msgspec.structs.replace(msg, stage=1, sent_us=None), None)
 
 
 def test_a_worker_keeps_edges_of_two_generations_to_one_vgpu_id_apart_and_closes_one(tinynet):
@@ -416,14 +414,14 @@ def test_a_worker_keeps_edges_of_two_generations_to_one_vgpu_id_apart_and_closes
     xs = np.random.default_rng(6).normal(size=(2, 2, 3, 8, 8)).astype(np.float32)
 
     async def main():
-        (_, _), (rep_new, _) = await asyncio.gather(*_stage_pair(up, new_down, 1, 0, xs[0], gen=1))
-        (_, _), (rep_old, _) = await asyncio.gather(*_stage_pair(up, old_down, 2, 0, xs[1], gen=0))
+        _, new = await asyncio.gather(*_stage_pair(up, new_down, 1, 0, xs[0], gen=1))
+        _, old = await asyncio.gather(*_stage_pair(up, old_down, 2, 0, xs[1], gen=0))
         closed = await up.close_edges([("b/gpu0/s0", 0)])
-        return rep_new, rep_old, closed
+        return new, old, closed
 
-    rep_new, rep_old, closed = asyncio.run(asyncio.wait_for(main(), 20))
-    np.testing.assert_allclose(rep_new["outputs"]["logits"], reference(tinynet.directory, xs[0]), rtol=2e-2, atol=2e-2)
-    np.testing.assert_allclose(rep_old["outputs"]["logits"], reference(tinynet.directory, xs[1]), rtol=2e-2, atol=2e-2)
+    new, old, closed = asyncio.run(asyncio.wait_for(main(), 20))
+    np.testing.assert_allclose(new.tensors["logits"], reference(tinynet.directory, xs[0]), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(old.tensors["logits"], reference(tinynet.directory, xs[1]), rtol=2e-2, atol=2e-2)
     assert closed == 1 and list(up.channels) == [("send", "b/gpu0/s0", 1)]
     assert asyncio.run(up.ping())["edges"] == {"send:b/gpu0/s0@1": 1}
 
@@ -435,21 +433,20 @@ def test_worker_stages_over_an_edge_answer_like_the_whole_model_and_survive_fail
     xs = np.random.default_rng(5).normal(size=(3, 2, 3, 8, 8)).astype(np.float32)
 
     async def main():
-        (rep0, out0), (rep1, out1) = await asyncio.gather(*_stage_pair(up, down, 1, 0, xs[0]))
+        first, last = await asyncio.gather(*_stage_pair(up, down, 1, 0, xs[0]))
         # a receiver posted with the wrong vGPU fails, yet takes its message off the edge
         bad = await asyncio.gather(*_stage_pair(up, down, 2, 1, xs[1], down_id="c/gpu0/s0"), return_exceptions=True)
         # a sender whose backend fails tells the receiver, which fails that batch only
         bad2 = await asyncio.gather(*_stage_pair(up, down, 3, 2, np.zeros((2, 5), np.float32)), return_exceptions=True)
-        (_, _), (rep3, out3) = await asyncio.gather(*_stage_pair(up, down, 4, 3, xs[2]))
-        return out0, rep1, out1, bad, bad2, rep3
+        _, again = await asyncio.gather(*_stage_pair(up, down, 4, 3, xs[2]))
+        return first, last, bad, bad2, again
 
-    out0, rep1, out1, bad, bad2, rep3 = asyncio.run(asyncio.wait_for(main(), 20))
-    assert out0["tensors"] is None  # the feature map went over the edge, not in the stage's output
-    assert out1 is None  # the last stage's outputs ride in its report
-    np.testing.assert_allclose(rep1["outputs"]["logits"], reference(tinynet.directory, xs[0]), rtol=2e-2, atol=2e-2)
-    assert rep1["transfer_start_us"] <= rep1["transfer_end_us"] <= rep1["start_us"]
+    first, last, bad, bad2, again = asyncio.run(asyncio.wait_for(main(), 20))
+    assert first.tensors is None  # the feature map went over the edge, not in the stage's output
+    np.testing.assert_allclose(last.tensors["logits"], reference(tinynet.directory, xs[0]), rtol=2e-2, atol=2e-2)  # the model's outputs
+    assert last.report.transfer_start_us <= last.report.transfer_end_us <= last.report.start_us
     assert isinstance(bad[1], RuntimeError) and "not b/gpu0/s0" in str(bad[1])
     assert not isinstance(bad[0], Exception)  # the sender's message was delivered and drained
     assert isinstance(bad2[0], Exception) and isinstance(bad2[1], UpstreamFailed)
-    np.testing.assert_allclose(rep3["outputs"]["logits"], reference(tinynet.directory, xs[2]), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(again.tensors["logits"], reference(tinynet.directory, xs[2]), rtol=2e-2, atol=2e-2)
     assert up.channels[("send", "b/gpu0/s0", 0)].next_seq == down.channels[("recv", "a/gpu0/s0", 0)].next_seq == 4

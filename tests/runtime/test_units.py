@@ -12,6 +12,7 @@ import pytest
 from ppipe.dataplane.api import Drop, DropReason, WakeAt
 from ppipe.errors import NotAvailableError, UserError
 from ppipe.runtime.workers.backends import EmulatedBackend, OrtBackend, interpolated_latency_us, make_backend
+from ppipe.runtime.wire.messages import EdgeRef
 from ppipe.runtime.clock import WallClock, wall_us
 from ppipe.runtime.launch.deploy import Deployment, node_resources_for, worker_env, worker_specs
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
@@ -188,7 +189,7 @@ def test_driver_batches_answers_each_request_with_its_own_row(tinynet):
     assert rt.scheduler.wakes >= 1 and len(rt.scheduler.reports) == 4
 
 
-def test_driver_takes_outputs_from_the_last_report_and_keeps_them_out_of_traces(tinynet):
+def test_driver_takes_outputs_from_the_last_report_and_keeps_one_report_per_stage_in_traces(tinynet):
     rt, peers = _runtime(tinynet, max_batch=1)
 
     async def main():
@@ -199,7 +200,8 @@ def test_driver_takes_outputs_from_the_last_report_and_keeps_them_out_of_traces(
 
     assert asyncio.run(main())["y"].tolist() == [8.0, 8.0]
     assert len(rt.traces) == 1 and len(rt.traces[0].reports) == 2
-    assert all("outputs" not in rep for t in rt.traces for rep in t.reports)  # not kept in traces
+    assert [r.stage for r in rt.traces[0].reports] == [0, 1]
+    assert all(rep.carried == () for t in rt.traces for rep in t.reports)  # each stage's report once, not also as carried
     import gc
 
     assert gc.get_freeze_count() > 0  # Runtime.start froze the start-up objects
@@ -227,7 +229,7 @@ def test_reports_that_arrive_out_of_order_all_reach_the_scheduler_and_answer_onc
     assert sorted(got) == [(b, k) for b in range(3) for k in (0, 1)]
     assert got.index((0, 1)) < got.index((0, 0))  # really out of order
     assert not rt._inflight  # every batch forgotten once both stages reported
-    assert all([r["partition"] for r in t.reports] == [0, 1] for t in rt.traces)
+    assert all([r.stage for r in t.reports] == [0, 1] for t in rt.traces)
 
 
 def test_driver_answers_drops_with_their_reason(tinynet):
@@ -389,12 +391,12 @@ def test_driver_numbers_the_messages_of_each_nccl_edge_and_posts_both_ends(tinyn
     assert failed == ["worker-failed"]
     got = [float(o["y"][0]) for o in outs]
     assert got == [2.0 * (i + 1) for i in range(6)]
-    sends = [link["send"] for _, link in peers[ups[0]].links if link]
-    recvs = [link["recv"] for _, link in peers[down].links if link]
+    sends = [link.send for _, link in peers[ups[0]].links if link]
+    recvs = [link.recv for _, link in peers[down].links if link]
     n = len(sends)
     assert n >= 3  # round robin: half the batches took the NCCL edge
-    assert sends == [{"peer": down, "seq": k, "gen": 0} for k in range(n)]
-    assert recvs[:n] == [{"peer": ups[0], "seq": k, "gen": 0} for k in range(n)]
+    assert sends == [EdgeRef(down, k, 0) for k in range(n)]
+    assert recvs[:n] == [EdgeRef(ups[0], k, 0) for k in range(n)]
     other = [link for _, link in peers[ups[1]].links]
     assert other == [None] * len(other)  # the tcp edge carries no link
     # the dead receiver's NCCL peer is told to abort the edge; the tcp peer is not

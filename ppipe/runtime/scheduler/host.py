@@ -34,6 +34,7 @@ from bisect import insort
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import numpy as np
 
 from ppipe.errors import UserError
@@ -42,7 +43,8 @@ from ppipe.dataplane.handover import SwitchingScheduler, kept_vgpus
 from ppipe.runtime.scheduler.budgets import ServiceBudgets
 from ppipe.runtime.clock import WallClock, wall_us
 from ppipe.runtime.wire.datapath import DataPathFull, Inbox, Outbox, node_host
-from ppipe.runtime.wire.frames import pack, unpack
+from ppipe.runtime.wire.frames import WireError, pack, unpack
+from ppipe.runtime.wire.messages import EdgeRef, Reservation, StageLinks, StageMsg, StageReport as StageReportMsg
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.launch.refs import consume, kill_quietly
 from ppipe.runtime.workers.transport import LINKED, relink
@@ -82,7 +84,7 @@ class BatchTrace:
     route: list[str]
     request_ids: list[int]
     dispatched_us: float = 0.0
-    reports: list[dict[str, Any]] = field(default_factory=list)
+    reports: list[StageReportMsg] = field(default_factory=list)  # in stage order
     reserved_us: list[tuple[float, float]] = field(default_factory=list)  # per stage: reserved (start, end), scheduler time
     arrivals_us: list[float] = field(default_factory=list)  # its requests' arrivals (true timeline)
     error: str | None = None
@@ -147,7 +149,7 @@ class Runtime:
             takes to reach its first worker (:mod:`ppipe.dataplane.margins`).
         report_tolerance_us: a stage whose start, end and NIC transfer each lie within this
             of its reservation sends no report of its own: its report rides on to the next
-            report the batch sends (see :class:`~ppipe.runtime.wire.datapath.StageServer`), so a
+            report the batch sends (see :class:`~ppipe.runtime.workers.stage_server.StageServer`), so a
             batch that runs as reserved costs one report message, not one per stage. The
             scheduler then learns of such small deviations when the batch's next report
             comes, and a worker's death fails the batches whose reports it carried on
@@ -728,35 +730,35 @@ class Runtime:
         else:
             inputs = {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
         to_wall = self.clock.to_wall_us
-        timing = [
-            (None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us, to_wall(s.start_us),
-             to_wall(s.start_us + s.infer_us))
+        timing = tuple(
+            Reservation(None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us,
+                        to_wall(s.start_us), to_wall(s.start_us + s.infer_us))
             for s in d.stages
-        ]
+        )
         links = self._links(route)
-        addrs = [self.addresses[v] for v in route]
-        header = {"b": d.batch_id, "k": 0, "route": route, "addr": addrs, "n": d.batch, "timing": timing, "links": links,
-                  "tol": self.report_tolerance_us, "sent": wall_us()}
-        self._outbox.send(addrs[0], pack(header, inputs))
+        addrs = tuple(self.addresses[v] for v in route)
+        message = StageMsg(d.batch_id, 0, tuple(route), addrs, d.batch, timing, links, self.report_tolerance_us, wall_us())
+        self._outbox.send(addrs[0], pack(message, inputs))
         for j in range(1, len(route)):
-            if links is not None and links[j] and "recv" in links[j]:
-                self._outbox.send(addrs[j], pack({**header, "k": j, "sent": None}))
+            if links is not None and links[j] is not None and links[j].recv is not None:
+                self._outbox.send(addrs[j], pack(msgspec.structs.replace(message, stage=j, sent_us=None)))
 
-    def _links(self, route: list[str]) -> list[dict[str, Any] | None] | None:
-        """The NCCL edges of a route, each numbered with its edge's next message and named
-        by its generation (None: no NCCL edge)."""
+    def _links(self, route: list[str]) -> tuple[StageLinks | None, ...] | None:
+        """The NCCL and ring edges of a route, each numbered with its edge's next message and
+        named by its generation (None: the route has none)."""
         if not self.nccl_links:
             return None
-        links: list[dict[str, Any]] = [{} for _ in route]
+        sends: list[EdgeRef | None] = [None] * len(route)
+        recvs: list[EdgeRef | None] = [None] * len(route)
         for j in range(1, len(route)):
             gen = self.nccl_links.get((route[j - 1], route[j]))
             if gen is not None:
                 key = (route[j - 1], route[j], gen)
                 seq = self._edge_seq.get(key, 0)
                 self._edge_seq[key] = seq + 1
-                links[j - 1]["send"] = {"peer": route[j], "seq": seq, "gen": gen}
-                links[j]["recv"] = {"peer": route[j - 1], "seq": seq, "gen": gen}
-        return [x or None for x in links]
+                sends[j - 1] = EdgeRef(route[j], seq, gen)
+                recvs[j] = EdgeRef(route[j - 1], seq, gen)
+        return tuple(None if s is None and r is None else StageLinks(s, r) for s, r in zip(sends, recvs))
 
     def _on_report(self, message: memoryview | bytes) -> None:
         """A worker's report (the data path's callback): feed the scheduler; the last stage's
@@ -765,29 +767,36 @@ class Runtime:
         Reports of one batch come from different workers over different connections, so
         they may arrive in any order: stage k+1's before stage k's. A message may also hold
         the reports of earlier stages that ran as reserved (``carried``, see
-        :class:`~ppipe.runtime.wire.datapath.StageServer`); they are taken first, in stage order.
+        :class:`~ppipe.runtime.workers.stage_server.StageServer`); they are taken first, in stage order.
         The batch is answered by the last stage's report and forgotten once every stage has
         reported.
         """
         self.report_messages += 1
-        rep, outputs = unpack(message)
-        for earlier in rep.pop("carried", None) or ():
+        try:
+            rep, outputs = unpack(message, StageReportMsg)
+        except WireError as exc:
+            log.warning("dropped a malformed report: %s", exc)
+            return
+        for earlier in rep.carried:
             self._take_report(earlier, {})
         self._take_report(rep, outputs)
 
-    def _take_report(self, rep: dict[str, Any], outputs: dict[str, np.ndarray]) -> None:
-        batch = self._inflight.get(rep.get("batch_id"))
+    def _take_report(self, rep: StageReportMsg, outputs: dict[str, np.ndarray]) -> None:
+        batch = self._inflight.get(rep.batch_id)
         if batch is None:  # a batch already failed (a worker on its route died)
             return
-        k = rep["partition"]
-        if "err" in rep:
-            log.warning("batch %s failed on %s: %s", batch.d.batch_id, rep.get("vgpu_id"), rep["err"])
-            self._fail(batch, "worker-error", rep["err"].splitlines()[0] if rep["err"] else "error")
+        k = rep.stage
+        if not 0 <= k < len(batch.route):
+            log.warning("dropped a report of stage %s of batch %s, whose route has %d stages", k, rep.batch_id, len(batch.route))
+            return
+        if rep.error is not None:
+            log.warning("batch %s failed on %s: %s", batch.d.batch_id, rep.vgpu_id, rep.error)
+            self._fail(batch, "worker-error", rep.error.splitlines()[0] if rep.error else "error")
             return
         batch.unreported.discard(k)
         batch.next_stage = max(batch.next_stage, k + 1)
         if self.keep_traces:  # in stage order, whatever order the reports came in
-            insort(batch.trace.reports, rep, key=lambda r: r["partition"])
+            insort(batch.trace.reports, msgspec.structs.replace(rep, carried=()), key=lambda r: r.stage)
         self._report(batch.d, k, rep)
         if k == len(batch.route) - 1:
             self._answer_was_late(batch.d.model, self.clock.true_now_us() - batch.d.stages[-1].end_us)
@@ -806,17 +815,17 @@ class Runtime:
             if self._answer_error(r.id, DroppedError(reason, detail)) and reason == DropReason.WORKER_FAILED.value:
                 self.metrics.drops.labels(batch.d.model, reason).inc()
 
-    def _report(self, d: Dispatch, k: int, rep: dict[str, Any]) -> None:
+    def _report(self, d: Dispatch, k: int, rep: StageReportMsg) -> None:
         c = self.clock
-        self.metrics.bound(self.metrics.busy, rep["vgpu_id"]).inc(max(0.0, rep["end_us"] - rep["start_us"]) / 1e6)
+        self.metrics.bound(self.metrics.busy, rep.vgpu_id).inc(max(0.0, rep.end_us - rep.start_us) / 1e6)
         sr = StageReport(
             batch_id=d.batch_id,
             partition=d.stages[k].partition,
-            vgpu_id=rep["vgpu_id"],
-            start_us=c.from_wall_us(rep["start_us"]),
-            end_us=c.from_wall_us(rep["end_us"]),
-            transfer_start_us=None if rep["transfer_start_us"] is None else c.from_wall_us(rep["transfer_start_us"]),
-            transfer_end_us=None if rep["transfer_end_us"] is None else c.from_wall_us(rep["transfer_end_us"]),
+            vgpu_id=rep.vgpu_id,
+            start_us=c.from_wall_us(rep.start_us),
+            end_us=c.from_wall_us(rep.end_us),
+            transfer_start_us=None if rep.transfer_start_us is None else c.from_wall_us(rep.transfer_start_us),
+            transfer_end_us=None if rep.transfer_end_us is None else c.from_wall_us(rep.transfer_end_us),
         )
         self._apply(self.scheduler.report(sr))
 

@@ -26,7 +26,7 @@ not up yet queues its messages, and a peer that stops reading lets them wait up 
 ``MAX_BUFFERED_BYTES``, past which the send raises :class:`DataPathFull` and the caller
 fails that batch.
 
-Connections carry data only (msgpack and raw tensors, never pickle). They listen on the
+Connections carry data only (typed MessagePack headers and raw tensors, never pickle). They listen on the
 node's address that Ray uses (the loopback address when every node is this host), so they
 are as exposed as Ray's own ports: run the cluster on a private network.
 """
@@ -38,11 +38,11 @@ import ipaddress
 import logging
 import socket
 from collections import deque
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
-from ppipe.runtime.wire.frames import LENGTH, MAX_MESSAGE_BYTES, WireError, pack, unpack
+from ppipe.runtime.wire.frames import LENGTH, MAX_MESSAGE_BYTES
 
 log = logging.getLogger("ppipe.runtime")
 
@@ -383,128 +383,3 @@ class Outbox:
             t.cancel()
         for addr in list(self.peers):
             self.drop(addr)
-
-
-StageRunner = Callable[..., Awaitable[tuple[dict[str, Any], Any]]]
-
-
-class StageServer:
-    """A worker's end of the data path: run each stage message, forward, report.
-
-    Args:
-        vgpu_id: the worker's vGPU (in error reports).
-        run: ``await run(batch_id, index, vgpu_id, payload, batch, timing, link)`` ->
-            ``(report, output)``, as :meth:`ppipe.runtime.workers.worker.VgpuWorker.run_stage`.
-
-    A stage message's header holds ``b`` (batch id), ``k`` (stage index), ``route`` (vGPU
-    ids), ``addr`` (their data-path addresses), ``n`` (batch size), ``timing`` (per stage,
-    the reservation in wall-clock us), ``links`` (per stage, its NCCL edges or None) and
-    ``sent`` (wall-clock us when the tensors left their sender). After stage k, the output
-    goes to ``addr[k+1]`` as stage k+1's message, unless that edge is NCCL (then the
-    frontend has posted stage k+1 itself and the tensors go over the edge).
-
-    The report (the stage's wall-clock stamps, with the outputs for the last stage, or
-    ``err`` when the stage failed) goes to the frontend at once, or rides on: with ``tol``
-    in the header (the frontend's report tolerance, us), a stage that ran as reserved --
-    start, end and NIC transfer each within ``tol`` of the reservation
-    (:func:`ran_as_reserved`) -- adds its report to the header's ``carried`` list instead,
-    and the next report that goes to the frontend (the last stage's, a late stage's or a
-    failed one's, or the one before an NCCL edge) takes the list along. A stage's report
-    tells the scheduler something only where reality left the reservation, so the common
-    batch costs the frontend one report message instead of one per stage, and each worker
-    but the last one send instead of two.
-    """
-
-    def __init__(self, vgpu_id: str, run: StageRunner):
-        self.vgpu_id, self.run = vgpu_id, run
-        self.inbox: Inbox | None = None
-        self.outbox = Outbox()
-        self.frontend: str | None = None
-        self._tasks: set[asyncio.Task] = set()
-
-    def open(self, frontend: str, host: str | None = None) -> str:
-        """Bind this worker's inbox (on the loopback address when the frontend is on it) and
-        connect to the frontend's; returns the inbox's address."""
-        if self.inbox is None:
-            self.inbox = Inbox(self._on_message, host or (LOOPBACK if is_loopback_address(frontend) else node_host()))
-        self.frontend = frontend
-        self.outbox.connect(frontend)
-        return self.inbox.address
-
-    def connect(self, peers: Iterable[str]) -> None:
-        """Connect to the next stage's workers ahead of the first batch."""
-        for addr in peers:
-            self.outbox.connect(addr)
-
-    def close(self) -> None:
-        if self.inbox is not None:
-            self.inbox.close()
-        self.outbox.close()
-        for t in list(self._tasks):
-            t.cancel()
-
-    def _on_message(self, message: memoryview | bytes) -> None:
-        try:
-            header, tensors = unpack(message)
-            k, route, addrs = header["k"], header["route"], header["addr"]
-            if not (isinstance(k, int) and 0 <= k < len(route) == len(addrs) and "b" in header and "n" in header):
-                raise WireError(f"stage {k!r} of a route of {len(route)} stages and {len(addrs)} addresses")
-        except (WireError, KeyError, TypeError) as exc:
-            log.warning("%s: dropped a malformed stage message: %s", self.vgpu_id, exc)
-            return
-        task = asyncio.get_running_loop().create_task(self._stage(header, tensors))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _stage(self, h: dict[str, Any], tensors: dict[str, Any]) -> None:
-        k, route = h["k"], h["route"]
-        links = h.get("links") or [None] * len(route)
-        link = links[k]
-        carried = h.get("carried") or []
-        payload = {"tensors": tensors or None, "sent_wall_us": h.get("sent")}
-        try:
-            report, output = await self.run(h["b"], k, route[k], payload, h["n"], h.get("timing"), link)
-        except Exception as exc:
-            self._report({"batch_id": h["b"], "partition": k, "vgpu_id": self.vgpu_id, "err": f"{type(exc).__name__}: {exc}"}, carried)
-            return
-        if k + 1 < len(route) and not (link and "send" in link):
-            tol, timing = h.get("tol"), h.get("timing")
-            rides_on = tol is not None and timing is not None and ran_as_reserved(report, timing[k], tol)
-            message = {**h, "k": k + 1, "sent": output["sent_wall_us"], "carried": [*carried, report] if rides_on else []}
-            try:
-                self.outbox.send(h["addr"][k + 1], pack(message, output["tensors"]))
-                if rides_on:
-                    return
-            except DataPathFull as exc:
-                report["err"] = f"DataPathFull: {exc}"
-        outputs = report.pop("outputs", None)
-        self._report(report, carried, outputs)
-
-    def _report(self, report: dict[str, Any], carried: list[dict[str, Any]], outputs: dict[str, Any] | None = None) -> None:
-        """Send a report to the frontend, with the earlier stages' reports that rode on to here."""
-        if carried:
-            report["carried"] = carried
-        try:
-            self.outbox.send(self.frontend, pack(report, outputs))
-        except DataPathFull:
-            log.error("%s: the frontend stopped reading reports; batch %s's report is lost", self.vgpu_id, report.get("batch_id"))
-
-
-def ran_as_reserved(report: dict[str, Any], reserved: list[Any], tol_us: float) -> bool:
-    """Whether a stage's report lies within ``tol_us`` of its reservation.
-
-    ``reserved`` is the stage's entry of the header's ``timing``: ``(transfer_start,
-    transfer_us, start, end)`` in wall-clock us (``transfer_start`` None where the stage
-    reserves no NIC). The stage's ``start_us`` and ``end_us`` are compared with ``start``
-    and ``end``; where a NIC transfer is reserved, the reported ``transfer_start_us`` and
-    ``transfer_end_us`` with ``transfer_start`` and ``transfer_start + transfer_us``.
-    """
-    if len(reserved) < 4:  # a frontend that does not send the reserved end
-        return False
-    xfer_start, xfer_us, start, end = reserved[:4]
-    if abs(report["start_us"] - start) > tol_us or abs(report["end_us"] - end) > tol_us:
-        return False
-    if xfer_start is None or not xfer_us:
-        return True
-    ts, te = report.get("transfer_start_us"), report.get("transfer_end_us")
-    return ts is not None and te is not None and abs(ts - xfer_start) <= tol_us and abs(te - xfer_start - xfer_us) <= tol_us

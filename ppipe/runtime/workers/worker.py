@@ -27,6 +27,8 @@ import numpy as np
 
 from ppipe.errors import UserError
 from ppipe.runtime.clock import sleep_until, wall_us
+from ppipe.runtime.wire.messages import EdgeRef, StageMsg, StageReport
+from ppipe.runtime.workers.stage_server import StageResult, StageServer
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,6 @@ class VgpuWorker:
         only for their own work, not for Ray's tracing wrappers and wake-ups (measured
         here: about half the worker's CPU per stage).
         """
-        from ppipe.runtime.wire.datapath import StageServer
-
         def open_() -> str:
             if self.data_path is None:
                 self.data_path = StageServer(self.spec.vgpu_id, self.run_stage)
@@ -251,131 +251,112 @@ class VgpuWorker:
         return abort() if self._data_loop is None else await self._on_data_loop(abort)
 
     @staticmethod
-    def _key(role: str, edge: dict[str, Any]) -> tuple[str, str, int]:
-        """The channel key of a stage's link (``{"peer": vgpu, "seq": n, "gen": g}``; no ``gen``: 0)."""
-        return role, edge["peer"], edge.get("gen", 0)
+    def _key(role: str, edge: EdgeRef) -> tuple[str, str, int]:
+        """The channel key of a stage's edge."""
+        return role, edge.peer, edge.gen
 
-    def _channel(self, role: str, edge: dict[str, Any]):
+    def _channel(self, role: str, edge: EdgeRef):
         ch = self.channels.get(self._key(role, edge))
         if ch is None:
             raise RuntimeError(f"{self.spec.vgpu_id} has no NCCL edge to {role} {'to' if role == 'send' else 'from'} "
-                               f"{edge['peer']} (generation {edge.get('gen', 0)})")
+                               f"{edge.peer} (generation {edge.gen})")
         return ch
 
     # ---- stages ----------------------------------------------------------------------------------------------
-    async def run_stage(
-        self,
-        batch_id: int,
-        index: int,
-        vgpu_id: str,
-        payload: dict[str, Any],
-        batch: int,
-        timing: list[tuple[float | None, float, float]] | None = None,
-        link: dict[str, dict[str, Any]] | None = None,
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Run stage ``index`` of a batch on ``payload`` (the data path calls it per stage message).
+    async def run_stage(self, msg: StageMsg, tensors: dict[str, Any] | None) -> StageResult:
+        """Run stage ``msg.stage`` of a batch (the data path calls it per stage message).
 
-        Args:
-            payload: ``{"tensors": {name: array}, "sent_wall_us": t}``: the batch's inputs
-                (first stage) or the previous stage's fp16 output, with the wall-clock time
-                it left the previous worker. With an NCCL ``recv`` link the tensors come
-                over NCCL instead and ``payload`` holds none.
-            timing: per stage, the reservation in wall-clock us: ``(transfer_start,
-                transfer_us, start, end)``. A stage does not start before its reserved start
-                (as in the simulator): running a batch early could push an earlier-reserved
-                batch, whose data is still on its way, past its slot. With
-                ``emulate_network`` (emulated backend), a feature map from another stage
-                also "arrives" no sooner than ``max(sent, transfer_start) + transfer_us``.
-            link: NCCL edges of this stage: ``{"recv": {"peer": vgpu, "seq": n, "gen": g}}``
-                (take the input from message n of the edge of generation g from ``peer``;
-                no ``gen``: 0) and/or ``{"send": {...}}`` (send the output as message n of
-                the edge to ``peer``, not on the data path).
+        ``tensors`` are the batch's inputs (first stage) or the previous stage's fp16
+        output; with an NCCL or ring ``recv`` edge they come over the edge instead and
+        ``tensors`` is None. A stage does not start before its reserved start (as in the
+        simulator): running a batch early could push an earlier-reserved batch, whose data
+        is still on its way, past its slot. With ``emulate_network`` (emulated backend), a
+        feature map from another stage also "arrives" no sooner than ``max(sent,
+        transfer_start) + transfer_us`` of its reservation.
 
-        Returns:
-            ``(report, output)``: ``report`` with wall-clock ``start_us``/``end_us``,
-            ``received_us`` (when the stage message arrived) and, after the first stage,
-            the transfer's ``transfer_start_us``/``transfer_end_us``, and for the last stage
-            of the path the model's ``outputs``; ``output``, the next stage's payload (fp16
-            feature maps; ``tensors`` is None when they went over NCCL; None after the last
-            stage).
+        Returns the stage's report (wall-clock ``start_us``/``end_us``, ``received_us``
+        when the message arrived and, after the first stage, the transfer's stamps) and
+        its output: to the next stage as fp16 feature maps, the model's outputs after the
+        last stage, None when they went over a ``send`` edge.
         """
         received = wall_us()
-        send = (link or {}).get("send")
-        recv = (link or {}).get("recv")
+        k = msg.stage
+        link = msg.links[k] if msg.links is not None else None
+        send, recv = (link.send, link.recv) if link is not None else (None, None)
         sent = recv_posted = False
         try:
-            if vgpu_id != self.spec.vgpu_id:
-                raise RuntimeError(f"batch {batch_id} stage {index} is for {vgpu_id}, not {self.spec.vgpu_id}")
-            if recv is not None:
-                recv_posted = True
-                tensors, head = await self._channel("recv", recv).recv(recv["seq"], batch_id)
-                t_xfer_start, t_xfer_end = head.sent_wall_us, wall_us()
-                if not getattr(self.backend, "accepts_device", False):
-                    tensors = {k: _to_host(v) for k, v in tensors.items()}
-                not_before = t_xfer_end
-            else:
-                tensors = payload["tensors"]
-                sent_us = payload["sent_wall_us"]
-                t_xfer_start, t_xfer_end = (sent_us, received) if index > 0 else (None, None)
-                not_before = received
-                if timing is not None:
-                    xfer_start, xfer_us = timing[index][:2]
-                    if index > 0 and self.emulate_network and xfer_us > 0:
-                        t_xfer_start = max(sent_us, xfer_start if xfer_start is not None else sent_us)
-                        t_xfer_end = t_xfer_start + xfer_us
-                        not_before = max(not_before, t_xfer_end)
-            if timing is not None:
-                not_before = max(not_before, timing[index][2])
-            await sleep_until(not_before)
-            if self._lock is None:
-                self._lock = asyncio.Lock()
-            async with self._lock:
-                start = wall_us()
-                if send is not None and getattr(self.backend, "device_outputs", False):
-                    outputs = await self.backend.run(tensors, batch, device_out=True)  # stays on the GPU for NCCL
-                else:
-                    outputs = await self.backend.run(tensors, batch)
-                end = wall_us()
+            if msg.route[k] != self.spec.vgpu_id:
+                raise RuntimeError(f"batch {msg.batch_id} stage {k} is for {msg.route[k]}, not {self.spec.vgpu_id}")
+            recv_posted = recv is not None
+            tensors, xfer, not_before = await self._stage_input(msg, tensors, recv, received)
+            await sleep_until(max(not_before, msg.timing[k].start_us))
+            outputs, start, end = await self._run_partition(tensors, msg.batch, device_out=send is not None)
             self.batches += 1
-            report = {
-                "batch_id": batch_id,
-                "partition": index,
-                "vgpu_id": self.spec.vgpu_id,
-                "start_us": start,
-                "end_us": end,
-                "transfer_start_us": t_xfer_start,
-                "transfer_end_us": t_xfer_end,
-                "received_us": received,  # when the stage message reached this worker
-                "node_id": self._node_id(),
-            }
+            report = StageReport(msg.batch_id, k, self.spec.vgpu_id, start, end, xfer[0], xfer[1], received, self._node_id())
             if send is not None:
                 # the report waits for the send too: the frontend hears of this stage once its
                 # output has left (the receiver's report has the transfer's stamps)
-                await self._channel("send", send).send(send["seq"], batch_id, outputs, end)
+                await self._channel("send", send).send(send.seq, msg.batch_id, outputs, end)
                 sent = True
-                return report, {"tensors": None, "sent_wall_us": end, "transport": "link"}  # the tensors went over the edge (NCCL or ring)
-            if timing is not None and index + 1 == len(timing):
-                # the last stage's outputs ride in its report: one message to the frontend
-                report["outputs"] = outputs
-                return report, None
-            return report, {"tensors": to_wire(outputs), "sent_wall_us": end}
+                return StageResult(report, None, end)
+            if k + 1 == len(msg.route):
+                return StageResult(report, outputs, end)  # the model's outputs ride in the report
+            return StageResult(report, to_wire(outputs), end)
         except BaseException as exc:
-            if recv is not None and not recv_posted and self._key("recv", recv) in self.channels:
-                # take the message off the edge anyway: the sender posts it whatever happens
-                # here, and the edge's later messages queue behind it
-                try:
-                    await self.channels[self._key("recv", recv)].recv(recv["seq"], batch_id)
-                except Exception:
-                    pass
-            if send is not None and not sent:
-                # keep the edge's numbering going and tell the receiver why nothing comes
-                try:
-                    await self._channel("send", send).send(
-                        send["seq"], batch_id, None, wall_us(), error=f"{type(exc).__name__}: {exc}"
-                    )
-                except Exception:
-                    pass  # the edge is aborted, or the message went out half-way: the peer fails either way
+            await self._keep_edges_numbered(msg.batch_id, recv if not recv_posted else None, send if not sent else None, exc)
             raise
+
+    async def _stage_input(self, msg: StageMsg, tensors: dict[str, Any] | None, recv: EdgeRef | None,
+                           received: float) -> tuple[dict[str, Any], tuple[float | None, float | None], float]:
+        """The stage's input tensors, its transfer's (start, end) in wall-clock us (None, None
+        on the first stage), and the earliest time the stage may start (its input is here)."""
+        k = msg.stage
+        if recv is not None:
+            tensors, head = await self._channel("recv", recv).recv(recv.seq, msg.batch_id)
+            xfer = (head.sent_wall_us, wall_us())
+            if not getattr(self.backend, "accepts_device", False):
+                tensors = {name: _to_host(v) for name, v in tensors.items()}
+            return tensors, xfer, xfer[1]
+        if tensors is None:
+            raise RuntimeError(f"batch {msg.batch_id} stage {k} came without tensors and without an edge to receive them from")
+        if k == 0:
+            return tensors, (None, None), received
+        xfer, not_before = (msg.sent_us, received), received
+        reserved = msg.timing[k]
+        if self.emulate_network and reserved.transfer_us > 0 and msg.sent_us is not None:
+            begin = max(msg.sent_us, reserved.transfer_start_us if reserved.transfer_start_us is not None else msg.sent_us)
+            xfer = (begin, begin + reserved.transfer_us)
+            not_before = max(not_before, xfer[1])
+        return tensors, xfer, not_before
+
+    async def _run_partition(self, tensors: dict[str, Any], batch: int, device_out: bool) -> tuple[dict[str, Any], float, float]:
+        """Run the partition on the vGPU, one batch at a time; ``(outputs, start, end)``.
+        ``device_out``: keep the outputs on the GPU (for an NCCL edge) where the backend can."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            start = wall_us()
+            if device_out and getattr(self.backend, "device_outputs", False):
+                outputs = await self.backend.run(tensors, batch, device_out=True)
+            else:
+                outputs = await self.backend.run(tensors, batch)
+            return outputs, start, wall_us()
+
+    async def _keep_edges_numbered(self, batch_id: int, recv: EdgeRef | None, send: EdgeRef | None, exc: BaseException) -> None:
+        """A stage failed: take its message off its ``recv`` edge anyway (the sender posts it
+        whatever happens here, and the edge's later messages queue behind it) and send an
+        error on its ``send`` edge (the receiver learns why nothing comes, and the edge's
+        numbering goes on). Either edge may be aborted already: the peer fails either way."""
+        if recv is not None and self._key("recv", recv) in self.channels:
+            try:
+                await self.channels[self._key("recv", recv)].recv(recv.seq, batch_id)
+            except Exception:
+                pass
+        if send is not None:
+            try:
+                await self._channel("send", send).send(send.seq, batch_id, None, wall_us(), error=f"{type(exc).__name__}: {exc}")
+            except Exception:
+                pass
 
     def _node_id(self) -> str | None:
         if self._node is None:

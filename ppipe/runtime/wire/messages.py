@@ -1,0 +1,125 @@
+"""The data path's message types: what the scheduler's host and the workers send each other.
+
+Every message is a :class:`msgspec.Struct` encoded as a MessagePack array (``array_like``:
+no field names on the wire) and decoded by :func:`ppipe.runtime.wire.frames.unpack` into
+the one type its receiver expects, so a message with a missing field, a field of the wrong
+type or an unknown kind is refused at decoding (:class:`~ppipe.runtime.wire.frames.WireError`),
+never half-read. Tensors are not fields: they follow the message as raw frames
+(:mod:`ppipe.runtime.wire.frames`).
+
+A batch's life on the data path:
+
+1. The host sends :class:`StageMsg` with ``stage=0`` and the batch's inputs to the first
+   worker of the route (and, for every stage that receives over an NCCL or ring edge, a
+   :class:`StageMsg` of that stage without tensors: both ends of an edge are posted at once).
+2. Worker k runs its partition and sends :class:`StageMsg` with ``stage=k+1`` and its fp16
+   output to worker k+1 (unless the edge carries them), and a :class:`StageReport` to the
+   host, or lets the report ride on in ``carried`` when the stage ran as reserved
+   (:func:`ran_as_reserved`).
+3. The last worker's :class:`StageReport` carries the model's outputs as its tensors.
+
+Times are wall-clock microseconds (the workers' and the host's clocks; the host converts
+them to the scheduler's timeline).
+
+Evolution rule: a new field gets a default and goes last, so a peer of the previous
+version still decodes what it knows (msgspec fills the default where the array is short).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+STRUCT = dict(array_like=True, frozen=True, gc=False, omit_defaults=True)
+
+
+class EdgeRef(msgspec.Struct, **STRUCT):
+    """One message on an NCCL or ring edge: number ``seq`` of the edge with ``peer`` opened by plan generation ``gen``."""
+
+    peer: str
+    seq: int
+    gen: int = 0
+
+
+class StageLinks(msgspec.Struct, **STRUCT):
+    """A stage's edges: it sends its output as a message on ``send`` / takes its input from ``recv``."""
+
+    send: EdgeRef | None = None
+    recv: EdgeRef | None = None
+
+
+class Reservation(msgspec.Struct, **STRUCT):
+    """A stage's reservation in wall-clock us: its NIC transfer (``transfer_start_us`` None where
+    it reserves none) and its run on the vGPU."""
+
+    transfer_start_us: float | None
+    transfer_us: float
+    start_us: float
+    end_us: float
+
+
+class StageReport(msgspec.Struct, **STRUCT):
+    """What really happened to one stage of a batch, in wall-clock us.
+
+    ``error`` set: the stage failed (its stamps are 0). ``carried``: the reports of earlier
+    stages that ran as reserved and rode on to this one, in stage order.
+    """
+
+    batch_id: int
+    stage: int
+    vgpu_id: str
+    start_us: float = 0.0
+    end_us: float = 0.0
+    transfer_start_us: float | None = None
+    transfer_end_us: float | None = None
+    received_us: float | None = None  # when the stage message reached the worker
+    node_id: str | None = None
+    error: str | None = None
+    carried: tuple["StageReport", ...] = ()
+
+
+class StageMsg(msgspec.Struct, **STRUCT):
+    """Stage ``stage`` of batch ``batch_id``, with the whole route so each worker can forward.
+
+    ``route``: the vGPU of every stage; ``addresses``: their data-path addresses;
+    ``batch``: the batch's size; ``timing``: every stage's :class:`Reservation`;
+    ``links``: every stage's :class:`StageLinks` (None: the route has no NCCL or ring edge);
+    ``tolerance_us``: a stage within this of its reservation lets its report ride on
+    (None: every stage reports at once); ``sent_us``: when the tensors left their sender
+    (None on a message without tensors); ``carried``: the reports riding on.
+    """
+
+    batch_id: int
+    stage: int
+    route: tuple[str, ...]
+    addresses: tuple[str, ...]
+    batch: int
+    timing: tuple[Reservation, ...]
+    links: tuple[StageLinks | None, ...] | None = None
+    tolerance_us: float | None = None
+    sent_us: float | None = None
+    carried: tuple[StageReport, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.route)
+        if not (0 <= self.stage < n and len(self.addresses) == n and len(self.timing) == n):
+            raise ValueError(f"stage {self.stage} of a route of {n} vGPUs, {len(self.addresses)} addresses and {len(self.timing)} reservations")
+        if self.links is not None and len(self.links) != n:
+            raise ValueError(f"{len(self.links)} links for a route of {n} vGPUs")
+        if self.batch < 1:
+            raise ValueError(f"batch of {self.batch}")
+
+
+def ran_as_reserved(report: StageReport, reserved: Reservation, tol_us: float) -> bool:
+    """Whether a stage's report lies within ``tol_us`` of its reservation.
+
+    Its start and end are compared with the reserved ones; where a NIC transfer is reserved,
+    the reported transfer's start and end with ``transfer_start_us`` and
+    ``transfer_start_us + transfer_us``.
+    """
+    if abs(report.start_us - reserved.start_us) > tol_us or abs(report.end_us - reserved.end_us) > tol_us:
+        return False
+    if reserved.transfer_start_us is None or not reserved.transfer_us:
+        return True
+    ts, te = report.transfer_start_us, report.transfer_end_us
+    return (ts is not None and te is not None and abs(ts - reserved.transfer_start_us) <= tol_us
+            and abs(te - reserved.transfer_start_us - reserved.transfer_us) <= tol_us)
