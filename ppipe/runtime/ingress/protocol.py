@@ -149,20 +149,33 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
     Raises:
         ProtocolError: 400 with a message naming the field at fault, for any malformed body.
     """
-    if header_length is not None:
-        try:
-            n = int(header_length) if len(header_length) <= 20 else None
-        except ValueError:
-            n = None
-        if n is None:
-            raise ProtocolError(400, f"Inference-Header-Content-Length {brief(header_length)} is not an integer of at most 20 digits")
-        if not 0 < n <= len(body):
-            raise ProtocolError(
-                400, f"Inference-Header-Content-Length {n} is outside the body's {len(body)} bytes"
-            )
-        head_bytes, tail = body[:n], memoryview(body)[n:]
-    else:
-        head_bytes, tail = body, memoryview(b"")
+    head_bytes, tail = _split_body(body, header_length)
+    head = _load_head(head_bytes, header_length)
+    inputs = _parse_inputs(head, len(body), tail)
+    binary, requested = _parse_outputs(head)
+    return InferRequest(id=_request_id(head), inputs=inputs, binary_output=binary, requested_outputs=requested)
+
+
+def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """(JSON header, binary tail) of a body: the first ``header_length`` bytes and the rest,
+    or the whole body and no tail when the request has no such header."""
+    if header_length is None:
+        return body, memoryview(b"")
+    try:
+        n = int(header_length) if len(header_length) <= 20 else None
+    except ValueError:
+        n = None
+    if n is None:
+        raise ProtocolError(400, f"Inference-Header-Content-Length {brief(header_length)} is not an integer of at most 20 digits")
+    if not 0 < n <= len(body):
+        raise ProtocolError(
+            400, f"Inference-Header-Content-Length {n} is outside the body's {len(body)} bytes"
+        )
+    return body[:n], memoryview(body)[n:]
+
+
+def _load_head(head_bytes: bytes, header_length: str | None) -> dict[str, Any]:
+    """The JSON header as an object, each way it can be malformed a 400 that says which."""
     try:
         head = orjson.loads(head_bytes)
     except orjson.JSONDecodeError as exc:  # not JSON, not UTF-8, a number beyond a double, nested too deeply
@@ -175,47 +188,62 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
         raise ProtocolError(400, f"request body is not valid JSON: {brief(str(exc))}{hint}") from None
     if not isinstance(head, dict):
         raise ProtocolError(400, "request body must be a JSON object with an 'inputs' list")
+    return head
+
+
+def _parse_inputs(head: dict[str, Any], body_bytes: int, tail: memoryview) -> list[InferInput]:
+    """The header's ``inputs``, their binary data taken from ``tail`` in order; every byte
+    of the tail must belong to an input. ``body_bytes`` bounds each input's shape."""
     raw_inputs = head.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise ProtocolError(400, "'inputs' must be a non-empty list of tensors")
     inputs: list[InferInput] = []
     offset = 0
     for i, t in enumerate(raw_inputs):
-        where = f"inputs[{i}]"
-        if not isinstance(t, dict):
-            raise ProtocolError(400, f"{where} must be an object with name, shape, datatype and data")
-        name, shape, datatype = t.get("name"), t.get("shape"), t.get("datatype")
-        if not isinstance(name, str):
-            raise ProtocolError(400, f"{where}.name must be a string")
-        count = shape_elements(shape, where, len(body))
-        if not isinstance(datatype, str) or datatype not in DATATYPES:
-            raise ProtocolError(400, f"{where}.datatype {brief(datatype)} is not supported; use one of {', '.join(DATATYPES)}")
-        dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
-        params = t.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise ProtocolError(400, f"{where}.parameters must be an object")
-        if "binary_data_size" in params:
-            size = params["binary_data_size"]
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ProtocolError(400, f"{where}.parameters.binary_data_size must be a non-negative integer")
-            if size != count * dtype.itemsize:
-                raise ProtocolError(
-                    400, f"{where}: binary_data_size {size} != {count} elements x {dtype.itemsize} bytes of {datatype}"
-                )
-            if offset + size > len(tail):
-                raise ProtocolError(400, f"{where}: binary data runs past the end of the body")
-            arr = np.frombuffer(tail[offset : offset + size], dtype=dtype).reshape(shape)
-            offset += size
-        else:
-            if "data" not in t:
-                raise ProtocolError(400, f"{where} has no 'data' (and no parameters.binary_data_size)")
-            arr = _json_data(t["data"], where, datatype, dtype)
-            if arr.size != count:
-                raise ProtocolError(400, f"{where}.data has {arr.size} elements, shape {brief(shape)} needs {count}")
-            arr = arr.reshape(shape)
-        inputs.append(InferInput(name=name, array=arr))
+        arr, offset = _parse_input(t, f"inputs[{i}]", body_bytes, tail, offset)
+        inputs.append(InferInput(name=t["name"], array=arr))
     if offset != len(tail):
         raise ProtocolError(400, f"{len(tail) - offset} bytes after the last binary tensor are not claimed by any input")
+    return inputs
+
+
+def _parse_input(t: Any, where: str, body_bytes: int, tail: memoryview, offset: int) -> tuple[np.ndarray, int]:
+    """One input tensor ``t`` (at ``where``) as an array, and the tail's offset after it:
+    its binary data at ``offset`` of the tail, or its JSON ``data``."""
+    if not isinstance(t, dict):
+        raise ProtocolError(400, f"{where} must be an object with name, shape, datatype and data")
+    name, shape, datatype = t.get("name"), t.get("shape"), t.get("datatype")
+    if not isinstance(name, str):
+        raise ProtocolError(400, f"{where}.name must be a string")
+    count = shape_elements(shape, where, body_bytes)
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
+        raise ProtocolError(400, f"{where}.datatype {brief(datatype)} is not supported; use one of {', '.join(DATATYPES)}")
+    dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
+    params = t.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ProtocolError(400, f"{where}.parameters must be an object")
+    if "binary_data_size" in params:
+        size = params["binary_data_size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ProtocolError(400, f"{where}.parameters.binary_data_size must be a non-negative integer")
+        if size != count * dtype.itemsize:
+            raise ProtocolError(
+                400, f"{where}: binary_data_size {size} != {count} elements x {dtype.itemsize} bytes of {datatype}"
+            )
+        if offset + size > len(tail):
+            raise ProtocolError(400, f"{where}: binary data runs past the end of the body")
+        return np.frombuffer(tail[offset : offset + size], dtype=dtype).reshape(shape), offset + size
+    if "data" not in t:
+        raise ProtocolError(400, f"{where} has no 'data' (and no parameters.binary_data_size)")
+    arr = _json_data(t["data"], where, datatype, dtype)
+    if arr.size != count:
+        raise ProtocolError(400, f"{where}.data has {arr.size} elements, shape {brief(shape)} needs {count}")
+    return arr.reshape(shape), offset
+
+
+def _parse_outputs(head: dict[str, Any]) -> tuple[bool, list[str]]:
+    """(whether the answer is binary, the outputs requested by name) from the header's
+    ``parameters.binary_data_output`` and ``outputs``."""
     params = head.get("parameters") or {}
     if not isinstance(params, dict):
         raise ProtocolError(400, "'parameters' must be an object")
@@ -233,10 +261,15 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
             raise ProtocolError(400, f"outputs[{j}].parameters must be an object, e.g. {{\"binary_data\": true}}")
         if oparams.get("binary_data"):
             binary = True
+    return binary, requested
+
+
+def _request_id(head: dict[str, Any]) -> str | None:
+    """The request's ``id`` as a string (a number is accepted and written as one), or None."""
     rid = head.get("id")
     if rid is not None and (not isinstance(rid, (str, int, float)) or isinstance(rid, bool)):
         raise ProtocolError(400, f"'id' must be a string, got {brief(rid)}")
-    return InferRequest(id=None if rid is None else str(rid), inputs=inputs, binary_output=binary, requested_outputs=requested)
+    return None if rid is None else str(rid)
 
 
 def decode_job(body: bytes, header_length: str | None) -> tuple["InferRequest | ProtocolError", float]:
