@@ -76,7 +76,8 @@ def main() -> None:
     from ppipe.runtime.launch.deploy import Deployment, start_workers
     from ppipe.runtime.scheduler.host import Runtime
     from ppipe.runtime.ingress.grpc_server import GrpcServer
-    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.ingress.http_server import create_app
+    from ppipe.runtime.ingress.http_transport import BackgroundServer
 
     print(host_line())
     os.environ.setdefault("RAY_worker_niceness", "0")  # as `ppipe serve` starts its Ray (ppipe.runtime.cli.init_ray)

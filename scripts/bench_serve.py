@@ -134,7 +134,8 @@ def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lea
     from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
     from ppipe.runtime.launch.deploy import Deployment, start_workers
     from ppipe.runtime.scheduler.host import Runtime
-    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.ingress.http_server import create_app
+    from ppipe.runtime.ingress.http_transport import BackgroundServer
 
     dep = Deployment(plan=plan, cluster=cluster, profiles=profiles)
     workers = start_workers(dep, backend="emulated", backend_options=backend_options)
@@ -372,7 +373,7 @@ def http_floor(duration_s: float, seed: int, rates: list[float]) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     code = ("import sys, uvicorn; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import bench_serve; "
-            "from ppipe.runtime.ingress.http_server import uvicorn_config; "
+            "from ppipe.runtime.ingress.http_transport import uvicorn_config; "
             "uvicorn.Server(uvicorn_config(bench_serve.null_app, '127.0.0.1', int(sys.argv[3]))).run()")
     proc = subprocess.Popen([sys.executable, "-c", code, str(REPO / "scripts"), str(REPO), str(port)])
     url = f"http://127.0.0.1:{port}"

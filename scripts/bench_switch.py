@@ -67,7 +67,8 @@ def serve(tmp: Path):
     from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_WAKE_LEAD_MS
     from ppipe.runtime.launch.deploy import load_deployment, start_workers
     from ppipe.runtime.scheduler.host import Runtime
-    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.ingress.http_server import create_app
+    from ppipe.runtime.ingress.http_transport import BackgroundServer
     from ppipe.runtime.control.switch import PlanSwitcher
 
     dep = load_deployment(tmp / "a.yaml", "HC1-S")

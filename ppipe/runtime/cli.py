@@ -21,8 +21,9 @@ DEFAULT_WAKE_LEAD_MS = 2.0
 DEFAULT_DISPATCH_LEAD_MS = DEFAULT_DISPATCH_LEAD_US / 1e3
 DEFAULT_ANSWER_BUDGET_MS = DEFAULT_ANSWER_BUDGET_US / 1e3
 DEFAULT_REPORT_TOLERANCE_MS = 1.0  # Runtime(report_tolerance_us=...)
-# Slow clients: the same values as ppipe.runtime.ingress.http_server's defaults (a test checks), written
-# out here so that the CLI does not import the server (and the driver) to show its help.
+# Slow clients: the same values as the defaults of ppipe.runtime.ingress.http_transport (header,
+# shutdown) and ppipe.runtime.ingress.http_server (body) (a test checks), written out here so that
+# the CLI does not import the server (and the scheduler's host) to show its help.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
@@ -168,7 +169,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     from ppipe.runtime.scheduler.budgets import ServiceBudgets
     from ppipe.runtime.launch.deploy import LinkOpener, load_deployment, setup_transport, start_workers
     from ppipe.runtime.scheduler.host import check_whole_paths, default_scheduler_factory
-    from ppipe.runtime.ingress.http_server import uvicorn_config
+    from ppipe.runtime.ingress.http_transport import uvicorn_config
     from ppipe.runtime.launch.shards import (
         PeerExchange, ServeSettings, assign_shards, build_shard, here_strategy, parse_shards, reuseport_socket, shard_actor_class,
     )

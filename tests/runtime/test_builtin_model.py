@@ -33,7 +33,8 @@ def test_resnet50_two_partitions_equal_the_whole_model(ray_cluster, resnet50, tm
     from ppipe.runtime.launch.deploy import load_deployment, start_workers
     from ppipe.runtime.scheduler.host import Runtime
     from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
-    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.ingress.http_server import create_app
+    from ppipe.runtime.ingress.http_transport import BackgroundServer
 
     half = resnet50.num_blocks // 2
     plan = make_plan(

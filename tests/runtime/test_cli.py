@@ -51,7 +51,8 @@ def test_bench_against_a_running_server(ray_cluster, tinynet, tmp_path):
 
     from ppipe.runtime.launch.deploy import load_deployment, start_workers
     from ppipe.runtime.scheduler.host import Runtime
-    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.ingress.http_server import create_app
+    from ppipe.runtime.ingress.http_transport import BackgroundServer
     from ppipe.spec.cluster import load_cluster
     from .conftest import make_plan
 

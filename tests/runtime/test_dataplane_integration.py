@@ -13,7 +13,8 @@ import pytest
 from ppipe.runtime.launch.deploy import load_deployment, start_workers
 from ppipe.runtime.scheduler.host import Runtime
 from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
-from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+from ppipe.runtime.ingress.http_server import create_app
+from ppipe.runtime.ingress.http_transport import BackgroundServer
 from ppipe.spec.cluster import load_cluster
 from .conftest import make_plan
 from .tinynet import reference, write_tinynet

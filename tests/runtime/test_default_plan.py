@@ -27,7 +27,8 @@ from ppipe.dataplane.margins import serving_options
 from ppipe.runtime.cli import DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
 from ppipe.runtime.launch.deploy import load_deployment, start_workers
 from ppipe.runtime.scheduler.host import Runtime
-from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+from ppipe.runtime.ingress.http_server import create_app
+from ppipe.runtime.ingress.http_transport import BackgroundServer
 from ppipe.sim.simulator import SimConfig
 from ppipe.sim.sweep import run_point
 

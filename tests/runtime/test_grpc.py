@@ -15,7 +15,8 @@ import pytest
 
 from ppipe.runtime.ingress import proto as pb
 from ppipe.runtime.ingress.grpc_server import GrpcServer
-from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+from ppipe.runtime.ingress.http_server import create_app
+from ppipe.runtime.ingress.http_transport import BackgroundServer
 
 from .fakes import close_workers
 from .test_units import _runtime

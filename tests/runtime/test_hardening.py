@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 from ppipe.runtime.clock import WallClock
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.ingress.protocol import decode_job, encode_infer_request
-from ppipe.runtime.ingress.http_server import BackgroundServer, BodyDecoder, create_app
+from ppipe.runtime.ingress.bodies import BodyDecoder
+from ppipe.runtime.ingress.http_server import create_app
+from ppipe.runtime.ingress.http_transport import BackgroundServer
 from ppipe.spec.cluster import load_cluster
 
 from .conftest import make_plan
@@ -516,9 +518,10 @@ def test_serve_help_says_what_the_token_guards_and_the_timeouts():
 
 def test_serve_defaults_are_the_servers():
     from ppipe.runtime import cli
-    from ppipe.runtime.ingress import http_server as server
+    from ppipe.runtime.ingress import http_server, http_transport
 
-    for name in ("DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_BODY_TIMEOUT_S", "DEFAULT_SHUTDOWN_TIMEOUT_S"):
+    for name, server in (("DEFAULT_HEADER_TIMEOUT_S", http_transport), ("DEFAULT_BODY_TIMEOUT_S", http_server),
+                         ("DEFAULT_SHUTDOWN_TIMEOUT_S", http_transport)):
         assert getattr(cli, name) == getattr(server, name), name
 
 
@@ -556,7 +559,7 @@ def test_decode_processes_leave_ctrl_c_to_the_server():
     import os
     import signal
 
-    from ppipe.runtime.ingress.http_server import _process_pool
+    from ppipe.runtime.ingress.bodies import _process_pool
 
     pool = _process_pool(1)
     try:

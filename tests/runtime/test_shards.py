@@ -108,7 +108,8 @@ def test_the_whole_plans_scheduler_decides_as_the_shards_schedulers_do(tmp_path)
 # ---- passing requests between shards (in-process: two routers, fake workers, real HTTP) -----------------
 def _shard_server(plan, tinynet_dir, models, index, owner, grpc=False):
     from ppipe.runtime.scheduler.host import Runtime
-    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.ingress.http_server import create_app
+    from ppipe.runtime.ingress.http_transport import BackgroundServer
     from ppipe.spec.profile import load_profile
     from .fakes import FakeWorker, FifoScheduler, close_workers
 

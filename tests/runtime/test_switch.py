@@ -144,7 +144,8 @@ def test_ppipe_apply_switches_a_serving_server_with_every_request_answered(ray_c
     from ppipe.cli import main
     from ppipe.runtime.client.bench import run_bench
     from ppipe.runtime.launch.deploy import load_deployment, start_workers
-    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.ingress.http_server import create_app
+    from ppipe.runtime.ingress.http_transport import BackgroundServer
     from ppipe.runtime.control.switch import PlanSwitcher
 
     cluster = load_cluster("local-cpu")
@@ -225,7 +226,8 @@ def test_admin_endpoint_refusals(tinynet, tmp_path):
     import httpx
 
     from ppipe.runtime.launch.deploy import Deployment
-    from ppipe.runtime.ingress.http_server import BackgroundServer, create_app
+    from ppipe.runtime.ingress.http_server import create_app
+    from ppipe.runtime.ingress.http_transport import BackgroundServer
     from ppipe.runtime.control.switch import PlanSwitcher
 
     cluster, old_plan, new_plan = _plans(tinynet)

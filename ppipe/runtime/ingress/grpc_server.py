@@ -46,7 +46,8 @@ import numpy as np
 from ppipe.runtime.ingress import proto as pb
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
 from ppipe.runtime.ingress.protocol import DATATYPES, MAX_DIMS, InferInput, ProtocolError, datatype_of
-from ppipe.runtime.ingress.http_server import DEFAULT_MAX_BODY_BYTES, DROP_STATUS, Frontend, check_infer_inputs
+from ppipe.runtime.ingress.http_server import DEFAULT_MAX_BODY_BYTES, DROP_STATUS, Frontend
+from ppipe.runtime.ingress.model_io import check_infer_inputs
 
 log = logging.getLogger(__name__)
 

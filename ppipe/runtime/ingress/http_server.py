@@ -46,30 +46,21 @@ A request may carry a batch of N samples (shape ``[N, ...]``); each sample is on
 to the scheduler and the answer holds all N, or the first error.
 
 **Arrival and decoding.** A request arrives when its headers have been read; its deadline
-and the latency metric count from then. Binary bodies and small JSON ones are decoded on
-the event loop; large JSON bodies (over :data:`INLINE_DECODE_BYTES`) in a bounded pool of
-worker processes (:class:`BodyDecoder`), because decoding a ResNet-50 input is
-~15 ms in C calls that hold the GIL (a thread would stall the loop all the same).
-A JSON body whose decode would end too late for its deadline, by the pool's queue and
-its measured speed, is dropped at once with a 503, so that JSON overload gives fast 503s
-instead of an endless queue.
-
-**Slow clients.** The request line and headers must arrive within a header timeout, the
-body within a body timeout (408), an idle keep-alive connection is closed after a few
-seconds, and a graceful shutdown waits for in-flight requests only so long
-(:func:`uvicorn_config`).
+and the latency metric count from then. Its body is read within a size limit (413) and a
+body timeout (408), and decoded on the event loop or, for a large JSON body, in a pool of
+processes (:mod:`ppipe.runtime.ingress.bodies`). A JSON body whose decode would end too
+late for its deadline, by the pool's queue and its measured speed, is dropped at once with
+a 503. The connection's own limits (header timeout, keep-alive, shutdown) are the HTTP
+server's: :mod:`ppipe.runtime.ingress.http_transport`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hmac
 import json
 import logging
-import multiprocessing
-import os
 from typing import Any
 
 import numpy as np
@@ -80,148 +71,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ppipe.errors import UserError
+from ppipe.runtime.ingress.bodies import BodyDecoder, default_decode_workers, read_body
+from ppipe.runtime.ingress.http_transport import BackgroundServer  # noqa: F401  (re-exported for ppipe.runtime.launch.shards)
+from ppipe.runtime.ingress.model_io import check_infer_inputs, model_metadata
+from ppipe.runtime.ingress.protocol import HEADER_LENGTH, InferRequest, ProtocolError, brief, encode_infer_response
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
-from ppipe.runtime.ingress.protocol import (
-    DATATYPES,
-    brief,
-    HEADER_LENGTH,
-    InferInput,
-    InferRequest,
-    ProtocolError,
-    brief,
-    decode_job,
-    encode_infer_response,
-    parse_infer_request,
-)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-MAX_SAMPLES_PER_REQUEST = 256
-
-# Slow clients (see uvicorn_config and Frontend): what a connection may take.
-DEFAULT_HEADER_TIMEOUT_S = 10.0  # connection made (or last response sent) -> request line and headers read
 DEFAULT_BODY_TIMEOUT_S = 30.0  # headers read -> whole body read (a 64 MB body at ~20 Mbit/s)
-DEFAULT_KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
-DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # graceful shutdown: in-flight requests get this long, then are cancelled
-MAX_HEADER_BYTES = 64 * 1024  # request line + headers; more is a 431
-
-INLINE_DECODE_BYTES = 64 * 1024
-"""JSON bodies (or binary requests' JSON headers) up to this size are decoded on the event
-loop (under a ms: orjson reads ~10 ns per byte here), where the pool's round trip would
-add about as much again; larger ones go to the decode pool."""
-MAX_QUEUED_DECODES = 256  # JSON bodies waiting for the pool; more are 503 queue-full
-DECODE_S_PER_BYTE_PRIOR = 15e-9  # orjson.loads + np.asarray of numbers, before the first measurement
 
 _UNAUTHORIZED = "missing or wrong bearer token (Authorization: Bearer <token>)"
-
-
-def default_decode_workers() -> int:
-    """Processes of the JSON decode pool: a quarter of the CPUs, 1 to 4 (the rest serve
-    the event loop, the workers and Ray)."""
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
-
-
-def _process_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
-    # spawn, never fork: the server process runs Ray's and uvicorn's threads. (So a script
-    # that serves must guard its main code with `if __name__ == "__main__"`.)
-    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                  initializer=_ignore_interrupts)
-
-
-def _ignore_interrupts() -> None:
-    """A decode process leaves Ctrl-C to the server, which shuts the pool down in order (a
-    terminal sends SIGINT to the whole process group)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-class BodyDecoder:
-    """Decodes infer request bodies: small and binary ones on the event loop, large JSON
-    ones in a bounded pool of worker processes, with admission control.
-
-    Admission: a decode in the pool is expected to end ``(queued bytes / workers + own
-    bytes) x seconds-per-byte`` from now (:meth:`expected_end_s`), where seconds-per-byte is
-    a moving average of the decodes' own times in the pool (not counting the time of moving
-    the body there and the request back). The frontend drops a request whose decode would
-    end after its deadline before queueing it.
-
-    Args:
-        workers: processes of the pool; 0 decodes everything on the event loop.
-        inline_bytes: JSON parts up to this size are decoded on the loop.
-        max_queued: bodies waiting in (or for) the pool; more raise ``DroppedError("queue-full")``.
-        executor: ``f(workers) -> Executor`` of the pool; default a process pool (tests
-            pass a thread pool and a ``job`` of known duration).
-        job: what the pool runs, ``job(body, header_length) -> (request or ProtocolError, seconds)``.
-    """
-
-    def __init__(self, workers: int, inline_bytes: int = INLINE_DECODE_BYTES, max_queued: int = MAX_QUEUED_DECODES,
-                 executor=None, job=decode_job):
-        if workers < 0:
-            raise ValueError(f"decode workers must be >= 0, got {workers}")
-        self.workers, self.inline_bytes, self.max_queued = workers, inline_bytes, max_queued
-        self.s_per_byte = DECODE_S_PER_BYTE_PRIOR
-        self.queued, self.queued_bytes = 0, 0
-        self._make_executor = executor or _process_pool
-        self._job = job
-        self._pool: concurrent.futures.Executor | None = None
-
-    def in_pool(self, body: bytes, header_length: str | None) -> bool:
-        """Whether this body is decoded in the pool (its JSON part is large)."""
-        if self.workers == 0:
-            return False
-        json_bytes = len(body)
-        if header_length is not None and header_length.isdigit() and len(header_length) <= 20:
-            json_bytes = min(json_bytes, int(header_length))
-        return json_bytes > self.inline_bytes
-
-    def expected_end_s(self, nbytes: int) -> float:
-        """Seconds from now until a pool decode of ``nbytes`` submitted now would end."""
-        return (self.queued_bytes / max(1, self.workers) + nbytes) * self.s_per_byte
-
-    async def start(self) -> None:
-        """Start the pool's processes now (each imports numpy: ~1 s), not on the first request."""
-        if self.workers:
-            loop = asyncio.get_running_loop()
-            await asyncio.gather(*(loop.run_in_executor(self._executor(), self._job, b"{}", None) for _ in range(self.workers)))
-
-    def stop(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-
-    def _executor(self) -> concurrent.futures.Executor:
-        if self._pool is None:
-            self._pool = self._make_executor(self.workers)
-        return self._pool
-
-    async def decode(self, body: bytes, header_length: str | None) -> InferRequest:
-        """Decode a body (on the loop or in the pool, see :meth:`in_pool`).
-
-        Raises:
-            ProtocolError: the body is malformed.
-            DroppedError: queue-full (too many bodies waiting), worker-failed (a decode process died).
-        """
-        if not self.in_pool(body, header_length):
-            return parse_infer_request(body, header_length)
-        if self.queued >= self.max_queued:
-            raise DroppedError("queue-full", f"{self.queued} JSON bodies are waiting to be decoded; send the binary tensor extension, or fewer requests")
-        self.queued += 1
-        self.queued_bytes += len(body)
-        try:
-            out, took_s = await asyncio.get_running_loop().run_in_executor(self._executor(), self._job, body, header_length)
-        except concurrent.futures.process.BrokenProcessPool:
-            self.stop()  # the next decode starts a new pool
-            raise DroppedError("worker-failed", "a JSON decoding process died; retry the request") from None
-        finally:
-            self.queued -= 1
-            self.queued_bytes -= len(body)
-        self.s_per_byte = 0.8 * self.s_per_byte + 0.2 * took_s / max(1, len(body))
-        if isinstance(out, ProtocolError):
-            raise out
-        return out
-
 
 DECODE_SHARE_OF_SLACK = 0.5
 """A pool decode must be expected to end within this share of the model's slack (SLO less its
@@ -289,50 +150,12 @@ class Frontend:
         return hmac.compare_digest((authorization or "").encode(), f"Bearer {self.token}".encode())
 
     async def _body(self, length: str | None, stream) -> bytes:
-        """The whole body, within the size limit (413) and the body timeout (408)."""
-        declared = int(length) if length is not None and length.isascii() and length.isdigit() and len(length) <= 20 else None
-        chunks, size = [], 0
-        too_big = declared is not None and declared > self.max_body_bytes
-        try:
-            async with _timeout(self.body_timeout_s):
-                async for chunk in stream:
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        too_big = True
-                    if too_big:
-                        # read the rest and drop it (up to 8x the limit) so that the client, still
-                        # sending, reads our 413 instead of a reset connection
-                        if size > 8 * self.max_body_bytes:
-                            break
-                        continue
-                    chunks.append(chunk)
-        except TimeoutError:
-            of = f" of the {declared} announced" if declared is not None else ""
-            raise ProtocolError(
-                408, f"the request body did not arrive within {self.body_timeout_s:g} s ({size} bytes{of} came); send the whole body at once"
-            ) from None
-        if too_big:
-            raise ProtocolError(413, f"body of {declared or size} bytes exceeds the limit of {self.max_body_bytes} bytes")
-        return b"".join(chunks)
+        """The whole body, within the size limit (413) and the body timeout (408): :func:`read_body`."""
+        return await read_body(length, stream, self.max_body_bytes, self.body_timeout_s)
 
     def _metadata(self, name: str) -> dict[str, Any]:
-        mp = self.models[name]
-        man = self.runtime.profiles[name].manifest
-        dt = {v: k for k, v in DATATYPES.items()}
-        inputs = (
-            [{"name": man.input.name, "datatype": dt.get(man.input.dtype, man.input.dtype.upper()), "shape": [-1, *man.input.shape]}]
-            if man.input
-            else [{"name": "input", "datatype": "FP32", "shape": [-1], "note": "any name and shape: the profile has no input spec"}]
-        )
-        outputs = [{"name": o.name, "datatype": dt.get(o.dtype, o.dtype.upper()), "shape": [-1, *o.shape]} for o in man.outputs]
-        return {
-            "name": name,
-            "versions": ["1"],
-            "platform": "ppipe",
-            "inputs": inputs,
-            "outputs": outputs,
-            "parameters": {"slo_ms": mp.slo_ms, "pipelines": len(mp.pipelines), "planned_throughput_rps": mp.throughput_rps},
-        }
+        """Model ``name``'s v2 metadata (the gRPC frontend answers with it too)."""
+        return model_metadata(name, self.models[name], self.runtime.profiles[name].manifest)
 
     async def _samples(self, name: str, body: bytes, header_length: str | None, arrival_us: float) -> tuple[InferRequest, str, np.ndarray]:
         """Decode a body and check it against the model: (request, input name, samples).
@@ -531,24 +354,6 @@ def _error_body(status: int, message: str, **headers: str) -> tuple[int, bytes, 
     return status, json.dumps({"error": message}).encode(), {"content-type": "application/json", **headers}
 
 
-@contextlib.asynccontextmanager
-async def _timeout_compat(seconds: float):
-    """``asyncio.timeout`` for Python 3.10: cancel the current task after ``seconds``, as TimeoutError."""
-    task, fired = asyncio.current_task(), []
-    handle = asyncio.get_running_loop().call_later(seconds, lambda: (fired.append(1), task.cancel()))
-    try:
-        yield
-    except asyncio.CancelledError:
-        if fired:
-            raise TimeoutError from None
-        raise
-    finally:
-        handle.cancel()
-
-
-_timeout = getattr(asyncio, "timeout", _timeout_compat)
-
-
 class _ClientGone(Exception):
     """The client disconnected before its request body was read."""
 
@@ -612,49 +417,6 @@ class _InferFastPath:
         raw.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send({"type": "http.response.body", "body": body})
-
-
-def check_infer_inputs(name: str, man, inputs: list[InferInput], requested_outputs: list[str]) -> tuple[str, np.ndarray]:
-    """Check a decoded infer request against model ``name``'s manifest ``man``: one input
-    of the manifest's name, datatype and shape [N, ...], 1..MAX_SAMPLES_PER_REQUEST samples,
-    only known outputs requested. The REST and the gRPC frontends both call it.
-
-    Returns:
-        (input name, its array of N samples).
-
-    Raises:
-        ProtocolError: 400, naming the field at fault and what it must be.
-    """
-    if len(inputs) != 1:
-        raise ProtocolError(400, f"model '{name}' takes 1 input tensor, got {len(inputs)}")
-    t = inputs[0]
-    arr = t.array
-    if man.input is not None:
-        spec = man.input
-        if t.name != spec.name:
-            raise ProtocolError(400, f"model '{name}' has input '{spec.name}', not {brief(t.name)}")
-        if np.dtype(spec.dtype) != arr.dtype:
-            want = {v: k for k, v in DATATYPES.items()}.get(np.dtype(spec.dtype).name, spec.dtype)
-            raise ProtocolError(400, f"input '{t.name}' must have datatype {want}, got {_dt(arr.dtype)}")
-        if list(arr.shape[1:]) != list(spec.shape) or arr.ndim != len(spec.shape) + 1:
-            raise ProtocolError(
-                400, f"input '{t.name}' must have shape [N, {', '.join(map(str, spec.shape))}], got {list(arr.shape)}"
-            )
-    elif arr.ndim < 1:
-        raise ProtocolError(400, f"input {brief(t.name)} needs a leading batch axis")
-    n = arr.shape[0]
-    if not 1 <= n <= MAX_SAMPLES_PER_REQUEST:
-        raise ProtocolError(400, f"input {brief(t.name)} holds {n} samples; send 1..{MAX_SAMPLES_PER_REQUEST} per request")
-    known = [o.name for o in man.outputs]
-    for o in requested_outputs:
-        if known and o not in known:
-            raise ProtocolError(400, f"model '{name}' has no output {brief(o)} (outputs: {', '.join(known)})")
-    return t.name, arr
-
-
-def _dt(dtype: np.dtype) -> str:
-    return {v: k for k, v in DATATYPES.items()}.get(np.dtype(dtype).name, str(dtype))
-
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (no such path: 404, wrong method: 405) as ``{"error": ...}``;
@@ -721,178 +483,3 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.frontend = fe
     return _InferFastPath(app, fe)
-
-
-def uvicorn_config(
-    app,
-    host: str,
-    port: int,
-    *,
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-    log_level: str = "warning",
-):
-    """uvicorn's settings for ``ppipe serve`` (and :class:`BackgroundServer`): no slow client
-    holds a connection or the shutdown for long.
-
-    Args:
-        header_timeout_s: from the connection (or its last response) to the end of the next
-            request's headers; an idle or slowloris connection is closed with a 408.
-        keep_alive_s: an idle keep-alive connection is closed after this (uvicorn's ``timeout_keep_alive``).
-        shutdown_timeout_s: on SIGTERM, requests in flight get this long to finish; then
-            they are cancelled and the server stops (uvicorn's ``timeout_graceful_shutdown``).
-    """
-    import uvicorn
-
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        lifespan="on",
-        access_log=False,
-        http=timed_http_protocol(header_timeout_s),
-        timeout_keep_alive=keep_alive_s,
-        timeout_graceful_shutdown=shutdown_timeout_s,
-        proxy_headers=False,  # nothing here reads the client's address: no X-Forwarded-* rewriting per request
-    )
-
-
-def timed_http_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES):
-    """uvicorn's httptools protocol with what it lacks against slow clients: a deadline for
-    the request line and headers (from the connection, or from the previous response), and
-    a bound on their size. uvicorn arms its keep-alive timer only after a response, so a
-    connection that never completes its headers would otherwise stay open for good.
-
-    At the deadline, a connection that has sent part of a request gets a 408 and is closed;
-    one that has sent nothing is closed silently (a client's pooled connection must not
-    read a 408 as the answer to the request it sends next)."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    class TimedHttpToolsProtocol(HttpToolsProtocol):
-        _header_timer: asyncio.TimerHandle | None = None
-        _header_bytes = 0
-        _too_large = False
-        _begun = False  # a byte of the next request has come
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm_header_timer()
-
-        def _arm_header_timer(self) -> None:
-            self._cancel_header_timer()
-            self._header_bytes, self._begun = 0, False
-            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
-
-        def _cancel_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_timeout(self) -> None:
-            self._header_timer = None
-            if self.transport.is_closing():
-                return
-            if self._begun:  # a slow (slowloris) request: say why
-                self._reject(408, f"no complete request line and headers within {header_timeout_s:g} s; the connection is closed")
-            else:  # an idle connection: closed silently, as uvicorn closes an idle keep-alive one
-                self.transport.close()
-
-        def on_message_begin(self) -> None:
-            self._begun = True
-            super().on_message_begin()
-
-        def _reject(self, status: int, message: str) -> None:
-            body = json.dumps({"error": message}).encode()
-            phrase = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}[status]
-            self.transport.write(
-                f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-                f"connection: close\r\n\r\n".encode() + body
-            )
-            self.transport.close()
-
-        def _count(self, n: int) -> None:
-            self._header_bytes += n
-            if self._header_bytes > max_header_bytes:
-                self._too_large = True
-                raise ValueError("headers too large")  # httptools stops parsing; uvicorn calls send_400_response
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._cancel_header_timer()
-            super().on_headers_complete()
-
-        def send_400_response(self, msg: str) -> None:
-            if self._too_large:
-                self._reject(431, f"the request line and headers exceed {max_header_bytes} bytes")
-            else:
-                self._reject(400, f"{msg.rstrip('.')}: not an HTTP/1.1 request")
-
-        def on_response_complete(self) -> None:
-            pipelined = bool(self.pipeline)
-            super().on_response_complete()
-            if not pipelined and not self.transport.is_closing():
-                self._arm_header_timer()  # the next request's headers (uvicorn's keep-alive timer closes an idle one sooner)
-
-        def connection_lost(self, exc) -> None:
-            self._cancel_header_timer()
-            super().connection_lost(exc)
-
-    return TimedHttpToolsProtocol
-
-
-class BackgroundServer:
-    """Run an ASGI app with uvicorn in a thread (tests, ``scripts/bench_serve.py``).
-
-    Args:
-        app: the app (its lifespan runs on the thread's loop).
-        host, port: where to bind; port 0 picks a free port (see :attr:`url`).
-        timeouts: ``header_timeout_s``, ``keep_alive_s``, ``shutdown_timeout_s`` of :func:`uvicorn_config`.
-    """
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", sockets=None, **timeouts: float):
-        import uvicorn
-
-        self.config = uvicorn_config(app, host, port, log_level=log_level, **timeouts)
-        self.server = uvicorn.Server(self.config)
-        self.sockets = sockets  # already bound and listening (e.g. a shard's SO_REUSEPORT socket)
-        self.thread = None
-        self.loop = None
-        self.url = ""
-
-    def __enter__(self) -> "BackgroundServer":
-        import threading
-        import time
-
-        def run() -> None:
-            factory = self.config.get_loop_factory()  # uvloop's where installed, as uvicorn.run would
-            self.loop = factory() if factory else asyncio.new_event_loop()
-            try:
-                self.loop.run_until_complete(self.server.serve(sockets=self.sockets))
-            finally:
-                self.loop.close()
-
-        self.thread = threading.Thread(target=run, name="ppipe-frontend", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the frontend did not start (see the log above)")
-            time.sleep(0.02)
-        sock = self.server.servers[0].sockets[0]
-        host, port = sock.getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        if self.thread is not None:
-            self.thread.join(timeout=30)

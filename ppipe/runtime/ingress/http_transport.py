@@ -1,0 +1,207 @@
+"""The HTTP server under the frontend's ASGI app: uvicorn, held against slow clients.
+
+**Slow clients.** The request line and headers must arrive within a header timeout
+(:func:`timed_http_protocol`; the body's own timeout is the frontend's, see
+:class:`ppipe.runtime.ingress.http_server.Frontend`), an idle keep-alive connection is
+closed after a few seconds, and a graceful shutdown waits for in-flight requests only so
+long (:func:`uvicorn_config`). :class:`BackgroundServer` runs an app so in a thread.
+
+uvicorn is imported when a server is configured, not with this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+# Slow clients: what a connection may take (the body timeout is the frontend's: http_server).
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # connection made (or last response sent) -> request line and headers read
+DEFAULT_KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # graceful shutdown: in-flight requests get this long, then are cancelled
+MAX_HEADER_BYTES = 64 * 1024  # request line + headers; more is a 431
+
+_REASON_PHRASES = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
+
+
+def uvicorn_config(
+    app,
+    host: str,
+    port: int,
+    *,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    log_level: str = "warning",
+):
+    """uvicorn's settings for ``ppipe serve`` (and :class:`BackgroundServer`): no slow client
+    holds a connection or the shutdown for long.
+
+    Args:
+        header_timeout_s: from the connection (or its last response) to the end of the next
+            request's headers; an idle or slowloris connection is closed with a 408.
+        keep_alive_s: an idle keep-alive connection is closed after this (uvicorn's ``timeout_keep_alive``).
+        shutdown_timeout_s: on SIGTERM, requests in flight get this long to finish; then
+            they are cancelled and the server stops (uvicorn's ``timeout_graceful_shutdown``).
+    """
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        access_log=False,
+        http=timed_http_protocol(header_timeout_s),
+        timeout_keep_alive=keep_alive_s,
+        timeout_graceful_shutdown=shutdown_timeout_s,
+        proxy_headers=False,  # nothing here reads the client's address: no X-Forwarded-* rewriting per request
+    )
+
+
+def timed_http_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES):
+    """uvicorn's httptools protocol with what it lacks against slow clients: a deadline for
+    the request line and headers (from the connection, or from the previous response), and
+    a bound on their size. uvicorn arms its keep-alive timer only after a response, so a
+    connection that never completes its headers would otherwise stay open for good.
+
+    At the deadline, a connection that has sent part of a request gets a 408 and is closed;
+    one that has sent nothing is closed silently (a client's pooled connection must not
+    read a 408 as the answer to the request it sends next). See :class:`_HeaderDeadline`."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    return type("TimedHttpToolsProtocol", (_HeaderDeadline, HttpToolsProtocol),
+                {"_header_timeout_s": header_timeout_s, "_max_header_bytes": max_header_bytes})
+
+
+class _HeaderDeadline:
+    """What :func:`timed_http_protocol` adds to uvicorn's ``HttpToolsProtocol`` (this class
+    comes first in the subclass's bases, so its methods run and then call uvicorn's): a
+    timer from the connection, or from each response, to the end of the next request's
+    headers, and a count of the headers' bytes."""
+
+    _header_timeout_s: float
+    _max_header_bytes: int
+    _header_timer: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+    _too_large = False
+    _begun = False  # a byte of the next request has come
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_bytes, self._begun = 0, False
+        self._header_timer = self.loop.call_later(self._header_timeout_s, self._header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self._begun:  # a slow (slowloris) request: say why
+            self._reject(408, f"no complete request line and headers within {self._header_timeout_s:g} s; the connection is closed")
+        else:  # an idle connection: closed silently, as uvicorn closes an idle keep-alive one
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self._begun = True
+        super().on_message_begin()
+
+    def _reject(self, status: int, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        self.transport.write(
+            f"HTTP/1.1 {status} {_REASON_PHRASES[status]}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n\r\n".encode() + body
+        )
+        self.transport.close()
+
+    def _count(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > self._max_header_bytes:
+            self._too_large = True
+            raise ValueError("headers too large")  # httptools stops parsing; uvicorn calls send_400_response
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._too_large:
+            self._reject(431, f"the request line and headers exceed {self._max_header_bytes} bytes")
+        else:
+            self._reject(400, f"{msg.rstrip('.')}: not an HTTP/1.1 request")
+
+    def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)
+        super().on_response_complete()
+        if not pipelined and not self.transport.is_closing():
+            self._arm_header_timer()  # the next request's headers (uvicorn's keep-alive timer closes an idle one sooner)
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+
+class BackgroundServer:
+    """Run an ASGI app with uvicorn in a thread (tests, ``scripts/bench_serve.py``, frontend shards).
+
+    Args:
+        app: the app (its lifespan runs on the thread's loop).
+        host, port: where to bind; port 0 picks a free port (see :attr:`url`).
+        sockets: already bound and listening (e.g. a shard's SO_REUSEPORT socket), instead of host and port.
+        timeouts: ``header_timeout_s``, ``keep_alive_s``, ``shutdown_timeout_s`` of :func:`uvicorn_config`.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", sockets=None, **timeouts: float):
+        import uvicorn
+
+        self.config = uvicorn_config(app, host, port, log_level=log_level, **timeouts)
+        self.server = uvicorn.Server(self.config)
+        self.sockets = sockets
+        self.thread = None
+        self.loop = None
+        self.url = ""
+
+    def __enter__(self) -> "BackgroundServer":
+        import threading
+        import time
+
+        def run() -> None:
+            factory = self.config.get_loop_factory()  # uvloop's where installed, as uvicorn.run would
+            self.loop = factory() if factory else asyncio.new_event_loop()
+            try:
+                self.loop.run_until_complete(self.server.serve(sockets=self.sockets))
+            finally:
+                self.loop.close()
+
+        self.thread = threading.Thread(target=run, name="ppipe-frontend", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the frontend did not start (see the log above)")
+            time.sleep(0.02)
+        sock = self.server.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=30)
