@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import json
 import os
@@ -166,14 +167,47 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     """
     import uvicorn
 
-    from ppipe.runtime.scheduler.budgets import ServiceBudgets
-    from ppipe.runtime.launch.deploy import LinkOpener, load_deployment, setup_transport, start_workers
-    from ppipe.runtime.scheduler.host import check_whole_paths, default_scheduler_factory
     from ppipe.runtime.ingress.http_transport import uvicorn_config
-    from ppipe.runtime.launch.shards import (
-        PeerExchange, ServeSettings, assign_shards, build_shard, here_strategy, parse_shards, reuseport_socket, shard_actor_class,
-    )
+    from ppipe.runtime.launch.deploy import load_deployment
+    from ppipe.runtime.launch.shards import assign_shards, build_shard, parse_shards, reuseport_socket
 
+    _check_serve_flags(transport, backend, dispatch_lead_ms, answer_budget_ms,
+                       {"--header-timeout-s": header_timeout_s, "--body-timeout-s": body_timeout_s, "--shutdown-timeout-s": shutdown_timeout_s})
+    dep = load_deployment(plan_file, cluster)
+    options = _scheduler_options(max_queue, wake_lead_ms)
+    _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
+    n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
+    replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s,
+                                   replan_curvature_window_s) if replan == "auto" else None
+    if grpc_port is not None:
+        _check_grpc_port(host, port, grpc_port)
+    if not _is_loopback(host) and not token:
+        click.echo(f"warning: serving on {host} without --token: anyone who reaches this port can use it", err=True)
+    init_ray(ray_address, num_cpus, loopback_only=_is_loopback(host))
+    if emulated_max_bytes is not None and backend != "emulated":
+        raise UserError("--emulated-max-bytes applies to --backend emulated only")
+    opts = {} if emulated_max_bytes is None else {"max_bytes_per_sample": emulated_max_bytes}
+    workers, edges = _start_workers_and_links(dep, backend, opts, transport)
+    settings = _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
+                               body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, opts, host, grpc_port)
+    parts = assign_shards(dep.plan, n_shards)
+    owner = {m: i for i, ms in enumerate(parts) for m in ms}
+    sock = reuseport_socket(host, port)
+    actors = _start_shard_actors(dep, parts, workers, edges, settings, owner, host, port)
+    switchers: list = []  # the server's plan switcher (the workers it starts are stopped at shutdown too)
+    shutdown = functools.partial(_kill_all, actors, workers, switchers)
+    addresses = _shard_addresses(actors, shutdown)
+    companions = functools.partial(_companions, dep=dep, parts=parts, owner=owner, actors=actors, addresses=addresses,
+                                   switchers=switchers, worker_options={"backend": backend, "backend_options": opts},
+                                   plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s)
+    app, _, router = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
+    (app if router is None else router.app).fe.switcher = switchers[0]
+    click.echo(_serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts))
+    uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
+
+
+def _check_serve_flags(transport: str, backend: str, dispatch_lead_ms: float, answer_budget_ms: float, timeouts: dict[str, float]) -> None:
+    """Refuse flags that cannot serve, before anything is loaded; ``timeouts``: {flag: seconds}."""
     if transport == "nccl" and backend == "emulated":
         raise UserError("--transport nccl needs GPU workers; emulated workers have no GPU tensors",
                         fix="use --backend tensorrt (or ort with the CUDA execution provider), or --transport auto")
@@ -181,45 +215,67 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         raise UserError(f"--dispatch-lead-ms must be >= 0, got {dispatch_lead_ms}", fix="use 0 (no lead) or a few ms")
     if answer_budget_ms < 0:
         raise UserError(f"--answer-budget-ms must be >= 0, got {answer_budget_ms}", fix="use 0 (none) or a few ms")
-    for flag, value in (("--header-timeout-s", header_timeout_s), ("--body-timeout-s", body_timeout_s), ("--shutdown-timeout-s", shutdown_timeout_s)):
+    for flag, value in timeouts.items():
         if not value > 0:
             raise UserError(f"{flag} must be > 0, got {value}", fix="use a few seconds; a slow client is cut after it")
-    dep = load_deployment(plan_file, cluster)
+
+
+def _scheduler_options(max_queue: int | None, wake_lead_ms: float) -> dict:
+    """The data-plane options that ``--max-queue`` and ``--wake-lead-ms`` set."""
     options: dict = {} if max_queue is None else {"max_queue": max_queue}
     if wake_lead_ms:
         options["wake_lead_us"] = wake_lead_ms * 1000.0
-    # build the scheduler once before starting anything: a bad policy, option or a plan
-    # that does not fit its profiles is a UserError now, not after the workers are up
-    check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
-    # a plan whose slack cannot hold the runtime's margins would drop every request: refuse it now
-    ServiceBudgets(dispatch_lead_ms * 1e3, answer_budget_ms * 1e3).for_plan(dep.plan, dep.profiles, dep.cluster)
-    n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
-    replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s,
-                                   replan_curvature_window_s) if replan == "auto" else None
-    if grpc_port is not None:
-        from ppipe.runtime.ingress.grpc_server import check_port_free
+    return options
 
-        if grpc_port == port or not 0 < grpc_port < 65536:
-            raise UserError(f"--grpc-port {grpc_port} must be a free port other than --port {port}", fix="e.g. --grpc-port 8001")
-        why = check_port_free(host, grpc_port)
-        if why:
-            raise UserError(f"cannot bind the gRPC frontend to {host}:{grpc_port}: {why}", fix="choose another --grpc-port")
-    if not _is_loopback(host) and not token:
-        click.echo(f"warning: serving on {host} without --token: anyone who reaches this port can use it", err=True)
+
+def _check_plan_serves(dep, policy: str, options: dict, dispatch_lead_ms: float, answer_budget_ms: float) -> None:
+    """Build the scheduler once and the runtime's budgets before starting anything: a bad
+    policy, option or a plan that does not fit its profiles is a UserError now, not after
+    the workers are up, and so is a plan whose slack cannot hold the runtime's margins
+    (it would drop every request)."""
+    from ppipe.runtime.scheduler.budgets import ServiceBudgets
+    from ppipe.runtime.scheduler.host import check_whole_paths, default_scheduler_factory
+
+    check_whole_paths(default_scheduler_factory(dep.plan, dep.profiles, dep.cluster, _NullClock(), policy=policy, **options), policy)
+    ServiceBudgets(dispatch_lead_ms * 1e3, answer_budget_ms * 1e3).for_plan(dep.plan, dep.profiles, dep.cluster)
+
+
+def _check_grpc_port(host: str, port: int, grpc_port: int) -> None:
+    """Refuse a ``--grpc-port`` that is --port, out of range, or taken on ``host``."""
+    from ppipe.runtime.ingress.grpc_server import check_port_free
+
+    if grpc_port == port or not 0 < grpc_port < 65536:
+        raise UserError(f"--grpc-port {grpc_port} must be a free port other than --port {port}", fix="e.g. --grpc-port 8001")
+    why = check_port_free(host, grpc_port)
+    if why:
+        raise UserError(f"cannot bind the gRPC frontend to {host}:{grpc_port}: {why}", fix="choose another --grpc-port")
+
+
+def _start_workers_and_links(dep, backend: str, backend_options: dict, transport: str) -> tuple[dict, dict]:
+    """Start the plan's vGPU workers and connect them (``--transport``): (workers, edges).
+    Workers whose links cannot be set up are killed before the error goes on."""
     import ray
 
-    init_ray(ray_address, num_cpus, loopback_only=_is_loopback(host))
-    if emulated_max_bytes is not None and backend != "emulated":
-        raise UserError("--emulated-max-bytes applies to --backend emulated only")
-    opts = {} if emulated_max_bytes is None else {"max_bytes_per_sample": emulated_max_bytes}
-    workers = start_workers(dep, backend=backend, backend_options=opts)
+    from ppipe.runtime.launch.deploy import setup_transport, start_workers
+
+    workers = start_workers(dep, backend=backend, backend_options=backend_options)
     try:
         edges = setup_transport(dep, workers, transport)
     except BaseException:
         for h in workers.values():
             ray.kill(h)
         raise
-    settings = ServeSettings(
+    return workers, edges
+
+
+def _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
+                    body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, backend_options, host, grpc_port):
+    """What every frontend shard is built with: the runtime's, app's, HTTP server's,
+    workers' and gRPC frontend's settings, from ``ppipe serve``'s flags."""
+    from ppipe.runtime.launch.deploy import LinkOpener
+    from ppipe.runtime.launch.shards import ServeSettings
+
+    return ServeSettings(
         runtime={"policy": policy, "scheduler_options": options, "dispatch_lead_us": dispatch_lead_ms * 1000.0,
                  "links": None if transport == "tcp" else LinkOpener(transport),
                  "answer_budget_us": answer_budget_ms * 1000.0,
@@ -227,50 +283,68 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         app={"token": token, "max_body_bytes": int(max_body_mb * 1024 * 1024), "body_timeout_s": body_timeout_s,
              "decode_workers": decode_workers},
         server={"header_timeout_s": header_timeout_s, "shutdown_timeout_s": shutdown_timeout_s},
-        workers={"backend": backend, "backend_options": opts},
+        workers={"backend": backend, "backend_options": backend_options},
         grpc={} if grpc_port is None else {"host": host, "port": grpc_port, "token": token,
                                            "max_message_bytes": int(max_body_mb * 1024 * 1024)},
     )
-    parts = assign_shards(dep.plan, n_shards)
-    owner = {m: i for i, ms in enumerate(parts) for m in ms}
-    sock = reuseport_socket(host, port)
+
+
+def _start_shard_actors(dep, parts, workers, edges, settings, owner, host, port) -> list:
+    """Start the frontend shards but the first (this process is shard 0) as Ray actors on this node."""
+    from ppipe.runtime.launch.shards import here_strategy, shard_actor_class
+
     actors = [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, dep, ms, workers, edges, settings, owner, host, port)
               for i, ms in enumerate(parts) if i > 0]
+    return actors
 
-    switchers: list = []  # the server's plan switcher (the workers it starts are stopped at shutdown too)
 
-    def shutdown():
-        for a in actors:
-            ray.kill(a)
-        for h in [*workers.values(), *(h for sw in switchers for h in sw.started)]:
-            ray.kill(h)
+def _kill_all(actors: list, workers: dict, switchers: list) -> None:
+    """At shutdown: kill the shard actors, the plan's workers and those the plan switchers started."""
+    import ray
+
+    for a in actors:
+        ray.kill(a)
+    for h in [*workers.values(), *(h for sw in switchers for h in sw.started)]:
+        ray.kill(h)
+
+
+def _shard_addresses(actors: list, shutdown) -> list:
+    """Wait for the shard actors to start; their addresses. On failure, ``shutdown()`` and re-raise."""
+    import ray
 
     try:
         addresses = ray.get([a.start.remote() for a in actors], timeout=300)
     except BaseException:
         shutdown()
         raise
+    return addresses
 
-    def companions(rt, router):
-        from ppipe.runtime.launch.shards import sub_plan
-        from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload
 
-        out = [] if router is None else [PeerExchange(router, actors, addresses)]
-        if router is None:  # one shard
-            switchers.append(PlanSwitcher(rt, dep, backend=backend, backend_options=opts))
-        else:
-            mine = dataclasses.replace(dep, plan=sub_plan(dep.plan, parts[0]), profiles={m: dep.profiles[m] for m in parts[0]})
-            switchers.append(ShardedSwitcher(PlanSwitcher(rt, mine, backend=backend, backend_options=opts), dep, owner, actors, router))
-        out.append(SighupReload(switchers[0], plan_file))  # ppipe apply and SIGHUP switch plans
-        if replan_policy is not None:
-            from ppipe.runtime.control.replan import ReplanLoop
+def _companions(rt, router, *, dep, parts, owner, actors, addresses, switchers, worker_options, plan_file, replan_policy,
+                replan_time_limit_s) -> list:
+    """The first shard's companions (``build_shard(companions=...)``): the peer exchange with
+    the other shards, SIGHUP plan reloads and, with ``--replan auto``, the re-planning loop.
+    It appends the server's plan switcher to ``switchers``."""
+    from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload
+    from ppipe.runtime.launch.shards import PeerExchange, sub_plan
 
-            out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
-        return out
+    out = [] if router is None else [PeerExchange(router, actors, addresses)]
+    if router is None:  # one shard
+        switchers.append(PlanSwitcher(rt, dep, **worker_options))
+    else:
+        mine = dataclasses.replace(dep, plan=sub_plan(dep.plan, parts[0]), profiles={m: dep.profiles[m] for m in parts[0]})
+        switchers.append(ShardedSwitcher(PlanSwitcher(rt, mine, **worker_options), dep, owner, actors, router))
+    out.append(SighupReload(switchers[0], plan_file))  # ppipe apply and SIGHUP switch plans
+    if replan_policy is not None:
+        from ppipe.runtime.control.replan import ReplanLoop
 
-    app, _, router = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
-    (app if router is None else router.app).fe.switcher = switchers[0]
-    click.echo(
+        out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
+    return out
+
+
+def _serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts) -> str:
+    """What ``ppipe serve`` prints once it serves: models, addresses, workers, links, shards."""
+    return (
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
         + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
         + f"({len(workers)} vGPU workers, backend {backend}, policy {policy}, "
@@ -278,7 +352,6 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
         + (f", {sum(t.startswith('ring') for t, _ in edges.values())} through a staging ring" if transport == "ring" else "")
         + (f"; {len(parts)} shards: " + ", ".join("+".join(ms) for ms in parts) if len(parts) > 1 else "") + ")"
     )
-    uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
 
 
 def _replan_policy(dep, time_limit_s: float, min_interval_s: float, window_s: float, curvature_window_s: float):
