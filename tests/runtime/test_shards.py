@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ppipe.planner.placement import place
-from ppipe.runtime.launch.shards import ShardRouter, assign_shards, auto_shards, merge_metrics, nic_components, parse_shards, sub_plan
+from ppipe.runtime.control.shard_plan import assign_shards, auto_shards, nic_components, parse_shards, sub_plan
+from ppipe.runtime.ingress.shard_router import ShardRouter, merge_metrics
 from ppipe.spec.cluster import load_cluster
 from ppipe.errors import UserError
 from .conftest import make_plan
@@ -337,8 +338,70 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
     assert "Traceback" not in out
 
 
+# ---- the messages between shards' routers (ppipe.runtime.wire.shard_messages) ------------------------------
+def _shard_messages():
+    from ppipe.runtime.wire.shard_messages import GrpcAnswer, HttpRequest, PassAnswer, PassGrpc, PassRequest
+
+    request = HttpRequest("POST", "/v2/models/b/infer", b"x=1", ((b"authorization", b"Bearer t0k"),), "1.1", ("10.0.0.1", 5000))
+    return [
+        PassRequest(1, "tcp://127.0.0.1:9", request),
+        PassRequest(2, "tcp://127.0.0.1:9", HttpRequest("GET", "/metrics", b"", ())),  # scope defaults left off the wire
+        PassAnswer(1, 200, ((b"content-type", b"application/json"),)),
+        PassGrpc(3, "tcp://127.0.0.1:9", "ModelInfer", (("authorization", "Bearer t0k"),), (("trace-bin", b"\x00\x01"),)),
+        GrpcAnswer(3, None, "", ()),
+        GrpcAnswer(4, "INVALID_ARGUMENT", "bad shape", (("ppipe-drop-reason", "deadline"),)),
+    ]
+
+
+@pytest.mark.parametrize("msg", _shard_messages(), ids=lambda m: type(m).__name__)
+def test_every_kind_of_shard_message_crosses_the_wire_as_it_was_sent(msg):
+    from ppipe.runtime.wire.frames import pack, unpack
+    from ppipe.runtime.wire.shard_messages import ShardEnvelope
+
+    frame = b"".join(bytes(p) for p in pack(ShardEnvelope(msg), {"body": np.frombuffer(b"body!", np.uint8)}))[4:]
+    got, tensors = unpack(frame, ShardEnvelope)
+    assert type(got.msg) is type(msg) and got.msg == msg
+    assert tensors["body"].tobytes() == b"body!"
+
+
+def test_grpc_metadata_travels_as_its_text_and_its_bytes_values():
+    from ppipe.runtime.wire.shard_messages import join_metadata, split_metadata
+
+    text, binary = split_metadata([("a", "x"), ("k-bin", b"\x00"), ("b", "y")])
+    assert text == (("a", "x"), ("b", "y")) and binary == (("k-bin", b"\x00"),)
+    assert join_metadata(text, binary) == [("a", "x"), ("b", "y"), ("k-bin", b"\x00")]
+
+
+def test_a_malformed_shard_message_is_logged_and_dropped(caplog):
+    """Bytes that are no message, another boundary's message, an unknown kind and a field of
+    the wrong type: each is one log line, nothing raised, no request waiting on it answered."""
+    import logging
+
+    import msgspec
+
+    from ppipe.runtime.wire.frames import pack
+    from ppipe.runtime.wire.messages import EdgeRef
+
+    def frame(header) -> bytes:
+        head = msgspec.msgpack.encode(header)
+        return len(head).to_bytes(4, "little") + head
+
+    router = ShardRouter(None, 1, {"a": 0, "b": 1})
+    bad = [
+        b"\x01\x02",
+        b"".join(bytes(p) for p in pack(EdgeRef("w", 1)))[4:],
+        frame([[["nope", 1]], []]),
+        frame([[["answer", "one", 200, []]], []]),
+    ]
+    with caplog.at_level(logging.WARNING, logger="ppipe.runtime"):
+        for message in bad:
+            router._on_message(message)
+    dropped = [r for r in caplog.records if "dropped a malformed message" in r.getMessage()]
+    assert len(dropped) == len(bad) and not router._waiting
+
+
 def test_a_server_of_shards_is_ready_once_every_shard_has_started_and_then_while_one_is():
-    from ppipe.runtime.launch.shards import merge_readiness
+    from ppipe.runtime.ingress.shard_router import merge_readiness
 
     ready = (200, [], b'{"ready": true, "started": true}')
     lost = (503, [], b'{"ready": false, "started": true}')  # its models' workers are gone
@@ -360,7 +423,7 @@ def _swapped(plan):
 
 
 def test_a_switch_keeps_each_model_on_its_shard_and_refuses_what_would_move_one(tmp_path):
-    from ppipe.runtime.launch.shards import incoming_resources, shard_owners
+    from ppipe.runtime.control.shard_plan import incoming_resources, shard_owners
 
     plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
     owner = {"a": 0, "b": 1}

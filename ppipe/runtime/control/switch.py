@@ -223,7 +223,7 @@ class ShardedSwitcher(PlanSwitcher):
         dep: the whole deployment served (every shard's models).
         owner: model -> the shard that serves it.
         actors: the other shards (:class:`ppipe.runtime.launch.shards.ShardServer` actors), by index - 1.
-        router: shard 0's :class:`ppipe.runtime.launch.shards.ShardRouter` (its owner map follows the switches).
+        router: shard 0's :class:`ppipe.runtime.ingress.shard_router.ShardRouter` (its owner map follows the switches).
 
     A switch, with the old plan serving until each shard commits:
 
@@ -291,7 +291,7 @@ class ShardedSwitcher(PlanSwitcher):
     def _split(self, dep: Any, source: str) -> tuple[dict[str, int], dict[int, Any], dict[int, dict[str, set[int]]], int]:
         """Steps 2 and 4's inputs: the new owners, the part of each shard whose part changes
         (a deployment), what each takes from the others, and the vGPUs of the other shards."""
-        from ppipe.runtime.launch.shards import incoming_resources, shard_owners, sub_plan
+        from ppipe.runtime.control.shard_plan import incoming_resources, shard_owners, sub_plan
 
         n = len(self.actors) + 1
         owner = shard_owners(self.dep.plan, self.owner, dep.plan, n, source)

@@ -1,0 +1,183 @@
+"""Which models each frontend shard serves: pure functions of a plan.
+
+``ppipe serve --shards N`` runs N frontend processes (:mod:`ppipe.runtime.launch.shards`),
+each with its own scheduler over some of the plan's models. A model's scheduling state is
+independent of another's except for the NICs of the servers both send feature maps
+through. Shards are therefore built from *NIC components* (:func:`nic_components`): models
+are joined when a server hosts vGPUs of both in pipelines of two or more partitions (the
+only pipelines that transfer). Shards never share a vGPU or a NIC, so the scheduler of the
+whole plan, the one ``ppipe simulate`` runs, makes the same reservations as the shards'
+schedulers each over its part: the simulator still predicts the sharded server, with no
+rule for sharing a NIC at all. The components are packed into at most N shards by their
+planned load (largest first, each to the least loaded shard).
+
+A live plan switch keeps each model on its shard (:func:`shard_owners`) and hands GPUs and
+NICs from the shards that give them up to those that take them over
+(:func:`incoming_resources`; :class:`ppipe.runtime.control.switch.ShardedSwitcher` runs it).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ppipe.errors import UserError
+from ppipe.spec.plan import Plan
+
+# Frontend CPU per request used to size the default shard count (scripts/bench_serve.py
+# measures it; a shard is sized to stay below TARGET_BUSY of its core at the planned rate).
+FRONTEND_CPU_S_PER_REQUEST = 1.5e-3
+TARGET_BUSY = 0.7
+
+
+def nic_components(plan: Plan) -> list[list[str]]:
+    """The plan's models grouped so that no two groups share a vGPU or a transferring NIC.
+
+    Two models are in one group when some server hosts vGPUs of both in pipelines of two
+    or more partitions. Groups are sorted, and each group's models in plan order.
+    """
+    order = [m.name for m in plan.models]
+    parent = {m: m for m in order}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    multi = {(m.name, i) for m in plan.models for i, pl in enumerate(m.pipelines) if len(pl.partitions) > 1}
+    first_on: dict[str, str] = {}
+    for p in plan.placement:
+        if (p.model, p.pipeline) not in multi:
+            continue
+        other = first_on.setdefault(p.server, p.model)
+        parent[find(p.model)] = find(other)
+    groups: dict[str, list[str]] = {}
+    for m in order:
+        groups.setdefault(find(m), []).append(m)
+    return sorted(groups.values(), key=lambda g: order.index(g[0]))
+
+
+def model_load(plan: Plan, model: str) -> float:
+    """A model's frontend work at its planned rate: requests plus stage reports per second."""
+    mp = plan.model(model)
+    total = sum(pl.throughput_rps for pl in mp.pipelines) or mp.throughput_rps
+    stages = sum(pl.throughput_rps * len(pl.partitions) for pl in mp.pipelines) / total if total else 1.0
+    return mp.throughput_rps * (1.0 + stages / max(1, min(pl.batch for pl in mp.pipelines)))
+
+
+def assign_shards(plan: Plan, n: int) -> list[list[str]]:
+    """Split the plan's models into at most ``n`` shards of whole NIC components, balancing
+    their planned load (largest component first, to the least loaded shard; ties by index)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    comps = nic_components(plan)
+    comps.sort(key=lambda g: -sum(model_load(plan, m) for m in g))
+    shards: list[list[str]] = [[] for _ in range(min(n, len(comps)))]
+    load = [0.0] * len(shards)
+    for g in comps:
+        k = min(range(len(shards)), key=lambda i: (load[i], i))
+        shards[k].extend(g)
+        load[k] += sum(model_load(plan, m) for m in g)
+    order = [m.name for m in plan.models]
+    for s in shards:
+        s.sort(key=order.index)
+    return sorted(shards, key=lambda s: order.index(s[0]))
+
+
+def auto_shards(plan: Plan, cores: int) -> int:
+    """The default shard count: what the planned rate needs at ``FRONTEND_CPU_S_PER_REQUEST``
+    (each shard at most ``TARGET_BUSY`` busy), no more than the NIC components, and no more
+    than the cores but one (the workers and Ray's daemons need CPU too)."""
+    rate = sum(m.throughput_rps for m in plan.models)
+    need = math.ceil(rate * FRONTEND_CPU_S_PER_REQUEST / TARGET_BUSY)
+    return max(1, min(need, len(nic_components(plan)), cores - 1))
+
+
+def sub_plan(plan: Plan, models: list[str]) -> Plan:
+    """The plan restricted to ``models`` (their pipelines and their vGPUs' placement)."""
+    keep = set(models)
+    return plan.model_copy(update={
+        "models": [m for m in plan.models if m.name in keep],
+        "placement": [p for p in plan.placement if p.model in keep],
+    })
+
+
+def shard_owners(old: Plan, owner: dict[str, int], new: Plan, n: int, source: str = "the new plan") -> dict[str, int]:
+    """Which shard serves each model of ``new`` when a server of ``n`` shards switches to it.
+
+    A model keeps its shard; a new model joins the shard of the models it shares NICs with
+    (:func:`nic_components` of ``new``), else the least loaded shard (planned load; ties by
+    index), larger components first.
+
+    Raises:
+        UserError: ``new`` joins models of two shards through a NIC, or leaves a shard
+            with no model: the server cannot switch to it live.
+    """
+    load = [0.0] * n
+    for m in new.models:
+        if m.name in owner:
+            load[owner[m.name]] += model_load(new, m.name)
+    out: dict[str, int] = {}
+    for comp in sorted(nic_components(new), key=lambda g: -sum(model_load(new, m) for m in g)):
+        shards = sorted({owner[m] for m in comp if m in owner})
+        if len(shards) > 1:
+            raise UserError(f"{source}: the plan sends feature maps of {', '.join(comp)} through the NICs of one server, "
+                            f"but shards {', '.join(map(str, shards))} of this server serve them and keep their models",
+                            fix="restart `ppipe serve` with the new plan (its shards are cut anew), or serve with --shards 1")
+        k = shards[0] if shards else min(range(n), key=lambda i: (load[i], i))
+        for m in comp:
+            if m not in owner:
+                load[k] += model_load(new, m)
+            out[m] = k
+    idle = sorted(set(range(n)) - set(out.values()))
+    if idle:
+        raise UserError(f"{source}: the plan leaves shard{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} of this "
+                        "server with no model to serve (a shard keeps its models across a switch)",
+                        fix="restart `ppipe serve` with the new plan, or serve with --shards 1")
+    return out
+
+
+def shard_resources(plan: Plan, owner: dict[str, int]) -> dict[str, set[int]]:
+    """The shards that use each physical GPU (``"<server>/gpu<i>"``) and each NIC (a
+    server's uplink or downlink, where it sends or receives feature maps) under ``plan``."""
+    from ppipe.dataplane.api import downlink, uplink
+    from ppipe.dataplane.handover import physical_gpu
+
+    multi = {(m.name, i) for m in plan.models for i, pl in enumerate(m.pipelines) if len(pl.partitions) > 1}
+    out: dict[str, set[int]] = {}
+    for p in plan.placement:
+        k = owner[p.model]
+        out.setdefault(physical_gpu(p.vgpu_id), set()).add(k)
+        if (p.model, p.pipeline) in multi:
+            for res in (uplink(p.server), downlink(p.server)):
+                out.setdefault(res, set()).add(k)
+    return out
+
+
+def incoming_resources(old: Plan, old_owner: dict[str, int], new: Plan, new_owner: dict[str, int],
+                       switching: set[int]) -> dict[int, dict[str, set[int]]]:
+    """For each shard, the GPUs and NICs it uses under ``new`` that other shards of
+    ``switching`` (those whose part of the plan changes) used under ``old``: shard ->
+    resource -> those shards. A shard that does not switch keeps its resources as they are."""
+    before, after = shard_resources(old, old_owner), shard_resources(new, new_owner)
+    out: dict[int, dict[str, set[int]]] = {}
+    for res, takers in sorted(after.items()):
+        for k in sorted(takers):
+            givers = (before.get(res, set()) & switching) - {k}
+            if givers:
+                out.setdefault(k, {})[res] = givers
+    return out
+
+
+def parse_shards(value: str, plan: Plan, cores: int) -> int:
+    """``--shards``: ``auto`` (:func:`auto_shards`) or a count >= 1 (capped by the plan's
+    NIC components when it is packed)."""
+    if value == "auto":
+        return auto_shards(plan, cores)
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UserError(f"--shards must be 'auto' or a count >= 1, got '{value}'", fix="e.g. --shards 2, or leave it at auto")
+    return n
