@@ -20,7 +20,7 @@ import io
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 from rich.console import Console
@@ -162,20 +162,9 @@ async def run_bench(
     (see :class:`BenchResult`). ``binary``: REST's binary extension, gRPC's raw_input_contents.
     ``records``: a list that gets one ``(send offset s, outcome, latency ms)`` per request, in
     answer order; the outcome is ``"200"``, the drop reason, or the error."""
-    import httpx
-
-    from ppipe.runtime.client.httpclient import HttpError, RawHttpClient
-
     headers = {"authorization": f"Bearer {token}"} if token else {}
     base = url.rstrip("/")
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout_s) as meta_client:
-        try:
-            r = await meta_client.get(f"/v2/models/{model}")
-        except httpx.HTTPError as exc:
-            raise UserError(f"cannot reach {url}: {exc}", fix="start `ppipe serve` first, or fix the URL") from None
-    if r.status_code != 200:
-        raise UserError(f"{url}/v2/models/{model}: HTTP {r.status_code}: {r.text[:200]}", fix="check --model and --token")
-    meta = r.json()
+    meta = await _fetch_metadata(url, model, headers, timeout_s)
     if input_shape:
         meta["inputs"][0]["shape"] = [-1, *input_shape]
     slo = slo_ms or (meta.get("parameters") or {}).get("slo_ms")
@@ -183,101 +172,159 @@ async def run_bench(
         raise UserError(f"model '{model}' does not state its SLO", fix="give --slo-ms")
     body, req_headers = encode_infer_request(sample_input(meta, seed), binary=binary, binary_output=binary)
     times_us = arrival_times_us(arrivals, rate_rps, duration_s, seed, trace, cv)
-    path = f"/v2/models/{model}/infer"
-    lat_ms: list[float] = []
-    lag_ms: list[float] = []
-    codes: dict[str, int] = {}
-    drops: dict[str, int] = {}
-    on_time = ok = 0
-
     if grpc:
-        gc = GrpcInferClient(grpc, token=token, timeout_s=timeout_s)
-        grpc_body = encode_grpc_request(model, sample_input(meta, seed), raw=binary)
+        sender = _grpc_sender(grpc, token, timeout_s, encode_grpc_request(model, sample_input(meta, seed), raw=binary))
+    else:
+        sender = _http_sender(client, base, headers, timeout_s, f"/v2/models/{model}/infer", body, req_headers)
+    tally = _Tally(slo, records)
+    try:
+        await _send_open_loop(times_us, sender, tally)
+    finally:
+        await sender.close()
+    return tally.result(model=model, arrivals=arrivals, offered_rps=rate_rps, duration_s=duration_s, sent=len(times_us))
 
-        async def post() -> tuple[int | str, dict[str, str]]:
-            return await gc.infer(grpc_body)
 
-        close = gc.aclose
-        errors: tuple[type[BaseException], ...] = ()
-    elif client == "httpx":
+async def _fetch_metadata(url: str, model: str, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    """GET ``url``'s v2 metadata of ``model``; a UserError when the server cannot be reached or refuses."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s) as meta_client:
+        try:
+            r = await meta_client.get(f"/v2/models/{model}")
+        except httpx.HTTPError as exc:
+            raise UserError(f"cannot reach {url}: {exc}", fix="start `ppipe serve` first, or fix the URL") from None
+    if r.status_code != 200:
+        raise UserError(f"{url}/v2/models/{model}: HTTP {r.status_code}: {r.text[:200]}", fix="check --model and --token")
+    return r.json()
+
+
+@dataclass
+class _Sender:
+    """How a bench sends its one request: ``post()`` -> (status, headers), 200 or the HTTP
+    status or the gRPC status name; ``close()`` ends the client; ``errors``: the exceptions
+    of a request that got no answer, counted by their class name."""
+
+    post: Callable[[], Awaitable[tuple[int | str, Any]]]
+    close: Callable[[], Awaitable[None]]
+    errors: tuple[type[BaseException], ...]
+
+
+def _grpc_sender(address: str, token: str | None, timeout_s: float, grpc_body: bytes) -> _Sender:
+    gc = GrpcInferClient(address, token=token, timeout_s=timeout_s)
+
+    async def post() -> tuple[int | str, dict[str, str]]:
+        return await gc.infer(grpc_body)
+
+    return _Sender(post, gc.aclose, ())
+
+
+def _http_sender(client: str, base: str, headers: dict[str, str], timeout_s: float, path: str, body: bytes,
+                 req_headers: dict[str, str]) -> _Sender:
+    """POST ``body`` to ``path`` with ``client``: "raw" (:class:`RawHttpClient`) or "httpx"."""
+    import httpx
+
+    from ppipe.runtime.client.httpclient import HttpError, RawHttpClient
+
+    if client == "httpx":
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         hx = httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout_s, limits=limits)
 
-        async def post() -> tuple[int, dict[str, str]]:
+        async def post_httpx() -> tuple[int, Any]:
             resp = await hx.post(path, content=body, headers=req_headers)
             return resp.status_code, resp.headers
 
-        close = hx.aclose
-        errors = (httpx.HTTPError,)
-    elif client == "raw":
+        return _Sender(post_httpx, hx.aclose, (httpx.HTTPError,))
+    if client == "raw":
         raw = RawHttpClient(base, headers=headers, timeout_s=timeout_s)
 
-        async def post() -> tuple[int, dict[str, str]]:
+        async def post_raw() -> tuple[int, dict[str, str]]:
             status, hdrs, _ = await raw.request("POST", path, body, req_headers)
             return status, hdrs
 
-        close = raw.aclose
-        errors = (HttpError, OSError, asyncio.TimeoutError)
-    else:
-        raise UserError(f"unknown client '{client}'", fix="use raw or httpx")
+        return _Sender(post_raw, raw.aclose, (HttpError, OSError, asyncio.TimeoutError))
+    raise UserError(f"unknown client '{client}'", fix="use raw or httpx")
 
-    async def one(t_sched: float) -> None:
-        nonlocal on_time, ok
-        lag_ms.append((time.perf_counter() - t_sched) * 1e3)
-        try:
-            status, hdrs = await post()
-        except errors as exc:
-            key = type(exc).__name__
-            codes[key] = codes.get(key, 0) + 1
-            if records is not None:
-                records.append((t_sched - t0, key, (time.perf_counter() - t_sched) * 1e3))
-            return
+
+class _Tally:
+    """The bench's counts as answers come: latencies of 200s, client lag, drops by reason,
+    other outcomes, and (where ``records`` is a list) every request's record."""
+
+    def __init__(self, slo_ms: float, records: list | None):
+        self.slo_ms, self.records = slo_ms, records
+        self.lat_ms: list[float] = []
+        self.lag_ms: list[float] = []
+        self.codes: dict[str, int] = {}
+        self.drops: dict[str, int] = {}
+        self.on_time = self.ok = 0
+        self.t0 = 0.0  # perf_counter of the arrivals' time 0
+
+    def error(self, t_sched: float, exc: BaseException) -> None:
+        """A request that got no answer: counted by the exception's class name."""
+        key = type(exc).__name__
+        self.codes[key] = self.codes.get(key, 0) + 1
+        if self.records is not None:
+            self.records.append((t_sched - self.t0, key, (time.perf_counter() - t_sched) * 1e3))
+
+    def answer(self, t_sched: float, status: int | str, hdrs) -> None:
+        """An answer, timed from its scheduled send ``t_sched``: a 200 (on time or late), a drop (by reason) or another status."""
         dt_ms = (time.perf_counter() - t_sched) * 1e3
         if status == 200:
-            ok += 1
-            lat_ms.append(dt_ms)
-            on_time += int(dt_ms <= slo)
+            self.ok += 1
+            self.lat_ms.append(dt_ms)
+            self.on_time += int(dt_ms <= self.slo_ms)
             key = "200"
         elif hdrs.get("ppipe-drop-reason"):
             key = hdrs["ppipe-drop-reason"]
-            drops[key] = drops.get(key, 0) + 1
+            self.drops[key] = self.drops.get(key, 0) + 1
         else:
             key = f"HTTP {status}" if isinstance(status, int) else f"gRPC {status}"
-            codes[key] = codes.get(key, 0) + 1
-        if records is not None:
-            records.append((t_sched - t0, key, dt_ms))
+            self.codes[key] = self.codes.get(key, 0) + 1
+        if self.records is not None:
+            self.records.append((t_sched - self.t0, key, dt_ms))
+
+    def result(self, model: str, arrivals: str, offered_rps: float, duration_s: float, sent: int) -> BenchResult:
+        return BenchResult(
+            model=model,
+            arrivals=arrivals,
+            offered_rps=offered_rps,
+            duration_s=duration_s,
+            sent=sent,
+            ok=self.ok,
+            on_time=self.on_time,
+            slo_ms=float(self.slo_ms),
+            slo_attainment=self.on_time / sent if sent else 0.0,
+            goodput_rps=self.on_time / duration_s,
+            p50_ms=_percentile(self.lat_ms, 50),
+            p99_ms=_percentile(self.lat_ms, 99),
+            drops=self.drops,
+            errors=self.codes,
+            client_lag_p99_ms=_percentile(self.lag_ms, 99),
+        )
+
+
+async def _send_open_loop(times_us: np.ndarray, sender: _Sender, tally: _Tally) -> None:
+    """Send one request at each arrival time (µs from a start just after now), whether or
+    not earlier ones were answered, and wait for every answer."""
+
+    async def one(t_sched: float) -> None:
+        tally.lag_ms.append((time.perf_counter() - t_sched) * 1e3)
+        try:
+            status, hdrs = await sender.post()
+        except sender.errors as exc:
+            tally.error(t_sched, exc)
+            return
+        tally.answer(t_sched, status, hdrs)
 
     tasks = []
-    try:
-        t0 = time.perf_counter() + 0.05
-        wall0 = wall_us() - time.perf_counter() * 1e6  # perf_counter -> wall us
-        for t in times_us:
-            t_sched = t0 + t / 1e6
-            # to a fraction of a ms (the loop's timers alone send each request up to 1 ms
-            # late, and that lag counts as latency)
-            await sleep_until(wall0 + t_sched * 1e6)
-            tasks.append(asyncio.create_task(one(t_sched)))
-        await asyncio.gather(*tasks)
-    finally:
-        await close()
-    sent = len(times_us)
-    return BenchResult(
-        model=model,
-        arrivals=arrivals,
-        offered_rps=rate_rps,
-        duration_s=duration_s,
-        sent=sent,
-        ok=ok,
-        on_time=on_time,
-        slo_ms=float(slo),
-        slo_attainment=on_time / sent if sent else 0.0,
-        goodput_rps=on_time / duration_s,
-        p50_ms=_percentile(lat_ms, 50),
-        p99_ms=_percentile(lat_ms, 99),
-        drops=drops,
-        errors=codes,
-        client_lag_p99_ms=_percentile(lag_ms, 99),
-    )
+    tally.t0 = t0 = time.perf_counter() + 0.05
+    wall0 = wall_us() - time.perf_counter() * 1e6  # perf_counter -> wall us
+    for t in times_us:
+        t_sched = t0 + t / 1e6
+        # to a fraction of a ms (the loop's timers alone send each request up to 1 ms
+        # late, and that lag counts as latency)
+        await sleep_until(wall0 + t_sched * 1e6)
+        tasks.append(asyncio.create_task(one(t_sched)))
+    await asyncio.gather(*tasks)
 
 
 def format_table(res: BenchResult) -> str:
