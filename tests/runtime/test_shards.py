@@ -400,6 +400,39 @@ def test_a_malformed_shard_message_is_logged_and_dropped(caplog):
     assert len(dropped) == len(bad) and not router._waiting
 
 
+def test_a_shard_answers_each_plan_switch_request_with_its_own_handler():
+    """ShardControl: each request type to one method of the shard's switcher (or its router's
+    owner map); anything else is refused, never looked up by name."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ppipe.runtime.control.shard_control import (
+        Abort, Commit, Lift, LogArrivals, Prepare, SetOwner, ShardControl, TakeArrivals,
+    )
+
+    asked = []
+
+    class Switcher:
+        def __getattr__(self, name):
+            async def method(*args):
+                asked.append((name, *args))
+                return name
+            return method
+
+    router = SimpleNamespace(owner={"a": 0})
+    control = ShardControl(Switcher(), router)
+    requests = [Prepare("dep"), Commit({"g0": None}), Abort(), Lift("g0", 5.0), LogArrivals(True), TakeArrivals(),
+                SetOwner({"a": 1})]
+    answers = [asyncio.run(control.call(r)) for r in requests]
+    assert asked == [("prepare", "dep"), ("commit", {"g0": None}), ("abort",), ("lift", "g0", 5.0), ("log_arrivals", True),
+                     ("take_arrivals",)]
+    assert answers == ["prepare", "commit", "abort", "lift", "log_arrivals", "take_arrivals", None]
+    assert router.owner == {"a": 1}
+    with pytest.raises(TypeError, match="not a shard request"):
+        asyncio.run(control.call("commit"))
+    asyncio.run(ShardControl(Switcher(), None).call(SetOwner({"a": 0})))  # a shard without a router: nothing to tell
+
+
 def test_a_server_of_shards_is_ready_once_every_shard_has_started_and_then_while_one_is():
     from ppipe.runtime.ingress.shard_router import merge_readiness
 
@@ -414,6 +447,18 @@ def test_a_server_of_shards_is_ready_once_every_shard_has_started_and_then_while
 
 
 # ---- plan switches of a server of shards (ppipe.runtime.control.switch.ShardedSwitcher) -----------------
+class _RecordingShard:
+    """A shard handle (ppipe.runtime.control.shard_control.ShardHandle) in this process: it
+    appends ``(index, request)`` to ``calls`` and answers ``answer(index, request)``."""
+
+    def __init__(self, index, calls, answer):
+        self.index, self.calls, self.answer = index, calls, answer
+
+    async def call(self, request):
+        self.calls.append((self.index, request))
+        return self.answer(self.index, request)
+
+
 def _swapped(plan):
     """The plan with models a and b on each other's GPUs."""
     gpu = {p.model: (p.gpu_index, p.vgpu_id) for p in plan.placement}
@@ -446,25 +491,25 @@ def test_a_switch_keeps_each_model_on_its_shard_and_refuses_what_would_move_one(
 def test_shards_commit_givers_first_and_a_cycle_under_an_embargo_that_the_later_commit_lifts(tmp_path):
     import asyncio
 
+    from ppipe.runtime.control.shard_control import Commit, Lift
     from ppipe.runtime.control.switch import ShardedSwitcher
 
     calls = []
 
+    def retired(shard, request):
+        return {"retired": {"g0": 100.0 + shard, "g1": 200.0 + shard}} if isinstance(request, Commit) else None
+
     class Recorder(ShardedSwitcher):
         def __init__(self):  # no runtime: only the commit order is under test
-            pass
-
-        async def _call(self, shard, method, *args):
-            calls.append((shard, method, *args))
-            return {"retired": {"g0": 100.0 + shard, "g1": 200.0 + shard}} if method == "commit" else None
+            self.shards = [_RecordingShard(i, calls, retired) for i in range(3)]
 
     # shard 1 takes g0 from shard 0; shard 2 takes g1 from shard 1: a chain, no embargo
     asyncio.run(Recorder()._commit_in_waves([0, 1, 2], {1: {"g0": {0}}, 2: {"g1": {1}}}))
-    assert calls == [(0, "commit", {}), (1, "commit", {"g0": 100.0}), (2, "commit", {"g1": 201.0})]
+    assert calls == [(0, Commit({})), (1, Commit({"g0": 100.0})), (2, Commit({"g1": 201.0}))]
     calls.clear()
     # a cycle: 0 takes g1 from 1 and 1 takes g0 from 0
     asyncio.run(Recorder()._commit_in_waves([0, 1], {0: {"g1": {1}}, 1: {"g0": {0}}}))
-    assert calls == [(0, "commit", {"g1": None}), (1, "commit", {"g0": 100.0}), (0, "lift", "g1", 201.0)]
+    assert calls == [(0, Commit({"g1": None})), (1, Commit({"g0": 100.0})), (0, Lift("g1", 201.0))]
 
 
 @pytest.mark.ray
@@ -526,13 +571,20 @@ def test_a_switch_that_fails_part_way_says_which_shards_serve_which_plan_and_ref
     import asyncio
     from types import SimpleNamespace
 
+    from ppipe.runtime.control.shard_control import Commit
     from ppipe.runtime.control.switch import PartialSwitch, ShardedSwitcher
 
     calls = []
 
+    def dies_at_one(shard, request):
+        if isinstance(request, Commit) and shard == 1:
+            raise ConnectionError("shard 1 is gone")
+        return {"retired": {}}
+
     class ShardOneDies(ShardedSwitcher):
         def __init__(self):  # no runtime: only what happens around the commits is under test
-            self._lock, self._broken, self.actors, self.owner = asyncio.Lock(), "", [None], {}
+            self._lock, self._broken, self.owner = asyncio.Lock(), "", {}
+            self.shards = [_RecordingShard(i, calls, dies_at_one) for i in range(2)]
             self.dep = SimpleNamespace(plan=SimpleNamespace(models=[SimpleNamespace(slo_ms=100.0)]))
 
         def _prepare(self, plan, source, keep_live):
@@ -540,12 +592,6 @@ def test_a_switch_that_fails_part_way_says_which_shards_serve_which_plan_and_ref
 
         def _split(self, dep, source):  # a cycle: shard 0 commits under an embargo on shard 1's g1
             return {}, {0: "part 0", 1: "part 1"}, {0: {"g1": {1}}, 1: {"g0": {0}}}, 0
-
-        async def _call(self, shard, method, *args):
-            calls.append((shard, method))
-            if method == "commit" and shard == 1:
-                raise ConnectionError("shard 1 is gone")
-            return {"retired": {}}
 
     async def twice():
         sw, errors = ShardOneDies(), []
@@ -558,7 +604,8 @@ def test_a_switch_that_fails_part_way_says_which_shards_serve_which_plan_and_ref
 
     first, second = asyncio.run(twice())
     assert "shards [0] serve the plan from new.yaml, shards [1] the one before" in first and "shard 1 is gone" in first
-    assert calls == [(0, "prepare"), (1, "prepare"), (0, "commit"), (1, "commit"), (0, "lift")]  # shard 0 serves on
+    kinds = [(shard, type(request).__name__) for shard, request in calls]
+    assert kinds == [(0, "Prepare"), (1, "Prepare"), (0, "Commit"), (1, "Commit"), (0, "Lift")]  # shard 0 serves on
     assert second == first  # refused at once: the server serves two plans until it restarts
 
 
@@ -568,13 +615,18 @@ def test_a_new_models_owner_is_told_to_every_shard_before_its_owner_commits():
     import asyncio
     from types import SimpleNamespace
 
+    from ppipe.runtime.control.shard_control import Commit, Prepare, SetOwner
     from ppipe.runtime.control.switch import ShardedSwitcher
 
     calls = []
 
+    def record(shard, request):
+        return {"retired": {}, "kept": 0, "started": 1, "retiring": 0, "moved": 0, "load_s": 0.1, "switch_us": 1.0}
+
     class AddsModelC(ShardedSwitcher):
         def __init__(self):  # no runtime: only the order of the calls is under test
-            self._lock, self._broken, self.actors, self.router, self._records = asyncio.Lock(), "", [None], None, []
+            self._lock, self._broken, self._records = asyncio.Lock(), "", []
+            self.shards = [_RecordingShard(i, calls, record) for i in range(2)]
             self.owner = {"a": 0, "b": 1}
 
         def _prepare(self, plan, source, keep_live):
@@ -583,10 +635,6 @@ def test_a_new_models_owner_is_told_to_every_shard_before_its_owner_commits():
         def _split(self, dep, source):  # c joins shard 1, which alone changes
             return {"a": 0, "b": 1, "c": 1}, {1: "part 1"}, {}, 0
 
-        async def _call(self, shard, method, *args):
-            calls.append((shard, method, *args))
-            return {"retired": {}, "kept": 0, "started": 1, "retiring": 0, "moved": 0, "load_s": 0.1, "switch_us": 1.0}
-
     asyncio.run(AddsModelC().apply(None, "new.yaml"))
     with_c = {"a": 0, "b": 1, "c": 1}
-    assert calls[:4] == [(1, "prepare", "part 1"), (0, "set_owner", with_c), (1, "set_owner", with_c), (1, "commit", {})]
+    assert calls[:4] == [(1, Prepare("part 1")), (0, SetOwner(with_c)), (1, SetOwner(with_c)), (1, Commit({}))]

@@ -11,7 +11,8 @@ A server of several frontend shards (``ppipe serve --shards N``) switches with
 :class:`ShardedSwitcher`: each model stays on its shard, every shard whose part of the plan
 changes starts its new workers, then the shards commit, the ones that give GPUs or NICs
 up before the ones that take them over (:func:`ppipe.dataplane.handover.hand_over`'s
-embargo covers a cycle of such moves).
+embargo covers a cycle of such moves). It asks the shards through handles, one message per
+request (:mod:`ppipe.runtime.control.shard_control`).
 
 Relative profile folders of a plan sent as text are looked up on the server, against the
 folder of the plan ``ppipe serve`` was started with (``ppipe apply`` sends absolute folders
@@ -30,6 +31,9 @@ from typing import Any
 import yaml
 
 from ppipe.errors import UserError
+from ppipe.runtime.control.shard_control import (
+    Abort, Commit, LogArrivals, Lift, Prepare, SetOwner, ShardControl, ShardHandle, TakeArrivals,
+)
 from ppipe.spec.base import validate_data
 from ppipe.spec.plan import Plan, load_plan
 from ppipe.spec.profile import load_profile_ref
@@ -222,7 +226,7 @@ class ShardedSwitcher(PlanSwitcher):
         local: shard 0's :class:`PlanSwitcher` (its runtime is this process's).
         dep: the whole deployment served (every shard's models).
         owner: model -> the shard that serves it.
-        actors: the other shards (:class:`ppipe.runtime.launch.shards.ShardServer` actors), by index - 1.
+        others: the other shards' handles (:class:`ppipe.runtime.launch.shards.RayShard`), by index - 1.
         router: shard 0's :class:`ppipe.runtime.ingress.shard_router.ShardRouter` (its owner map follows the switches).
 
     A switch, with the old plan serving until each shard commits:
@@ -243,9 +247,10 @@ class ShardedSwitcher(PlanSwitcher):
        there (before that commit the owner answers 404, as before the switch).
     """
 
-    def __init__(self, local: PlanSwitcher, dep: Any, owner: dict[str, int], actors: list[Any], router: Any):
+    def __init__(self, local: PlanSwitcher, dep: Any, owner: dict[str, int], others: list[ShardHandle], router: Any):
         super().__init__(local.runtime, dep, local.backend, local.backend_options, local.start_timeout_s)
-        self.local, self.owner, self.actors, self.router = local, dict(owner), list(actors), router
+        self.owner = dict(owner)
+        self.shards: list[ShardHandle] = [ShardControl(local, router), *others]  # by index; shard 0 in-process
         self.started = local.started
         self._records: list[dict[str, Any]] = []
         self._broken = ""  # why switches are refused: an earlier one failed part-way
@@ -263,10 +268,10 @@ class ShardedSwitcher(PlanSwitcher):
             t0 = time.perf_counter()
             dep = await asyncio.to_thread(self._prepare, plan, source, keep_live)
             owner, subs, givers, unchanged_vgpus = self._split(dep, source)
-            results = await asyncio.gather(*(self._call(i, "prepare", sub) for i, sub in subs.items()), return_exceptions=True)
+            results = await asyncio.gather(*(self.shards[i].call(Prepare(sub)) for i, sub in subs.items()), return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
-                await asyncio.gather(*(self._call(i, "abort") for i in subs), return_exceptions=True)
+                await asyncio.gather(*(self.shards[i].call(Abort()) for i in subs), return_exceptions=True)
                 raise failed[0]
             if set(owner) - set(self.owner):  # new models: route them to their shard before it commits
                 await self._tell_owners({**self.owner, **owner})
@@ -285,7 +290,7 @@ class ShardedSwitcher(PlanSwitcher):
             record.update(seconds=time.perf_counter() - t0, source=source, models=[m.name for m in dep.plan.models])
             self._records.append(record)
             log.warning("plan from %s is now served; %d of %d shards switched (%.2f s)", source, len(subs),
-                        len(self.actors) + 1, record["seconds"])
+                        len(self.shards), record["seconds"])
             return record
 
     def _split(self, dep: Any, source: str) -> tuple[dict[str, int], dict[int, Any], dict[int, dict[str, set[int]]], int]:
@@ -293,7 +298,7 @@ class ShardedSwitcher(PlanSwitcher):
         (a deployment), what each takes from the others, and the vGPUs of the other shards."""
         from ppipe.runtime.control.shard_plan import incoming_resources, shard_owners, sub_plan
 
-        n = len(self.actors) + 1
+        n = len(self.shards)
         owner = shard_owners(self.dep.plan, self.owner, dep.plan, n, source)
         subs, unchanged_vgpus = {}, 0
         for i in range(n):
@@ -306,7 +311,7 @@ class ShardedSwitcher(PlanSwitcher):
         return owner, subs, givers, unchanged_vgpus
 
     async def _tell_owners(self, owner: dict[str, int]) -> None:
-        await asyncio.gather(*(self._call(i, "set_owner", owner) for i in range(len(self.actors) + 1)))
+        await asyncio.gather(*(shard.call(SetOwner(owner)) for shard in self.shards))
 
     @staticmethod
     def _summary(records: dict[int, dict[str, Any]], unchanged_vgpus: int) -> dict[str, Any]:
@@ -328,7 +333,7 @@ class ShardedSwitcher(PlanSwitcher):
         while pending:
             wave = [i for i in pending if all(g in done for gs in givers.get(i, {}).values() for g in gs)] or pending[:1]
             embargoes = {i: {res: self._until(done, res, gs) for res, gs in givers.get(i, {}).items()} for i in wave}
-            records = await asyncio.gather(*(self._call(i, "commit", embargoes[i]) for i in wave), return_exceptions=True)
+            records = await asyncio.gather(*(self.shards[i].call(Commit(embargoes[i])) for i in wave), return_exceptions=True)
             done.update((i, r) for i, r in zip(wave, records) if not isinstance(r, BaseException))
             for i in wave:
                 if i in done:
@@ -340,7 +345,7 @@ class ShardedSwitcher(PlanSwitcher):
             pending = [i for i in pending if i not in done]
             lifts = [(i, res, self._until(done, res, givers[i][res])) for i, held in embargoed.items() for res in sorted(held)]
             lifts = [(i, res, until) for i, res, until in lifts if until is not None]
-            await asyncio.gather(*(self._call(i, "lift", res, until) for i, res, until in lifts))
+            await asyncio.gather(*(self.shards[i].call(Lift(res, until)) for i, res, until in lifts))
             for i, res, _ in lifts:
                 embargoed[i].discard(res)
         return done
@@ -353,7 +358,7 @@ class ShardedSwitcher(PlanSwitcher):
 
         until = wall_us() + 1e3 * max(m.slo_ms for m in self.dep.plan.models) + 1e6
         lifts = [(i, res) for i, held in embargoed.items() if i in done for res in sorted(held)]
-        await asyncio.gather(*(self._call(i, "lift", res, until) for i, res in lifts), return_exceptions=True)
+        await asyncio.gather(*(self.shards[i].call(Lift(res, until)) for i, res in lifts), return_exceptions=True)
 
     @staticmethod
     def _until(done: dict[int, dict[str, Any]], resource: str, resource_givers: set[int]) -> float | None:
@@ -363,22 +368,12 @@ class ShardedSwitcher(PlanSwitcher):
             return None
         return max((done[g]["retired"].get(resource, 0.0) for g in resource_givers), default=0.0)
 
-    async def _call(self, shard: int, method: str, *args: Any) -> Any:
-        if shard == 0:
-            if method == "set_owner":
-                if self.router is not None:
-                    self.router.owner = dict(args[0])
-                return None
-            return await getattr(self.local, method)(*args)
-        actor = self.actors[shard - 1]
-        return await (actor.set_owner.remote(*args) if method == "set_owner" else actor.switcher_call.remote(method, *args))
-
     # the arrivals a re-plan loop counts (ppipe.runtime.control.replan): every shard's
     async def log_arrivals(self, on: bool) -> None:
-        await asyncio.gather(*(self._call(i, "log_arrivals", on) for i in range(len(self.actors) + 1)))
+        await asyncio.gather(*(shard.call(LogArrivals(on)) for shard in self.shards))
 
     async def take_arrivals(self) -> list[tuple[str, float]]:
-        logs = await asyncio.gather(*(self._call(i, "take_arrivals") for i in range(len(self.actors) + 1)))
+        logs = await asyncio.gather(*(shard.call(TakeArrivals()) for shard in self.shards))
         return sorted((a for log_ in logs for a in log_), key=lambda a: a[1])
 
 

@@ -9,8 +9,9 @@ are Ray actors on the same node (:class:`ShardServer`). Each shard owns some mod
 serve only those (:func:`build_shard`), and its router passes requests for the others to
 their owners (:class:`ppipe.runtime.ingress.shard_router.ShardRouter`).
 
-This module is the Ray side of shards: the actor, where it runs, and how shards learn
-each other's router addresses (:class:`PeerExchange`).
+This module is the Ray side of shards: the actor, where it runs, how shards learn each
+other's router addresses (:class:`PeerExchange`), and the handle through which shard 0's
+plan switches reach the others (:class:`RayShard`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ppipe.runtime.control.shard_control import ShardControl, ShardRequest
 from ppipe.runtime.control.shard_plan import assign_shards, parse_shards, sub_plan  # noqa: F401 (ppipe.runtime.cli imports the first two from here)
 from ppipe.runtime.ingress.shard_router import ShardRouter
 
@@ -109,6 +111,7 @@ class ShardServer:
         self._args = (dep, models, workers, edges, settings, index, owner)
         self.server = None
         self.router: ShardRouter | None = None
+        self._control: ShardControl | None = None  # this shard's answers to plan-switch requests
 
     async def start(self) -> str:
         """Start serving; returns this shard's router address (for :meth:`set_peers`)."""
@@ -120,7 +123,7 @@ class ShardServer:
         dep, models, settings = self._args[0], self._args[1], self._args[4]
         app, rt, self.router = build_shard(*self._args)
         mine = replace(dep, plan=sub_plan(dep.plan, models), profiles={m: dep.profiles[m] for m in models})
-        self.switcher = PlanSwitcher(rt, mine, **settings.workers)
+        self._control = ShardControl(PlanSwitcher(rt, mine, **settings.workers), self.router)
         self.server = BackgroundServer(app, sockets=[reuseport_socket(self.host, self.port)], **settings.server)
         await asyncio.get_running_loop().run_in_executor(None, self.server.__enter__)
         return self.router.address
@@ -132,12 +135,10 @@ class ShardServer:
     async def _on_loop(self, coro) -> Any:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.server.loop))
 
-    async def switcher_call(self, method: str, *args: Any) -> Any:
-        """``await self.switcher.<method>(*args)`` on the shard's loop (:class:`ppipe.runtime.control.switch.ShardedSwitcher`)."""
-        return await self._on_loop(getattr(self.switcher, method)(*args))
-
-    async def set_owner(self, owner: dict[str, int]) -> None:
-        self.server.loop.call_soon_threadsafe(setattr, self.router, "owner", dict(owner))
+    async def control(self, request: ShardRequest) -> Any:
+        """This shard's answer to one of shard 0's plan-switch requests (:class:`RayShard`),
+        computed on the shard's loop by its :class:`~ppipe.runtime.control.shard_control.ShardControl`."""
+        return await self._on_loop(self._control.call(request))
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -157,6 +158,17 @@ def shard_actor_class():
     import ray
 
     return ray.remote(num_cpus=0, max_concurrency=16)(ShardServer)
+
+
+class RayShard:
+    """A :class:`~ppipe.runtime.control.shard_control.ShardHandle` of a :class:`ShardServer`
+    actor: plan-switch requests go to its :meth:`ShardServer.control`."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    async def call(self, request: ShardRequest) -> Any:
+        return await self.actor.control.remote(request)
 
 
 class PeerExchange:

@@ -1,0 +1,107 @@
+"""What shard 0 asks the other frontend shards during a plan switch: one message type per request.
+
+A server of several frontend shards switches plans from shard 0
+(:class:`ppipe.runtime.control.switch.ShardedSwitcher`), which asks every shard to prepare,
+commit, abort, lift an embargo, log or hand over its arrivals, and follow new model owners.
+Each request is a message below, sent through a :class:`ShardHandle`: the other shards'
+handles cross a process (:class:`ppipe.runtime.launch.shards.RayShard`, the only code that
+calls Ray), shard 0's is this process's :class:`ShardControl`. Every shard answers with its
+:class:`ShardControl`, which dispatches on the message's type to that shard's
+:class:`~ppipe.runtime.control.switch.PlanSwitcher` and router, so a shard runs only these
+requests, never a method named by the caller.
+
+The messages cross a Ray actor call, which pickles them; a :class:`Prepare` carries a
+:class:`~ppipe.runtime.launch.deploy.Deployment` as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Union
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Start the workers of ``deployment`` (the shard's part of the new plan) that are not kept;
+    answered with ``{"kept": n, "started": n}``."""
+
+    deployment: Any
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Switch to the prepared plan, holding each resource of ``embargo`` until the given
+    wall-clock us (None: until a :class:`Lift`); answered with the switch's record."""
+
+    embargo: dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop the workers a :class:`Prepare` started; the old plan serves on."""
+
+
+@dataclass(frozen=True)
+class Lift:
+    """End the embargo on ``resource``: the old plan's reservations there end at ``until_us``."""
+
+    resource: str
+    until_us: float
+
+
+@dataclass(frozen=True)
+class LogArrivals:
+    """Start (``on``) or stop logging each request's (model, arrival) for the re-plan loop."""
+
+    on: bool
+
+
+@dataclass(frozen=True)
+class TakeArrivals:
+    """Hand over the arrivals logged since the last one: a list of (model, arrival us)."""
+
+
+@dataclass(frozen=True)
+class SetOwner:
+    """Pass each model's requests to the shard ``owner`` names from now on."""
+
+    owner: dict[str, int]
+
+
+ShardRequest = Union[Prepare, Commit, Abort, Lift, LogArrivals, TakeArrivals, SetOwner]
+
+
+class ShardHandle(Protocol):
+    """One shard, as the switch sees it: ``await call(request)`` is that shard's answer."""
+
+    async def call(self, request: ShardRequest) -> Any: ...
+
+
+class ShardControl:
+    """A shard's answers to :data:`ShardRequest`\\ s, on its own loop: each request to its
+    handler on the shard's plan switcher (``switcher``) or router (``router``, None where
+    the shard passes no requests). Shard 0's :class:`ShardHandle` as it is."""
+
+    def __init__(self, switcher: Any, router: Any = None):
+        self.switcher, self.router = switcher, router
+
+    async def call(self, request: ShardRequest) -> Any:
+        sw = self.switcher
+        match request:
+            case Prepare(deployment):
+                return await sw.prepare(deployment)
+            case Commit(embargo):
+                return await sw.commit(embargo)
+            case Abort():
+                return await sw.abort()
+            case Lift(resource, until_us):
+                return await sw.lift(resource, until_us)
+            case LogArrivals(on):
+                return await sw.log_arrivals(on)
+            case TakeArrivals():
+                return await sw.take_arrivals()
+            case SetOwner(owner):
+                if self.router is not None:
+                    self.router.owner = dict(owner)
+                return None
+        raise TypeError(f"not a shard request: {request!r}")
