@@ -263,6 +263,7 @@ def test_a_receiver_closes_a_connection_whose_length_prefix_is_impossible():
 # ---- receiving in place, sending without joining ---------------------------------------------------------
 class _FakeInbox:
     address = "tcp://127.0.0.1:0"
+    handshake = None  # connections not authenticated (tests/runtime/test_datapath_auth.py covers the handshake)
 
     def __init__(self):
         self.conns, self.got = set(), []

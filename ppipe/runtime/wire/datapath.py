@@ -27,8 +27,14 @@ not up yet queues its messages, and a peer that stops reading lets them wait up 
 fails that batch.
 
 Connections carry data only (typed MessagePack headers and raw tensors, never pickle). They listen on the
-node's address that Ray uses (the loopback address when every node is this host), so they
-are as exposed as Ray's own ports: run the cluster on a private network.
+node's address that Ray uses (the loopback address when every node is this host). Given the
+server's secret, a connection is authenticated before any of its messages is read, by an
+HMAC challenge-response (:mod:`ppipe.runtime.wire.handshake`): the listener sends a fresh 16-byte nonce, the
+connector answers ``HMAC-SHA256(secret, DOMAIN + nonce)``, and a connection that answers
+wrong, or not within ``AUTH_TIMEOUT_S``, is closed unread. A fresh nonce per connection
+makes a recorded answer useless on another; the cost is one round trip per connection
+(they live as long as the server), nothing per message. It authenticates the connector
+only, and encrypts nothing: what a connection carries can still be read on the network.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ppipe.runtime.wire.frames import LENGTH, MAX_MESSAGE_BYTES
+from ppipe.runtime.wire.handshake import AUTH_TIMEOUT_S, NONCE_BYTES, Handshake
 
 log = logging.getLogger("ppipe.runtime")
 
@@ -104,6 +111,10 @@ class _Receiver(asyncio.BufferedProtocol):
     SMALL_READ_BYTES)`` bytes of copying, not ``O(k m)``. A length prefix that no message
     can have (over :data:`~ppipe.runtime.wire.frames.MAX_MESSAGE_BYTES`, or under a header length
     field), or one this process has no memory for, closes the connection with a warning.
+
+    Where the inbox has a :class:`Handshake`, the connection first gets a nonce, and its
+    first ``Handshake.MAC_BYTES`` are the connector's answer: nothing after them is read
+    (no message buffer allocated, nothing delivered) until it is right.
     """
 
     def __init__(self, inbox: "Inbox"):
@@ -113,14 +124,42 @@ class _Receiver(asyncio.BufferedProtocol):
         self.small_end = 0  # small[:small_end]: received, not yet cut (under a length prefix)
         self.message: memoryview | None = None  # the message being filled, if any
         self.filled = 0  # bytes of ``message`` received
+        self.nonce: bytes | None = None  # set while the connection has not proved the secret
+        self._auth_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.inbox.conns.add(self)
+        if self.inbox.handshake is not None:
+            self.nonce = Handshake.nonce()
+            transport.write(self.nonce)
+            self._auth_timer = asyncio.get_running_loop().call_later(AUTH_TIMEOUT_S, self._auth_timed_out)
 
     def connection_lost(self, exc) -> None:
         self.inbox.conns.discard(self)
         self.message = None
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+
+    def _auth_timed_out(self) -> None:
+        if self.nonce is not None:
+            self.inbox.refuse(self, f"no answer to the handshake within {AUTH_TIMEOUT_S:g} s")
+
+    def _authenticate(self) -> bool:
+        """Check the answer once it has all come; True once the connection is authenticated."""
+        n = Handshake.MAC_BYTES
+        if self.small_end < n:
+            return False
+        if not self.inbox.handshake.verify(self.nonce, bytes(self.small[:n])):
+            self.small_end = 0
+            self.inbox.refuse(self, "a wrong answer to the handshake (it does not hold the server's secret)")
+            return False
+        self.nonce = None
+        self._auth_timer.cancel()
+        rest = self.small_end - n
+        self.small[:rest] = self.small[n : self.small_end]
+        self.small_end = rest
+        return True
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.message is not None:
@@ -130,7 +169,8 @@ class _Receiver(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.message is None:
             self.small_end += nbytes
-            self._cut()
+            if self.nonce is None or self._authenticate():
+                self._cut()
             return
         self.filled += nbytes
         if self.filled == len(self.message):
@@ -178,10 +218,20 @@ class Inbox:
         on_message: called once per message with its bytes (without the length prefix);
             an exception it raises is logged, and the next messages are still read.
         host: the address to listen on; the port is picked by the system.
+        secret: the server's data-path secret: every connection must prove it holds it
+            before a message of it is read (None: connections are not authenticated).
+        on_refused: called with the reason each time a connection is refused for failing
+            the handshake (a metric's counter); the first refusal of each peer host is
+            logged as a warning, the repeats at debug level.
     """
 
-    def __init__(self, on_message: Callable[[memoryview | bytes], None], host: str = LOOPBACK):
+    def __init__(self, on_message: Callable[[memoryview | bytes], None], host: str = LOOPBACK,
+                 secret: bytes | None = None, on_refused: Callable[[str], None] | None = None):
         self.on_message = on_message
+        self.handshake = Handshake(secret) if secret is not None else None
+        self.on_refused = on_refused
+        self.refused = 0
+        self._refused_hosts: set[str] = set()
         self.conns: set[_Receiver] = set()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.bind((host, 0))
@@ -191,6 +241,18 @@ class Inbox:
         loop = asyncio.get_running_loop()
         # the port listens from here on; peers that connect before the server runs wait in the backlog
         self._server = loop.create_task(loop.create_server(lambda: _Receiver(self), sock=sock))
+
+    def refuse(self, conn: _Receiver, why: str) -> None:
+        """Close an unauthenticated connection unread, count it, and log it (once per peer host)."""
+        peer = conn.transport.get_extra_info("peername")
+        host = str(peer[0]) if peer else "?"
+        level = logging.DEBUG if host in self._refused_hosts else logging.WARNING
+        self._refused_hosts.add(host)
+        log.log(level, "data path: refused a connection from %s to %s: %s", host, self.address, why)
+        self.refused += 1
+        conn.transport.abort()
+        if self.on_refused is not None:
+            self.on_refused(why)
 
     def deliver(self, message: memoryview | bytes) -> None:
         try:
@@ -237,11 +299,18 @@ class _Sender(asyncio.Protocol):
 
     Either way the queued views refer to the senders' arrays: an array must not change
     once sent (stage outputs and batch inputs are fresh arrays).
+
+    Where the outbox has a :class:`Handshake`, the connection is usable (``transport`` set,
+    the queue flushed) only once the listener's nonce has come and the answer is written;
+    until then messages queue as on a connection not yet up.
     """
 
     def __init__(self, outbox: "Outbox", addr: str):
         self.outbox, self.addr = outbox, addr
-        self.transport: asyncio.Transport | None = None
+        self.raw: asyncio.Transport | None = None  # the connection, from the moment it is up
+        self.transport: asyncio.Transport | None = None  # the same, once usable (authenticated)
+        self.nonce = b""
+        self._auth_timer: asyncio.TimerHandle | None = None
         self.gathers = False  # whether the transport's writelines writes pieces without joining them
         self.queue: deque[memoryview | bytes] = deque()
         self.queued_bytes = 0
@@ -249,12 +318,36 @@ class _Sender(asyncio.Protocol):
         self.lost = False
 
     def connection_made(self, transport) -> None:
+        self.raw = transport
+        if self.outbox.handshake is None:
+            self._usable(transport)
+        else:
+            self._auth_timer = asyncio.get_running_loop().call_later(AUTH_TIMEOUT_S, self._no_nonce)
+
+    def data_received(self, data: bytes) -> None:
+        """The listener's nonce (nothing else comes this way): answer it, then send."""
+        if self.transport is not None or self.outbox.handshake is None:
+            return
+        self.nonce += data
+        if len(self.nonce) >= NONCE_BYTES:
+            self._auth_timer.cancel()
+            self.raw.write(self.outbox.handshake.answer(self.nonce[:NONCE_BYTES]))
+            self._usable(self.raw)
+
+    def _no_nonce(self) -> None:
+        log.warning("data path: %s sent no handshake within %g s (does it hold no secret?); "
+                    "%d queued bytes dropped", self.addr, AUTH_TIMEOUT_S, self.queued_bytes)
+        self.raw.abort()
+
+    def _usable(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.gathers = type(transport).writelines is not asyncio.WriteTransport.writelines
         transport.set_write_buffer_limits(high=0)
         self._flush()
 
     def connection_lost(self, exc) -> None:
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
         self.lost = True
         self.queue.clear()
         self.queued_bytes = 0
@@ -328,9 +421,15 @@ class _Sender(asyncio.Protocol):
 
 
 class Outbox:
-    """Connections to peers by address; ``send`` never blocks (see the module's docstring)."""
+    """Connections to peers by address; ``send`` never blocks (see the module's docstring).
 
-    def __init__(self) -> None:
+    Args:
+        secret: the server's data-path secret, with which every connection answers its
+            listener's handshake (None: the listeners do not authenticate).
+    """
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self.handshake = Handshake(secret) if secret is not None else None
         self.peers: dict[str, _Sender] = {}
         self._connecting: set[asyncio.Task] = set()
         self._unreachable: set[str] = set()  # addresses whose last connect failed (logged once until one succeeds)
@@ -375,8 +474,8 @@ class Outbox:
 
     def drop(self, addr: str) -> None:
         peer = self.peers.pop(addr, None)
-        if peer is not None and peer.transport is not None:
-            peer.transport.abort()
+        if peer is not None and peer.raw is not None:
+            peer.raw.abort()
 
     def close(self) -> None:
         for t in list(self._connecting):
