@@ -117,7 +117,7 @@ class ShardServer:
         """Start serving; returns this shard's router address (for :meth:`set_peers`)."""
         from dataclasses import replace
 
-        from ppipe.runtime.ingress.http_server import BackgroundServer
+        from ppipe.runtime.ingress.http_transport import BackgroundServer
         from ppipe.runtime.control.switch import PlanSwitcher
 
         dep, models, settings = self._args[0], self._args[1], self._args[4]
