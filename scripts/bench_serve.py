@@ -13,9 +13,17 @@ Four figures:
    answer budget).
 
    Default: atss_r101_fpn_1x_coco, whose HC1-S plan has 16 vGPUs (4 P4 -> 4 L4 -> 8 P4,
-   batch 1, 399 req/s), at full speed. ``--dilation k`` rehearses the same plan k times
-   slower (latencies x k, NIC bandwidths / k, so SLO x k and rates / k; the same
-   pipelines, partitions and batches), for hosts too small for the real rate.
+   batch 1, 399 req/s). The workers send the plan's real feature maps (``--maps real``,
+   the default: 6.5 and 2.2 MB per atss request), which a small host cannot carry at the
+   plan's rate, so the plan is rehearsed k times slower (latencies x k, NIC bandwidths / k,
+   so SLO x k and rates / k; the same pipelines, partitions and batches). ``--dilation
+   auto`` (the default) picks k from this host's measured data-path rate at the plan's
+   largest map (as ``scripts/bench_datapath.py`` measures it): the smallest of 1, 1.5, 2,
+   3, 4, ... at which the maps' bytes per second at load 1.0 cost at most
+   ``MAP_BYTES_SHARE`` of one core, and prints it. ``--maps capped`` caps the maps at
+   4 KiB per sample (each transfer still waits its planned NIC time) for CPU-only figures
+   at full speed. Requests carry a 16-float input either way (the artifact's profiles
+   have no input spec; emulated workers ignore input values).
 
    Each runtime point also prints the CPU it cost: the frontend's per request (this
    process: HTTP, decoding, scheduler, data path), the workers' per stage (every worker
@@ -43,7 +51,8 @@ Measured figures, with the host line and the command, are in docs/benchmarks.md.
 
     python scripts/bench_serve.py                 # both parts
     python scripts/bench_serve.py --part ceiling  # one part
-    python scripts/bench_serve.py --part rehearsal                                  # atss, 16 vGPUs, full speed
+    python scripts/bench_serve.py --part rehearsal                                  # atss, 16 vGPUs, real maps, dilated
+    python scripts/bench_serve.py --part rehearsal --maps capped                    # 4 KiB maps, full speed
     python scripts/bench_serve.py --part rehearsal --model rtmdet_x_8xb32-300e_coco
     python scripts/bench_serve.py --part scaleout # 1 vs 2 frontend shards
     python scripts/bench_serve.py --part httpfloor --rates 300,600,1000
@@ -71,6 +80,10 @@ HC1_L_G2_RPS = 4285.0
 # (which a late timer turns into a drop, see the report) out of the figure.
 CEILING_SLO_MS = 500.0
 ARTIFACT = Path(os.environ.get("PPIPE_ARTIFACT", REPO.parent / "shared" / "data" / "ppipe-artifact"))
+# the share of one core the rehearsal's feature maps may cost to move at load 1.0 (--dilation auto)
+MAP_BYTES_SHARE = 0.25
+DILATION_STEPS = (1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80, 100)
+CAPPED_MAP_BYTES = 4096
 
 
 def bench(url: str, model: str, rate: float, duration_s: float, seed: int, binary: bool = False, input_shape: str | None = None,
@@ -158,6 +171,46 @@ def stop(srv, workers) -> None:
 
 
 # ---- part 1: rehearsal vs simulator -------------------------------------------------------------------
+def map_bytes_per_request(plan, profile) -> tuple[float, int]:
+    """Feature-map bytes one request sends worker to worker (the model's pipelines weighted
+    by their planned rates), and the largest single map per sample."""
+    mp = plan.models[0]
+    total, largest = 0.0, 0
+    for pl in mp.pipelines:
+        cuts = [profile.cut_bytes(p.last_block) for p in pl.partitions[:-1]]
+        total += pl.throughput_rps / mp.throughput_rps * sum(cuts)
+        largest = max([largest, *cuts])
+    return total, largest
+
+
+def datapath_gbps(nbytes: int) -> float:
+    """This host's data-path rate (GB/s) for one map of ``nbytes`` between two processes, as
+    ``scripts/bench_datapath.py`` measures it (median of 5, after one warm-up)."""
+    from bench_datapath import DatapathPair
+
+    try:
+        import uvloop  # noqa: F401  (the workers' and the frontend's loop where installed)
+
+        kind = "uvloop"
+    except ImportError:
+        kind = "asyncio"
+    pair = DatapathPair(kind)
+    try:
+        x = np.zeros(max(1, nbytes // 2), np.float16)
+        pair.time_one(x)
+        seconds = float(np.median([pair.time_one(x) for _ in range(5)]))
+    finally:
+        pair.close()
+    return nbytes / seconds / 1e9
+
+
+def auto_dilation(planned_rps: float, bytes_per_request: float, gbps: float) -> float:
+    """The smallest step k at which the maps' bytes at load 1.0, ``planned_rps / k *
+    bytes_per_request`` per second, cost at most ``MAP_BYTES_SHARE`` of a core at ``gbps``."""
+    need = planned_rps * bytes_per_request / (MAP_BYTES_SHARE * gbps * 1e9)
+    return next((float(k) for k in DILATION_STEPS if k >= need), float(np.ceil(need)))
+
+
 def dilate(profile, cluster, k: float, out_dir: Path):
     """The same plan problem k times slower: latencies x k, NIC bandwidths / k (so SLOs,
     derived from batch-1 latency, scale by k too). A plan for it has the same pipelines,
@@ -192,9 +245,9 @@ def lateness(rt, since: int) -> dict[str, float]:
     return out
 
 
-def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: float, dispatch_lead_ms: float | None = None,
+def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: float | str, dispatch_lead_ms: float | None = None,
               answer_budget_ms: float | None = None, report_tolerance_ms: float | None = None, binary: bool = False,
-              loads: list[float] | None = None) -> dict:
+              loads: list[float] | None = None, maps: str = "real") -> dict:
     from ppipe.planner.api import plan as make_plan
     from ppipe.sim.simulator import SimConfig
     from ppipe.sim.sweep import run_point
@@ -209,6 +262,17 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
     base_cluster = load_cluster("HC1-S")
     base_plan = make_plan(base_cluster, [str(d)], time_limit_s=60)
     prof, cluster = load_profile(d), base_cluster
+    per_request, largest = map_bytes_per_request(base_plan, prof)
+    if maps == "capped":
+        dilation = 1.0 if dilation == "auto" else dilation
+        print(f"   feature maps capped at {CAPPED_MAP_BYTES} B per sample (the plan's: {per_request / 1e6:.1f} MB per request)")
+    else:
+        gbps = datapath_gbps(largest)
+        auto = auto_dilation(base_plan.models[0].throughput_rps, per_request, gbps)
+        print(f"   real feature maps: {per_request / 1e6:.1f} MB per request, {base_plan.models[0].throughput_rps * per_request / 1e9:.2f} GB/s "
+              f"at the planned rate; this host's data path moves {gbps:.2f} GB/s at {largest / 1e6:.1f} MB; at most "
+              f"{MAP_BYTES_SHARE:g} core for the maps needs a dilation of x{auto:g}")
+        dilation = auto if dilation == "auto" else float(dilation)
     if dilation != 1:
         prof, cluster = dilate(prof, base_cluster, dilation, tmp / "dilated" / model)
     plan = make_plan(cluster, [str(prof.directory)], time_limit_s=60)
@@ -252,9 +316,9 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
     sim_best, sim_points = scan(sim_attainment, "simulator")
     print(f"   simulator: max load factor at 99 % = {sim_best}  ({time.perf_counter() - t0:.1f} s)")
 
-    # feature maps capped at 4 KiB per sample (the plan cuts 2-13 MB ones; this host cannot
-    # move that many bytes per second); each transfer still waits its planned NIC time
-    srv, workers, rt = serve_in_process(plan, profiles, cluster, {"max_bytes_per_sample": 4096}, dispatch_lead_ms, keep_traces=10**6,
+    # capped maps: 4 KiB per sample; each transfer still waits its planned NIC time either way
+    backend_options = {"max_bytes_per_sample": CAPPED_MAP_BYTES} if maps == "capped" else {}
+    srv, workers, rt = serve_in_process(plan, profiles, cluster, backend_options, dispatch_lead_ms, keep_traces=10**6,
                                         answer_budget_ms=answer_budget_ms, report_tolerance_ms=report_tolerance_ms)
     print(f"   runtime: report tolerance {rt.report_tolerance_us} us, requests {'binary' if binary else 'JSON'}")
     pids = worker_pids(workers)
@@ -306,6 +370,7 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
               f"{HC1_L_G2_RPS:.0f} req/s (the frontend alone: {fe_beyond:.3f} ms per request plus its idle "
               f"{fe_idle_rate:.2f} core; target <= 2)")
     return {"model": model, "vgpus": len(plan.placement), "planned_rps": mp.throughput_rps, "slo_ms": mp.slo_ms, "dilation": dilation,
+            "maps": maps, "plan_map_bytes_per_request": per_request,
             "duration_s": duration_s, "sim_max_load": sim_best, "sim_attainment": sim_points,
             "runtime_max_load": best, "runtime_points": points}
 
@@ -505,9 +570,12 @@ def main() -> None:
     ap.add_argument("--model", default="atss_r101_fpn_1x_coco", help="PPipe-artifact model for the rehearsal (see above)")
     ap.add_argument("--duration-s", type=float, default=10.0, help="arrival window per load point (the paper: 30)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dilation", type=float, default=1.0,
+    ap.add_argument("--dilation", default="auto",
                     help="rehearse the plan k times slower (latencies x k, NICs / k, rates / k), for a host too small "
-                         "for the plan's real rate (default 1: full speed)")
+                         "for the plan's real rate; auto (the default): what this host's data path needs for the maps "
+                         "(1 with --maps capped)")
+    ap.add_argument("--maps", choices=["real", "capped"], default="real",
+                    help="rehearsal: the plan's real feature maps (default), or capped at 4 KiB per sample")
     ap.add_argument("--dispatch-lead-ms", type=float, default=None, help="the runtime's dispatch lead (default: ppipe serve's)")
     ap.add_argument("--answer-budget-ms", type=float, default=None, help="the runtime's answer budget (default: ppipe serve's)")
     ap.add_argument("--report-tolerance-ms", type=float, default=None,
@@ -541,9 +609,10 @@ def main() -> None:
         if args.part in ("all", "scaleout"):
             results["scaleout"] = scaleout(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.scaleout_rates.split(",")])
         if args.part in ("all", "rehearsal"):
-            results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), args.dilation, args.dispatch_lead_ms,
+            dilation = args.dilation if args.dilation == "auto" else float(args.dilation)
+            results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), dilation, args.dispatch_lead_ms,
                                              args.answer_budget_ms, args.report_tolerance_ms, args.binary,
-                                             [float(x) for x in args.loads.split(",")] if args.loads else None)
+                                             [float(x) for x in args.loads.split(",")] if args.loads else None, args.maps)
     if ray.is_initialized():
         ray.shutdown()
     if args.json_out:
