@@ -90,7 +90,7 @@ def unpack(message: bytes | memoryview, kind: type[M]) -> tuple[M, dict[str, np.
     try:
         header, specs = decoder.decode(view[LENGTH : LENGTH + h])
     except msgspec.DecodeError as exc:  # ValidationError is one
-        raise WireError(f"header is not a {kind.__name__}: {exc}") from None
+        raise WireError(f"header is not a {getattr(kind, '__name__', kind)}: {exc}") from None
     tensors, pos = {}, LENGTH + h
     for spec in specs:
         arr, pos = _array(spec, view, pos)
