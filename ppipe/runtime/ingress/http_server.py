@@ -72,7 +72,6 @@ from starlette.routing import Route
 
 from ppipe.errors import UserError
 from ppipe.runtime.ingress.bodies import BodyDecoder, default_decode_workers, read_body
-from ppipe.runtime.ingress.http_transport import BackgroundServer  # noqa: F401  (re-exported for ppipe.runtime.launch.shards)
 from ppipe.runtime.ingress.model_io import check_infer_inputs, model_metadata
 from ppipe.runtime.ingress.protocol import HEADER_LENGTH, InferRequest, ProtocolError, brief, encode_infer_response
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
