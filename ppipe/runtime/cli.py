@@ -169,7 +169,8 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
 
     from ppipe.runtime.ingress.http_transport import uvicorn_config
     from ppipe.runtime.launch.deploy import load_deployment
-    from ppipe.runtime.launch.shards import assign_shards, build_shard, parse_shards, reuseport_socket
+    from ppipe.runtime.control.shard_plan import assign_shards, parse_shards
+    from ppipe.runtime.launch.shards import build_shard, reuseport_socket
 
     _check_serve_flags(transport, backend, dispatch_lead_ms, answer_budget_ms,
                        {"--header-timeout-s": header_timeout_s, "--body-timeout-s": body_timeout_s, "--shutdown-timeout-s": shutdown_timeout_s})
@@ -326,14 +327,15 @@ def _companions(rt, router, *, dep, parts, owner, actors, addresses, switchers, 
     the other shards, SIGHUP plan reloads and, with ``--replan auto``, the re-planning loop.
     It appends the server's plan switcher to ``switchers``."""
     from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload
-    from ppipe.runtime.launch.shards import PeerExchange, sub_plan
+    from ppipe.runtime.control.shard_plan import sub_plan
+    from ppipe.runtime.launch.shards import PeerExchange, RayShard
 
     out = [] if router is None else [PeerExchange(router, actors, addresses)]
     if router is None:  # one shard
         switchers.append(PlanSwitcher(rt, dep, **worker_options))
     else:
         mine = dataclasses.replace(dep, plan=sub_plan(dep.plan, parts[0]), profiles={m: dep.profiles[m] for m in parts[0]})
-        switchers.append(ShardedSwitcher(PlanSwitcher(rt, mine, **worker_options), dep, owner, actors, router))
+        switchers.append(ShardedSwitcher(PlanSwitcher(rt, mine, **worker_options), dep, owner, [RayShard(a) for a in actors], router))
     out.append(SighupReload(switchers[0], plan_file))  # ppipe apply and SIGHUP switch plans
     if replan_policy is not None:
         from ppipe.runtime.control.replan import ReplanLoop

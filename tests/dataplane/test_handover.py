@@ -160,7 +160,7 @@ def test_a_gpu_another_scheduler_gives_up_waits_under_embargo_until_its_last_old
     shard B (fresh). B's switch embargoes n-2; A's switch says when its old reservations
     there end; lifting B's embargo to that instant is the one-scheduler rule."""
     from ppipe.dataplane.handover import EMBARGO_US
-    from ppipe.runtime.launch.shards import sub_plan
+    from ppipe.runtime.control.shard_plan import sub_plan
 
     clock = ManualClock()
     new_a = toy_plan(CLUSTER, [ToyModel("m", 6.0, [ToyPipeline(2, [ToyPartition(0, 0, "A", 1, [("n-0", 0, 0)]),

@@ -357,7 +357,7 @@ class GrpcServer:
         runtime: the runtime to serve (already started, on this loop, when :meth:`start` runs).
         host, port: where to bind; port 0 picks a free port (see :attr:`port` after start).
         token: bearer token required on ModelMetadata and ModelInfer, as on REST.
-        router: the shard's :class:`~ppipe.runtime.launch.shards.ShardRouter` on a server of several
+        router: the shard's :class:`~ppipe.runtime.ingress.shard_router.ShardRouter` on a server of several
             shards: every shard serves the port, and passes RPCs of other shards' models to
             their owner (the answer, error or not, comes back as the owner gave it).
         max_message_bytes: largest request accepted (RESOURCE_EXHAUSTED above), REST's body limit.

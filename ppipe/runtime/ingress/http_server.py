@@ -24,7 +24,7 @@ This departs on purpose from the Open Inference Protocol's text, whose "server r
 that *all* models are ready: with models spread over machines, that rule takes a whole
 server out of rotation for one lost machine (Triton makes the same choice an option,
 ``--strict-readiness``). A server of several frontend shards is ready once every shard has
-started, and then while one of them is ready (:mod:`ppipe.runtime.launch.shards`).
+started, and then while one of them is ready (:mod:`ppipe.runtime.ingress.shard_router`).
 
 Status codes of ``infer`` (the body is always ``{"error": "..."}`` on failure):
 

@@ -47,7 +47,7 @@ class ServeSettings:
             scheduler options, dispatch lead, answer budget, the link opener of plan switches).
         app: keyword arguments of :func:`ppipe.runtime.ingress.http_server.create_app` (token, body
             limits and timeouts, decode workers).
-        server: keyword arguments of :func:`ppipe.runtime.ingress.http_server.uvicorn_config` (timeouts).
+        server: keyword arguments of :func:`ppipe.runtime.ingress.http_transport.uvicorn_config` (timeouts).
         workers: how a failed vGPU's worker is re-created (``backend``,
             ``backend_options`` of :func:`ppipe.runtime.launch.deploy.respawn_worker`); empty: never.
         grpc: keyword arguments of :class:`ppipe.runtime.ingress.grpc_server.GrpcServer` (host,
