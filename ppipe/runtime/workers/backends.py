@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from ppipe.errors import NotAvailableError, UserError
-from ppipe.runtime.clock import sleep_until, wall_us
+from ppipe.runtime.workers.stage_clock import WALL_CLOCK, StageClock
 from ppipe.spec.profile import ModelProfile
 
 BACKENDS = ("ort", "tensorrt", "torch", "emulated")
@@ -97,15 +97,17 @@ class EmulatedBackend:
             sample; a rehearsal of a 400 req/s plan on one small host cannot move GB/s
             through its sockets, so it caps them; the NIC time of a transfer is still
             the planned one (the worker waits it out), only the bytes shrink.
+        clock: what the sleeps wait on (the worker's; default the wall clock).
     """
 
     name = "emulated"
 
     def __init__(
         self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, time_scale: float = 1.0,
-        max_bytes_per_sample: int | None = None,
+        max_bytes_per_sample: int | None = None, clock: StageClock | None = None,
     ):
         self.profile, self.gpu, self.vgpu, self.first, self.last = profile, gpu, vgpu, first, last
+        self.clock = clock or WALL_CLOCK
         self.time_scale = time_scale
         self.max_bytes_per_sample = max_bytes_per_sample
         self.is_last = last == profile.num_blocks - 1
@@ -120,9 +122,10 @@ class EmulatedBackend:
         return t
 
     async def run(self, inputs: Tensors, batch: int) -> Tensors:
-        # the loop's timer, then a kernel sleep for the last millisecond (sleep_until): as
-        # punctual as a spin, without the spinning that would delay dozens of emulated vGPUs
-        await sleep_until(wall_us() + self.latency_us(batch))
+        # the wall clock's sleep_until is the loop's timer, then a kernel sleep for the last
+        # millisecond: as punctual as a spin, without the spinning that would delay dozens
+        # of emulated vGPUs
+        await self.clock.sleep_until(self.clock.now_us() + self.latency_us(batch))
         return self.outputs(batch)
 
     def outputs(self, batch: int) -> Tensors:
@@ -357,12 +360,14 @@ class TensorRTBackend:
         return await asyncio.get_running_loop().run_in_executor(None, self.run_sync, inputs, device_out)
 
 
-def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, **options) -> Backend:
-    """Build a backend by name (``ort``, ``tensorrt``, ``torch``, ``emulated``)."""
+def make_backend(name: str, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, *,
+                 clock: StageClock | None = None, **options) -> Backend:
+    """Build a backend by name (``ort``, ``tensorrt``, ``torch``, ``emulated``); ``clock``: the
+    worker's, which the emulated backend sleeps on (the others run for real)."""
     if name == "emulated":
         return EmulatedBackend(
             profile, gpu, vgpu, first, last, time_scale=options.get("time_scale", 1.0),
-            max_bytes_per_sample=options.get("max_bytes_per_sample"),
+            max_bytes_per_sample=options.get("max_bytes_per_sample"), clock=clock,
         )
     if name == "ort":
         return OrtBackend(profile, gpu, vgpu, first, last)

@@ -1,7 +1,9 @@
-"""One Ray actor per vGPU: runs its partition; feature maps go worker to worker.
+"""One worker per vGPU: runs its partition; feature maps go worker to worker.
 
-Ray places the actor (custom resources), starts it and tells the frontend when it dies;
-the batches themselves come over the data path (:mod:`ppipe.runtime.wire.datapath`): the
+A worker is a Ray actor (:func:`actor_class`: Ray places it by custom resources, starts it
+and tells the frontend when it dies) or, for tests and rehearsals on one host, an object in
+the frontend's own process (:mod:`ppipe.runtime.launch.inproc`); the code is the same. The
+batches themselves come over the data path (:mod:`ppipe.runtime.wire.datapath`): the
 worker's inbox receives a stage message (the batch's tensors, the reserved route and its
 workers' addresses), :meth:`VgpuWorker.run_stage` waits for the reserved start and runs the
 partition, and the output goes straight to the next stage's worker while a small report
@@ -13,6 +15,8 @@ message n from P"). Feature maps are cast to fp16 before they leave a worker.
 
 The actor is asynchronous so that its control calls (``ping``, ``lifeline``) answer while a
 batch runs; an asyncio lock makes batches on one vGPU run one at a time, in arrival order.
+Every stamp of a report and every wait before a stage is read from the worker's clock
+(:mod:`ppipe.runtime.workers.stage_clock`; the wall clock unless one is given).
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from typing import Any, Callable
 import numpy as np
 
 from ppipe.errors import UserError
-from ppipe.runtime.clock import sleep_until, wall_us
 from ppipe.runtime.wire.messages import EdgeRef, StageMsg, StageReport
+from ppipe.runtime.workers.stage_clock import WALL_CLOCK, StageClock
 from ppipe.runtime.workers.stage_server import StageResult, StageServer
+
+DATA_LOOPS = ("own-thread", "current")
+"""Where a worker serves its data path (:class:`VgpuWorker`'s ``data_loop``)."""
 
 
 @dataclass(frozen=True)
@@ -100,26 +107,34 @@ def check_gpu_sharing(spec: WorkerSpec, gpu_resident: bool, provenance: str, mps
 
 
 class VgpuWorker:
-    """The body of a vGPU actor (wrapped with ``ray.remote`` by :mod:`ppipe.runtime.launch.deploy`).
+    """The body of a vGPU worker: a Ray actor's (:class:`VgpuActor`, started by
+    :mod:`ppipe.runtime.launch.deploy`) or an in-process one's (:mod:`ppipe.runtime.launch.inproc`).
+
+    It leaves its process alone (environment, priority): that is the Ray actor's, whose
+    process it is.
 
     Args:
         spec: the vGPU and the partition it runs.
-        backend: ``ort``, ``tensorrt`` or ``emulated``.
+        backend: ``ort``, ``tensorrt``, ``torch`` or ``emulated``.
         backend_options: passed to :func:`ppipe.runtime.workers.backends.make_backend`.
+        clock: the stamps and waits of its stages (:class:`~ppipe.runtime.workers.stage_clock.StageClock`),
+            also the emulated backend's sleeps; None: the wall clock.
+        data_loop: where the data path is served: ``own-thread``, an event loop on a thread
+            of its own (a Ray actor: see :meth:`open_data_path`), or ``current``, the loop
+            that calls :meth:`open_data_path` (an in-process worker beside the frontend).
     """
 
-    def __init__(self, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None = None):
+    def __init__(self, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None = None, *,
+                 clock: StageClock | None = None, data_loop: str = "own-thread"):
         from ppipe.runtime.workers.backends import make_backend
         from ppipe.spec.profile import load_profile_ref
 
-        from ppipe.runtime.launch.deploy import worker_env
-
-        pin_cuda_env(worker_env(spec, backend))  # before the backend loads any CUDA library
-        self.nice = _undo_ray_niceness()
-        self.spec = spec
+        if data_loop not in DATA_LOOPS:
+            raise ValueError(f"data_loop must be one of {', '.join(DATA_LOOPS)}, got {data_loop!r}")
+        self.spec, self.clock, self.data_loop = spec, clock or WALL_CLOCK, data_loop
         profile = load_profile_ref(spec.profile)
         opts = {"opt_batch": spec.batch, **{k: v for k, v in (backend_options or {}).items() if k != "emulate_network"}}
-        self.backend = make_backend(backend, profile, spec.gpu, spec.vgpu, spec.first_block, spec.last_block, **opts)
+        self.backend = make_backend(backend, profile, spec.gpu, spec.vgpu, spec.first_block, spec.last_block, clock=self.clock, **opts)
         from ppipe.profiler.trt_backend import mps_available
 
         check_gpu_sharing(spec, bool(getattr(self.backend, "gpu_resident", False)), profile.manifest.provenance.get(spec.gpu, ""), mps_available)
@@ -133,9 +148,6 @@ class VgpuWorker:
         self.data_path: Any = None  # the StageServer, once the frontend opens the data path
         self._data_loop: asyncio.AbstractEventLoop | None = None
         self._node: str | None = None
-        from ppipe.runtime.scheduler.host import freeze_startup_objects
-
-        freeze_startup_objects()  # a worker is on the latency path too: no full-GC stalls over start-up objects
 
     async def ping(self) -> dict[str, Any]:
         """Liveness probe; also tells where the worker runs."""
@@ -146,7 +158,7 @@ class VgpuWorker:
             "batches": self.batches,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "mps_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
-            "nice": self.nice,
+            "nice": os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0,
             # NCCL edges and how many messages each has carried
             "edges": {f"{role}:{peer}" + (f"@{gen}" if gen else ""): ch.next_seq for (role, peer, gen), ch in self.channels.items()},
         }
@@ -155,10 +167,12 @@ class VgpuWorker:
     async def open_data_path(self, frontend: str) -> str:
         """Bind this worker's inbox and connect to the frontend's; returns the inbox's address.
 
-        The data path runs on an event loop of its own, on its own thread (uvloop where it
-        is installed), not on the loop Ray runs the actor's methods on: stages then pay
-        only for their own work, not for Ray's tracing wrappers and wake-ups (measured
-        here: about half the worker's CPU per stage).
+        With ``data_loop="own-thread"`` the data path runs on an event loop of its own, on
+        its own thread (uvloop where it is installed), not on the loop Ray runs the actor's
+        methods on: stages then pay only for their own work, not for Ray's tracing wrappers
+        and wake-ups (measured here: about half the worker's CPU per stage). With
+        ``current`` it runs on the calling loop, which an in-process worker shares with the
+        frontend (no thread, no hop between loops).
         """
         def open_() -> str:
             if self.data_path is None:
@@ -172,7 +186,9 @@ class VgpuWorker:
         await self._on_data_loop(lambda: self.data_path.connect(peers))
 
     async def _on_data_loop(self, fn: Any) -> Any:
-        """Run ``fn()`` on the data path's loop (started on first use) and return its result."""
+        """Run ``fn()`` on the data path's loop (its own started on first use) and return its result."""
+        if self.data_loop == "current":
+            return fn()
         if self._data_loop is None:
             self._data_loop = _start_loop_thread(f"ppipe-data-{self.spec.vgpu_id}")
 
@@ -184,6 +200,27 @@ class VgpuWorker:
     async def lifeline(self) -> None:
         """Never returns: the frontend awaits it, and Ray fails the call when this actor dies."""
         await asyncio.Event().wait()
+
+    def close_data_path(self) -> None:
+        """Close the data path as a dying process would: the inbox and its connections, the
+        connections to peers, the stages in flight and the edges; then stop the data path's
+        own loop, if it has one. Call it on the loop that serves the data path where that
+        is the caller's (``data_loop="current"``); from any thread otherwise."""
+        server, self.data_path = self.data_path, None
+        loop, self._data_loop = self._data_loop, None
+
+        def close() -> None:
+            if server is not None:
+                server.close()
+            for key in list(self.channels):
+                self.channels.pop(key).abort(f"{self.spec.vgpu_id} closed")
+            if loop is not None:
+                loop.stop()
+
+        if loop is None:
+            close()
+        else:
+            loop.call_soon_threadsafe(close)
 
     # ---- transport (NCCL edges; see ppipe.runtime.workers.transport) -------------------------------------
     async def transport_caps(self) -> dict[str, Any]:
@@ -279,7 +316,7 @@ class VgpuWorker:
         its output: to the next stage as fp16 feature maps, the model's outputs after the
         last stage, None when they went over a ``send`` edge.
         """
-        received = wall_us()
+        received = self.clock.now_us()
         k = msg.stage
         link = msg.links[k] if msg.links is not None else None
         send, recv = (link.send, link.recv) if link is not None else (None, None)
@@ -289,7 +326,7 @@ class VgpuWorker:
                 raise RuntimeError(f"batch {msg.batch_id} stage {k} is for {msg.route[k]}, not {self.spec.vgpu_id}")
             recv_posted = recv is not None
             tensors, xfer, not_before = await self._stage_input(msg, tensors, recv, received)
-            await sleep_until(max(not_before, msg.timing[k].start_us))
+            await self.clock.sleep_until(max(not_before, msg.timing[k].start_us))
             outputs, start, end = await self._run_partition(tensors, msg.batch, device_out=send is not None)
             self.batches += 1
             report = StageReport(msg.batch_id, k, self.spec.vgpu_id, start, end, xfer[0], xfer[1], received, self._node_id())
@@ -313,7 +350,7 @@ class VgpuWorker:
         k = msg.stage
         if recv is not None:
             tensors, head = await self._channel("recv", recv).recv(recv.seq, msg.batch_id)
-            xfer = (head.sent_wall_us, wall_us())
+            xfer = (head.sent_wall_us, self.clock.now_us())
             if not getattr(self.backend, "accepts_device", False):
                 tensors = {name: _to_host(v) for name, v in tensors.items()}
             return tensors, xfer, xfer[1]
@@ -335,12 +372,12 @@ class VgpuWorker:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            start = wall_us()
+            start = self.clock.now_us()
             if device_out and getattr(self.backend, "device_outputs", False):
                 outputs = await self.backend.run(tensors, batch, device_out=True)
             else:
                 outputs = await self.backend.run(tensors, batch)
-            return outputs, start, wall_us()
+            return outputs, start, self.clock.now_us()
 
     async def _keep_edges_numbered(self, batch_id: int, recv: EdgeRef | None, send: EdgeRef | None, exc: BaseException) -> None:
         """A stage failed: take its message off its ``recv`` edge anyway (the sender posts it
@@ -354,18 +391,36 @@ class VgpuWorker:
                 pass
         if send is not None:
             try:
-                await self._channel("send", send).send(send.seq, batch_id, None, wall_us(), error=f"{type(exc).__name__}: {exc}")
+                await self._channel("send", send).send(send.seq, batch_id, None, self.clock.now_us(), error=f"{type(exc).__name__}: {exc}")
             except Exception:
                 pass
 
     def _node_id(self) -> str | None:
+        """The Ray node this worker runs on; None in a process without Ray (an in-process worker)."""
         if self._node is None:
-            import ray
-
-            if not ray.is_initialized():  # the worker's body used in-process (tests)
+            ray = sys.modules.get("ray")  # a Ray actor's process has it; an in-process worker imports none
+            if ray is None or not ray.is_initialized():
                 return None
             self._node = ray.get_runtime_context().get_node_id()
         return self._node
+
+
+class VgpuActor(VgpuWorker):
+    """A :class:`VgpuWorker` as a Ray actor, in a process of its own, which it sets up: before
+    the worker is built it pins the process to the vGPU's GPU and MPS share
+    (:func:`pin_cuda_env`, before the backend loads any CUDA library) and undoes Ray's
+    niceness (:func:`_undo_ray_niceness`); after, it freezes the start-up objects out of the
+    garbage collector's sight (a worker is on the latency path too: no full-collection
+    stalls over them)."""
+
+    def __init__(self, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None = None):
+        from ppipe.runtime.launch.deploy import worker_env
+        from ppipe.runtime.scheduler.host import freeze_startup_objects
+
+        pin_cuda_env(worker_env(spec, backend))
+        _undo_ray_niceness()
+        super().__init__(spec, backend, backend_options)
+        freeze_startup_objects()
 
 
 def _undo_ray_niceness() -> int:
@@ -389,7 +444,8 @@ def _undo_ray_niceness() -> int:
 
 
 def _start_loop_thread(name: str) -> asyncio.AbstractEventLoop:
-    """A new event loop (uvloop's where installed) running forever on a daemon thread."""
+    """A new event loop (uvloop's where installed) running on a daemon thread until stopped
+    (then closed)."""
     import threading
 
     try:
@@ -398,7 +454,14 @@ def _start_loop_thread(name: str) -> asyncio.AbstractEventLoop:
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, name=name, daemon=True).start()
+
+    def run() -> None:
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
     return loop
 
 
@@ -409,7 +472,7 @@ def _to_host(arr: Any) -> np.ndarray:
 
 
 def actor_class():
-    """The Ray actor class of a vGPU worker (:class:`VgpuWorker`)."""
+    """The Ray actor class of a vGPU worker (:class:`VgpuActor`)."""
     import ray
 
-    return ray.remote(VgpuWorker)
+    return ray.remote(VgpuActor)
