@@ -122,7 +122,7 @@ def test_a_killed_handle_ends_its_lifeline_and_refuses_calls(tinynet):
         life = asyncio.ensure_future(handle.lifeline())
         await asyncio.sleep(0.01)
         assert not life.done()
-        handle.kill()
+        await asyncio.to_thread(handle.kill)  # from another thread: handed to the worker's loop
         with pytest.raises(WorkerGone):
             await asyncio.wait_for(life, 1)
         handle.kill()  # again: nothing

@@ -87,12 +87,16 @@ class InprocWorkerHandle:
 
     def kill(self) -> None:
         """Close the worker's data path and end its lifeline; again: nothing. From any
-        thread: off the worker's loop, the kill is handed to that loop."""
+        thread: off the worker's loop, the kill is handed to that loop (and done once it
+        runs); after that loop has closed, the data path went with it."""
         loop = self._loop
-        if loop is not None and not loop.is_closed() and _running_loop() is not loop:
-            loop.call_soon_threadsafe(self._kill_here)
-        else:
+        if loop is None or _running_loop() is loop:
             self._kill_here()
+            return
+        try:
+            loop.call_soon_threadsafe(self._kill_here)
+        except RuntimeError:  # the loop is closed: nothing of the data path is left to close
+            self.gone = True
 
     def _kill_here(self) -> None:
         if self.gone:
