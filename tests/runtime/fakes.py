@@ -13,6 +13,7 @@ import asyncio
 
 from ppipe.dataplane.api import Dispatch, Drop, DropReason, Stage, WakeAt
 from ppipe.runtime.clock import wall_us
+from ppipe.runtime.launch.handle import WorkerGone
 from ppipe.runtime.wire.messages import StageReport
 from ppipe.runtime.workers.stage_server import StageResult, StageServer
 
@@ -87,57 +88,44 @@ class FifoScheduler:
 
 
 # ---- a worker in-process ----------------------------------------------------------------------------------
-class _Method:
-    """Stands in for an actor method: ``.remote(*args)`` runs it on the loop; the result is awaitable."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        fut = asyncio.ensure_future(self.fn(*args))
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception was never retrieved"
-        return fut
-
-
 class FakeWorker:
-    """A worker in-process: the real data path (:class:`StageServer`, TCP on 127.0.0.1)
-    around a fake stage (x + 1, then y = 2x). ``kill()`` stops it like a dead actor: its
-    inbox closes and its lifeline call fails; ``die_on_next_stage`` kills it while it holds a batch;
-    ``hold`` (an asyncio.Event) makes its stages wait for it."""
+    """A :class:`~ppipe.runtime.launch.handle.WorkerHandle` in-process: the real data path
+    (:class:`StageServer`, TCP on 127.0.0.1) around a fake stage (x + 1, then y = 2x).
+    ``kill()`` stops it like a dead worker: its inbox closes and its lifeline raises
+    :class:`WorkerGone`; ``die_on_next_stage`` kills it while it holds a batch; ``hold`` (an
+    asyncio.Event) makes its stages wait for it. It records the edges it was told to drop
+    (``dropped``) and close (``closed``), and ``killed``: how often ``kill()`` was called."""
 
     def __init__(self, vgpu_id, mailbox=None):
         self.vgpu_id, self.dead, self.die_on_next_stage = vgpu_id, False, False
         self.hold: asyncio.Event | None = None
         self.mailbox = {} if mailbox is None else mailbox  # (sender, receiver, gen, seq) -> future: a fake NCCL edge
         self.links, self.dropped, self.closed = [], [], []
+        self.killed = 0
         self.server = StageServer(vgpu_id, self._run)
         self._gone: asyncio.Event | None = None
-        self.open_data_path = _Method(self._open)
-        self.connect_peers = _Method(self._connect)
-        self.lifeline = _Method(self._lifeline)
-        self.drop_peer = _Method(self._drop)
-        self.close_edges = _Method(self._close_edges)
 
-    async def _open(self, frontend):
+    async def open_data_path(self, frontend):
         return self.server.open(frontend)
 
-    async def _connect(self, peers):
+    async def connect_peers(self, peers):
         self.server.connect(peers)
 
-    async def _drop(self, peer, gens=None):
+    async def drop_peer(self, peer, gens=None):
         self.dropped.append(peer)
+        return 1
 
-    async def _close_edges(self, edges):
+    async def close_edges(self, edges):
         self.closed += edges
+        return len(edges)
 
-    async def _lifeline(self):
+    async def lifeline(self):
         self._gone = self._gone or asyncio.Event()
         await self._gone.wait()
-        import ray
-
-        raise ray.exceptions.RayActorError()
+        raise WorkerGone(f"{self.vgpu_id} was killed")
 
     def kill(self):
+        self.killed += 1
         self.dead = True
         self.server.close()
         self._gone = self._gone or asyncio.Event()

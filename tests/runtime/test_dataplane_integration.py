@@ -53,10 +53,8 @@ def _serve(plan, tmp_path, backend, cluster_file=None):
 
 
 def _kill_all(workers):
-    import ray
-
     for h in workers.values():
-        ray.kill(h)
+        h.kill()
 
 
 def test_real_scheduler_serves_a_two_partition_plan(ray_cluster, tinynet, tmp_path):
@@ -110,8 +108,6 @@ def test_batches_cross_nodes_along_reserved_paths(ray_cluster, tmp_path):
 
 
 def test_killed_worker_fails_its_requests_and_the_rest_keeps_serving(ray_cluster, tmp_path):
-    import ray
-
     prof = write_tinynet(tmp_path / "m", base_us=4000.0)  # ~4-20 ms per stage: batches are in flight
     cfile = tmp_path / "three.yaml"
     cfile.write_text(THREE_CPUS)
@@ -149,7 +145,7 @@ def test_killed_worker_fails_its_requests_and_the_rest_keeps_serving(ray_cluster
             if busy and time.monotonic() - start > 1.0:
                 killed_at["t"] = time.monotonic()
                 killed_at["clock_us"] = rt.clock.now_us()
-                ray.kill(workers[victim])
+                workers[victim].kill()
                 return
             time.sleep(0.002)
 
@@ -228,8 +224,8 @@ def test_a_killed_worker_is_re_created_and_the_model_is_served_again(ray_cluster
                 if first.status_code == 200:
                     break
             assert first.status_code == 200, first.text
-            old_pid = ray.get(workers[victim].ping.remote())["pid"]
-            ray.kill(workers[victim])
+            old_pid = ray.get(workers[victim].actor.ping.remote())["pid"]
+            workers[victim].kill()
             t0 = time.monotonic()
             while c.get("/v2/health/ready").status_code == 200 and time.monotonic() - t0 < 10:
                 time.sleep(0.02)
@@ -241,7 +237,7 @@ def test_a_killed_worker_is_re_created_and_the_model_is_served_again(ray_cluster
                 r = c.post("/v2/models/tinynet/infer", content=body, headers=headers)
                 if r.status_code != 503 or "deadline-unreachable" not in r.text:
                     break
-            new_pid = ray.get(rt.workers[victim].ping.remote())["pid"]
+            new_pid = ray.get(rt.workers[victim].actor.ping.remote())["pid"]
     finally:
         _kill_all(rt.workers)
     assert back_s < 60 and victim not in rt.failed

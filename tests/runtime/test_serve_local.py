@@ -28,8 +28,6 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, tinynet, tmp_path_factory):
-    import ray
-
     cluster = load_cluster("local-cpu")
     plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
     path = tmp_path_factory.mktemp("plan") / "plan.yaml"
@@ -42,7 +40,7 @@ def served(ray_cluster, tinynet, tmp_path_factory):
     with BackgroundServer(app) as srv:
         yield srv.url, rt
     for h in workers.values():
-        ray.kill(h)
+        h.kill()
 
 
 def test_two_partitions_answer_like_the_whole_model(served, tinynet):

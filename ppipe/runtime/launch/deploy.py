@@ -1,5 +1,11 @@
 """From a plan to running workers: resolve profiles, map servers to Ray nodes, start actors.
 
+:func:`start_workers` and :func:`respawn_worker` hand each actor out as a
+:class:`~ppipe.runtime.launch.ray_workers.RayWorkerHandle` (the
+:class:`~ppipe.runtime.launch.handle.WorkerHandle` the scheduler's host and plan control
+use); the NCCL and ring set-up here (:func:`connect_edges`, :class:`LinkOpener`) takes those
+handles and calls their actors.
+
 Servers map to Ray nodes through custom resources named in the cluster YAML
 (``ServerGroup.ray_resource``): server ``<group>-<i>`` goes to a node that offers resource
 ``<ray_resource>-<i>`` if any node does, else to any node offering ``<ray_resource>``.
@@ -32,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ppipe.errors import UserError
+from ppipe.runtime.launch.ray_workers import RayWorkerHandle, actor_of
 from ppipe.runtime.launch.refs import settle
 from ppipe.runtime.workers.worker import WorkerSpec, actor_class
 from ppipe.spec.cluster import ClusterSpec, load_cluster
@@ -217,8 +224,9 @@ def offered_resources() -> set[str]:
 def start_workers(
     dep: Deployment, backend: str = "ort", backend_options: dict[str, Any] | None = None, start_timeout_s: float = 300.0,
     only: set[str] | None = None, incarnation: int = 0,
-) -> dict[str, Any]:
-    """Start one actor per vGPU (of ``only``, if given) on its server's node; returns {vgpu_id: actor handle}.
+) -> dict[str, RayWorkerHandle]:
+    """Start one actor per vGPU (of ``only``, if given) on its server's node; returns
+    {vgpu_id: :class:`~ppipe.runtime.launch.ray_workers.RayWorkerHandle`}.
 
     Ray must be initialised. Waits until every worker has built its backend (a backend
     error, e.g. a missing sub-model, is raised here, not at the first request); on an
@@ -230,23 +238,23 @@ def start_workers(
 
     specs = [s for s in worker_specs(dep) if only is None or s.vgpu_id in only]
     offered = offered_resources()
-    handles = {s.vgpu_id: _create_worker(dep, s, backend, backend_options, offered, incarnation) for s in specs}
-    pings = [h.ping.remote() for h in handles.values()]
+    actors = {s.vgpu_id: _create_worker(dep, s, backend, backend_options, offered, incarnation) for s in specs}
+    pings = [a.ping.remote() for a in actors.values()]
     try:
         ray.get(pings, timeout=start_timeout_s)
     except ray.exceptions.RayActorError as exc:
         cause = getattr(exc, "cause", None) or exc
-        for h in handles.values():
-            ray.kill(h)
+        for a in actors.values():
+            ray.kill(a)
         settle(pings)  # the other workers' pings fail with the kill: not errors to report
         _reraise_user_error(cause)
         raise
     except ray.exceptions.GetTimeoutError:
-        for h in handles.values():
-            ray.kill(h)
-        raise UserError(f"{len(handles)} worker(s) did not load their blocks within {start_timeout_s:.0f} s",
+        for a in actors.values():
+            ray.kill(a)
+        raise UserError(f"{len(actors)} worker(s) did not load their blocks within {start_timeout_s:.0f} s",
                         fix="check that the nodes named by the cluster's ray_resource are up (ray status)") from None
-    return handles
+    return {v: RayWorkerHandle(v, a) for v, a in actors.items()}
 
 
 def _create_worker(dep: Deployment, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None, offered: set[str],
@@ -277,9 +285,10 @@ def _create_worker(dep: Deployment, spec: WorkerSpec, backend: str, backend_opti
 
 
 def respawn_worker(dep: Deployment, vgpu_id: str, backend: str = "ort", backend_options: dict[str, Any] | None = None,
-                   start_timeout_s: float = 60.0, incarnation: int | None = None) -> Any:
+                   start_timeout_s: float = 60.0, incarnation: int | None = None) -> RayWorkerHandle:
     """Create vGPU ``vgpu_id``'s worker anew and wait until it has loaded its blocks;
-    returns its handle. Blocks (run it in a thread from a loop).
+    returns its :class:`~ppipe.runtime.launch.ray_workers.RayWorkerHandle`. Blocks (run it
+    in a thread from a loop).
 
     Args:
         incarnation: the new actor's number (its name: :func:`actor_name`); None takes
@@ -300,20 +309,20 @@ def respawn_worker(dep: Deployment, vgpu_id: str, backend: str = "ort", backend_
             note_server(spec.server, offered=False)
             raise
         note_server(spec.server, offered=True)
-        handle = _create_worker(dep, spec, backend, backend_options, offered,
-                                next_incarnation(vgpu_id) if incarnation is None else incarnation)
+        actor = _create_worker(dep, spec, backend, backend_options, offered,
+                               next_incarnation(vgpu_id) if incarnation is None else incarnation)
     except UserError as exc:
         raise RuntimeError(str(exc)) from None
     except ValueError as exc:  # the name is still held (an incarnation number used twice)
         raise RuntimeError(f"worker {vgpu_id} could not be created: {str(exc).splitlines()[0]}") from None
-    ping = handle.ping.remote()
+    ping = actor.ping.remote()
     try:
         ray.get(ping, timeout=start_timeout_s)
     except Exception as exc:
-        ray.kill(handle)
+        ray.kill(actor)
         settle([ping], timeout_s=5.0)
         raise RuntimeError(f"worker {vgpu_id} did not start: {type(exc).__name__}") from None
-    return handle
+    return RayWorkerHandle(vgpu_id, actor)
 
 
 _servers_gone: set[str] = set()  # servers whose Ray node a re-creation found missing
@@ -354,7 +363,7 @@ def connect_edges(
     """Open the two-rank communicator of every edge, of generation ``gen``: both ends join at once.
 
     Args:
-        workers: {vGPU id: actor handle}.
+        workers: {vGPU id: :class:`~ppipe.runtime.launch.ray_workers.RayWorkerHandle` or actor}.
         edges: (sender, receiver) pairs to connect.
         link_factory: ``f(unique_id, rank) -> Link`` run in the workers; None means NCCL
             (:func:`ppipe.runtime.workers.transport.nccl_link`). Tests inject a fake here.
@@ -366,12 +375,13 @@ def connect_edges(
 
     if not edges:
         return
+    actors = {v: actor_of(workers[v]) for e in edges for v in e}
     if unique_ids is None:
-        unique_ids = ray.get([workers[a].nccl_unique_id.remote() for a, _ in edges], timeout=timeout_s)
+        unique_ids = ray.get([actors[a].nccl_unique_id.remote() for a, _ in edges], timeout=timeout_s)
     calls = []
     for (a, b), uid in zip(edges, unique_ids):
-        calls.append(workers[a].connect.remote(b, uid, 0, link_factory, gen))
-        calls.append(workers[b].connect.remote(a, uid, 1, link_factory, gen))
+        calls.append(actors[a].connect.remote(b, uid, 0, link_factory, gen))
+        calls.append(actors[b].connect.remote(a, uid, 1, link_factory, gen))
     ray.get(calls, timeout=timeout_s)
 
 
@@ -406,7 +416,7 @@ class LinkOpener:
 
         specs = worker_specs(Deployment(plan, cluster, profiles))
         involved = sorted({v for e in pipeline_edges(specs) for v in e})
-        caps_raw = ray.get([workers[v].transport_caps.remote() for v in involved], timeout=self.timeout_s) if involved else []
+        caps_raw = ray.get([actor_of(workers[v]).transport_caps.remote() for v in involved], timeout=self.timeout_s) if involved else []
         return select_transports(self.requested, specs, {v: Capability(**c) for v, c in zip(involved, caps_raw)})
 
     def open(self, workers: dict[str, Any], edges: list[tuple[str, str]], gen: int = 0,
@@ -429,7 +439,7 @@ class LinkOpener:
             uids = None if self.unique_id is None else [self.unique_id() for _ in nccl]
             connect_edges(workers, nccl, self.link_factory, uids, timeout_s=self.timeout_s, gen=gen)
             if rings:
-                addresses = ray.get([workers[a].ring_address.remote("cuda" if kinds[(a, b)] == RING_CUDA else "host")
+                addresses = ray.get([actor_of(workers[a]).ring_address.remote("cuda" if kinds[(a, b)] == RING_CUDA else "host")
                                      for a, b in rings], timeout=self.timeout_s)
                 connect_edges(workers, rings, ring_link, addresses, timeout_s=self.timeout_s, gen=gen)
         except (ray.exceptions.RayError, TimeoutError) as exc:

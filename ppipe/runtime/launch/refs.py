@@ -3,15 +3,16 @@
 Ray logs ``Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): ...`` with a
 traceback for every object reference that holds an error and is garbage-collected before
 anyone retrieved it (Ray's docs: an error is "handled" once ``ray.get`` or ``await`` has
-seen it). ppipe abandons some calls on purpose: telling a worker to drop an NCCL edge with
-a dead peer, the start-up pings of workers it kills after one failed, a worker it kills
-after its node left. When the callee dies those references hold ``ActorDiedError`` /
+seen it). ppipe abandons some calls on purpose, e.g. the start-up pings of workers it kills
+after one failed. When the callee dies those references hold ``ActorDiedError`` /
 ``ActorUnavailableError``, and the log fills with tracebacks that say nothing the user
 must act on (ppipe logs one line of its own per event: a vGPU lost, a vGPU back).
 
 So every such reference goes through :func:`consume` (on an event loop) or
 :func:`settle` (blocking code): its result or error is retrieved and dropped, the error
 logged at debug level. Setting ``RAY_IGNORE_UNHANDLED_ERRORS`` would hide real errors too.
+The calls the scheduler's host does not wait for need neither: each is a coroutine of a
+:class:`~ppipe.runtime.launch.ray_workers.RayWorkerHandle` that awaits its reference.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ any factory with its signature) and applies its decisions:
 - :class:`~ppipe.dataplane.api.Drop`: answer the request with :class:`DroppedError`.
 - :class:`~ppipe.dataplane.api.WakeAt`: ``clock.call_at(t, scheduler.wake)``.
 
-Ray is the control path only: it places the workers, carries the start-up calls, and
-tells when a worker is gone (each worker's ``lifeline`` call fails when its actor dies).
-A gone worker is given to ``scheduler.mark_failed`` once, and the requests of the batches
+Each worker is reached through a :class:`~ppipe.runtime.launch.handle.WorkerHandle`: its
+launcher (in process, or Ray across machines) placed it; the host opens its data path and
+learns that it is gone when its ``lifeline`` call ends. A gone worker is given to ``scheduler.mark_failed`` once, and the requests of the batches
 in flight whose remaining stages include it are answered with ``worker-failed``. Every
 request gets exactly one answer: its outputs, or an error; a request the scheduler neither
 dispatched nor dropped within SLO + ``answer_grace_s`` is answered with a timeout error,
@@ -46,7 +46,8 @@ from ppipe.runtime.wire.datapath import DataPathFull, Inbox, Outbox, node_host
 from ppipe.runtime.wire.frames import WireError, pack, unpack
 from ppipe.runtime.wire.messages import EdgeRef, Reservation, StageLinks, StageMsg, StageReport as StageReportMsg
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
-from ppipe.runtime.launch.refs import consume, kill_quietly
+from ppipe.runtime.launch.handle import WorkerGone, WorkerHandle
+from ppipe.runtime.scheduler.calls import call_unawaited
 from ppipe.runtime.workers.transport import LINKED, relink
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import Plan
@@ -127,9 +128,8 @@ class Runtime:
 
     Args:
         plan, profiles, cluster: what to serve (profiles by model name).
-        workers: {vGPU id: Ray actor handle} from :func:`ppipe.runtime.launch.deploy.start_workers`
-            (its methods ``open_data_path``, ``connect_peers``, ``lifeline``, ``drop_peer``
-            are called with ``.remote``).
+        workers: {vGPU id: :class:`~ppipe.runtime.launch.handle.WorkerHandle`}, from a launcher
+            (:func:`ppipe.runtime.launch.deploy.start_workers` on Ray).
         scheduler_factory: ``f(plan, profiles, cluster, clock, policy=..., **options)``;
             default :func:`ppipe.dataplane.build_scheduler`.
         policy, scheduler_options: passed to the factory.
@@ -176,14 +176,14 @@ class Runtime:
         plan: Plan,
         profiles: dict[str, ModelProfile],
         cluster: ClusterSpec,
-        workers: dict[str, Any],
+        workers: dict[str, WorkerHandle],
         *,
         scheduler_factory: SchedulerFactory | None = None,
         policy: str = "reservation",
         scheduler_options: dict[str, Any] | None = None,
         metrics: RuntimeMetrics | None = None,
         data_host: str | None = None,
-        respawn: Callable[[str], Awaitable[Any]] | None = None,
+        respawn: Callable[[str], Awaitable[WorkerHandle]] | None = None,
         respawn_interval_s: float = 2.0,
         answer_grace_s: float = 30.0,
         report_grace_s: float = 5.0,
@@ -257,9 +257,9 @@ class Runtime:
         self.budgets.adopt(margins)
         self._inbox = Inbox(self._on_report, self.data_host or node_host())
         vgpus = list(self.workers)
-        addrs = await asyncio.gather(*(self.workers[v].open_data_path.remote(self._inbox.address) for v in vgpus))
+        addrs = await asyncio.gather(*(self.workers[v].open_data_path(self._inbox.address) for v in vgpus))
         self.addresses = dict(zip(vgpus, addrs))
-        await asyncio.gather(*(self.workers[v].connect_peers.remote(self._next_stage_addresses(v)) for v in vgpus))
+        await asyncio.gather(*(self.workers[v].connect_peers(self._next_stage_addresses(v)) for v in vgpus))
         for a in addrs:
             self._outbox.connect(a)
         freeze_startup_objects()
@@ -339,7 +339,7 @@ class Runtime:
             start_workers: ``await start_workers(vgpu_ids)`` starts these vGPUs of ``plan``,
                 loaded, and returns ``{vgpu_id: handle}``; it raises (having stopped what it
                 started) when one cannot start.
-            stop_worker: stops a worker (an actor handle).
+            stop_worker: stops a worker (given its :class:`~ppipe.runtime.launch.handle.WorkerHandle`).
 
         Returns:
             what happened: ``kept``, ``started``, ``retiring`` (vGPU counts), ``moved``
@@ -373,7 +373,7 @@ class Runtime:
         handles = await start_workers(fresh) if fresh else {}
         prepared = PreparedSwitch(plan, dict(profiles), new, kept, {}, handles, stop_worker, load_s=0.0, margins=margins)
         try:
-            addrs = await asyncio.gather(*(handles[v].open_data_path.remote(self._inbox.address) for v in fresh))
+            addrs = await asyncio.gather(*(handles[v].open_data_path(self._inbox.address) for v in fresh))
             prepared.fresh_addrs = dict(zip(fresh, addrs))
             await self._open_links(prepared)
         except BaseException:
@@ -413,10 +413,7 @@ class Runtime:
                 if me in at:
                     ends.setdefault(me, []).append((peer, gen))
         for v, es in ends.items():
-            try:
-                consume(at[v].close_edges.remote(es), f"{v}.close_edges")
-            except Exception:  # pragma: no cover - best effort
-                log.debug("could not close %s's edges of an earlier plan", v)
+            call_unawaited(at[v].close_edges(es), f"{v}.close_edges")
 
     async def commit_switch(self, prepared: "PreparedSwitch", embargo: dict[str, float | None] | None = None) -> dict[str, Any]:
         """Steps 3-4 of :meth:`switch_plan`.
@@ -428,7 +425,7 @@ class Runtime:
         record = self._switch_now(prepared, embargo or {})
         record["load_s"] = prepared.load_s
         live = [v for v in self.workers if v not in self.failed]
-        await asyncio.gather(*(self.workers[v].connect_peers.remote(self._next_stage_addresses(v)) for v in live),
+        await asyncio.gather(*(self.workers[v].connect_peers(self._next_stage_addresses(v)) for v in live),
                              return_exceptions=True)  # warming connections only: a dead worker's lifeline reports it
         task = asyncio.get_running_loop().create_task(self._drain(record["first_batch_id"], prepared.stop_worker,
                                                                   self._drain_timeout_s(), prepared.stale))
@@ -858,10 +855,7 @@ class Runtime:
         for (a, b), gen in links:
             other = b if a == vgpu_id else a if b == vgpu_id else None
             if other is not None and other not in self.failed and other in self.workers:
-                try:  # not awaited; consumed so that a dead peer's error is no "Unhandled error"
-                    consume(self.workers[other].drop_peer.remote(vgpu_id, [gen]), f"{other}.drop_peer({vgpu_id})")
-                except Exception:  # pragma: no cover - best effort; the peer's lifeline says if it is gone
-                    log.exception("could not tell %s to drop its edge with %s", other, vgpu_id)
+                call_unawaited(self.workers[other].drop_peer(vgpu_id, [gen]), f"{other}.drop_peer({vgpu_id})")
 
     def _fail_batches_through(self, vgpu_id: str, since: int, until: float) -> None:
         """Answer ``worker-failed`` to the batches numbered in ``[since, until)`` that still
@@ -876,18 +870,16 @@ class Runtime:
                 if not batch.unreported:
                     del self._inflight[batch.d.batch_id]
 
-    async def _watch(self, vgpu_id: str, handle: Any) -> None:
-        """Await the worker's ``lifeline`` call, which returns or fails only when the worker
-        stops: Ray fails it as soon as the actor's process or node is gone."""
-        import ray
-
+    async def _watch(self, vgpu_id: str, handle: WorkerHandle) -> None:
+        """Await the worker's ``lifeline`` call, which returns or raises :class:`WorkerGone`
+        only when the worker stops (its launcher tells as soon as its process or node is gone)."""
         try:
-            await handle.lifeline.remote()
+            await handle.lifeline()
             detail = "its lifeline returned"
-        except ray.exceptions.RayError as exc:  # ActorDiedError, ActorUnavailableError (its node is unreachable), ...
+        except WorkerGone as exc:
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         log.debug("vGPU %s is gone: %s", vgpu_id, detail)
-        kill_quietly(handle)  # an unreachable (not dead) worker must not come back beside its re-creation
+        handle.kill()  # an unreachable (not dead) worker must not come back beside its re-creation
         if self.workers.get(vgpu_id) is handle:
             self.mark_failed(vgpu_id)
             return
@@ -928,16 +920,16 @@ class Runtime:
             handle = None
             try:
                 handle = await self.respawn(vgpu_id)
-                addr = await handle.open_data_path.remote(self._inbox.address)
+                addr = await handle.open_data_path(self._inbox.address)
                 self.addresses[vgpu_id] = addr
-                await handle.connect_peers.remote(self._next_stage_addresses(vgpu_id))
+                await handle.connect_peers(self._next_stage_addresses(vgpu_id))
             except asyncio.CancelledError:
                 if handle is not None:
-                    kill_quietly(handle)
+                    handle.kill()
                 raise
             except Exception as exc:
                 if handle is not None:  # created, but not usable: not left running beside the next try
-                    kill_quietly(handle)
+                    handle.kill()
                 log.info("vGPU %s is not back yet (try %d): %s", vgpu_id, tries, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 continue
             break
@@ -971,7 +963,7 @@ class PreparedSwitch:
     scheduler: Any  # the new plan's, fresh
     kept: frozenset[str]
     fresh_addrs: dict[str, str]  # new worker -> its data-path address
-    handles: dict[str, Any]  # new worker -> its actor handle
+    handles: dict[str, WorkerHandle]  # new worker -> its handle
     stop_worker: Callable[[Any], None]
     load_s: float
     margins: dict = field(default_factory=dict)  # the new plan's service margins (ppipe.runtime.scheduler.budgets)
@@ -986,7 +978,7 @@ class _Retiring:
     """A worker of an earlier plan that finishes the batches numbered in ``[since, until)``."""
 
     vgpu_id: str
-    handle: Any
+    handle: WorkerHandle
     since: int
     until: int
     stopping: bool = False
