@@ -77,6 +77,10 @@ class WallClock:
             delay_s += 1e-5  # round up: a timer must not fire before t_us (asyncio may run it a tick early)
         return self._loop.call_at(self._loop.time() + delay_s, fn)
 
+    def wall_now_us(self) -> float:
+        """Absolute wall time now (:func:`wall_us`): the stamp a message to a worker carries."""
+        return wall_us()
+
     def from_wall_us(self, t_wall_us: float) -> float:
         """A worker's absolute wall stamp on the scheduler's timeline."""
         return t_wall_us - self.origin_wall_us

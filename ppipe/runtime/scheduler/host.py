@@ -21,8 +21,10 @@ and a dispatched batch whose reports stop coming (a connection between two worke
 and took its message with it) is answered ``worker-failed`` once it is ``report_grace_s``
 (at least the model's SLO) past its planned end.
 
-Everything runs on one asyncio loop (the HTTP server's), so the scheduler, which is not
-thread-safe, is only ever called from that loop.
+Time comes from the clock the host makes on its loop (``clock_factory``, by default a
+:class:`~ppipe.runtime.clock.WallClock`); the host reads no clock of its own. Everything runs
+on one asyncio loop (the HTTP server's), so the scheduler, which is not thread-safe, is
+only ever called from that loop.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ppipe.errors import UserError
 from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, StageReport, WakeAt
 from ppipe.dataplane.handover import SwitchingScheduler, kept_vgpus
 from ppipe.runtime.scheduler.budgets import ServiceBudgets
-from ppipe.runtime.clock import WallClock, wall_us
+from ppipe.runtime.clock import WallClock
 from ppipe.runtime.wire.datapath import DataPathFull, Inbox, Outbox, node_host
 from ppipe.runtime.wire.frames import WireError, pack, unpack
 from ppipe.runtime.wire.messages import EdgeRef, Reservation, StageLinks, StageMsg, StageReport as StageReportMsg
@@ -56,6 +58,8 @@ from ppipe.spec.profile import ModelProfile
 log = logging.getLogger("ppipe.runtime")
 
 SchedulerFactory = Callable[..., Any]
+ClockFactory = Callable[[asyncio.AbstractEventLoop], Any]
+"""``f(loop)``: the clock the host and its scheduler run on (a :class:`~ppipe.runtime.clock.WallClock`'s methods)."""
 
 
 class DroppedError(Exception):
@@ -169,6 +173,8 @@ class Runtime:
             plan's transports with it and opens the NCCL and ring edges it does not keep
             (:func:`ppipe.runtime.workers.transport.relink`). None: switches put every edge on the
             data path's connections, and a runtime with NCCL edges cannot switch.
+        clock_factory: ``f(loop)`` makes the clock at :meth:`start` (default
+            :class:`~ppipe.runtime.clock.WallClock`); tests inject their own.
     """
 
     def __init__(
@@ -193,6 +199,7 @@ class Runtime:
         answer_budget_us: float = 0.0,
         report_tolerance_us: float | None = 1000.0,
         links: Any = None,
+        clock_factory: ClockFactory = WallClock,
     ):
         self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
         self._factory = scheduler_factory or default_scheduler_factory
@@ -211,6 +218,7 @@ class Runtime:
         self.report_messages = 0  # report messages received (each with one or more stages' reports)
         self.traces: list[BatchTrace] = []
         self.failed: dict[str, float] = {}  # vGPU id -> scheduler time it was marked failed
+        self._clock_factory = clock_factory
         self.clock: WallClock | None = None
         self.scheduler: Any = None
         self._pending: dict[int, _Pending] = {}
@@ -252,7 +260,7 @@ class Runtime:
         """Make the clock and the scheduler on the running loop, open the data path to every
         worker, and watch each worker's life."""
         loop = asyncio.get_running_loop()
-        self.clock = WallClock(loop)
+        self.clock = self._clock_factory(loop)
         self.scheduler, margins = self._build_scheduler(self.plan, self.profiles)
         self.budgets.adopt(margins)
         self._inbox = Inbox(self._on_report, self.data_host or node_host())
@@ -495,9 +503,8 @@ class Runtime:
         ended, or after ``timeout_s``, answering the batches still open with ``plan-switch``;
         then close the NCCL edges it alone used (``stale_links``: the edges and the kept
         workers that hold their ends)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while any(b < first_new for b in self._inflight) and loop.time() < deadline:
+        deadline_us = self.clock.true_now_us() + timeout_s * 1e6
+        while any(b < first_new for b in self._inflight) and self.clock.true_now_us() < deadline_us:
             await asyncio.sleep(0.02)
         for batch in [b for i, b in self._inflight.items() if i < first_new]:
             self._fail(batch, "plan-switch", f"the earlier plan's batch did not end within {timeout_s:.1f} s of the switch")
@@ -734,7 +741,8 @@ class Runtime:
         )
         links = self._links(route)
         addrs = tuple(self.addresses[v] for v in route)
-        message = StageMsg(d.batch_id, 0, tuple(route), addrs, d.batch, timing, links, self.report_tolerance_us, wall_us())
+        message = StageMsg(d.batch_id, 0, tuple(route), addrs, d.batch, timing, links, self.report_tolerance_us,
+                           self.clock.wall_now_us())
         self._outbox.send(addrs[0], pack(message, inputs))
         for j in range(1, len(route)):
             if links is not None and links[j] is not None and links[j].recv is not None:
