@@ -1,10 +1,16 @@
 """The README's default plan served as a new user serves it: every model served at a low load.
 
-``ppipe plan``'s default (HC2-S, the three built-in models) on emulated Ray workers with
-the real inputs and feature maps (the profiled latencies emulate the GPUs), the frontend
-with `ppipe serve`'s defaults, driven by ``ppipe bench --binary`` from its own process.
-The simulator, with the same margins, runs the same rates. Before the runtime's margins
-were data-plane rules, resnet50 (6.15 ms of slack in a 15.26 ms SLO) was dropped whole.
+``ppipe plan``'s default (HC2-S, the three built-in models) on emulated workers with the
+real inputs and feature maps (the profiled latencies emulate the GPUs), the frontend with
+`ppipe serve`'s defaults, driven by ``ppipe bench --binary`` from its own process. The
+simulator, with the same margins, runs the same rates. Before the runtime's margins were
+data-plane rules, resnet50 (6.15 ms of slack in a 15.26 ms SLO) was dropped whole.
+
+Two launchers serve it. ``ray``: the workers are Ray actors, a process each, as `ppipe
+serve` starts them. ``inproc`` (:class:`ppipe.runtime.launch.inproc.InprocServer`, no Ray):
+the workers, the scheduler's host and the frontend share one loop in the test's process,
+so the workers' waits and the frontend's work take turns on one core; the stage messages,
+reports, scheduler and margins are the same code under both.
 
 What is checked: every model is served (at least nine in ten of its requests answered with
 outputs, at most a tenth dropped), where the old budgets answered every resnet50 request
@@ -16,6 +22,7 @@ so it swings from run to run; the 99 % target is a benchmark figure
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -26,13 +33,12 @@ import pytest
 from ppipe.dataplane.margins import serving_options
 from ppipe.runtime.cli import DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
 from ppipe.runtime.launch.deploy import load_deployment, start_workers
+from ppipe.runtime.launch.inproc import InprocServer
 from ppipe.runtime.scheduler.host import Runtime
 from ppipe.runtime.ingress.http_server import create_app
 from ppipe.runtime.ingress.http_transport import BackgroundServer
 from ppipe.sim.simulator import SimConfig
 from ppipe.sim.sweep import run_point
-
-pytestmark = pytest.mark.ray
 
 LOAD = 0.03  # of each model's planned rate: ~40 req/s each
 SERVED = 0.9  # answered with outputs (on time or late), per model (see the module's docstring)
@@ -40,25 +46,37 @@ MAX_DROPS = 0.1  # dropped, per model
 DURATION_S = 4.0
 
 
-@pytest.fixture(scope="module")
-def served(ray_cluster, tmp_path_factory):
-    import ray
-
+@pytest.fixture(scope="module", params=[pytest.param("inproc", marks=pytest.mark.slow), pytest.param("ray", marks=pytest.mark.ray)])
+def served(request, tmp_path_factory):
     from ppipe.planner.api import plan as make_plan
 
     path = tmp_path_factory.mktemp("default") / "plan.yaml"
     make_plan().save(path)
     dep = load_deployment(path)
-    workers = start_workers(dep, backend="emulated")  # real-size feature maps: no byte cap
+    with frontend(request, dep) as url:
+        bench(url, {m.name: 5.0 for m in dep.plan.models}, 1.5, tmp_path_factory.mktemp("warm"))  # connections, first batches
+        yield url, dep
+
+
+@contextlib.contextmanager
+def frontend(request, dep):
+    """The frontend's URL, the plan served by ``request.param``'s launcher with `ppipe serve`'s
+    defaults on emulated workers (real-size feature maps: no byte cap)."""
     opts = serving_options()
-    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1e3},
-                 dispatch_lead_us=opts["dispatch_lead_us"], answer_budget_us=opts["answer_budget_us"],
-                 report_tolerance_us=DEFAULT_REPORT_TOLERANCE_MS * 1e3)
-    with BackgroundServer(create_app(rt)) as srv:
-        bench(srv.url, {m.name: 5.0 for m in dep.plan.models}, 1.5, tmp_path_factory.mktemp("warm"))  # connections, first batches
-        yield srv.url, dep
-    for h in workers.values():
-        ray.kill(h)
+    settings = dict(scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1e3}, dispatch_lead_us=opts["dispatch_lead_us"],
+                    answer_budget_us=opts["answer_budget_us"], report_tolerance_us=DEFAULT_REPORT_TOLERANCE_MS * 1e3)
+    if request.param == "inproc":
+        with InprocServer(dep, backend="emulated", **settings) as srv:
+            yield srv.url
+        return
+    request.getfixturevalue("ray_cluster")
+    workers = start_workers(dep, backend="emulated")
+    try:
+        with BackgroundServer(create_app(Runtime(dep.plan, dep.profiles, dep.cluster, workers, **settings))) as srv:
+            yield srv.url
+    finally:
+        for h in workers.values():
+            h.kill()
 
 
 def bench(url: str, rates: dict[str, float], duration_s: float, out: Path) -> dict[str, dict]:
