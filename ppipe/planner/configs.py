@@ -8,8 +8,9 @@ Constraint (1) of the MILP (the latency SLO, see :mod:`ppipe.planner.milp`) invo
 configuration alone, so it is enforced here, before the MILP exists: only configurations
 whose latency fits the SLO become columns.
 
-Everything is computed with numpy over all cut points x levels x batches of a template at
-once (prefix sums of block latencies give every partition latency by one subtraction).
+Everything is computed with numpy over all types x levels x batches x cut points of a block
+of templates at once (prefix sums of block latencies give every partition latency by one
+subtraction), and the dominance pruning runs over all groups of configurations at once.
 
 Two configurations with the same template and the same level per slot use the same
 resources per vGPU; if one's per-vGPU throughput is at least the other's in every slot it
@@ -38,6 +39,7 @@ same shares give at least the throughput).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +48,12 @@ from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.profile import MIN_BLOCK_LATENCY_US, ModelProfile
 
 LEVEL_CODES = 5  # vGPU levels are 1..4 (ppipe.spec.cluster.GpuType): a slot's code is (type + 1) * 5 + level
+# Templates' configurations are pruned together once this many are pending: fewer, larger
+# numpy steps than one per template, while the unpruned rows stay a few MB.
+PRUNE_BATCH_ROWS = 1 << 17
+# (type, level, batch, cut) combinations of one block of templates whose latencies are
+# computed at once (a few tens of MB of float64 temporaries).
+BLOCK_ELEMENTS = 1 << 22
 BATCH_BUILD_FACTOR = 1.3  # docs/planning-model.md, 'Derived quantities': beta(b) = 1.3 * 1e6 * (b - 1) / x_hat
 
 
@@ -143,21 +151,25 @@ def paper_template_rows(cs: "ConfigSet", num_types: int) -> list[tuple[np.ndarra
 
 
 def _prefix_tables(profile: ModelProfile, types: list[str], levels: dict[str, list[int]], batches: list[int]):
-    """PT[k]: (len(levels[k]), len(batches), M + 1) prefix sums of max(L, 1 us); NaN where unprofiled."""
+    """(PT, LV): PT[k, l, b, j] the prefix sums of max(L, 1 us) over blocks < j at the l-th
+    level of type k (``levels[k][l]``, whose value is LV[k, l]), shape (K, L, B, M + 1)
+    with L the most levels of any type; NaN where unprofiled or where type k has fewer
+    levels (LV 0 there)."""
     M = profile.num_blocks
-    out = []
-    for k in types:
-        arr = np.full((len(levels[k]), len(batches), M + 1), np.nan)
+    L = max(len(levels[k]) for k in types)
+    arr = np.full((len(types), L, len(batches), M + 1), np.nan)
+    lv = np.zeros((len(types), L), dtype=int)
+    for ki, k in enumerate(types):
         for vi, v in enumerate(levels[k]):
+            lv[ki, vi] = v
             have = set(profile.batches(k, v))
             for bi, b in enumerate(batches):
                 if b not in have:
                     continue
                 lat = np.array([profile.table[(k, v, b, i)] for i in range(M)], dtype=float)
-                arr[vi, bi, 0] = 0.0
-                arr[vi, bi, 1:] = np.cumsum(np.maximum(lat, MIN_BLOCK_LATENCY_US))
-        out.append(arr)
-    return out
+                arr[ki, vi, bi, 0] = 0.0
+                arr[ki, vi, bi, 1:] = np.cumsum(np.maximum(lat, MIN_BLOCK_LATENCY_US))
+    return arr, lv
 
 
 def enumerate_configs(
@@ -205,21 +217,28 @@ def enumerate_configs(
     D = max_partitions
     templates = templates_for(len(times.types), D)
     parts: list[dict[str, np.ndarray]] = []
+    pending: list[dict[str, np.ndarray]] = []  # configurations not yet pruned
+    pending_rows = 0
     enumerated, feasible, min_lat_b1 = 0, 0, float("inf")
-    for ti, tmpl in enumerate(templates):
-        if len(tmpl) > times.blocks:
-            continue
-        tl = _template_latency(times, tmpl)
-        enumerated += int(np.isfinite(tl.latency).sum())
-        min_lat_b1 = min(min_lat_b1, tl.least_batch1_latency(times))
+    for n, prefix in _template_blocks(times, D):
+        blk = _block_latency(times, n, prefix)
+        enumerated += int(np.isfinite(blk.latency).sum())
+        min_lat_b1 = min(min_lat_b1, blk.least_batch1_latency(times))
+        beta = times.beta.reshape([1] * (2 * n) + [-1, 1])
         with np.errstate(invalid="ignore"):
-            ok = np.isfinite(tl.latency) & (tl.latency + times.beta.reshape([1] * len(tmpl) + [-1, 1]) <= times.budget_us)
+            ok = np.isfinite(blk.latency) & (blk.latency + beta <= times.budget_us)
         if prune and group_by_multiset:
-            ok &= _no_repeated_slot_level(tmpl, tl.latency.shape)
+            ok &= blk.no_repeated_slot_level()
         if ok.any():
-            part = _configurations(times, ti, tmpl, tl, ok, D)
+            part = _configurations(times, blk, ok, D)
             feasible += part["n"].size
-            parts.append(_undominated_part(part, group_by_multiset) if prune else part)
+            pending.append(part)
+            pending_rows += part["n"].size
+        if prune and pending_rows >= PRUNE_BATCH_ROWS:
+            parts.append(_undominated_part(_joined(pending), group_by_multiset))
+            pending, pending_rows = [], 0
+    if pending:
+        parts.append(_undominated_part(_joined(pending), group_by_multiset) if prune else _joined(pending))
     cs = _config_set(m, times.types, templates, parts, D, enumerated, min_lat_b1)
     cs.stats["feasible"] = feasible
     if prune and len(cs):
@@ -231,14 +250,16 @@ def enumerate_configs(
 @dataclass(frozen=True)
 class _ModelTimes:
     """What the configurations of one model are computed from: prefix sums of block
-    latencies (``prefix[k]``: level x batch x block boundary), cut sizes, NICs, the
+    latencies (``prefix_all``: type x level index x batch x block boundary, the level
+    index l of type k standing for level ``level_values[k, l]``), cut sizes, NICs, the
     planning budget and the batch-gathering estimate per batch (``beta``)."""
 
     types: list[str]
     levels: dict[str, list[int]]
     blocks: int
     batches: np.ndarray
-    prefix: list[np.ndarray]
+    prefix_all: np.ndarray
+    level_values: np.ndarray
     cut_bits: np.ndarray  # bits per sample over the cut after block j
     bandwidth: np.ndarray  # bit/s per GPU type's NIC
     gpus_per_server: np.ndarray
@@ -256,12 +277,14 @@ class _ModelTimes:
         beta = np.zeros(len(batches))
         if spec.batch_build_rps:
             beta = BATCH_BUILD_FACTOR * 1e6 * (bvec - 1.0) / spec.batch_build_rps
+        prefix_all, level_values = _prefix_tables(prof, types, levels, batches)
         return cls(
             types=types,
             levels=levels,
             blocks=prof.num_blocks,
             batches=bvec,
-            prefix=_prefix_tables(prof, types, levels, batches),
+            prefix_all=prefix_all,
+            level_values=level_values,
             cut_bits=np.array([prof.cut_bytes(j) * 8.0 for j in range(prof.num_blocks)], dtype=float),
             bandwidth=np.array([cluster.effective_bandwidth_gbps(k) for k in types]) * 1e9,
             gpus_per_server=np.array([cluster.gpus_per_server(k) for k in types], dtype=float),
@@ -272,15 +295,35 @@ class _ModelTimes:
         )
 
 
-@dataclass(frozen=True)
-class _TemplateLatency:
-    """One template's latencies over (level per slot..., batch, cut points): in all, and
-    per slot its inference and outgoing transfer; ``bounds[q]`` the block boundaries."""
+def _template_blocks(times: _ModelTimes, max_partitions: int):
+    """(n, prefix) per block of templates: those of length n (1..D, at most the model's
+    blocks) whose first types are ``prefix``, the shortest prefix whose block has at most
+    BLOCK_ELEMENTS (type, level, batch, cut) combinations. In the order of
+    :func:`templates_for`, so that the configurations come out in its template order."""
+    K, M = len(times.types), times.blocks
+    L = max(len(lv) for lv in times.levels.values())
+    for n in range(1, min(max_partitions, M) + 1):
+        Q = math.comb(M - 1, n - 1)
+        p = 0
+        while p < n and K ** (n - p) * L**n * times.batches.size * Q > BLOCK_ELEMENTS:
+            p += 1
+        yield from ((n, prefix) for prefix in itertools.product(range(K), repeat=p))
 
+
+@dataclass(frozen=True)
+class _Block:
+    """The latencies of one block of templates (:func:`_template_blocks`) over the axes
+    (type of slot 1..n, level index of slot 1..n, batch, cut points): in all, and per slot
+    its inference and outgoing transfer, before broadcasting. A slot's type axis has
+    length 1 (a type of the prefix) or K; level indices run over the most levels any
+    type has (NaN latency where a type lacks one). ``bounds[q]``: the block boundaries."""
+
+    n: int
+    types: list[np.ndarray]  # per slot, the type of each index of its type axis
     bounds: np.ndarray  # (Q, n + 1)
-    latency: np.ndarray  # (V_1, ..., V_n, B, Q)
-    infer: list[np.ndarray]
-    transfer: list[np.ndarray]  # (B, Q) per slot
+    latency: np.ndarray  # (T_1, ..., T_n, L, ..., L, B, Q)
+    infer: list[np.ndarray]  # per slot: (T_d, L, B, Q)
+    transfer: list[np.ndarray]  # per slot: (T_d, T_{d+1}, B, Q); the last slot's is 0
 
     def least_batch1_latency(self, times: _ModelTimes) -> float:
         b1 = np.nonzero(times.batches == 1)[0]
@@ -289,69 +332,81 @@ class _TemplateLatency:
         lb1 = self.latency[..., int(b1[0]), :]
         return float(np.nanmin(lb1)) if np.isfinite(lb1).any() else float("inf")
 
+    def no_repeated_slot_level(self) -> np.ndarray:
+        """Mask (broadcast over ``latency``) that drops two consecutive slots of one type
+        at one level: dominated under physical packing (see :func:`enumerate_configs`)."""
+        n, shape = self.n, self.latency.shape
+        keep = np.ones([1] * len(shape), bool)
+        for d in range(n - 1):
+            view = [1] * len(shape)
+            view[d], view[d + 1], view[n + d], view[n + d + 1] = shape[d], shape[d + 1], shape[n + d], shape[n + d + 1]
+            same_type = np.equal.outer(self.types[d], self.types[d + 1])
+            same_level = np.eye(shape[n + d], dtype=bool)
+            keep = keep & ~(same_type[:, :, None, None] & same_level[None, None]).reshape(view)
+        return keep
 
-def _template_latency(times: _ModelTimes, tmpl: tuple[int, ...]) -> _TemplateLatency:
-    n, M, Bn = len(tmpl), times.blocks, times.batches.size
+
+def _block_latency(times: _ModelTimes, n: int, prefix: tuple[int, ...]) -> _Block:
+    """The latencies of the templates of length ``n`` that start with ``prefix``, every
+    (type, level, batch, cut) combination at once, summed in slot order (inference, then
+    the transfer to the next slot) as for each template alone."""
+    M, Bn, K = times.blocks, times.batches.size, len(times.types)
     combos = list(itertools.combinations(range(1, M), n - 1))
     cuts = np.array(combos, dtype=int).reshape(len(combos), n - 1)
     Q = cuts.shape[0]
     bnd = np.concatenate([np.zeros((Q, 1), int), cuts, np.full((Q, 1), M, int)], axis=1)
-    shape = [len(times.levels[times.types[k]]) for k in tmpl] + [Bn, Q]
+    types = [np.array([prefix[d]]) if d < len(prefix) else np.arange(K) for d in range(n)]
+    L = times.prefix_all.shape[1]
+    shape = [t.size for t in types] + [L] * n + [Bn, Q]
     lat = np.zeros(shape)
     infer, trans = [], []
-    for d, k in enumerate(tmpl):
+    for d in range(n):
         s, e = bnd[:, d], bnd[:, d + 1]
-        inf_d = times.prefix[k][:, :, e] - times.prefix[k][:, :, s]  # (V_d, B, Q)
-        view = [1] * n + [Bn, Q]
-        view[d] = inf_d.shape[0]
-        inf_d = inf_d.reshape(view)
+        pt = times.prefix_all[types[d]]  # (T_d, L, B, M + 1)
+        inf_d = pt[:, :, :, e] - pt[:, :, :, s]  # (T_d, L, B, Q)
         infer.append(inf_d)
-        lat = lat + inf_d
+        view = [1] * (2 * n) + [Bn, Q]
+        view[d], view[n + d] = types[d].size, L
+        lat = lat + inf_d.reshape(view)
         if d < n - 1:
             # The batch crosses the slower of the two NICs.
-            tau = times.cut_bits[e - 1] / min(times.bandwidth[k], times.bandwidth[tmpl[d + 1]]) * 1e6  # (Q,)
-            tr_d = times.batches[:, None] * tau[None, :]
+            bw = np.minimum.outer(times.bandwidth[types[d]], times.bandwidth[types[d + 1]])  # (T_d, T_{d+1})
+            tau = times.cut_bits[e - 1][None, None, :] / bw[:, :, None] * 1e6  # (T_d, T_{d+1}, Q)
+            tr_d = times.batches[None, None, :, None] * tau[:, :, None, :]  # (T_d, T_{d+1}, B, Q)
             trans.append(tr_d)
-            lat = lat + tr_d
+            view = [1] * (2 * n) + [Bn, Q]
+            view[d], view[d + 1] = types[d].size, types[d + 1].size
+            lat = lat + tr_d.reshape(view)
         else:
-            trans.append(np.zeros((Bn, Q)))
-    return _TemplateLatency(bnd, lat, infer, trans)
+            trans.append(np.zeros((types[d].size, 1, Bn, Q)))
+    return _Block(n, types, bnd, lat, infer, trans)
 
 
-def _no_repeated_slot_level(tmpl: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
-    """Mask (broadcast over ``shape``) that drops two consecutive slots of one type at one
-    level: dominated under physical packing (see :func:`enumerate_configs`)."""
-    n = len(tmpl)
-    keep = np.ones([1] * len(shape), bool)
-    for d in range(n - 1):
-        if tmpl[d] == tmpl[d + 1]:
-            same = np.equal.outer(np.arange(shape[d]), np.arange(shape[d + 1]))
-            view = [1] * len(shape)
-            view[d], view[d + 1] = shape[d], shape[d + 1]
-            keep = keep & ~same.reshape(view)
-    return keep
-
-
-def _configurations(times: _ModelTimes, ti: int, tmpl: tuple[int, ...], tl: _TemplateLatency, ok: np.ndarray, D: int) -> dict:
-    """The columns of the feasible configurations ``ok`` of template ``ti``: per slot its
-    type, level, blocks, inference and transfer times and X (req/s per vGPU, NIC caps in)."""
-    n = len(tmpl)
+def _configurations(times: _ModelTimes, blk: _Block, ok: np.ndarray, D: int) -> dict:
+    """The columns of the feasible configurations ``ok`` of a block of templates: per slot
+    its type, level, blocks, inference and transfer times and X (req/s per vGPU, NIC caps
+    in), and each configuration's template index in :func:`templates_for`'s order."""
+    n = blk.n
     idx = np.nonzero(ok)
     C = idx[0].size
-    bi, qi = idx[n], idx[n + 1]
-    bnd = tl.bounds
+    ti, li, bi, qi = idx[:n], idx[n : 2 * n], idx[2 * n], idx[2 * n + 1]
+    bnd = blk.bounds
     out = dict(gpu=np.full((C, D), -1, int), lvl=np.zeros((C, D), int), first=np.full((C, D), -1, int),
                last=np.full((C, D), -1, int), inf=np.zeros((C, D)), tr=np.zeros((C, D)), X=np.zeros((C, D)))
     bsz = times.batches[bi]
-    for d, k in enumerate(tmpl):
-        vi = idx[d]
-        v = np.array(times.levels[times.types[k]])[vi]
+    K = len(times.types)
+    template = np.full(C, sum(K**j for j in range(1, n)))  # the first template of length n
+    for d in range(n):
+        k = blk.types[d][ti[d]]
+        template += k * K ** (n - 1 - d)
+        v = times.level_values[k, li[d]]
         out["gpu"][:, d] = k
         out["lvl"][:, d] = v
         out["first"][:, d] = bnd[qi, d]
         out["last"][:, d] = bnd[qi, d + 1] - 1
-        out["inf"][:, d] = _pick(tl.infer[d], d, n, vi, bi, qi)
-        out["tr"][:, d] = tl.transfer[d][bi, qi]
+        out["inf"][:, d] = blk.infer[d][ti[d], li[d], bi, qi]
+        if d < n - 1:
+            out["tr"][:, d] = blk.transfer[d][ti[d], ti[d + 1], bi, qi]
         x = 1e6 * bsz / out["inf"][:, d]
         # NIC caps: a server's link is shared by its s_k GPUs and their v vGPUs.
         share = v * times.gpus_per_server[k]
@@ -362,19 +417,26 @@ def _configurations(times: _ModelTimes, ti: int, tmpl: tuple[int, ...], tl: _Tem
             for t in (t_in, t_out):  # no cap where nothing is sent (t = 0 or inf)
                 x = np.minimum(x, np.where(np.isfinite(t) & (t > 0), 1e6 / (t * share), np.inf))
         out["X"][:, d] = x
-    out.update(tmpl=np.full(C, ti), n=np.full(C, n), b=bsz.astype(int), lat=tl.latency[ok])
+    out.update(tmpl=template, n=np.full(C, n), b=bsz.astype(int), lat=blk.latency[ok])
     return out
 
 
+def _joined(parts: list[dict]) -> dict:
+    """One part of the configurations of several (in order)."""
+    return parts[0] if len(parts) == 1 else {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+
 def _undominated_part(part: dict, group_by_multiset: bool) -> dict:
-    """The configurations of one template that no other one of it dominates by the first
-    rule of :func:`pareto_keep` (same multiset of (type, level), or same levels).
+    """The configurations of a few consecutive templates that no other one of them
+    dominates by the first rule of :func:`pareto_keep` (same multiset of (type, level), or
+    same template and levels).
 
     Why: the SLO-feasible configurations of all templates (e.g. 257,000 for one model on six
-    GPU types with three partitions) never need to exist at once; pruning each template as
-    it is made keeps only its survivors. It changes nothing: a configuration dropped here
-    is dominated in the whole set too, and one it dominated is dominated by what dominated
-    it (the relation is transitive), with ties broken the same way (latency, then order).
+    GPU types with three partitions) never need to exist at once; pruning the templates in
+    batches of about PRUNE_BATCH_ROWS configurations as they are made keeps only their
+    survivors. It changes nothing: a configuration dropped here is dominated in the whole
+    set too, and one it dominated is dominated by what dominated it (the relation is
+    transitive), with ties broken the same way (latency, then order).
     """
     if group_by_multiset:
         codes, X = _sorted_slots(part["gpu"], part["lvl"], part["X"])
@@ -409,13 +471,6 @@ def _config_set(m, types, templates, parts: list[dict], D: int, enumerated: int,
         enumerated=enumerated,
         min_latency_b1_us=min_lat_b1,
     )
-
-
-def _pick(arr: np.ndarray, d: int, n: int, vi: np.ndarray, bi: np.ndarray, qi: np.ndarray) -> np.ndarray:
-    """Gather arr[..., vi at axis d, ..., bi, qi] from a broadcast-shaped array."""
-    sel = [np.zeros_like(vi)] * n
-    sel[d] = vi
-    return arr[tuple(sel) + (bi, qi)]
 
 
 def subset(cs: ConfigSet, keep: np.ndarray) -> ConfigSet:
@@ -473,9 +528,23 @@ def _sorted_slots(gpu: np.ndarray, level: np.ndarray, X: np.ndarray) -> tuple[np
     that between rows of equal codes componentwise >= holds iff a matching of the slots
     with >= exists."""
     used = gpu >= 0
-    order = np.lexsort((-X, level, np.where(used, gpu, gpu.max(initial=0) + 1)), axis=1)
-    code = np.where(used, (gpu + 1) * LEVEL_CODES + level, 0)
-    return np.take_along_axis(code, order, axis=1), np.take_along_axis(X, order, axis=1)
+    code = np.where(used, (gpu + 1) * LEVEL_CODES + level, 0)  # increases with (type, level): level < LEVEL_CODES
+    key = np.where(used, code, np.iinfo(np.int64).max).astype(np.int64)  # unused slots last
+    # Odd-even transposition sort of the D slots of every row at once (D rounds of
+    # compare-and-swap on neighbours), column by column: rows of a few slots need no
+    # per-row sort. Slots of equal key and X are interchangeable, so the result is each
+    # row's (code, X) in sorted order.
+    cols = [[key[:, d], code[:, d], X[:, d]] for d in range(key.shape[1])]
+    D = len(cols)
+    for r in range(D):
+        for i in range(r % 2, D - 1, 2):
+            a, b = cols[i], cols[i + 1]
+            swap = (b[0] < a[0]) | ((b[0] == a[0]) & (b[2] > a[2]))
+            cols[i] = [np.where(swap, q, p) for p, q in zip(a, b)]
+            cols[i + 1] = [np.where(swap, p, q) for p, q in zip(a, b)]
+    if not D:
+        return code, np.array(X, dtype=float)
+    return np.stack([c[1] for c in cols], axis=1), np.stack([c[2] for c in cols], axis=1).astype(float)
 
 
 def _dominated_across_multisets(gpu: np.ndarray, level: np.ndarray, X: np.ndarray) -> np.ndarray:
@@ -522,24 +591,36 @@ def _reductions(gpu, level, X, owner):
     return tuple(np.concatenate(p) for p in zip(*rows))
 
 
-def _covered(rows, by) -> np.ndarray:
+def _covered(rows, by, max_pairs: int = 1 << 20) -> np.ndarray:
     """Owners of the ``rows`` (gpu, level, X, owner) that a row of ``by`` with the same
-    multiset of (type, level) is componentwise >= to, after sorting the slots."""
+    multiset of (type, level) is componentwise >= to, after sorting the slots.
+
+    Only the rows of ``by`` that no other one of their group is >= to can matter (any
+    other has one of those >= it), so each row is compared with those of its group alone,
+    all pairs at once, at most ``max_pairs`` per step.
+    """
     codes_r, x_r = _sorted_slots(*rows[:3])
     codes_b, x_b = _sorted_slots(*by[:3])
     group = _row_codes(np.concatenate([codes_r, codes_b]))
     g_r, g_b = group[: len(codes_r)], group[len(codes_r) :]
-    members_b = {int(g_b[m[0]]): m for m in _group_slices(g_b)}
+    front = np.nonzero(_undominated_by_rank(x_b, np.zeros(len(x_b)), g_b))[0]
+    front = front[np.argsort(g_b[front], kind="stable")]
+    fx, fg = x_b[front], g_b[front]
+    first, count = np.searchsorted(fg, g_r, "left"), np.searchsorted(fg, g_r, "right")
+    count -= first
     hit = np.zeros(len(codes_r), bool)
-    for fr in _group_slices(g_r):
-        fb = members_b.get(int(g_r[fr[0]]))
-        if fb is None:
-            continue
-        xb = x_b[fb][np.lexsort(tuple(-x_b[fb][:, d] for d in reversed(range(x_b.shape[1]))))]
-        xb = xb[_first_undominated(xb)]
-        for a in range(0, len(fr), 256):
-            f = fr[a : a + 256]
-            hit[f] = _ge(xb, x_r[f]).any(axis=0)
+    ends = np.cumsum(count)
+    a = 0
+    while a < len(codes_r):
+        # The rows a..b-1 and their pairs, at most max_pairs (one row at least).
+        b = max(a + 1, int(np.searchsorted(ends, (ends[a - 1] if a else 0) + max_pairs, "right")))
+        q = np.repeat(np.arange(a, b), count[a:b])
+        f = first[q] + np.arange(q.size) - np.repeat(ends[a:b] - count[a:b], count[a:b])
+        ge = np.ones(q.size, bool)
+        for d in range(x_r.shape[1]):
+            ge &= fx[f, d] >= x_r[q, d]
+        hit[q[ge]] = True
+        a = b
     return np.unique(rows[3][hit])
 
 
@@ -559,16 +640,19 @@ def _group_slices(group: np.ndarray) -> list[np.ndarray]:
 
 def _undominated(X: np.ndarray, latency_us: np.ndarray, group: np.ndarray, level: np.ndarray | None = None) -> np.ndarray:
     """Mask of the rows of X that no row of the same group dominates; with ``level``, a row
-    i stands for r = level_i / level_j rows of j's level where that is a whole number."""
+    i stands for r = level_i / level_j rows of j's level where that is a whole number.
+
+    Without ``level``, row i dominates row j when X_i >= X_j componentwise and i ranks
+    before j in the order (X descending lexicographically, then latency ascending, then
+    row index): among equal X vectors the lowest-latency one is kept.
+    """
+    if level is None:
+        return _undominated_by_rank(X, latency_us, group)
     keep = np.zeros(len(group), bool)
     for idx in _group_slices(group):
         x = X[idx]
-        # Stable tie-break: among equal X vectors keep the lowest-latency one.
         rank = np.lexsort((latency_us[idx],) + tuple(-x[:, d] for d in reversed(range(x.shape[1]))))
         idx, x = idx[rank], x[rank]
-        if level is None:
-            keep[idx[_first_undominated(x)]] = True
-            continue
         # Unused slots (level 0) compare as level 1 with X = 0.
         li, lj = np.maximum(level[idx][:, None, :], 1), np.maximum(level[idx][None, :, :], 1)
         r, divides = li / lj, li % lj == 0
@@ -582,27 +666,34 @@ def _undominated(X: np.ndarray, latency_us: np.ndarray, group: np.ndarray, level
     return keep
 
 
-def _first_undominated(x: np.ndarray, block: int = 256) -> np.ndarray:
-    """Mask of the rows of ``x`` that no earlier row is componentwise >= to.
+def _undominated_by_rank(X: np.ndarray, latency_us: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """The same-level case of :func:`_undominated`, every group at once.
 
-    The rows come in decreasing lexicographic order (ties by latency), so a row that
-    dominates another comes before it; a row is then dominated iff an earlier kept one
-    dominates it (>= is transitive), and each block of rows is compared with the rows
-    kept so far and with its own earlier rows only.
+    The rows are sorted by (group, X descending lexicographically, latency, index), so a
+    row can only be dominated by an earlier one of its group. Each round keeps, in every
+    group, the first row not yet decided, and drops the undecided rows of that group that
+    it dominates. The kept row is undominated: each earlier row was kept (and dropped what
+    it dominates) or dropped (and then whatever dominated it dominates this row too, by
+    transitivity, so this row would have been dropped). The rounds number the most rows
+    one group keeps; each is a few numpy operations over the undecided rows of all groups.
     """
-    keep = np.zeros(len(x), bool)
-    for a in range(0, len(x), block):
-        xb = x[a : a + block]
-        alive = ~np.triu(_ge(xb, xb), k=1).any(axis=0)
-        if a:
-            alive &= ~_ge(x[:a][keep[:a]], xb).any(axis=0)
-        keep[a : a + block] = alive
+    n, D = X.shape
+    keep = np.zeros(n, bool)
+    order = np.lexsort((latency_us,) + tuple(-X[:, d] for d in reversed(range(D))) + (group,))
+    cols = [np.ascontiguousarray(X[order, d]) for d in range(D)]
+    gs = group[order]
+    undecided = np.arange(n)
+    head = np.ones(n, bool)
+    while undecided.size:
+        g = gs[undecided]
+        h = head[: undecided.size]
+        np.not_equal(g[1:], g[:-1], out=h[1:])
+        heads = undecided[h]
+        keep[order[heads]] = True
+        rest = undecided[~h]
+        by = heads[np.cumsum(h)[~h] - 1]  # each remaining row's group head
+        dominated = cols[0][by] >= cols[0][rest] if D else np.ones(rest.size, bool)
+        for c in cols[1:]:
+            dominated &= c[by] >= c[rest]
+        undecided = rest[~dominated]
     return keep
-
-
-def _ge(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """ge[i, j]: row i of ``a`` is componentwise >= row j of ``b``."""
-    ge = np.ones((len(a), len(b)), bool)
-    for d in range(a.shape[1]):
-        ge &= a[:, None, d] >= b[None, :, d]
-    return ge

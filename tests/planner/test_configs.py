@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 import ppipe
@@ -148,3 +149,41 @@ def test_whole_gpu_estimate_is_the_authors_single_model_formula():
     # reaches it (8000 + 2000 us), so B adds nothing.
     got = whole_gpu_estimate(ModelSpec(profile=m, slo_ms=10.0), cl, 0.2)
     assert got == pytest.approx(2 * 3 * 1e6 / 3600.0)
+
+
+def test_every_feasible_configuration_comes_out_once_with_its_template_latency_and_x():
+    # Three types, one with fewer levels than the others (its level axis is padded), three
+    # partitions: the vectorized enumeration against plain loops (planner_synth.plain_configs).
+    levels = {"A": [1, 2], "B": [1], "C": [1, 2, 3]}
+    lat = {"A": [2000.0, 3000.0, 1000.0, 500.0], "B": [3000.0, 9000.0, 1500.0, 800.0], "C": [1200.0, 900.0, 2500.0, 700.0]}
+    cl = cluster({"A": 2, "B": 2, "C": 2}, levels)
+    prof = profile("m1", lat, [200_000, 100_000, 50_000], levels)
+    cs = enumerate_configs(0, ModelSpec(profile=prof, slo_ms=60.0), cl, max_partitions=3, margin=0.2, levels=levels,
+                           group_by_multiset=False, prune=False)
+    types = [g.name for g in cl.gpu_types]
+    got = []
+    for c in range(len(cs)):
+        n = int(cs.nparts[c])
+        tmpl = tuple(types[k] for k in cs.templates[cs.template[c]])
+        assert tmpl == tuple(types[k] for k in cs.gpu[c, :n])
+        got.append((tmpl, tuple((types[cs.gpu[c, d]], int(cs.level[c, d]), round(float(cs.X[c, d]), 6)) for d in range(n))))
+    want = [(t, tuple((k, v, round(x, 6)) for k, v, x in slots)) for t, slots in plain_configs(prof, cl, 60.0, 0.2, 3, levels)]
+    assert sorted(got) == sorted(want) and len(got) == len(set(got)) > 100
+    assert list(cs.template) == sorted(cs.template)  # in the order of templates_for
+
+
+def test_the_grouped_dominance_keeps_exactly_the_rows_no_earlier_ranked_row_dominates():
+    from ppipe.planner.configs import _undominated
+
+    rng = np.random.default_rng(7)
+    X = rng.integers(0, 4, size=(600, 3)).astype(float)  # many ties
+    X[rng.random(600) < 0.3, 2] = 0.0
+    lat = rng.integers(0, 3, size=600).astype(float)
+    group = rng.integers(0, 40, size=600)
+    keep = _undominated(X, lat, group)
+    order = np.lexsort((lat, -X[:, 2], -X[:, 1], -X[:, 0]))
+    rank = np.empty(600, int)
+    rank[order] = np.arange(600)
+    for j in range(600):
+        dominated = any(group[i] == group[j] and rank[i] < rank[j] and (X[i] >= X[j]).all() for i in range(600))
+        assert keep[j] == (not dominated)
