@@ -16,10 +16,12 @@ Defaults, and where they come from:
   latency (model.yaml's slo_ms ignored), and the batch-build estimate of their scripts:
   the NP plan for several models, their whole-GPU estimate for one
   (:func:`~ppipe.planner.baselines.whole_gpu_estimate`). Explicit arguments still win.
+* The batch-build estimate x_hat (it only sizes beta(b)) is each model's throughput in the
+  NP plan; where the plan is made by column generation (max-min, physical packing, a
+  MILP of over 5,000 columns), in the NP plan's LP relaxation (:func:`_relaxed_estimate`).
 * ``time_limit_s`` is the budget of the whole call. The NP plan behind the batch-build
-  estimate may take ESTIMATE_SHARE of it and stops after ESTIMATE_MAX_NODES nodes (x_hat
-  only sizes beta(b)); the plan's own MILP gets the rest (:mod:`ppipe.planner.core` splits
-  it further). A plan found by then is returned with its gap; only where none was found is
+  estimate may take ESTIMATE_SHARE of it and stops after ESTIMATE_MAX_NODES nodes; the
+  plan's own MILP gets the rest (:mod:`ppipe.planner.core` splits it further). A plan found by then is returned with its gap; only where none was found is
   it a :class:`~ppipe.planner.solvers.SolverTimeLimitError` that names the limit.
 * A profile must time every GPU type of the cluster (at some level); GPU types the
   cluster lacks are ignored (the PPipe artifact times four types for every model).
@@ -45,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ppipe.errors import InfeasibleError, UserError
 from ppipe.planner.baselines import dart_r, np_levels, whole_gpu_estimate
 from ppipe.planner.configs import ModelSpec
-from ppipe.planner.core import milp_plan
+from ppipe.planner.core import milp_plan, plan_configs
 from ppipe.planner.objectives import ObjectiveLike, get_objective
 from ppipe.planner.solvers import SolverTimeLimitError, get_solver, time_left
 from ppipe.spec.cluster import ClusterSpec, load_cluster, resolve_cluster_path
@@ -375,8 +377,8 @@ def plan(
     run = _Run(st, spec, levels, get_solver(solver), gap, [_model_file(p) for p in profiles],
                None if time_limit_s is None else t0 + time_limit_s, None if warm_start is None else list(warm_start.models))
     try:
-        specs, np_out, estimate_clocked = _with_batch_build(run, specs)
-        models_out, report = _solve(run, specs, np_out, obj)
+        specs, np_out, estimate_clocked, configs = _with_batch_build(run, specs, obj)
+        models_out, report = _solve(run, specs, np_out, obj, configs)
     except SolverTimeLimitError as err:
         raise SolverTimeLimitError(
             f"no plan found within the time limit of {time_limit_s} s (time_limit_s, --time-limit-s): {err.message}",
@@ -445,10 +447,19 @@ class _Run:
     deadline: float | None
     warm: list | None = None
 
-    def milp(self, specs, objective, *, no_partitioning: bool = False, estimate: bool = False):
+    def configs(self, specs, *, no_partitioning: bool = False):
+        """:func:`plan_configs` with this call's settings (``no_partitioning``: the NP plan's)."""
+        st = self.settings
+        return plan_configs(specs, self.cluster, np_levels(self.levels) if no_partitioning else self.levels,
+                            max_partitions=1 if no_partitioning else st.max_partitions, margin=st.margin,
+                            gpu_rule=st.gpu_rule, one_config_per_template=st.one_config_per_template,
+                            authors_arithmetic=st.authors, files=self.files)
+
+    def milp(self, specs, objective, *, no_partitioning: bool = False, estimate: bool = False, configs=None):
         """:func:`milp_plan` with this call's settings; ``no_partitioning``: the NP plan
         (one partition, level 1 only); ``estimate``: the NP plan behind x_hat, within
-        ESTIMATE_SHARE of the time left and ESTIMATE_MAX_NODES nodes."""
+        ESTIMATE_SHARE of the time left and ESTIMATE_MAX_NODES nodes; ``configs``: the
+        plan's configurations where :meth:`configs` made them already."""
         st = self.settings
         deadline = self.deadline
         if estimate and deadline is not None:
@@ -471,41 +482,80 @@ class _Run:
             column_generation=None if estimate else st.column_generation,
             node_limit=ESTIMATE_MAX_NODES if estimate else None,
             warm=None if estimate or no_partitioning else self.warm,
+            configs=configs,
         )
 
 
-def _with_batch_build(run: _Run, specs: list[ModelSpec]):
+def _with_batch_build(run: _Run, specs: list[ModelSpec], obj):
     """(specs with the batch-gathering estimate's x_hat where it applies, the NP plan or
-    None, whether the clock shaped the estimate).
+    None, whether the clock shaped the estimate, the plan's configurations where they were
+    made on the way or None).
 
     The NP plan gives x_hat (and is DART-r's start); the authors' single-model runs take
-    their whole-GPU estimate instead. NP's own plan has no estimate (NP is its source).
-    The NP plan may take ESTIMATE_SHARE of the time left and ESTIMATE_MAX_NODES nodes; one
-    the clock stopped makes the plan say time_limit, and where it found no plan at all,
-    beta is off (``settings.batch_build`` then says false).
+    their whole-GPU estimate instead, and a plan made by column generation the NP plan's
+    LP relaxation (:func:`_relaxed_estimate`). NP's own plan has no estimate (NP is its
+    source). The NP plan may take ESTIMATE_SHARE of the time left and ESTIMATE_MAX_NODES
+    nodes; one the clock stopped makes the plan say time_limit, and where it found no
+    plan at all, beta is off (``settings.batch_build`` then says false).
     """
     st = run.settings
     if st.planner == "ppipe" and st.batch_build and st.authors and len(specs) == 1:
         xhat1 = whole_gpu_estimate(specs[0], run.cluster, st.margin)
-        return [replace(specs[0], batch_build_rps=xhat1 if xhat1 > 0 else None)], None, False
+        return [replace(specs[0], batch_build_rps=xhat1 if xhat1 > 0 else None)], None, False, None
     if not (st.planner == "dart-r" or (st.planner == "ppipe" and st.batch_build)):
-        return specs, None, False
+        return specs, None, False, None
+    relaxed = _relaxed_estimate(run, specs, obj) if st.planner == "ppipe" else None
+    if relaxed is not None:
+        return relaxed[0], None, False, relaxed[1]
     estimate = st.planner == "ppipe"  # DART-r's NP plan is its own start: the whole budget
     try:
         np_out = run.milp(specs, get_objective("max-min"), no_partitioning=True, estimate=estimate)
     except InfeasibleError:
-        return specs, None, False  # no whole-model GPU meets some SLO: no estimate, beta off
+        return specs, None, False, None  # no whole-model GPU meets some SLO: no estimate, beta off
     except SolverTimeLimitError:
         if not estimate:
             raise
-        return specs, None, True
+        return specs, None, True, None
     xhat = {m.name: m.throughput_rps for m in np_out.models}
     specs = [replace(s, batch_build_rps=xhat[s.name] if st.batch_build and xhat[s.name] > 0 else None) for s in specs]
-    return specs, np_out, estimate and np_out.result.status == "time_limit"
+    return specs, np_out, estimate and np_out.result.status == "time_limit", None
 
 
-def _solve(run: _Run, specs: list[ModelSpec], np_out, obj):
-    """(per-model plans, the solver report without its time) of the chosen planner."""
+def _relaxed_estimate(run: _Run, specs: list[ModelSpec], obj):
+    """(specs with x_hat from the NP plan's LP relaxation, the plan's configurations) where
+    the plan is then made by column generation (:func:`~ppipe.planner.core.wants_column_generation`
+    on those configurations), else None.
+
+    Why: at that scale the NP MILP is slow to solve (on 1,000 GPUs, 1,000 nodes take
+    seconds and leave a gap), while its LP relaxation, solved exactly in milliseconds,
+    gives the same plan value within a fraction of a percent; x_hat only sizes beta(b).
+    The relaxation is a function of the inputs alone, so the same inputs take the same
+    path. Where column generation does not follow, the NP MILP gives x_hat as before.
+    """
+    from ppipe.planner.colgen import relaxation_rates
+    from ppipe.planner.core import column_generation_applies, wants_column_generation
+
+    st = run.settings
+    if st.column_generation is False or not column_generation_applies(obj, st.gpu_rule, st.one_config_per_template):
+        return None
+    try:
+        np_configs = run.configs(specs, no_partitioning=True)
+    except InfeasibleError:
+        return None  # the NP MILP's path says so (beta off)
+    counts = [run.cluster.gpu_counts[g.name] for g in run.cluster.gpu_types]
+    rates = relaxation_rates(np_configs, [s.weight for s in specs], counts)
+    if rates is None:
+        return None
+    relaxed = [replace(s, batch_build_rps=r if r > 0 else None) for s, r in zip(specs, rates)]
+    configs = run.configs(relaxed)
+    if not wants_column_generation(st.column_generation, obj, st.gpu_rule, st.one_config_per_template, configs):
+        return None
+    return relaxed, configs
+
+
+def _solve(run: _Run, specs: list[ModelSpec], np_out, obj, configs=None):
+    """(per-model plans, the solver report without its time) of the chosen planner
+    (``configs``: the ppipe plan's configurations where they were made already)."""
     st = run.settings
     if st.planner == "dart-r":
         if np_out is None:
@@ -514,7 +564,7 @@ def _solve(run: _Run, specs: list[ModelSpec], np_out, obj):
         z = min(m.throughput_rps / m.weight for m in models_out)
         return models_out, SolverReport(name=np_out.result.solver, status="heuristic", gap=0.0, seconds=0.0, objective=z,
                                         columns=np_out.columns)
-    out = run.milp(specs, obj, no_partitioning=st.planner == "np")
+    out = run.milp(specs, obj, no_partitioning=st.planner == "np", configs=configs if st.planner == "ppipe" else None)
     r = out.result
     return out.models, SolverReport(name=r.solver, status=r.status, gap=r.gap, seconds=0.0, objective=r.objective,
                                     columns=out.columns, method=r.method, nodes=r.nodes, lp_iterations=r.lp_iterations)

@@ -202,6 +202,14 @@ def generate_columns(configs: list[ConfigSet], weights, counts, *, deadline: flo
     return Generated(columns, ordered, z, max(bound, z), rounds, converged, timed_out)
 
 
+def relaxation_rates(configs: list[ConfigSet], weights, counts) -> list[float] | None:
+    """Per model, its throughput sum_c x_c in an optimal solution of the master LP over
+    every configuration of ``configs``, i.e. of the LP relaxation of their max-min MILP
+    (see the module docstring); None where the generation did not converge."""
+    gen = generate_columns(configs, weights, counts)
+    return [float(f.sum()) for f in gen.flows] if gen.converged else None
+
+
 def _farley_bound(mu: np.ndarray, counts: np.ndarray, weights: np.ndarray, priced: list[np.ndarray]) -> float:
     """mu . N / sum_m w_m min_c mu . a_c: an upper bound on every plan's value (inf where uninformative)."""
     need = float(sum(wm * (p.min() if p.size else math.inf) for wm, p in zip(weights, priced)))

@@ -101,6 +101,35 @@ def model_configs(
     return out
 
 
+def plan_configs(
+    specs: list[ModelSpec],
+    cluster: ClusterSpec,
+    levels: list[dict[str, list[int]]],
+    *,
+    max_partitions: int,
+    margin: float,
+    gpu_rule: str,
+    one_config_per_template: bool,
+    authors_arithmetic: bool = False,
+    files: list[str | None] | None = None,
+) -> list[ConfigSet]:
+    """The configurations of every model with the dominance pruning that is exact for the
+    formulation: across templates of one multiset of (type, level) under physical packing
+    with several configurations per template (resources do not depend on the slot there),
+    across vGPU levels under the paper's rule (a pool's resources are its share g/v)."""
+    return model_configs(
+        specs,
+        cluster,
+        levels,
+        max_partitions=max_partitions,
+        margin=margin,
+        group_by_multiset=(gpu_rule == "physical" and not one_config_per_template),
+        across_levels=(gpu_rule == "paper"),
+        authors_arithmetic=authors_arithmetic,
+        files=files,
+    )
+
+
 def infeasible_slo(spec: ModelSpec, cs: ConfigSet, margin: float, cluster: ClusterSpec, file: str | None) -> InfeasibleError:
     budget = spec.slo_ms * (1 - margin)
     if np.isfinite(cs.min_latency_b1_us):
@@ -394,6 +423,7 @@ def milp_plan(
     column_generation: bool | None = None,
     node_limit: int | None = None,
     warm: list[ModelPlan] | None = None,
+    configs: list[ConfigSet] | None = None,
 ) -> MilpOutcome:
     """Build, solve and extract one MILP plan (no placement).
 
@@ -404,21 +434,14 @@ def milp_plan(
     the solver stops after about that many branch-and-bound nodes (status ``feasible``,
     the same on every machine). ``warm``: a served plan of these models, whose
     configurations and pools start column generation (unused on the other path).
+    ``configs``: the models' configurations where the caller made them already
+    (:func:`plan_configs` with the same arguments), else None.
     """
     t0 = time.perf_counter()
-    configs = model_configs(
-        specs,
-        cluster,
-        levels,
-        max_partitions=max_partitions,
-        margin=margin,
-        # Comparing across templates is exact only when resources do not depend on the slot.
-        group_by_multiset=(gpu_rule == "physical" and not one_config_per_template),
-        # Across vGPU levels only where a pool's resources are its share g/v (paper rule).
-        across_levels=(gpu_rule == "paper"),
-        authors_arithmetic=authors_arithmetic,
-        files=files,
-    )
+    if configs is None:
+        configs = plan_configs(specs, cluster, levels, max_partitions=max_partitions, margin=margin, gpu_rule=gpu_rule,
+                               one_config_per_template=one_config_per_template, authors_arithmetic=authors_arithmetic,
+                               files=files)
     # time_limit_s covers building and the split search too: the solver gets the rest.
     deadline = None if time_limit_s is None else t0 + time_limit_s
     solver = solver.tuned_for(gpu_rule, single_model=len(specs) == 1) if hasattr(solver, "tuned_for") else solver
@@ -430,14 +453,8 @@ def milp_plan(
     milp, variables = build(specs, configs, cluster, gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
     objective.apply(milp, variables)
 
-    start = Start()
-    if wants_split_start(objective, solver, specs, cluster, gpu_rule):
-        start = split_start(configs, specs, cluster, milp, variables, time_limit_s, paper_templates=one_config_per_template)
-    elif (
-        one_config_per_template and len(specs) <= DISTINCT_START_MAX_MODELS and isinstance(objective, MaxMinNormalized)
-        and getattr(solver, "accepts_start", False)
-    ):
-        start = distinct_types_start(specs, configs, cluster, milp, variables, solver, gpu_rule=gpu_rule, deadline=deadline, gap=gap)
+    start = _first_start(specs, configs, cluster, milp, variables, solver, objective, gpu_rule=gpu_rule,
+                         one_config_per_template=one_config_per_template, time_limit_s=time_limit_s, deadline=deadline, gap=gap)
     if isinstance(objective, MaxMinNormalized) and getattr(solver, "accepts_prover", False) and _has_prover(gpu_rule, start):
         result = _proven_solve(milp, variables, specs, configs, cluster, solver, start, deadline=deadline, gap=gap,
                                gpu_rule=gpu_rule, one_config_per_template=one_config_per_template)
@@ -466,6 +483,19 @@ def milp_plan(
         configurations=sum(len(c) for c in configs),
         seconds=time.perf_counter() - t0,
     )
+
+
+def _first_start(specs, configs, cluster, milp, variables, solver, objective, *, gpu_rule, one_config_per_template,
+                 time_limit_s, deadline, gap) -> Start:
+    """The MIP start :func:`milp_plan` hands the solver: the split search's plan where
+    :func:`wants_split_start` says so, the distinct-type restriction's for one model of the
+    paper's formulation, else none."""
+    if wants_split_start(objective, solver, specs, cluster, gpu_rule):
+        return split_start(configs, specs, cluster, milp, variables, time_limit_s, paper_templates=one_config_per_template)
+    if (one_config_per_template and len(specs) <= DISTINCT_START_MAX_MODELS and isinstance(objective, MaxMinNormalized)
+            and getattr(solver, "accepts_start", False)):
+        return distinct_types_start(specs, configs, cluster, milp, variables, solver, gpu_rule=gpu_rule, deadline=deadline, gap=gap)
+    return Start()
 
 
 def column_generation_applies(objective, gpu_rule: str, one_config_per_template: bool) -> bool:

@@ -38,10 +38,10 @@ class _Recorder:
         self.in_estimate = False
         real_solve, real_bb = HighsSolver.solve, api._with_batch_build
 
-        def with_batch_build(run, specs):
+        def with_batch_build(run, specs, *args):
             self.in_estimate = True
             try:
-                return real_bb(run, specs)
+                return real_bb(run, specs, *args)
             finally:
                 self.in_estimate = False
 
