@@ -109,7 +109,7 @@ def main() -> None:
                             results[kind]["ceiling_rps"] = rate
         finally:
             for h in workers.values():
-                ray.kill(h)
+                h.kill()
             ray.shutdown()
     summary = {k: v.get("ceiling_rps") for k, v in results.items()}
     print(f"   highest offered rate at >= 99 % attainment: REST {summary['rest']} req/s, gRPC {summary['grpc']} req/s")

@@ -137,7 +137,7 @@ def idle_cpu_rate(pids: list[int], seconds: float = 3.0) -> float:
 def worker_pids(workers) -> list[int]:
     import ray
 
-    return [p["pid"] for p in ray.get([h.ping.remote() for h in workers.values()])]
+    return [p["pid"] for p in ray.get([h.actor.ping.remote() for h in workers.values()])]
 
 
 def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lead_ms=None, keep_traces=0, answer_budget_ms=None,
@@ -167,7 +167,7 @@ def stop(srv, workers) -> None:
 
     srv.__exit__(None, None, None)
     for h in workers.values():
-        ray.kill(h)
+        h.kill()
 
 
 # ---- part 1: rehearsal vs simulator -------------------------------------------------------------------

@@ -120,7 +120,7 @@ def scenario(mode: str, tmp: Path, a, b, load: float, duration_s: float, seed: i
             apply = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "apply", str(tmp / "b.yaml"), "--url", srv.url, "--token", TOKEN],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if kill and doomed:
-                ray.kill(workers[doomed[0]])
+                workers[doomed[0]].kill()
             applied = apply.communicate(timeout=600)[0]
         results = []
         for p, f in procs:
@@ -133,7 +133,7 @@ def scenario(mode: str, tmp: Path, a, b, load: float, duration_s: float, seed: i
     finally:
         srv.__exit__(None, None, None)
         for h in [*workers.values(), *switcher.started]:
-            ray.kill(h)
+            h.kill()
     sent = sum(r["sent"] for r in results)
     answered = sum(r["ok"] + sum(r["drops"].values()) + sum(r["errors"].values()) for r in results)
     by_status: dict[str, int] = {"200": sum(r["ok"] for r in results)}

@@ -170,7 +170,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     from ppipe.runtime.ingress.http_transport import uvicorn_config
     from ppipe.runtime.launch.deploy import load_deployment
     from ppipe.runtime.control.shard_plan import assign_shards, parse_shards
-    from ppipe.runtime.launch.shards import build_shard, reuseport_socket
+    from ppipe.runtime.launch.shards import build_shard, reuseport_socket, start_shard_actors
 
     _check_serve_flags(transport, backend, dispatch_lead_ms, answer_budget_ms,
                        {"--header-timeout-s": header_timeout_s, "--body-timeout-s": body_timeout_s, "--shutdown-timeout-s": shutdown_timeout_s})
@@ -194,7 +194,7 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     parts = assign_shards(dep.plan, n_shards)
     owner = {m: i for i, ms in enumerate(parts) for m in ms}
     sock = reuseport_socket(host, port)
-    actors = _start_shard_actors(dep, parts, workers, edges, settings, owner, host, port)
+    actors = start_shard_actors(dep, parts, workers, edges, settings, owner, host, port)
     switchers: list = []  # the server's plan switcher (the workers it starts are stopped at shutdown too)
     shutdown = functools.partial(_kill_all, actors, workers, switchers)
     addresses = _shard_addresses(actors, shutdown)
@@ -255,8 +255,6 @@ def _check_grpc_port(host: str, port: int, grpc_port: int) -> None:
 def _start_workers_and_links(dep, backend: str, backend_options: dict, transport: str) -> tuple[dict, dict]:
     """Start the plan's vGPU workers and connect them (``--transport``): (workers, edges).
     Workers whose links cannot be set up are killed before the error goes on."""
-    import ray
-
     from ppipe.runtime.launch.deploy import setup_transport, start_workers
 
     workers = start_workers(dep, backend=backend, backend_options=backend_options)
@@ -264,7 +262,7 @@ def _start_workers_and_links(dep, backend: str, backend_options: dict, transport
         edges = setup_transport(dep, workers, transport)
     except BaseException:
         for h in workers.values():
-            ray.kill(h)
+            h.kill()
         raise
     return workers, edges
 
@@ -290,35 +288,24 @@ def _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_
     )
 
 
-def _start_shard_actors(dep, parts, workers, edges, settings, owner, host, port) -> list:
-    """Start the frontend shards but the first (this process is shard 0) as Ray actors on this node."""
-    from ppipe.runtime.launch.shards import here_strategy, shard_actor_class
-
-    actors = [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, dep, ms, workers, edges, settings, owner, host, port)
-              for i, ms in enumerate(parts) if i > 0]
-    return actors
-
-
 def _kill_all(actors: list, workers: dict, switchers: list) -> None:
     """At shutdown: kill the shard actors, the plan's workers and those the plan switchers started."""
-    import ray
+    from ppipe.runtime.launch.shards import kill_shard_actors
 
-    for a in actors:
-        ray.kill(a)
+    kill_shard_actors(actors)
     for h in [*workers.values(), *(h for sw in switchers for h in sw.started)]:
-        ray.kill(h)
+        h.kill()
 
 
 def _shard_addresses(actors: list, shutdown) -> list:
     """Wait for the shard actors to start; their addresses. On failure, ``shutdown()`` and re-raise."""
-    import ray
+    from ppipe.runtime.launch.shards import shard_addresses
 
     try:
-        addresses = ray.get([a.start.remote() for a in actors], timeout=300)
+        return shard_addresses(actors)
     except BaseException:
         shutdown()
         raise
-    return addresses
 
 
 def _companions(rt, router, *, dep, parts, owner, actors, addresses, switchers, worker_options, plan_file, replan_policy,

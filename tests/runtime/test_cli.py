@@ -69,7 +69,7 @@ def test_bench_against_a_running_server(ray_cluster, tinynet, tmp_path):
             denied = CliRunner().invoke(main, ["bench", srv.url, "--model", "tinynet", "--rate", "5", "--duration-s", "0.5"])
     finally:
         for h in workers.values():
-            ray.kill(h)
+            h.kill()
     assert r.exit_code == 0, r.output
     assert "SLO attainment" in r.output and "goodput" in r.output
     res = json.loads(out.read_text())

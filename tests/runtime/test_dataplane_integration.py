@@ -103,7 +103,7 @@ def test_batches_cross_nodes_along_reserved_paths(ray_cluster, tmp_path):
     assert rt.traces
     for t in rt.traces:
         assert t.error is None
-        assert [r["node_id"] for r in t.reports] == [node_of["nodeA"], node_of["nodeB"]]
+        assert [r.node_id for r in t.reports] == [node_of["nodeA"], node_of["nodeB"]]
         assert [r.vgpu_id for r in t.reports] == t.route
 
 

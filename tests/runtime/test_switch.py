@@ -177,7 +177,7 @@ def test_ppipe_apply_switches_a_serving_server_with_every_request_answered(ray_c
             ready = httpx.get(srv.url + "/v2/health/ready").status_code
     finally:
         for h in [*workers.values(), *switcher.started]:
-            ray.kill(h)
+            h.kill()
     assert applied.exit_code == 0, applied.output
     assert "1 started, 2 finishing their batches" in applied.output
     res = result["res"]

@@ -315,7 +315,7 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
         batches = [t for t in rt.traces if t.error is None]
         assert len(batches) >= 3 and sum(len(t.request_ids) for t in batches) == 7
         # every batch's feature map went over the edge, as numbered messages 0..n-1
-        pings = ray.get([workers[up].ping.remote(), workers[down].ping.remote()])
+        pings = ray.get([workers[up].actor.ping.remote(), workers[down].actor.ping.remote()])
         assert pings[0]["edges"] == {f"send:{down}": len(batches)}
         assert pings[1]["edges"] == {f"recv:{up}": len(batches)}
         if os.geteuid() == 0:  # workers undo Ray's worker niceness where they may
@@ -323,7 +323,7 @@ def test_two_partitions_over_a_fake_link_answer_like_the_whole_model(ray_cluster
         assert all(t.reports[1].transfer_start_us <= t.reports[1].transfer_end_us for t in batches)
     finally:
         for h in workers.values():
-            ray.kill(h)
+            h.kill()
 
 
 def _on_a_host_ring(monkeypatch, up, down):
@@ -350,11 +350,11 @@ def test_two_workers_talk_through_a_staging_ring_opened_as_serve_opens_it(ray_cl
         got, rt = _answers(dep, workers, edges, xs)
         np.testing.assert_allclose(got, reference(tinynet.directory, xs), rtol=2e-2, atol=2e-2)
         batches = [t for t in rt.traces if t.error is None]
-        pings = ray.get([workers[up].ping.remote(), workers[down].ping.remote()])
+        pings = ray.get([workers[up].actor.ping.remote(), workers[down].actor.ping.remote()])
         assert pings[0]["edges"] == {f"send:{down}": len(batches)} and pings[1]["edges"] == {f"recv:{up}": len(batches)}
     finally:
         for h in workers.values():
-            ray.kill(h)
+            h.kill()
 
 
 @pytest.mark.ray
@@ -370,11 +370,11 @@ def test_emulated_workers_send_over_a_ring_edge_too(ray_cluster, tinynet, tmp_pa
         assert edges[(up, down)][0] == "ring-host"
         got, rt = _answers(dep, workers, edges, np.zeros((4, 3, 8, 8), np.float32))
         assert got.shape == (4, *tinynet.manifest.outputs[0].shape)
-        sent = ray.get(workers[up].ping.remote())["edges"][f"send:{down}"]
+        sent = ray.get(workers[up].actor.ping.remote())["edges"][f"send:{down}"]
         assert sent == len([t for t in rt.traces if t.error is None]) > 0
     finally:
         for h in workers.values():
-            ray.kill(h)
+            h.kill()
 
 
 # ---- the worker's NCCL path in-process (two VgpuWorker bodies, a fake link, onnxruntime) ------------------------------

@@ -4,7 +4,7 @@ leave ``ray``, ``starlette`` and ``torch`` out of ``sys.modules`` and do not eve
 import them (so the check holds where one is not installed).
 
 The same worker runs as a Ray actor and in the frontend's process (ppipe.runtime.launch.inproc):
-Ray is the launcher's (``actor_class`` imports it when called), HTTP is the ingress's, and
+Ray is the launcher's (``ppipe.runtime.launch.ray_workers.actor_class``), HTTP is the ingress's, and
 torch is one backend's, loaded when a worker is built with it. When a module fails here,
 the message names the lines of ppipe that led to the import, outermost first.
 """

@@ -165,9 +165,7 @@ class PlanSwitcher:
         return handles
 
     def _stop(self, handle: Any) -> None:
-        import ray
-
-        ray.kill(handle)
+        handle.kill()
 
     # ---- one shard's part of a sharded switch (driven by ShardedSwitcher) ----------------
     async def prepare(self, dep: Any) -> dict[str, int]:

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ppipe.errors import UserError
-from ppipe.runtime.launch.ray_workers import RayWorkerHandle, actor_of
+from ppipe.runtime.launch.ray_workers import RayWorkerHandle, actor_class, actor_of
 from ppipe.runtime.launch.refs import settle
-from ppipe.runtime.workers.worker import WorkerSpec, actor_class
+from ppipe.runtime.workers.worker import WorkerSpec
 from ppipe.spec.cluster import ClusterSpec, load_cluster
 from ppipe.spec.plan import Plan, load_plan
 from ppipe.spec.profile import ModelProfile, load_profile_ref, profile_ref

@@ -79,3 +79,12 @@ async def _gone_on_actor_error(ref: Awaitable[Any]) -> Any:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def actor_class():
+    """The Ray actor class of a vGPU worker (:class:`~ppipe.runtime.workers.worker.VgpuActor`)."""
+    import ray
+
+    from ppipe.runtime.workers.worker import VgpuActor
+
+    return ray.remote(VgpuActor)

@@ -160,6 +160,27 @@ def shard_actor_class():
     return ray.remote(num_cpus=0, max_concurrency=16)(ShardServer)
 
 
+def start_shard_actors(dep: Any, parts: list[list[str]], workers: dict[str, Any], edges: dict, settings: ServeSettings,
+                       owner: dict[str, int], host: str, port: int) -> list[Any]:
+    """Start the frontend shards but the first (the calling process is shard 0) as Ray actors on this node."""
+    return [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, dep, ms, workers, edges, settings, owner, host, port)
+            for i, ms in enumerate(parts) if i > 0]
+
+
+def shard_addresses(actors: list[Any], timeout_s: float = 300.0) -> list[str]:
+    """Wait for the shard actors to start; each one's router address."""
+    import ray
+
+    return ray.get([a.start.remote() for a in actors], timeout=timeout_s)
+
+
+def kill_shard_actors(actors: list[Any]) -> None:
+    import ray
+
+    for a in actors:
+        ray.kill(a)
+
+
 class RayShard:
     """A :class:`~ppipe.runtime.control.shard_control.ShardHandle` of a :class:`ShardServer`
     actor: plan-switch requests go to its :meth:`ShardServer.control`."""

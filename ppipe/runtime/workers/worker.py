@@ -1,6 +1,6 @@
 """One worker per vGPU: runs its partition; feature maps go worker to worker.
 
-A worker is a Ray actor (:func:`actor_class`: Ray places it by custom resources, starts it
+A worker is a Ray actor (:func:`ppipe.runtime.launch.ray_workers.actor_class`: Ray places it by custom resources, starts it
 and tells the frontend when it dies) or, for tests and rehearsals on one host, an object in
 the frontend's own process (:mod:`ppipe.runtime.launch.inproc`); the code is the same. The
 batches themselves come over the data path (:mod:`ppipe.runtime.wire.datapath`): the
@@ -469,10 +469,3 @@ def _to_host(arr: Any) -> np.ndarray:
     """A device (CuPy) array as NumPy; NumPy arrays pass through."""
     get = getattr(arr, "get", None)
     return arr if isinstance(arr, np.ndarray) or get is None else get()
-
-
-def actor_class():
-    """The Ray actor class of a vGPU worker (:class:`VgpuActor`)."""
-    import ray
-
-    return ray.remote(VgpuActor)
