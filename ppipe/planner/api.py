@@ -349,8 +349,10 @@ def plan(
             None = where the whole MILP would exceed 5,000 columns. The gap reported is
             then to the LP bound of the whole configuration space.
         warm_start: the served plan of a re-plan: with column generation, its
-            configurations start the pricing and its pools (headroom taken off) start the
-            solve where they are still a plan. Its models are matched by name.
+            configurations join the generated ones in the restricted MILP and its pools
+            (headroom taken off) start the solve where they are still a plan and better
+            than the rounded LP solution (:mod:`ppipe.planner.colgen`); unused otherwise.
+            Its models are matched by name.
 
     Returns:
         The immutable plan.

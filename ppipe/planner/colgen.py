@@ -47,7 +47,16 @@ from a rounding of the master's solution (:func:`rounded_start`) and solved by t
 solver to the gap or :data:`RESTRICTED_MAX_NODES` nodes, a stop at the same point on every
 machine. Its gap is reported against the bound above: status ``optimal`` when that gap is
 within the requested one, ``feasible`` when the node limit or the restriction leaves more,
-``time_limit`` when the clock stopped the generation or the solve.
+``time_limit`` when the clock stopped the generation or the solve. The gap measures the
+plan against the LP relaxation of every configuration, so it also holds the granularity of
+integer pools (about one vGPU of a bottleneck pool per model), which no plan can close.
+
+Warm start (a re-plan from a served plan). The generation runs as for a cold plan (it
+takes milliseconds); the served plan's configurations that are still in the pool join the
+generated ones in the restricted MILP, which so holds every plan of the cold restricted
+MILP and the served plan too; the served plan (headroom taken off) is the solver's start
+where it is a plan of that MILP and better than the rounding. The same served plan and
+inputs give the same plan.
 """
 
 from __future__ import annotations
@@ -155,8 +164,7 @@ class Generated:
     timed_out: bool = False
 
 
-def generate_columns(configs: list[ConfigSet], weights, counts, *, deadline: float | None = None,
-                     initial: list[list[int]] | None = None) -> Generated:
+def generate_columns(configs: list[ConfigSet], weights, counts, *, deadline: float | None = None) -> Generated:
     """Column generation for the master LP over ``configs`` (see the module docstring).
 
     Args:
@@ -164,8 +172,9 @@ def generate_columns(configs: list[ConfigSet], weights, counts, *, deadline: flo
         weights: w_m per model.
         counts: N_k per GPU type (cluster order).
         deadline: ``time.perf_counter()`` value after which no round starts (None: none).
-        initial: per model, configurations to start from (a served plan's); the cheapest
-            ones at prices 1 / N_k are added in any case.
+
+    The master starts from each model's PRICE_COLUMNS cheapest configurations at prices
+    1 / N_k.
     """
     w, N = np.asarray(weights, float), np.asarray(counts, float)
     costs = [lp_costs(cs, N.size) for cs in configs]
@@ -173,9 +182,7 @@ def generate_columns(configs: list[ConfigSet], weights, counts, *, deadline: flo
     chosen: list[set[int]] = [set() for _ in configs]
     mu0 = np.where(N > 0, 1.0 / np.maximum(N, 1.0), 0.0)
     for m, a in enumerate(costs):
-        first = list(initial[m]) if initial else []
-        first += [int(c) for c in np.argsort(a @ mu0, kind="stable")[:PRICE_COLUMNS]]
-        for c in first:
+        for c in (int(c) for c in np.argsort(a @ mu0, kind="stable")[:PRICE_COLUMNS]):
             if c not in chosen[m]:
                 chosen[m].add(c)
                 master.add(m, c, a[c])
@@ -314,8 +321,9 @@ def column_generation_plan(specs: list[ModelSpec], configs: list[ConfigSet], clu
         solver: the MILP backend of the restricted MILP.
         deadline: ``time.perf_counter()`` value at which searches stop (None: none).
         gap: the requested relative gap.
-        warm: a served plan of the same models: its configurations start the generation
-            and, where it is still a plan of the restricted MILP, it is a start of the solve.
+        warm: a served plan of the same models: its configurations join the generated
+            ones in the restricted MILP (which then holds every plan the cold one holds, and
+            the served plan), and where it is still a plan, it is a start of the solve.
 
     Raises:
         SolverTimeLimitError: no plan at all before the deadline.
@@ -323,12 +331,12 @@ def column_generation_plan(specs: list[ModelSpec], configs: list[ConfigSet], clu
     t0 = time.perf_counter()
     types = [g.name for g in cluster.gpu_types]
     counts = np.array([cluster.gpu_counts[k] for k in types], dtype=float)
-    initial = warm_columns(configs, specs, warm) if warm else None
-    gen = generate_columns(configs, [s.weight for s in specs], counts, deadline=deadline, initial=initial)
-    sub = [subset(cs, cols) for cs, cols in zip(configs, gen.columns)]
+    gen = generate_columns(configs, [s.weight for s in specs], counts, deadline=deadline)
+    columns, flows = _with_served(gen, warm_columns(configs, specs, warm) if warm else None)
+    sub = [subset(cs, cols) for cs, cols in zip(configs, columns)]
     milp, v = build(specs, sub, cluster, gpu_rule="physical")
     MaxMinNormalized().apply(milp, v)
-    start = _best_start(milp, v, specs, sub, gen, counts, warm)
+    start = _best_start(milp, v, specs, sub, flows, counts, warm)
     res = _restricted_solve(milp, solver, start, deadline=deadline, gap=gap)
     z = float(res.objective)
     proven = max(0.0, gen.bound / z - 1.0) if z > 0 else math.inf
@@ -341,12 +349,27 @@ def column_generation_plan(specs: list[ModelSpec], configs: list[ConfigSet], clu
     return ColumnPlan(extract(res.x, v, specs), result, milp.num_cols, sum(len(s) for s in sub))
 
 
-def _best_start(milp, v: PlanVariables, specs, sub, gen: Generated, counts, warm) -> np.ndarray | None:
+def _with_served(gen: Generated, served: list[list[int]] | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(columns, flows) of the restricted MILP: per model the generated configurations and
+    the served plan's (ascending), with the master's x_c (0 for a served one it lacks)."""
+    if not served:
+        return gen.columns, gen.flows
+    columns, flows = [], []
+    for cols, x, extra in zip(gen.columns, gen.flows, served):
+        both = np.union1d(cols, np.asarray(extra, dtype=int))
+        f = np.zeros(both.size)
+        f[np.searchsorted(both, cols)] = x
+        columns.append(both)
+        flows.append(f)
+    return columns, flows
+
+
+def _best_start(milp, v: PlanVariables, specs, sub, flows: list[np.ndarray], counts, warm) -> np.ndarray | None:
     """The better of the rounded master solution and the served plan (where it is one of this MILP's)."""
     from ppipe.planner.core import is_feasible
 
     cands = []
-    x = pipeline_columns(v, milp.num_cols, rounded_start(sub, gen.flows, counts))
+    x = pipeline_columns(v, milp.num_cols, rounded_start(sub, flows, counts))
     cands.append(x)
     if warm:
         try:

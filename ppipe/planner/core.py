@@ -433,7 +433,8 @@ def milp_plan(
     never (False), or where :func:`wants_column_generation` says (None). ``node_limit``:
     the solver stops after about that many branch-and-bound nodes (status ``feasible``,
     the same on every machine). ``warm``: a served plan of these models, whose
-    configurations and pools start column generation (unused on the other path).
+    configurations and pools start column generation's restricted MILP (unused on the
+    other path).
     ``configs``: the models' configurations where the caller made them already
     (:func:`plan_configs` with the same arguments), else None.
     """

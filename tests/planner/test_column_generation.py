@@ -140,3 +140,53 @@ def test_a_replan_starts_from_the_served_plan():
     shifted = api.plan(cl, models, column_generation=True, time_limit_s=None, warm_start=served,
                        **{**SMALL_KW, "weights": [0.5, 0.25]})
     assert shifted.solver.objective > 0
+
+
+def _shifted(weights, share):
+    """The weights with ``share`` of their total moved from the second half of the models to the first."""
+    w = np.asarray(weights, float) / np.sum(weights)
+    half = len(w) // 2 or 1
+    up, down = w[:half].sum(), w[half:].sum()
+    return list(np.r_[w[:half] * (1 + share / up), w[half:] * (1 - share / down)])
+
+
+def test_a_warm_replan_is_as_good_as_the_cold_ones_gap_allows():
+    # Eight times the GPUs of _instance(): pools of a few tens of vGPUs, so that a plan can
+    # be proven within 1 % of the LP bound (on 28 GPUs one vGPU is several per cent).
+    cl = cluster({k: 8 * n for k, n in COUNTS.items()}, LEVELS, per_server=2)
+    models = _instance()[1]
+    kw = {**KW, "batch_build": True, "column_generation": True, "time_limit_s": None, "gap": 0.01}
+    served = api.plan(cl, models, **kw)
+    shifted = {**kw, "weights": _shifted(KW["weights"], 0.2)}
+    cold = api.plan(cl, models, **shifted)
+    warm, again = (api.plan(cl, models, warm_start=served, **shifted) for _ in range(2))
+    for p in (cold, warm):
+        assert p.solver.status == "optimal" and p.solver.gap <= 0.01 * (1 + 1e-9)
+    # One problem, one bound: each plan is within its proven gap of the other's objective.
+    assert warm.solver.objective * (1 + warm.solver.gap) >= cold.solver.objective * (1 - 1e-9)
+    assert cold.solver.objective * (1 + cold.solver.gap) >= warm.solver.objective * (1 - 1e-9)
+    zero = {"seconds": 0.0}
+    assert warm.model_copy(update={"solver": warm.solver.model_copy(update=zero)}) == \
+        again.model_copy(update={"solver": again.solver.model_copy(update=zero)})
+
+
+def test_column_generation_takes_x_hat_from_the_np_relaxation(monkeypatch):
+    cl, models = _instance()
+    calls = []
+    real = api._Run.milp
+
+    def recording(self, specs, objective, **k):
+        calls.append((k.get("no_partitioning", False), [s.batch_build_rps for s in specs]))
+        return real(self, specs, objective, **k)
+
+    monkeypatch.setattr(api._Run, "milp", recording)
+    plan = api.plan(cl, models, **{**KW, "batch_build": True, "column_generation": True, "time_limit_s": None, "gap": 0.1})
+    assert plan.settings.batch_build and [np_ for np_, _ in calls] == [False]  # no NP MILP
+    specs = [ModelSpec(profile=p, slo_ms=KW["slo_ms"], weight=w) for p, w in zip(models, KW["weights"])]
+    np_configs = model_configs(specs, cl, [{k: [1] for k in LEVELS} for _ in models], max_partitions=1,
+                               margin=KW["margin"], group_by_multiset=True)
+    assert calls[0][1] == pytest.approx(colgen.relaxation_rates(np_configs, KW["weights"], _counts(cl)))
+    calls.clear()
+    small, small_models = _small()
+    api.plan(small, small_models, **{**SMALL_KW, "batch_build": True, "time_limit_s": None})
+    assert [np_ for np_, _ in calls] == [True, False]  # no column generation: the NP MILP, then the plan
