@@ -88,7 +88,10 @@ max-min objective under the observed weights; ``Z >= 1``: every model fits). A c
    back worse than the current plan, a time-limited solve on a busy host, sets none);
 3. **re-plans** through the injected ``replan(weights) -> Plan`` (the planner with a time
    limit) with ``weights = p / sum(p)`` (each floored at ``min_share`` of the total so
-   that a model with no traffic for a while keeps some capacity), and
+   that a model with no traffic for a while keeps some capacity), and, where ``replan``
+   takes a ``warm_start`` keyword (:func:`planner_replan`'s does), the plan being served
+   as its warm start: the planner then starts from that plan's configurations and pools
+   (:func:`ppipe.planner.api.plan`, ``warm_start``), and
 4. **switches** when ``Z(new) >= (1 + min_gain) Z(current)`` (10 %): the driver applies
    the returned :class:`ReplanDecision`.
 
@@ -96,7 +99,8 @@ The controller takes the decision's plan as current at once (the driver may star
 after a load delay; the old plan serves meanwhile).
 
 Determinism: the decisions are a function of the arrivals fed, the check times and the
-plans ``replan`` returns. The planner's time limit is the one wall-clock dependence: a
+plans ``replan`` returns (a warm start is one more input of the planner: the same served
+plan and weights give the same new plan). The planner's time limit is the one wall-clock dependence: a
 MILP stopped by its limit may return a different plan on a slower or busier host (then
 so may the decisions after it). :attr:`ReplanDecision.planner_s` is measured on the wall
 clock for the report and is never read by a decision.
@@ -104,6 +108,7 @@ clock for the report and is never read by a decision.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections import defaultdict
@@ -293,6 +298,9 @@ class ReplanController:
             :meth:`estimate_with_error` (``None``, the default). For a bound only: a
             benchmark's oracle that knows the workload's true rates (``e`` all 0).
 
+    Where ``replan`` takes a ``warm_start`` keyword, each re-plan passes the plan being
+    served (:attr:`plan`) as that warm start.
+
     Drivers call :meth:`observe` for every arrival (its time may precede ``now``) and
     :meth:`poll` often (each arrival is fine: it returns at once between checks). A check
     that re-plans calls ``replan`` synchronously (up to its time limit): a driver on an
@@ -306,6 +314,7 @@ class ReplanController:
         self._estimator = estimator or self.estimate_all
         self.models = [m.name for m in plan.models]
         self._replan = replan
+        self._warm = takes_warm_start(replan)
         self.clock = clock
         self.policy = policy
         self._bins: dict[str, dict[int, int]] = {m: defaultdict(int) for m in self.models}
@@ -441,7 +450,7 @@ class ReplanController:
         weights = self.weights(peak, total)
         t0 = time.perf_counter()  # report only (module docstring, "Determinism")
         try:
-            new = self._replan(weights)
+            new = self._replan(weights, warm_start=self.plan) if self._warm else self._replan(weights)
         except UserError:
             new = None
         planner_s = time.perf_counter() - t0
@@ -478,11 +487,34 @@ class ReplanController:
         return self.plan.model(model).throughput_rps
 
 
-def planner_replan(plan: Any, profiles: Mapping[str, Any], cluster: Any, *, time_limit_s: float = 1.5) -> Callable[[dict[str, float]], Any]:
-    """``replan(weights)`` that calls the planner with ``plan``'s settings, SLOs and models, and new weights.
+# The relative gap of a re-plan's MILP. A plan is switched to only where it raises Z by
+# ReplanPolicy.min_gain (10 %), so a plan proven within 1 % of the best loses at most
+# 1 % of Z, while proving 0.01 % (the planner's default) costs a 1,000-GPU fleet thousands
+# of branch-and-bound nodes.
+REPLAN_GAP = 0.01
 
-    The planner's ``time_limit_s`` bounds each call (its MILP; building the model adds a
-    little). Headroom is as ``plan`` had it (``settings.headroom_util``).
+
+def takes_warm_start(replan: Callable) -> bool:
+    """Whether ``replan`` accepts a ``warm_start`` keyword (then the controller passes it)."""
+    try:
+        params = inspect.signature(replan).parameters
+    except (TypeError, ValueError):  # a callable without a signature (a builtin)
+        return False
+    return "warm_start" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def planner_replan(plan: Any, profiles: Mapping[str, Any], cluster: Any, *, time_limit_s: float = 1.5,
+                   gap: float = REPLAN_GAP) -> Callable[..., Any]:
+    """``replan(weights, warm_start=plan)`` that calls the planner with ``plan``'s settings,
+    SLOs and models, new weights, and ``warm_start`` as the served plan.
+
+    The planner's ``time_limit_s`` bounds each call, ``gap`` is its MILP's relative gap
+    (:data:`REPLAN_GAP`). Headroom is as ``plan`` had it (``settings.headroom_util``).
+    ``warm_start`` defaults to ``plan`` itself: a driver that makes a ``planner_replan``
+    from the served plan for each re-plan gets that plan as the warm start without passing
+    it; :class:`ReplanController` passes the plan it holds as served. The planner uses it
+    where it plans by column generation (:mod:`ppipe.planner.colgen`: its configurations
+    start the pricing, its pools are a start of the MILP); elsewhere it changes nothing.
 
     Raises:
         UserError: ``plan`` was not made with the max-min objective (weights mean nothing to
@@ -498,14 +530,14 @@ def planner_replan(plan: Any, profiles: Mapping[str, Any], cluster: Any, *, time
     slo = {m.name: m.slo_ms for m in plan.models}
     headroom = s.headroom_util if s.headroom_util is not None else False
 
-    def replan(weights: dict[str, float]):
+    def replan(weights: dict[str, float], warm_start: Any = plan):
         from ppipe.planner.api import plan as make_plan
 
         return make_plan(
             cluster, models, objective="max-min", planner=s.planner, formulation=s.formulation, gpu_rule=s.gpu_rule,
             configs_per_template=s.configs_per_template, batch_build=s.batch_build, slo_ms=slo,
             weights={m: weights[m] for m in slo}, margin=s.margin, max_partitions=s.max_partitions,
-            time_limit_s=time_limit_s, headroom=headroom,
+            time_limit_s=time_limit_s, gap=gap, headroom=headroom, warm_start=warm_start,
         )
 
     return replan

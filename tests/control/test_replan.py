@@ -369,3 +369,61 @@ def test_a_longer_curvature_window_fits_the_curvature_there_and_the_level_and_sl
 def test_a_bad_curvature_window_is_refused():
     with pytest.raises(UserError, match="curvature_window_s"):
         ReplanPolicy(curvature_window_s=2.0)
+
+
+class WarmPlanner(IdealPlanner):
+    """IdealPlanner that takes a warm start, and records it."""
+
+    def __init__(self):
+        super().__init__()
+        self.warm: list = []
+
+    def __call__(self, weights, warm_start=None):
+        self.warm.append(warm_start)
+        return super().__call__(weights)
+
+
+def _shifting_controller(planner):
+    arr = shifting_poisson_arrivals(MODELS, 0.8 * CAPACITY, 600e6, seed=3, period_s=600.0)
+    clock = ManualClock()
+    ctl = ReplanController(FakePlan({m: CAPACITY / 3 for m in MODELS}), planner, clock)
+    for t, m in sorted((t, m) for m, ts in arr.items() for t in ts):
+        clock.t_us = t
+        ctl.observe(m, t)
+        ctl.poll()
+    return ctl
+
+
+def test_the_controller_passes_the_served_plan_as_warm_start_where_the_planner_takes_one():
+    planner = WarmPlanner()
+    ctl = _shifting_controller(planner)
+    assert len(ctl.attempts) >= 2 and len(planner.warm) == len(ctl.attempts)
+    # Each re-plan starts from the plan served at its check: the start, then each switch's plan.
+    served = [FakePlan({m: CAPACITY / 3 for m in MODELS}).caps] + [d.plan.caps for d in ctl.decisions]
+    for warm, attempt in zip(planner.warm, ctl.attempts):
+        assert warm is not None and warm.caps in served
+        before = [d for d in ctl.decisions if d.at_us < attempt.at_us]
+        assert warm.caps == (before[-1].plan.caps if before else served[0])
+    # A planner without the keyword is called with the weights alone (as before).
+    plain = IdealPlanner()
+    assert len(_shifting_controller(plain).attempts) == len(ctl.attempts) and plain.calls == planner.calls
+
+
+def test_planner_replan_passes_the_warm_start_and_the_replan_gap(monkeypatch):
+    from types import SimpleNamespace
+
+    import ppipe.planner.api as api
+    from ppipe.control.replan import REPLAN_GAP, takes_warm_start
+
+    seen = []
+    monkeypatch.setattr(api, "plan", lambda *a, **kw: seen.append(kw) or "new plan")
+    settings = SimpleNamespace(objective="max-min", planner="ppipe", formulation="ppipe", gpu_rule="physical",
+                               configs_per_template="many", batch_build=True, margin=0.4, max_partitions=3, headroom_util=0.8)
+    served = SimpleNamespace(settings=settings, models=[SimpleNamespace(name="a", slo_ms=50.0)])
+    replan = planner_replan(served, {"a": "profile a"}, "cluster", time_limit_s=9.0)
+    assert takes_warm_start(replan) and not takes_warm_start(IdealPlanner())
+    replan({"a": 1.0})
+    other = SimpleNamespace(settings=settings, models=served.models)
+    replan({"a": 1.0}, warm_start=other)
+    assert [kw["warm_start"] for kw in seen] == [served, other]
+    assert all(kw["gap"] == REPLAN_GAP and kw["time_limit_s"] == 9.0 for kw in seen)
