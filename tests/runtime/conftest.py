@@ -48,6 +48,31 @@ def make_plan(profile, cluster: ClusterSpec, partitions, batch: int = 4, slo_ms:
     )
 
 
+def pytest_collection_modifyitems(items):
+    """A test that uses the session's Ray cluster is a Ray test: marked ``ray`` whether or not it says so."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("ray") is None:
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_in_ray_tests(request, monkeypatch):
+    """Outside tests marked ``ray``, ``ray.init`` fails the test: the runtime's other tests run
+    on in-process workers (:mod:`ppipe.runtime.launch.inproc`, tests/runtime/fakes.py) and
+    must not start a Ray session by accident (seconds each, and a shared session's state)."""
+    if request.node.get_closest_marker("ray") is not None:
+        return
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts Ray but is not marked @pytest.mark.ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
 @pytest.fixture(scope="session")
 def tinynet(tmp_path_factory):
     d = tmp_path_factory.mktemp("tinynet")
