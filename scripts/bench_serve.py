@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def worker_pids(workers) -> list[int]:
 def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lead_ms=None, keep_traces=0, answer_budget_ms=None,
                      report_tolerance_ms=None):
     """Start emulated workers and the frontend (uvicorn thread) with `ppipe serve`'s
-    defaults; returns (server, workers, runtime)."""
+    defaults (an authenticated data path included); returns (server, workers, runtime)."""
     from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
     from ppipe.runtime.launch.deploy import Deployment, start_workers
     from ppipe.runtime.scheduler.host import Runtime
@@ -157,7 +158,7 @@ def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lea
     tol = DEFAULT_REPORT_TOLERANCE_MS if report_tolerance_ms is None else report_tolerance_ms
     rt = Runtime(plan, profiles, cluster, workers, scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1000.0},
                  dispatch_lead_us=lead * 1000.0, keep_traces=keep_traces, answer_budget_us=budget * 1000.0,
-                 report_tolerance_us=None if tol < 0 else tol * 1000.0)
+                 report_tolerance_us=None if tol < 0 else tol * 1000.0, data_secret=secrets.token_bytes(32))
     srv = BackgroundServer(create_app(rt)).__enter__()
     return srv, workers, rt
 

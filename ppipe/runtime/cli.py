@@ -8,6 +8,7 @@ import functools
 import ipaddress
 import json
 import os
+import secrets
 
 import click
 
@@ -276,6 +277,7 @@ def _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_
 
     return ServeSettings(
         runtime={"policy": policy, "scheduler_options": options, "dispatch_lead_us": dispatch_lead_ms * 1000.0,
+                 "data_secret": secrets.token_bytes(32),  # this server's: its data path's connections prove it
                  "links": None if transport == "tcp" else LinkOpener(transport),
                  "answer_budget_us": answer_budget_ms * 1000.0,
                  "report_tolerance_us": None if report_tolerance_ms < 0 else report_tolerance_ms * 1000.0},

@@ -104,8 +104,12 @@ class FakeWorker:
         self.killed = 0
         self.server = StageServer(vgpu_id, self._run)
         self._gone: asyncio.Event | None = None
+        self.secret: bytes | None = None  # the data-path secret it was opened with
 
-    async def open_data_path(self, frontend):
+    async def open_data_path(self, frontend, secret=None):
+        if secret is not None and self.server.inbox is None:
+            self.secret = secret
+            self.server = StageServer(self.vgpu_id, self._run, secret)
         return self.server.open(frontend)
 
     async def connect_peers(self, peers):

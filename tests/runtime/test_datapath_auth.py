@@ -150,3 +150,68 @@ def test_an_outbox_with_a_secret_gives_up_on_a_listener_that_sends_no_challenge(
 def test_a_secret_too_short_is_refused():
     with pytest.raises(ValueError, match="at least 16 bytes"):
         Handshake(b"short")
+
+
+# ---- the scheduler's host with a secret ------------------------------------------------------------------
+def _secret_runtime(tinynet, hold=False):
+    """A two-stage tinynet plan on fake workers, served with a data-path secret; stage 1's
+    worker holds its stage while ``hold`` so that a forger has a batch in flight to aim at."""
+    import functools
+
+    from ppipe.runtime.scheduler.host import Runtime
+    from ppipe.spec.cluster import load_cluster
+
+    from .conftest import make_plan
+    from .fakes import FakeWorker, FifoScheduler
+
+    cluster = load_cluster("local-cpu")
+    plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
+    peers = {p.vgpu_id: FakeWorker(p.vgpu_id) for p in plan.placement}
+    rt = Runtime(plan, {"tinynet": tinynet}, cluster, peers, scheduler_factory=functools.partial(FifoScheduler, max_batch=1),
+                 keep_traces=10, data_secret=SECRET)
+    return rt, peers
+
+
+def _refused(rt) -> dict[str, float]:
+    return {s.labels["reason"]: s.value for m in rt.metrics.refused.collect() for s in m.samples if s.name.endswith("_total")}
+
+
+def test_a_served_batch_crosses_authenticated_connections_and_forgeries_change_nothing(tinynet, caplog):
+    """The workers get the server's secret as their data paths open, and every connection
+    proves it. A connection without it, a report from another vGPU than its stage's, and a
+    report of a stage that reported already are refused, logged and counted; the request
+    is answered with its own outputs all the same."""
+    from ppipe.runtime.wire.messages import StageReport
+
+    rt, peers = _secret_runtime(tinynet)
+    last = rt.plan.placement[-1].vgpu_id
+    first = rt.plan.placement[0].vgpu_id
+
+    async def main():
+        await rt.start()
+        assert all(w.secret == SECRET for w in peers.values())
+        peers[last].hold = asyncio.Event()  # the batch waits at its last stage
+        answer = asyncio.ensure_future(rt.infer("tinynet", {"x": np.full(2, 5, np.float32)}))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if rt.traces and rt.traces[0].reports:
+                break
+        batch = rt.traces[0].batch_id
+        forged = {"y": np.full((1, 2), 666.0, np.float32)}
+        plain = Outbox()  # no secret
+        plain.send(rt._inbox.address, pack(StageReport(batch, 1, last, 1.0, 2.0), forged))
+        armed = Outbox(secret=SECRET)
+        armed.send(rt._inbox.address, pack(StageReport(batch, 1, first, 1.0, 2.0), forged))  # stage 1 is not first's
+        armed.send(rt._inbox.address, pack(StageReport(batch, 0, first, 1.0, 2.0)))  # stage 0 reported already
+        await asyncio.sleep(0.3)
+        peers[last].hold.set()
+        out = await asyncio.wait_for(answer, 10)
+        plain.close(), armed.close()
+        await rt.stop()
+        return out
+
+    with caplog.at_level(logging.WARNING, "ppipe.runtime"):
+        out = asyncio.run(main())
+    assert out["y"].tolist() == [12.0, 12.0]  # (5 + 1) * 2, not the forger's 666
+    assert _refused(rt) == {"handshake": 1.0, "report-from-another-vgpu": 1.0, "repeated-report": 1.0}
+    assert "refused a connection from 127.0.0.1" in caplog.text and "refused (report-from-another-vgpu)" in caplog.text

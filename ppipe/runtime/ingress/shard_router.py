@@ -85,6 +85,8 @@ class ShardRouter:
         app: this shard's app (:func:`ppipe.runtime.ingress.http_server.create_app`).
         index: this shard's number.
         owner: model name -> the shard that owns it (every model of the plan).
+        secret: the server's data-path secret: connections between shards prove it (None:
+            not authenticated).
 
     Requests under ``/v2/models/{name}`` go to the owner of ``name`` (names no shard owns
     stay here, for the 404), those under ``/v2/admin/`` (plan switches) to shard 0.
@@ -96,8 +98,8 @@ class ShardRouter:
     and dropped.
     """
 
-    def __init__(self, app: Any, index: int, owner: dict[str, int]):
-        self.app, self.index, self.owner = app, index, dict(owner)
+    def __init__(self, app: Any, index: int, owner: dict[str, int], secret: bytes | None = None):
+        self.app, self.index, self.owner, self.secret = app, index, dict(owner), secret
         self.peers: list[str] | None = None  # every shard's router address, by index
         self.address: str | None = None
         self._inbox = None
@@ -110,7 +112,7 @@ class ShardRouter:
     async def start(self) -> None:
         from ppipe.runtime.wire.datapath import Inbox, LOOPBACK, Outbox
 
-        self._inbox, self._outbox = Inbox(self._on_message, LOOPBACK), Outbox()
+        self._inbox, self._outbox = Inbox(self._on_message, LOOPBACK, self.secret), Outbox(self.secret)
         self.address = self._inbox.address
 
     async def stop(self) -> None:

@@ -24,8 +24,11 @@ class WorkerHandle(Protocol):
 
     vgpu_id: str
 
-    async def open_data_path(self, frontend: str) -> str:
-        """Bind the worker's inbox and connect it to the frontend's ``frontend``; returns the inbox's address."""
+    async def open_data_path(self, frontend: str, secret: bytes | None = None) -> str:
+        """Bind the worker's inbox and connect it to the frontend's ``frontend``; returns the inbox's address.
+
+        ``secret``: the server's data-path secret: the worker's connections prove it, and
+        its inbox reads only connections that do (:mod:`ppipe.runtime.wire.handshake`)."""
 
     async def connect_peers(self, peers: list[str]) -> None:
         """Connect to the next stages' workers (data-path addresses) before the first batch."""

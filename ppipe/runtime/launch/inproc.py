@@ -63,10 +63,10 @@ class InprocWorkerHandle:
             raise WorkerGone(f"worker {self.vgpu_id} was killed")
         return self.worker
 
-    async def open_data_path(self, frontend: str) -> str:
+    async def open_data_path(self, frontend: str, secret: bytes | None = None) -> str:
         worker = self._alive()
         self._loop = asyncio.get_running_loop()
-        return await worker.open_data_path(frontend)
+        return await worker.open_data_path(frontend, secret)
 
     async def connect_peers(self, peers: list[str]) -> None:
         await self._alive().connect_peers(peers)

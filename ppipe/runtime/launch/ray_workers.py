@@ -29,8 +29,8 @@ class RayWorkerHandle:
     def __init__(self, vgpu_id: str, actor: Any):
         self.vgpu_id, self.actor = vgpu_id, actor
 
-    async def open_data_path(self, frontend: str) -> str:
-        return await _gone_on_actor_error(self.actor.open_data_path.remote(frontend))
+    async def open_data_path(self, frontend: str, secret: bytes | None = None) -> str:
+        return await _gone_on_actor_error(self.actor.open_data_path.remote(frontend, secret))
 
     async def connect_peers(self, peers: list[str]) -> None:
         await _gone_on_actor_error(self.actor.connect_peers.remote(peers))

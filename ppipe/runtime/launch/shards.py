@@ -44,7 +44,8 @@ class ServeSettings:
 
     Attributes:
         runtime: keyword arguments of :class:`ppipe.runtime.scheduler.host.Runtime` (policy,
-            scheduler options, dispatch lead, answer budget, the link opener of plan switches).
+            scheduler options, dispatch lead, answer budget, the link opener of plan switches,
+            the server's data-path secret, which the shards' routers prove to each other too).
         app: keyword arguments of :func:`ppipe.runtime.ingress.http_server.create_app` (token, body
             limits and timeouts, decode workers).
         server: keyword arguments of :func:`ppipe.runtime.ingress.http_transport.uvicorn_config` (timeouts).
@@ -84,7 +85,7 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
 
     rt = Runtime(plan, {m: dep.profiles[m] for m in models}, dep.cluster, {v: h for v, h in workers.items() if v in mine},
                  edges={e: t for e, t in edges.items() if e[0] in mine}, respawn=respawn, **settings.runtime)
-    router = ShardRouter(None, index, owner) if len(set(owner.values())) > 1 else None
+    router = ShardRouter(None, index, owner, settings.runtime.get("data_secret")) if len(set(owner.values())) > 1 else None
     extra = list(companions(rt, router)) if companions else []
     if settings.grpc:
         from ppipe.runtime.ingress.grpc_server import GrpcServer

@@ -126,6 +126,12 @@ class BatchesMixin:
         if not 0 <= k < len(batch.route):
             log.warning("dropped a report of stage %s of batch %s, whose route has %d stages", k, rep.batch_id, len(batch.route))
             return
+        if rep.vgpu_id != batch.route[k]:
+            self.refuse("report-from-another-vgpu", f"batch {rep.batch_id} stage {k} went to {batch.route[k]}, its report says {rep.vgpu_id}")
+            return
+        if k not in batch.unreported:
+            self.refuse("repeated-report", f"batch {rep.batch_id} stage {k} has reported already")
+            return
         if rep.error is not None:
             log.warning("batch %s failed on %s: %s", batch.d.batch_id, rep.vgpu_id, rep.error)
             self._fail(batch, "worker-error", rep.error.splitlines()[0] if rep.error else "error")
@@ -141,6 +147,14 @@ class BatchesMixin:
                 self._answer(r.id, {n: a[i] for n, a in outputs.items()})
         if not batch.unreported:
             del self._inflight[batch.d.batch_id]
+
+    def refuse(self, reason: str, detail: str) -> None:
+        """Count a refused data-path connection or report (``ppipe_datapath_refused_total``),
+        and log it: the first of each reason as a warning, the repeats at debug level."""
+        level = logging.DEBUG if reason in self._refusals_seen else logging.WARNING
+        log.log(level, "data path: refused (%s): %s", reason, detail)
+        self._refusals_seen.add(reason)
+        self.metrics.refused.labels(reason).inc()
 
     def _fail(self, batch: InFlight, reason: str, detail: str) -> None:
         """Answer every request of a batch with an error and forget the batch. A request the

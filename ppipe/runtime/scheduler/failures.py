@@ -126,7 +126,7 @@ class FailuresMixin:
             handle = None
             try:
                 handle = await self.respawn(vgpu_id)
-                addr = await handle.open_data_path(self._inbox.address)
+                addr = await handle.open_data_path(self._inbox.address, self.data_secret)
                 self.addresses[vgpu_id] = addr
                 await handle.connect_peers(self._next_stage_addresses(vgpu_id))
             except asyncio.CancelledError:

@@ -140,6 +140,10 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
             data path's connections, and a runtime with NCCL edges cannot switch.
         clock_factory: ``f(loop)`` makes the clock at :meth:`start` (default
             :class:`~ppipe.runtime.clock.WallClock`); tests inject their own.
+        data_secret: the server's data-path secret (``ppipe serve`` makes one): handed to
+            every worker as its data path opens; the report inbox reads only connections
+            that prove it, and refusals count in ``ppipe_datapath_refused_total``. None:
+            the data path is not authenticated.
     """
 
     def __init__(
@@ -165,6 +169,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
         report_tolerance_us: float | None = 1000.0,
         links: Any = None,
         clock_factory: ClockFactory = WallClock,
+        data_secret: bytes | None = None,
     ):
         self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
         self._factory = scheduler_factory or default_scheduler_factory
@@ -181,6 +186,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
             raise ValueError(f"report_tolerance_us must be >= 0 or None, got {report_tolerance_us}")
         self.report_tolerance_us = report_tolerance_us
         self.report_messages = 0  # report messages received (each with one or more stages' reports)
+        self._refusals_seen: set[str] = set()  # reasons of refused connections and reports logged so far
         self.traces: list[BatchTrace] = []
         self.failed: dict[str, float] = {}  # vGPU id -> scheduler time it was marked failed
         self._clock_factory = clock_factory
@@ -193,7 +199,8 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
         self._lead_cap_us = 0.25e3 * min(m.slo_ms for m in plan.models)  # the wake lead's ceiling
         self._inflight: dict[int, InFlight] = {}  # batch id -> the batch, until its last report
         self._inbox: Inbox | None = None
-        self._outbox = Outbox()
+        self.data_secret = data_secret
+        self._outbox = Outbox(data_secret)
         self.addresses: dict[str, str] = {}  # vGPU id -> its worker's data-path address
         self._placement = {p.vgpu_id: p for p in plan.placement}
         self._lifelines: list[asyncio.Task] = []
@@ -228,9 +235,10 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
         self.clock = self._clock_factory(loop)
         self.scheduler, margins = self._build_scheduler(self.plan, self.profiles)
         self.budgets.adopt(margins)
-        self._inbox = Inbox(self._on_report, self.data_host or node_host())
+        self._inbox = Inbox(self._on_report, self.data_host or node_host(), self.data_secret,
+                            on_refused=lambda why: self.refuse("handshake", why))
         vgpus = list(self.workers)
-        addrs = await asyncio.gather(*(self.workers[v].open_data_path(self._inbox.address) for v in vgpus))
+        addrs = await asyncio.gather(*(self.workers[v].open_data_path(self._inbox.address, self.data_secret) for v in vgpus))
         self.addresses = dict(zip(vgpus, addrs))
         await asyncio.gather(*(self.workers[v].connect_peers(self._next_stage_addresses(v)) for v in vgpus))
         for a in addrs:

@@ -31,6 +31,7 @@ class RuntimeMetrics:
         self.busy = Counter("ppipe_vgpu_busy_seconds", "Time each vGPU spent running batches (worker reports).", ["vgpu"], registry=r)
         self.failed = Gauge("ppipe_vgpu_failed", "1 for each vGPU marked failed.", ["vgpu"], registry=r)
         self.late = Counter("ppipe_late", "Served requests that finished after their deadline.", ["model"], registry=r)
+        self.refused = Counter("ppipe_datapath_refused", "Data-path connections and reports refused, by reason.", ["reason"], registry=r)
         self._bound: dict[tuple, object] = {}
 
     def bound(self, metric, *labels: str):

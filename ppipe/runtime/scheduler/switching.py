@@ -106,7 +106,7 @@ class SwitchingMixin:
         handles = await start_workers(fresh) if fresh else {}
         prepared = PreparedSwitch(plan, dict(profiles), new, kept, {}, handles, stop_worker, load_s=0.0, margins=margins)
         try:
-            addrs = await asyncio.gather(*(handles[v].open_data_path(self._inbox.address) for v in fresh))
+            addrs = await asyncio.gather(*(handles[v].open_data_path(self._inbox.address, self.data_secret) for v in fresh))
             prepared.fresh_addrs = dict(zip(fresh, addrs))
             await self._open_links(prepared)
         except BaseException:

@@ -56,12 +56,14 @@ class StageServer:
     Args:
         vgpu_id: the worker's vGPU (in error reports).
         run: the stage runner.
+        secret: the server's data-path secret: the inbox reads only connections that prove
+            it, and the outbox's connections prove it (None: not authenticated).
     """
 
-    def __init__(self, vgpu_id: str, run: StageRunner):
-        self.vgpu_id, self.run = vgpu_id, run
+    def __init__(self, vgpu_id: str, run: StageRunner, secret: bytes | None = None):
+        self.vgpu_id, self.run, self.secret = vgpu_id, run, secret
         self.inbox: Inbox | None = None
-        self.outbox = Outbox()
+        self.outbox = Outbox(secret)
         self.frontend: str | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -69,7 +71,7 @@ class StageServer:
         """Bind this worker's inbox (on the loopback address when the frontend is on it) and
         connect to the frontend's; returns the inbox's address."""
         if self.inbox is None:
-            self.inbox = Inbox(self._on_message, host or (LOOPBACK if is_loopback_address(frontend) else node_host()))
+            self.inbox = Inbox(self._on_message, host or (LOOPBACK if is_loopback_address(frontend) else node_host()), self.secret)
         self.frontend = frontend
         self.outbox.connect(frontend)
         return self.inbox.address

@@ -164,8 +164,11 @@ class VgpuWorker:
         }
 
     # ---- data path (see ppipe.runtime.wire.datapath) ------------------------------------------------------
-    async def open_data_path(self, frontend: str) -> str:
+    async def open_data_path(self, frontend: str, secret: bytes | None = None) -> str:
         """Bind this worker's inbox and connect to the frontend's; returns the inbox's address.
+
+        ``secret``: the server's data-path secret (see :class:`StageServer`); a later call
+        (the frontend's re-opening after a plan switch) keeps the first one's.
 
         With ``data_loop="own-thread"`` the data path runs on an event loop of its own, on
         its own thread (uvloop where it is installed), not on the loop Ray runs the actor's
@@ -176,7 +179,7 @@ class VgpuWorker:
         """
         def open_() -> str:
             if self.data_path is None:
-                self.data_path = StageServer(self.spec.vgpu_id, self.run_stage)
+                self.data_path = StageServer(self.spec.vgpu_id, self.run_stage, secret)
             return self.data_path.open(frontend)
 
         return await self._on_data_loop(open_)
