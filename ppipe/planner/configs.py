@@ -367,7 +367,7 @@ def _block_latency(times: _ModelTimes, n: int, prefix: tuple[int, ...]) -> _Bloc
         infer.append(inf_d)
         view = [1] * (2 * n) + [Bn, Q]
         view[d], view[n + d] = types[d].size, L
-        lat = lat + inf_d.reshape(view)
+        np.add(lat, inf_d.reshape(view), out=lat)
         if d < n - 1:
             # The batch crosses the slower of the two NICs.
             bw = np.minimum.outer(times.bandwidth[types[d]], times.bandwidth[types[d + 1]])  # (T_d, T_{d+1})
@@ -376,7 +376,7 @@ def _block_latency(times: _ModelTimes, n: int, prefix: tuple[int, ...]) -> _Bloc
             trans.append(tr_d)
             view = [1] * (2 * n) + [Bn, Q]
             view[d], view[d + 1] = types[d].size, types[d + 1].size
-            lat = lat + tr_d.reshape(view)
+            np.add(lat, tr_d.reshape(view), out=lat)
         else:
             trans.append(np.zeros((types[d].size, 1, Bn, Q)))
     return _Block(n, types, bnd, lat, infer, trans)
@@ -595,16 +595,14 @@ def _covered(rows, by, max_pairs: int = 1 << 20) -> np.ndarray:
     """Owners of the ``rows`` (gpu, level, X, owner) that a row of ``by`` with the same
     multiset of (type, level) is componentwise >= to, after sorting the slots.
 
-    Only the rows of ``by`` that no other one of their group is >= to can matter (any
-    other has one of those >= it), so each row is compared with those of its group alone,
-    all pairs at once, at most ``max_pairs`` per step.
+    Each row is compared with the rows of ``by`` of its group, all pairs at once, at most
+    ``max_pairs`` per step (on the 1,000-GPU fleet a few million pairs per model).
     """
     codes_r, x_r = _sorted_slots(*rows[:3])
     codes_b, x_b = _sorted_slots(*by[:3])
     group = _row_codes(np.concatenate([codes_r, codes_b]))
     g_r, g_b = group[: len(codes_r)], group[len(codes_r) :]
-    front = np.nonzero(_undominated_by_rank(x_b, np.zeros(len(x_b)), g_b))[0]
-    front = front[np.argsort(g_b[front], kind="stable")]
+    front = np.argsort(g_b, kind="stable")
     fx, fg = x_b[front], g_b[front]
     first, count = np.searchsorted(fg, g_r, "left"), np.searchsorted(fg, g_r, "right")
     count -= first
@@ -613,9 +611,10 @@ def _covered(rows, by, max_pairs: int = 1 << 20) -> np.ndarray:
     a = 0
     while a < len(codes_r):
         # The rows a..b-1 and their pairs, at most max_pairs (one row at least).
-        b = max(a + 1, int(np.searchsorted(ends, (ends[a - 1] if a else 0) + max_pairs, "right")))
+        base = ends[a - 1] if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, base + max_pairs, "right")))
         q = np.repeat(np.arange(a, b), count[a:b])
-        f = first[q] + np.arange(q.size) - np.repeat(ends[a:b] - count[a:b], count[a:b])
+        f = first[q] + np.arange(q.size) - np.repeat(ends[a:b] - count[a:b] - base, count[a:b])
         ge = np.ones(q.size, bool)
         for d in range(x_r.shape[1]):
             ge &= fx[f, d] >= x_r[q, d]
@@ -669,31 +668,42 @@ def _undominated(X: np.ndarray, latency_us: np.ndarray, group: np.ndarray, level
 def _undominated_by_rank(X: np.ndarray, latency_us: np.ndarray, group: np.ndarray) -> np.ndarray:
     """The same-level case of :func:`_undominated`, every group at once.
 
-    The rows are sorted by (group, X descending lexicographically, latency, index), so a
-    row can only be dominated by an earlier one of its group. Each round keeps, in every
-    group, the first row not yet decided, and drops the undecided rows of that group that
-    it dominates. The kept row is undominated: each earlier row was kept (and dropped what
-    it dominates) or dropped (and then whatever dominated it dominates this row too, by
-    transitivity, so this row would have been dropped). The rounds number the most rows
-    one group keeps; each is a few numpy operations over the undecided rows of all groups.
+    Each round keeps, in every group, the undecided row that ranks first (X largest
+    lexicographically, then the lowest latency, then the lowest index: found by segmented
+    maxima over the rows sorted by group), and drops the undecided rows of that group that
+    it dominates. The kept row is undominated: no undecided row ranks before it, and each
+    decided one was kept (and dropped what it dominates) or dropped (and then whatever
+    dominated it dominates this row too, by transitivity, so this row would have been
+    dropped). The rounds number the most rows one group keeps; each is a few numpy
+    operations over the undecided rows of all groups.
     """
     n, D = X.shape
     keep = np.zeros(n, bool)
-    order = np.lexsort((latency_us,) + tuple(-X[:, d] for d in reversed(range(D))) + (group,))
+    order = np.argsort(group, kind="stable")  # by group, then index
+    g, lat = group[order], latency_us[order]
     cols = [np.ascontiguousarray(X[order, d]) for d in range(D)]
-    gs = group[order]
     undecided = np.arange(n)
-    head = np.ones(n, bool)
     while undecided.size:
-        g = gs[undecided]
-        h = head[: undecided.size]
-        np.not_equal(g[1:], g[:-1], out=h[1:])
-        heads = undecided[h]
+        gu = g[undecided]
+        new = np.empty(gu.size, bool)
+        new[0] = True
+        np.not_equal(gu[1:], gu[:-1], out=new[1:])
+        starts = np.flatnonzero(new)
+        seg = np.cumsum(new) - 1  # each undecided row's group, numbered in this round
+        first = np.ones(gu.size, bool)  # ranks first in its group, so far
+        for c in cols:
+            v = np.where(first, c[undecided], -np.inf)
+            first &= v == np.maximum.reduceat(v, starts)[seg]
+        v = np.where(first, lat[undecided], np.inf)
+        first &= v == np.minimum.reduceat(v, starts)[seg]
+        count = np.cumsum(first)
+        first &= count - (count[starts] - first[starts])[seg] == 1  # the lowest index among ties
+        heads = undecided[first]
         keep[order[heads]] = True
-        rest = undecided[~h]
-        by = heads[np.cumsum(h)[~h] - 1]  # each remaining row's group head
-        dominated = cols[0][by] >= cols[0][rest] if D else np.ones(rest.size, bool)
-        for c in cols[1:]:
+        rest = undecided[~first]
+        by = heads[seg[~first]]  # each remaining row's group head
+        dominated = np.ones(rest.size, bool)
+        for c in cols:
             dominated &= c[by] >= c[rest]
         undecided = rest[~dominated]
     return keep

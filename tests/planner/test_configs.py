@@ -187,3 +187,32 @@ def test_the_grouped_dominance_keeps_exactly_the_rows_no_earlier_ranked_row_domi
     for j in range(600):
         dominated = any(group[i] == group[j] and rank[i] < rank[j] and (X[i] >= X[j]).all() for i in range(600))
         assert keep[j] == (not dominated)
+
+
+def test_the_cover_test_across_multisets_is_the_same_in_one_step_or_many():
+    from ppipe.planner.configs import _covered
+
+    rng = np.random.default_rng(3)
+
+    def rows(n, owners):
+        gpu = rng.integers(0, 2, size=(n, 2))
+        gpu[rng.random(n) < 0.3, 1] = -1
+        level = np.where(gpu >= 0, rng.integers(1, 3, size=(n, 2)), 0)
+        X = np.where(gpu >= 0, rng.integers(1, 5, size=(n, 2)).astype(float), 0.0)
+        return gpu, level, X, rng.integers(0, owners, size=n)
+
+    r, by = rows(300, 50), rows(200, 1)
+    one = _covered(r, by)
+    assert np.array_equal(one, _covered(r, by, max_pairs=7)) and one.size > 0
+
+    def sig(gpu, level, X, i):  # (sorted (code, X) slots) of row i
+        return sorted(((g + 1) * 5 + lv if g >= 0 else 10**9, -x) for g, lv, x in zip(gpu[i], level[i], X[i]))
+
+    want = set()
+    for i in range(300):
+        a = sig(*r[:3], i)
+        for j in range(200):
+            b = sig(*by[:3], j)
+            if [c for c, _ in a] == [c for c, _ in b] and all(-xb >= -xa for (_, xa), (_, xb) in zip(a, b)):
+                want.add(int(r[3][i]))
+    assert set(one.tolist()) == want
