@@ -41,13 +41,19 @@ prices mu, within mu . N in all; hence
 The smallest value over the rounds bounds the MILP's optimum even where the clock stops
 the generation; at convergence it equals the master's value (strong duality).
 
-Integer plan. The MILP of :mod:`ppipe.planner.formulation` over the generated columns, a
-restriction of the whole MILP (so each of its plans is one of the whole MILP's), started
-from a rounding of the master's solution (:func:`rounded_start`) and solved by the given
-solver to the gap or :data:`RESTRICTED_MAX_NODES` nodes, a stop at the same point on every
-machine. Its gap is reported against the bound above: status ``optimal`` when that gap is
-within the requested one, ``feasible`` when the node limit or the restriction leaves more,
-``time_limit`` when the clock stopped the generation or the solve. The gap measures the
+Integer plan. The MILP of :mod:`ppipe.planner.formulation` over some of the generated
+columns, a restriction of the whole MILP (so each of its plans is one of the whole
+MILP's), in two steps that stop at the same point on every machine (node limits, never the
+clock): first over the configurations of the master's solution and, per model,
+:data:`SUPPORT_NEAR_COLUMNS` more of largest reduced cost (a few dozen columns, whose root
+HiGHS solves in a fraction of a second), to the gap or :data:`SUPPORT_MAX_NODES` nodes;
+where that plan is not proven within the gap by the bound above, then over every
+generated column, to the gap or :data:`RESTRICTED_MAX_NODES` nodes, and the better of
+the two plans is the result (the second solve starts as if the first had not run, so the
+first can only add a plan). Each starts from the better of a rounding of the master's
+solution (:func:`rounded_start`) and the served plan of a warm start. The gap is reported against the bound above: status ``optimal``
+when it is within the requested one, ``feasible`` when the node limit or the restriction
+leaves more, ``time_limit`` when the clock stopped the generation or a solve. The gap measures the
 plan against the LP relaxation of every configuration, so it also holds the granularity of
 integer pools (about one vGPU of a bottleneck pool per model), which no plan can close.
 
@@ -83,6 +89,10 @@ PRICE_COLUMNS = 5  # columns added per model and round: the best by reduced cost
 PRICE_TOL = 1e-7  # a column enters only where alpha_m - mu . a_c > PRICE_TOL * alpha_m
 MAX_ROUNDS = 500  # pricing rounds at most (the fleet case converges in under ten)
 RESTRICTED_MAX_NODES = 2_000  # branch-and-bound nodes of the restricted MILP at most
+# The first, small restricted MILP: the LP solution's configurations and, per model, this
+# many more generated ones of largest reduced cost (see "Integer plan" above).
+SUPPORT_NEAR_COLUMNS = 1
+SUPPORT_MAX_NODES = 50
 # HiGHS's RINS sub-MIPs on the restricted MILP: on the 1,000-GPU case (scripts/bench_fleet.py)
 # 2,000 nodes reach a 0.57 % gap with them and 0.73 % without (8,000 nodes without: 0.59 %).
 RESTRICTED_HIGHS_OPTIONS: dict[str, object] = {"mip_heuristic_run_rins": True}
@@ -153,6 +163,8 @@ class Generated:
         rounds: master solves.
         converged: no configuration priced positive at the end.
         timed_out: the deadline stopped the generation.
+        alpha: the master's duals of rows (3) at its last solve, per model.
+        mu: the master's duals of rows (2'), GPU prices per type.
     """
 
     columns: list[np.ndarray]
@@ -162,6 +174,8 @@ class Generated:
     rounds: int
     converged: bool
     timed_out: bool = False
+    alpha: np.ndarray | None = None
+    mu: np.ndarray | None = None
 
 
 def generate_columns(configs: list[ConfigSet], weights, counts, *, deadline: float | None = None) -> Generated:
@@ -206,7 +220,7 @@ def generate_columns(configs: list[ConfigSet], weights, counts, *, deadline: flo
     flows = _flows(master.owner, x, len(configs))
     columns = [np.array(sorted(s), dtype=int) for s in chosen]
     ordered = [np.array([flows[m].get(int(c), 0.0) for c in columns[m]]) for m in range(len(configs))]
-    return Generated(columns, ordered, z, max(bound, z), rounds, converged, timed_out)
+    return Generated(columns, ordered, z, max(bound, z), rounds, converged, timed_out, alpha, mu)
 
 
 def relaxation_rates(configs: list[ConfigSet], weights, counts) -> list[float] | None:
@@ -318,35 +332,81 @@ def column_generation_plan(specs: list[ModelSpec], configs: list[ConfigSet], clu
         specs: the models.
         configs: per model, every kept configuration (the pool that pricing scans).
         cluster: the cluster.
-        solver: the MILP backend of the restricted MILP.
+        solver: the MILP backend of the restricted MILPs.
         deadline: ``time.perf_counter()`` value at which searches stop (None: none).
         gap: the requested relative gap.
         warm: a served plan of the same models: its configurations join the generated
-            ones in the restricted MILP (which then holds every plan the cold one holds, and
-            the served plan), and where it is still a plan, it is a start of the solve.
+            ones in the restricted MILPs (which then hold every plan the cold ones hold, and
+            the served plan), and where it is still a plan, it is a start of the solves.
 
     Raises:
         SolverTimeLimitError: no plan at all before the deadline.
     """
     t0 = time.perf_counter()
-    types = [g.name for g in cluster.gpu_types]
-    counts = np.array([cluster.gpu_counts[k] for k in types], dtype=float)
+    counts = np.array([cluster.gpu_counts[g.name] for g in cluster.gpu_types], dtype=float)
     gen = generate_columns(configs, [s.weight for s in specs], counts, deadline=deadline)
-    columns, flows = _with_served(gen, warm_columns(configs, specs, warm) if warm else None)
-    sub = [subset(cs, cols) for cs, cols in zip(configs, columns)]
-    milp, v = build(specs, sub, cluster, gpu_rule="physical")
-    MaxMinNormalized().apply(milp, v)
-    start = _best_start(milp, v, specs, sub, flows, counts, warm)
-    res = _restricted_solve(milp, solver, start, deadline=deadline, gap=gap)
-    z = float(res.objective)
-    proven = max(0.0, gen.bound / z - 1.0) if z > 0 else math.inf
-    clocked = gen.timed_out or res.status == "time_limit"
+    served = warm_columns(configs, specs, warm) if warm else None
+    small = _Restricted.solve(specs, configs, _support_columns(configs, gen, served), cluster, counts, solver, warm,
+                              deadline=deadline, gap=gap, max_nodes=SUPPORT_MAX_NODES)
+    out, work = small, [small.res]
+    if not (small.proven(gen.bound) <= gap * (1 + 1e-9) or small.res.status == "time_limit"):
+        full = _Restricted.solve(specs, configs, _with_served(gen, served), cluster, counts, solver, warm, deadline=deadline,
+                                 gap=gap, max_nodes=RESTRICTED_MAX_NODES)
+        work.append(full.res)
+        out = full if full.res.objective >= small.res.objective else small
+    res, z = out.res, float(out.res.objective)
+    proven = out.proven(gen.bound)
+    clocked = gen.timed_out or any(r.status == "time_limit" for r in work)
     status = "time_limit" if clocked else ("optimal" if proven <= gap * (1 + 1e-9) else "feasible")
     method = (f"column generation ({sum(len(c) for c in gen.columns)} of {sum(len(cs) for cs in configs)} configurations, "
-              f"{gen.rounds} LP rounds) + LP bound")
-    result = SolveResult(res.solver, status, res.x, z, proven, time.perf_counter() - t0, nodes=res.nodes,
-                         lp_iterations=res.lp_iterations, method=method)
-    return ColumnPlan(extract(res.x, v, specs), result, milp.num_cols, sum(len(s) for s in sub))
+              f"{gen.rounds} LP rounds, MILP over {out.configurations}) + LP bound")
+    result = SolveResult(res.solver, status, res.x, z, proven, time.perf_counter() - t0, method=method,
+                         nodes=sum(max(r.nodes, 0) for r in work), lp_iterations=sum(max(r.lp_iterations, 0) for r in work))
+    return ColumnPlan(out.models, result, out.columns, out.configurations)
+
+
+@dataclass(frozen=True)
+class _Restricted:
+    """One restricted MILP (the MILP over some configurations of each model) and its solve."""
+
+    res: SolveResult
+    models: list[ModelPlan]
+    columns: int
+    configurations: int
+
+    def proven(self, bound: float) -> float:
+        """Its plan's gap to ``bound`` (inf without a plan of positive value)."""
+        z = float(self.res.objective)
+        return max(0.0, bound / z - 1.0) if z > 0 else math.inf
+
+    @classmethod
+    def solve(cls, specs, configs, columns_flows, cluster, counts, solver, warm, *, deadline, gap, max_nodes) -> "_Restricted":
+        """The MILP over ``columns_flows`` = (per model the configurations, their master
+        flows), started from the better of the rounded flows and the served plan ``warm``
+        (where it is a plan of this MILP), to ``gap`` or ``max_nodes`` nodes."""
+        columns, flows = columns_flows
+        sub = [subset(cs, cols) for cs, cols in zip(configs, columns)]
+        milp, v = build(specs, sub, cluster, gpu_rule="physical")
+        MaxMinNormalized().apply(milp, v)
+        x0 = _best_start(milp, v, specs, sub, flows, counts, [warm] if warm else [])
+        res = _restricted_solve(milp, solver, x0, deadline=deadline, gap=gap, max_nodes=max_nodes)
+        return cls(res, extract(res.x, v, specs), milp.num_cols, sum(len(c) for c in sub))
+
+
+def _support_columns(configs: list[ConfigSet], gen: Generated, served: list[list[int]] | None):
+    """(columns, flows) of the small restricted MILP: per model the configurations of
+    positive master flow and the SUPPORT_NEAR_COLUMNS other generated ones of largest
+    reduced cost alpha_m - mu . a_c (ties in pool order), and the served plan's."""
+    columns, flows = [], []
+    for m, (cs, cols, f) in enumerate(zip(configs, gen.columns, gen.flows)):
+        pick = f > 1e-9
+        if gen.mu is not None and SUPPORT_NEAR_COLUMNS > 0:
+            rc = gen.alpha[m] - lp_costs(subset(cs, cols), len(gen.mu)) @ gen.mu
+            rest = [i for i in np.argsort(-rc, kind="stable") if not pick[i]]
+            pick[rest[:SUPPORT_NEAR_COLUMNS]] = True
+        columns.append(cols[pick])
+        flows.append(f[pick])
+    return _with_served(Generated(columns, flows, gen.value, gen.bound, gen.rounds, gen.converged), served)
 
 
 def _with_served(gen: Generated, served: list[list[int]] | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -364,18 +424,17 @@ def _with_served(gen: Generated, served: list[list[int]] | None) -> tuple[list[n
     return columns, flows
 
 
-def _best_start(milp, v: PlanVariables, specs, sub, flows: list[np.ndarray], counts, warm) -> np.ndarray | None:
-    """The better of the rounded master solution and the served plan (where it is one of this MILP's)."""
+def _best_start(milp, v: PlanVariables, specs, sub, flows: list[np.ndarray], counts, plans: list[list[ModelPlan]]) -> np.ndarray | None:
+    """The best of the rounded master solution and ``plans`` (a served plan, an earlier
+    restricted MILP's), each where it is a plan of this MILP."""
     from ppipe.planner.core import is_feasible
 
-    cands = []
-    x = pipeline_columns(v, milp.num_cols, rounded_start(sub, flows, counts))
-    cands.append(x)
-    if warm:
+    cands = [pipeline_columns(v, milp.num_cols, rounded_start(sub, flows, counts))]
+    for plan in plans:
         try:
-            cands.append(solution_vector(_by_name(warm, specs), v, milp.num_cols))
+            cands.append(solution_vector(_by_name(plan, specs), v, milp.num_cols))
         except ValueError:
-            pass  # a served pipeline's configuration is no column here (inputs changed)
+            pass  # a pipeline's configuration is no column here (the served plan's inputs changed)
     best, best_z = None, -math.inf
     for x in cands:
         zs = min(x[v.x_model[s.name]] / s.weight for s in specs)
@@ -385,13 +444,13 @@ def _best_start(milp, v: PlanVariables, specs, sub, flows: list[np.ndarray], cou
     return best
 
 
-def _restricted_solve(milp, solver: Solver, start: np.ndarray | None, *, deadline, gap) -> SolveResult:
-    """The restricted MILP to ``gap`` or RESTRICTED_MAX_NODES nodes; the start where the solver finds nothing."""
+def _restricted_solve(milp, solver: Solver, start: np.ndarray | None, *, deadline, gap, max_nodes: int) -> SolveResult:
+    """A restricted MILP to ``gap`` or ``max_nodes`` nodes; the start where the solver finds nothing."""
     kw = {"start": start} if start is not None and getattr(solver, "accepts_start", False) else {}
     if isinstance(solver, HighsSolver):
         solver = HighsSolver({**solver.options, **RESTRICTED_HIGHS_OPTIONS})
     try:
-        res = solver.with_node_limit(RESTRICTED_MAX_NODES).solve(milp, time_limit_s=time_left(deadline), gap=gap, **kw)
+        res = solver.with_node_limit(max_nodes).solve(milp, time_limit_s=time_left(deadline), gap=gap, **kw)
     except SolverTimeLimitError:
         if start is None:
             raise
