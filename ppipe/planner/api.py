@@ -395,7 +395,14 @@ def plan(
 
         models_out = add_headroom(models_out, spec, st.gpu_rule, target_util)
     placement, used = _placed(models_out, spec, st.gpu_rule, place)
-    settings = PlanSettings(
+    return Plan(cluster=spec.name, cluster_file=cluster_file, settings=_plan_settings(st, obj, specs, target_util),
+                solver=report, models=models_out, gpus_used=used, placement=placement)
+
+
+def _plan_settings(st: _Settings, obj, specs: list[ModelSpec], target_util: float | None) -> PlanSettings:
+    """plan.yaml's ``settings``: what the plan was made with (the baselines' fixed partitions,
+    whether beta applied to any model)."""
+    return PlanSettings(
         planner=st.planner,
         formulation=st.formulation,
         gpu_rule=st.gpu_rule,
@@ -406,8 +413,6 @@ def plan(
         batch_build=any(s.batch_build_rps for s in specs) and st.planner != "np",
         headroom_util=target_util,
     )
-    return Plan(cluster=spec.name, cluster_file=cluster_file, settings=settings, solver=report, models=models_out,
-                gpus_used=used, placement=placement)
 
 
 def _model_specs(profiles, cluster, slo_ms, slo_scale, weights, paper_slo: bool) -> list[ModelSpec]:
