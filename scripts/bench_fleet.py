@@ -15,9 +15,15 @@ dense throughput), not a measurement; what the benchmark measures is the planner
 One ``ppipe.plan(...)`` call per run with the default formulation (physical packing,
 several configurations per template), the given time limit and maximum partitions. It
 prints a host line (CPU, cores, Python, load average), then columns, status, objective,
-proven gap, wall time and the process's peak RSS. Usage::
+proven gap, wall time and the process's peak RSS. With ``--replan``, the load then shifts
+by ``--shift`` (that share of the total weight moves from the last half of the models to
+the first half, e.g. 0.2: weights 1.4 and 0.6 instead of 1 and 1), and the fleet is
+re-planned to ``--replan-gap`` twice: cold, and warm from the first plan (``warm_start``,
+as ``ppipe serve --replan auto`` does), each line with the load average at its end and the
+seconds of the planner's phases. Usage::
 
     nice -n 19 python scripts/bench_fleet.py --time-limit-s 60 --max-partitions 3
+    nice -n 19 python scripts/bench_fleet.py --time-limit-s 60 --max-partitions 3 --replan
     nice -n 19 python scripts/bench_fleet.py --time-limit-s 300 --max-partitions 2
 
 The artifact is read in place (``--artifact``, default ``../shared/data/ppipe-artifact``);
@@ -27,6 +33,7 @@ without it the script says so and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import resource
@@ -113,7 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--models", type=int, default=NUM_MODELS, help="How many models of model_list.txt to plan.")
     ap.add_argument("--gap", type=float, default=1e-4, help="Relative gap at which the solver stops.")
     ap.add_argument("--replan", action="store_true",
-                    help="Then re-plan for a shifted load (the first model's weight doubled), cold and from the first plan (warm_start).")
+                    help="Then re-plan for a shifted load (--shift), cold and from the first plan (warm_start).")
+    ap.add_argument("--shift", type=float, default=0.2,
+                    help="Share of the total weight that the re-plan's load moves from the last half of the models to the first.")
+    ap.add_argument("--replan-gap", type=float, default=0.01, help="Relative gap of the re-plans (ppipe.control.replan.REPLAN_GAP).")
     args = ap.parse_args(argv)
     art = Path(args.artifact)
     if not (art / "block-timing").is_dir() or not (art / "model_list.txt").is_file():
@@ -132,24 +142,88 @@ def main(argv=None) -> int:
     used = ", ".join(f"{k} {n}/{cluster.gpu_counts[k]}" for k, n in plan.gpus_used.items())
     print(f"GPUs used: {used}; pipelines {sum(len(m.pipelines) for m in plan.models)}")
     if args.replan:
-        shifted = [2.0] + [1.0] * (len(models) - 1)
-        run("re-plan, cold", cluster, models, weights=shifted, **kw)
-        run("re-plan, warm", cluster, models, weights=shifted, warm_start=plan, **kw)
+        shifted = shifted_weights(len(models), args.shift)
+        print(f"re-plans: weights {', '.join(f'{w:g}' for w in shifted)} (a {args.shift:.0%} shift), gap {args.replan_gap:g}", flush=True)
+        rkw = {**kw, "gap": args.replan_gap}
+        run("re-plan, cold", cluster, models, weights=shifted, phases=True, **rkw)
+        run("re-plan, warm", cluster, models, weights=shifted, warm_start=plan, phases=True, **rkw)
     return 0
 
 
-def run(label: str, cluster, models, **kw):
-    """One ppipe.plan call and its line of figures; None (and the error printed) where it fails."""
+def shifted_weights(n: int, shift: float) -> list[float]:
+    """Equal weights with ``shift`` of their total moved from the last half of the n models
+    to the first half: 1 + 2 shift and 1 - 2 shift (n even; the middle model of an odd n
+    keeps 1), so the shares move by ``shift`` in total variation."""
+    if not 0 <= shift < 0.5:
+        raise SystemExit(f"--shift must be in [0, 0.5), got {shift}")
+    half = n // 2
+    return [1 + 2 * shift] * half + [1.0] * (n % 2) + [1 - 2 * shift] * half
+
+
+class Phases:
+    """Seconds spent in the planner's phases during one plan call (wrapped module functions)."""
+
+    TIMED = [("configurations", "ppipe.planner.api", "plan_configs"), ("NP relaxation", "ppipe.planner.colgen", "relaxation_rates"),
+             ("estimate x_hat", "ppipe.planner.api", "_with_batch_build"), ("column generation", "ppipe.planner.colgen", "generate_columns"),
+             ("restricted MILP", "ppipe.planner.colgen", "_restricted_solve"), ("headroom", "ppipe.planner.headroom", "add_headroom"),
+             ("placement", "ppipe.planner.api", "_placed")]
+
+    def __enter__(self):
+        import importlib
+
+        self.seconds: dict[str, float] = {}
+        self._saved = []
+        for label, mod_name, fn in self.TIMED:
+            mod = importlib.import_module(mod_name)
+            real = getattr(mod, fn, None)
+            if real is None:
+                continue  # a planner without that step (an older tree)
+            self._saved.append((mod, fn, real))
+            setattr(mod, fn, self._timed(label, real))
+        return self
+
+    def _timed(self, label, real):
+        @functools.wraps(real)
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
+        return wrapped
+
+    def __exit__(self, *exc):
+        for mod, fn, real in self._saved:
+            setattr(mod, fn, real)
+
+    def line(self) -> str:
+        """The phases' seconds (nested ones are also in their callers': the estimate holds the
+        NP relaxation and the configurations made on the way)."""
+        return ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
+
+
+def run(label: str, cluster, models, phases: bool = False, **kw):
+    """One ppipe.plan call and its line of figures (``phases``: and a line of the planner's
+    phases); None (and the error printed) where it fails."""
+    timer = Phases() if phases else None
     t0 = time.perf_counter()
     try:
-        plan = ppipe.plan(cluster, models, **kw)
+        if timer is None:
+            plan = ppipe.plan(cluster, models, **kw)
+        else:
+            with timer:
+                plan = ppipe.plan(cluster, models, **kw)
     except UserError as err:
         print(f"{label}: error: {err}\nwall {time.perf_counter() - t0:.1f} s, peak RSS {peak_rss_mib():.0f} MiB", flush=True)
         return None
+    wall = time.perf_counter() - t0
     s = plan.solver
+    la = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{label}: columns {s.columns}, status {s.status}, objective {s.objective:.3f}, gap {s.gap:.3%}, nodes {s.nodes}, "
-          f"method {s.method or 'b&b'}; wall {time.perf_counter() - t0:.1f} s (planner {s.seconds:.1f} s), "
-          f"peak RSS {peak_rss_mib():.0f} MiB", flush=True)
+          f"method {s.method or 'b&b'}; wall {wall:.2f} s (planner {s.seconds:.2f} s), "
+          f"peak RSS {peak_rss_mib():.0f} MiB; load average {la}", flush=True)
+    if timer is not None:
+        print(f"  phases: {timer.line()}", flush=True)
     return plan
 
 
