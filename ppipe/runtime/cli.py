@@ -52,7 +52,7 @@ def init_ray(ray_address: str | None, num_cpus: int | None, loopback_only: bool)
     the environment sets it): Ray's default of 15 lets every other process on the machine
     (the frontend, a load generator, a batch job) run before a vGPU worker whose stage is
     reserved to start now, and a worker can lower its niceness itself only with root or
-    ``RLIMIT_NICE`` (``ppipe.runtime.workers.worker._undo_ray_niceness``). A joined cluster's
+    ``RLIMIT_NICE`` (``ppipe.runtime.workers.worker.undo_ray_niceness``). A joined cluster's
     workers have the niceness of its ``ray start`` (the README says how to set it there).
     """
     import ray

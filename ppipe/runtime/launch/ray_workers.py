@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Awaitable
 
 from ppipe.runtime.launch.handle import WorkerGone
+from ppipe.runtime.workers.worker import VgpuWorker, WorkerSpec, pin_cuda_env, undo_ray_niceness
 from ppipe.runtime.launch.refs import kill_quietly
 
 
@@ -81,10 +82,29 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def actor_class():
-    """The Ray actor class of a vGPU worker (:class:`~ppipe.runtime.workers.worker.VgpuActor`)."""
-    import ray
+class VgpuActor(VgpuWorker):
+    """A :class:`VgpuWorker` as a Ray actor, in a process of its own, which it sets up: before
+    the worker is built it pins the process to the vGPU's GPU and MPS share
+    (:func:`~ppipe.runtime.workers.worker.pin_cuda_env`, before the backend loads any CUDA library) and undoes Ray's
+    niceness (:func:`~ppipe.runtime.workers.worker.undo_ray_niceness`); after, it freezes the start-up objects out of the
+    garbage collector's sight (a worker is on the latency path too: no full-collection
+    stalls over them)."""
 
-    from ppipe.runtime.workers.worker import VgpuActor
+    def __init__(self, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None = None):
+        import ray
+
+        from ppipe.runtime.launch.deploy import worker_env
+        from ppipe.runtime.scheduler.host import freeze_startup_objects
+
+        pin_cuda_env(worker_env(spec, backend))
+        undo_ray_niceness()
+        super().__init__(spec, backend, backend_options)
+        self._node = ray.get_runtime_context().get_node_id()
+        freeze_startup_objects()
+
+
+def actor_class():
+    """The Ray actor class of a vGPU worker (:class:`VgpuActor`)."""
+    import ray
 
     return ray.remote(VgpuActor)

@@ -105,9 +105,9 @@ class ShardServer:
 
     def __init__(self, index: int, dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings,
                  owner: dict[str, int], host: str, port: int):
-        from ppipe.runtime.workers.worker import _undo_ray_niceness
+        from ppipe.runtime.workers.worker import undo_ray_niceness
 
-        _undo_ray_niceness()  # on every request's path, like the workers
+        undo_ray_niceness()  # on every request's path, like the workers
         self.index, self.host, self.port = index, host, port
         self._args = (dep, models, workers, edges, settings, index, owner)
         self.server = None

@@ -107,7 +107,7 @@ def check_gpu_sharing(spec: WorkerSpec, gpu_resident: bool, provenance: str, mps
 
 
 class VgpuWorker:
-    """The body of a vGPU worker: a Ray actor's (:class:`VgpuActor`, started by
+    """The body of a vGPU worker: a Ray actor's (:class:`~ppipe.runtime.launch.ray_workers.VgpuActor`, started by
     :mod:`ppipe.runtime.launch.deploy`) or an in-process one's (:mod:`ppipe.runtime.launch.inproc`).
 
     It leaves its process alone (environment, priority): that is the Ray actor's, whose
@@ -399,34 +399,12 @@ class VgpuWorker:
                 pass
 
     def _node_id(self) -> str | None:
-        """The Ray node this worker runs on; None in a process without Ray (an in-process worker)."""
-        if self._node is None:
-            ray = sys.modules.get("ray")  # a Ray actor's process has it; an in-process worker imports none
-            if ray is None or not ray.is_initialized():
-                return None
-            self._node = ray.get_runtime_context().get_node_id()
+        """The node this worker runs on, as its launcher names nodes (None: not named, an
+        in-process worker); a Ray actor's is its Ray node."""
         return self._node
 
 
-class VgpuActor(VgpuWorker):
-    """A :class:`VgpuWorker` as a Ray actor, in a process of its own, which it sets up: before
-    the worker is built it pins the process to the vGPU's GPU and MPS share
-    (:func:`pin_cuda_env`, before the backend loads any CUDA library) and undoes Ray's
-    niceness (:func:`_undo_ray_niceness`); after, it freezes the start-up objects out of the
-    garbage collector's sight (a worker is on the latency path too: no full-collection
-    stalls over them)."""
-
-    def __init__(self, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None = None):
-        from ppipe.runtime.launch.deploy import worker_env
-        from ppipe.runtime.scheduler.host import freeze_startup_objects
-
-        pin_cuda_env(worker_env(spec, backend))
-        _undo_ray_niceness()
-        super().__init__(spec, backend, backend_options)
-        freeze_startup_objects()
-
-
-def _undo_ray_niceness() -> int:
+def undo_ray_niceness() -> int:
     """Run at the driver's priority; returns the process's niceness afterwards.
 
     Ray starts worker processes at niceness 15 (its ``worker_niceness``), which suits batch
