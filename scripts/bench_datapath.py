@@ -10,6 +10,10 @@ received" at the sender, median over ``--repeats`` messages (after two warm-ups)
   message built by :func:`~ppipe.runtime.wire.frames.pack` and decoded by
   :func:`~ppipe.runtime.wire.frames.unpack` on arrival; the ack is a header-only data-path
   message back to an Inbox in the sender.
+* ``<loop>+auth`` (``--auth``): the same with the connections authenticated, as ``ppipe
+  serve`` runs them (:mod:`ppipe.runtime.wire.handshake`: one challenge-response per
+  connection, nothing per message); and the set-up of an authenticated connection against
+  a plain one (connect, handshake, a first small message delivered), median of 21.
 * ``socket``: the same bytes with ``sendall`` into a blocking socket, received with
   ``recv_into`` into a buffer allocated once; a one-byte ack. Its time is the floor the
   data path is measured against (``ratio`` = socket time / datapath time, i.e. datapath
@@ -22,7 +26,7 @@ bytes (1e9) over the median time. Every run prints the host first.
 Usage::
 
     python scripts/bench_datapath.py                      # 64 KiB, 1, 4, 13, 32 MB; 31 repeats
-    python scripts/bench_datapath.py --mb 13 --repeats 31 --loop uvloop
+    python scripts/bench_datapath.py --mb 13 --repeats 31 --loop uvloop --auth
 """
 
 from __future__ import annotations
@@ -76,14 +80,14 @@ def _probe_type():
 Probe = _probe_type()
 
 
-def _datapath_receiver(kind: str, ack_addr: str, pipe) -> None:
+def _datapath_receiver(kind: str, ack_addr: str, pipe, secret: bytes | None = None) -> None:
     """Answer every map with ``Probe(i)`` to ``ack_addr``; stop on a probe with ``stop``."""
     from ppipe.runtime.wire.datapath import Inbox, Outbox
     from ppipe.runtime.wire.frames import pack, unpack
 
     async def main() -> None:
         stop = asyncio.Event()
-        out = Outbox()
+        out = Outbox(secret)
 
         def on_message(message) -> None:
             header, tensors = unpack(message, Probe)
@@ -93,7 +97,7 @@ def _datapath_receiver(kind: str, ack_addr: str, pipe) -> None:
             assert tensors["x"].nbytes == header.nbytes
             out.send(ack_addr, pack(Probe(header.i)))
 
-        inbox = Inbox(on_message)
+        inbox = Inbox(on_message, secret=secret)
         out.connect(ack_addr)
         pipe.send(inbox.address)
         await stop.wait()
@@ -105,9 +109,11 @@ def _datapath_receiver(kind: str, ack_addr: str, pipe) -> None:
 
 
 class DatapathPair:
-    """This process's Outbox and Inbox on a loop of ``kind``, and a receiver process."""
+    """This process's Outbox and Inbox on a loop of ``kind``, and a receiver process; with
+    ``secret``, every connection between them authenticated."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, secret: bytes | None = None):
+        self.secret = secret
         self.loop = _new_loop(kind)
         self.acks: dict[int, asyncio.Future] = {}
         self.i = 0
@@ -117,10 +123,10 @@ class DatapathPair:
         from ppipe.runtime.wire.datapath import Inbox, Outbox
         from ppipe.runtime.wire.frames import unpack
 
-        self.inbox = Inbox(lambda m: self.acks.pop(unpack(m, Probe)[0].i).set_result(None))
-        self.out = Outbox()
+        self.inbox = Inbox(lambda m: self.acks.pop(unpack(m, Probe)[0].i).set_result(None), secret=self.secret)
+        self.out = Outbox(self.secret)
         parent, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_datapath_receiver, args=(kind, self.inbox.address, child))
+        self.proc = mp.get_context("spawn").Process(target=_datapath_receiver, args=(kind, self.inbox.address, child, self.secret))
         self.proc.start()
         self.addr = await asyncio.to_thread(parent.recv)
 
@@ -150,6 +156,30 @@ class DatapathPair:
 
         self.loop.run_until_complete(stop())
         self.loop.close()
+
+
+def connection_setup_s(kind: str, secret: bytes | None, repeats: int = 21) -> float:
+    """Median seconds from a new connection's ``send`` to its first small message's delivery,
+    both ends on one loop in this process (with ``secret``: the handshake included)."""
+    from ppipe.runtime.wire.datapath import Inbox, Outbox
+    from ppipe.runtime.wire.frames import pack
+
+    async def one() -> float:
+        got = asyncio.get_running_loop().create_future()
+        inbox = Inbox(lambda m: got.set_result(None), secret=secret)
+        out = Outbox(secret)
+        t0 = time.perf_counter()
+        out.send(inbox.address, pack(Probe(1)))
+        await got
+        dt = time.perf_counter() - t0
+        out.close(), inbox.close()
+        return dt
+
+    loop = _new_loop(kind)
+    try:
+        return statistics.median(loop.run_until_complete(one()) for _ in range(repeats))
+    finally:
+        loop.close()
 
 
 # ---- a plain socket ---------------------------------------------------------------------------------
@@ -191,12 +221,15 @@ class SocketPair:
 
 def medians(pairs: dict[str, Any], maps: list[np.ndarray], repeats: int) -> dict[str, list[float]]:
     """Median seconds per map for each pair; the pairs take turns message by message, so
-    that a change in the host's speed during the run touches every column alike."""
+    that a change in the host's speed during the run touches every column alike, in an
+    order that rotates every round, so that no column always follows the same one (a
+    receiver still freeing its last map slows the next column's message)."""
     times: dict[str, list[list[float]]] = {k: [[] for _ in maps] for k in pairs}
+    keys = list(pairs)
     for j, x in enumerate(maps):
         for r in range(WARMUP + repeats):
-            for k, pair in pairs.items():
-                t = pair.time_one(x)
+            for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+                t = pairs[k].time_one(x)
                 if r >= WARMUP:
                     times[k][j].append(t)
     return {k: [statistics.median(t) for t in ts] for k, ts in times.items()}
@@ -217,17 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", default="0.0625,1,4,13,32", help="map sizes in MB (2**20 bytes), comma-separated")
     ap.add_argument("--repeats", type=int, default=31, help="timed messages per size (median reported)")
     ap.add_argument("--loop", choices=["asyncio", "uvloop", "both"], default="both")
+    ap.add_argument("--auth", action="store_true", help="also authenticated connections, as ppipe serve runs them")
     args = ap.parse_args(argv)
 
     from hostspeed import host_line
 
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     print(f"{host_line()}; load average {load}", flush=True)
-    kinds = ["asyncio", "uvloop"] if args.loop == "both" else [args.loop]
+    loops = ["asyncio", "uvloop"] if args.loop == "both" else [args.loop]
+    secret = os.urandom(32)
     rng = np.random.default_rng(0)
     maps = [rng.standard_normal(n // 2).astype(np.float16) for n in _sizes(args.mb)]
     pairs: dict[str, Any] = {"socket": SocketPair([x.nbytes for x in maps for _ in range(WARMUP + args.repeats)])}
-    pairs.update((k, DatapathPair(k)) for k in kinds)
+    pairs.update((k, DatapathPair(k)) for k in loops)
+    if args.auth:
+        pairs.update((f"{k}+auth", DatapathPair(k, secret)) for k in loops)
+    kinds = [k for k in pairs if k != "socket"]
     try:
         got = medians(pairs, maps, args.repeats)
     finally:
@@ -243,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
             row += f" {t * 1e3:>11.2f} {x.nbytes / t / 1e9:>6.2f} {plain[j] / t:>6.2f}"
         print(row, flush=True)
     print(f"(median of {args.repeats} messages each, the columns taking turns; ratio = socket time / datapath time)")
+    if args.auth:
+        for k in loops:
+            plain_s, auth_s = connection_setup_s(k, None), connection_setup_s(k, secret)
+            print(f"connection set-up ({k}): plain {plain_s * 1e3:.2f} ms, authenticated {auth_s * 1e3:.2f} ms "
+                  f"(+{(auth_s - plain_s) * 1e3:.2f} ms once per connection; a connection lives as long as the server)")
     print(LEAVES_OUT)
     return 0
 

@@ -10,6 +10,11 @@ Cases (docs/planning-model.md, 'The paper's settings'):
             template) on the 24 main cases, and its gain over the paper's in %.
   default   the README's ``ppipe plan``: every default (HC2-S, the built-in models),
             three runs (the first pays one-time costs).
+  scale     fleets of 100, 300 and 1,000 GPUs of 2, 4 and 6 types with 3, 6 and 10
+            models (scripts/bench_fleet.py's types; A100 and A10 rows derived from the
+            V100's and L4's, named synthetic in their provenance), ppipe's default
+            formulation, 3 partitions, max-min, equal weights: columns, objective, bound
+            (objective x (1 + gap)), gap, time and the process's peak RSS after each.
 
 Times are for one ``ppipe.plan(...)`` call, wall-clock and CPU (``time.process_time``,
 less sensitive to a loaded machine; HiGHS runs one thread on small models): model
@@ -18,6 +23,7 @@ building, the NP plan for the batch-build estimate, solving and extraction inclu
 
     python scripts/bench_planner.py                      # everything
     python scripts/bench_planner.py --suite main --groups G1,G2 --clusters HC2-L
+    python scripts/bench_planner.py --suite scale --time-limit-s 60
 """
 
 from __future__ import annotations
@@ -99,6 +105,40 @@ def four_type_cluster() -> ClusterSpec:
     )
 
 
+# the scale suite: (GPUs, the fleet's types it takes, models)
+SCALE_FLEETS = [(100, ["L4", "T4"], 3), (300, ["V100", "L4", "T4", "P4"], 6), (1000, ["A100", "V100", "L4", "A10", "T4", "P4"], 10)]
+
+
+def scale_cluster(gpus: int, types: list[str]) -> ClusterSpec:
+    """``gpus`` GPUs of ``types``, shared among them as in bench_fleet's 1,000-GPU fleet
+    (its servers' sizes, its NICs), whole servers only."""
+    from bench_fleet import BANDWIDTH_EFFICIENCY, FLEET, NIC_GBPS
+
+    rows = [r for r in FLEET if r[0] in types]
+    total = sum(s * n for _k, _lv, s, n in rows)
+    servers = [(k, lv, s, max(1, round(gpus * s * n / total / s))) for k, lv, s, n in rows]
+    return ClusterSpec(
+        name=f"fleet-{gpus}", description=f"{gpus} GPUs of {len(types)} types (scripts/bench_planner.py --suite scale)",
+        bandwidth_efficiency=BANDWIDTH_EFFICIENCY, gpu_types=[GpuType(name=k, vgpu_levels=lv) for k, lv, _s, _n in servers],
+        servers=[ServerGroup(name=k.lower(), gpu_type=k, gpus_per_server=s, count=n, nic_bandwidth_gbps=NIC_GBPS)
+                 for k, _lv, s, n in servers],
+    )
+
+
+def scale_suite(art: Path, common: dict) -> None:
+    from bench_fleet import fleet_models, peak_rss_mib
+
+    header("scale: fleets, ppipe default formulation, 3 partitions, max-min, equal weights")
+    rows: list = []
+    for gpus, types, n_models in SCALE_FLEETS:
+        cluster = scale_cluster(gpus, types)
+        n = sum(g.gpus_per_server * g.count for g in cluster.servers)
+        r = run_case(f"{n} GPUs, {len(types)} types, {n_models} models", cluster, fleet_models(art, n_models), rows,
+                     max_partitions=3, **common)
+        print(f"{'':<44} bound {r['objective'] * (1 + r['gap']):.2f}, peak RSS {peak_rss_mib():.0f} MiB so far", flush=True)
+    summary(rows, "(target at 1,000 GPUs: within 1 % in <= 60 s, <= 2 GB)")
+
+
 def run_case(label: str, cluster, profiles, rows: list, **kw) -> dict:
     WORK.update(nodes=0, lp_iterations=0)
     START.update(objective=None, seconds=0.0)
@@ -140,7 +180,8 @@ def summary(rows: list, target: str = "") -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", default=str(REPO.parent / "shared" / "data" / "ppipe-artifact"), help="PPipe artifact folder.")
-    ap.add_argument("--suite", action="append", choices=["main", "ablation", "four", "gain", "default"], help="Suites to run (repeatable; default all).")
+    ap.add_argument("--suite", action="append", choices=["main", "ablation", "four", "gain", "default", "scale"],
+                    help="Suites to run (repeatable; default all but scale).")
     ap.add_argument("--groups", default=",".join(GROUPS), help="Model groups for main/gain/four, e.g. G1,G2.")
     ap.add_argument("--clusters", default=",".join(CLUSTERS), help="Clusters for main/gain.")
     ap.add_argument("--models", default=None, help="Models for the ablation (comma-separated; default the 18 of model_list.txt).")
@@ -212,6 +253,8 @@ def main(argv=None) -> int:
         for run in range(1, 4):
             run_case(f"HC2-S built-in models, run {run}", "HC2-S", None, rows, solver=args.solver)
         summary(rows, "(target: about a second)")
+    if "scale" in suites:
+        scale_suite(art, common)
     return 0
 
 
