@@ -19,6 +19,18 @@ from ppipe.spec.plan import ModelPlan, PartitionPlan, PipelinePlan, Plan, PlanSe
 from .tinynet import write_tinynet
 
 
+# one server of three CPU 'GPUs': room for a two-partition plan and a spare
+THREE_CPUS = """
+version: 1
+name: three-cpus
+bandwidth_efficiency: 1.0
+gpu_types:
+- {name: cpu, vgpu_levels: [1, 2]}
+servers:
+- {name: h, gpu_type: cpu, gpus_per_server: 3, count: 1, nic_bandwidth_gbps: 10}
+"""
+
+
 def make_plan(profile, cluster: ClusterSpec, partitions, batch: int = 4, slo_ms: float | None = None, profile_ref: str | None = None) -> Plan:
     """A one-pipeline plan: ``partitions`` = [(first, last, gpu, vgpu, count)], placed by the planner's placer."""
     from ppipe.planner.placement import place

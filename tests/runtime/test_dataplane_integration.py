@@ -16,7 +16,7 @@ from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_r
 from ppipe.runtime.ingress.http_server import create_app
 from ppipe.runtime.ingress.http_transport import BackgroundServer
 from ppipe.spec.cluster import load_cluster
-from .conftest import make_plan
+from .conftest import THREE_CPUS, make_plan
 from .tinynet import reference, write_tinynet
 
 pytestmark = pytest.mark.ray
@@ -30,16 +30,6 @@ gpu_types:
 servers:
 - {name: a, gpu_type: cpu, gpus_per_server: 1, count: 1, nic_bandwidth_gbps: 10, ray_resource: nodeA}
 - {name: b, gpu_type: cpu, gpus_per_server: 1, count: 1, nic_bandwidth_gbps: 10, ray_resource: nodeB}
-"""
-
-THREE_CPUS = """
-version: 1
-name: three-cpus
-bandwidth_efficiency: 1.0
-gpu_types:
-- {name: cpu, vgpu_levels: [1, 2]}
-servers:
-- {name: h, gpu_type: cpu, gpus_per_server: 3, count: 1, nic_bandwidth_gbps: 10}
 """
 
 

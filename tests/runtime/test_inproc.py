@@ -28,7 +28,7 @@ from ppipe.runtime.workers.worker import VgpuWorker, WorkerSpec
 from ppipe.spec.cluster import load_cluster
 from ppipe.spec.profile import profile_ref
 
-from .conftest import make_plan
+from .conftest import THREE_CPUS, make_plan
 from .fakes import FifoScheduler
 from .tinynet import write_tinynet
 
@@ -36,16 +36,6 @@ from .tinynet import write_tinynet
 # the data plane's own scheduler waits for a lone request's last moment, which a loaded
 # host's timers miss now and then
 FIFO = dict(scheduler_factory=functools.partial(FifoScheduler, max_batch=4, window_us=2000.0))
-
-THREE_CPUS = """
-version: 1
-name: three-cpus
-bandwidth_efficiency: 1.0
-gpu_types:
-- {name: cpu, vgpu_levels: [1, 2]}
-servers:
-- {name: h, gpu_type: cpu, gpus_per_server: 3, count: 1, nic_bandwidth_gbps: 10}
-"""
 
 
 class JumpClock:
