@@ -1,22 +1,22 @@
-"""The README's default plan served as a new user serves it: every model served at a low load.
+"""The README's default plan served as a new user serves it: every model served, as simulated.
 
 ``ppipe plan``'s default (HC2-S, the three built-in models) on emulated workers with the
 real inputs and feature maps (the profiled latencies emulate the GPUs), the frontend with
-`ppipe serve`'s defaults, driven by ``ppipe bench --binary`` from its own process. The
-simulator, with the same margins, runs the same rates. Before the runtime's margins were
-data-plane rules, resnet50 (6.15 ms of slack in a 15.26 ms SLO) was dropped whole.
+`ppipe serve`'s defaults, driven by ``ppipe bench --binary`` from its own processes. The
+workers are Ray actors, a process each, as `ppipe serve` starts them.
 
-The workers are Ray actors, a process each, as `ppipe serve` starts them. Not the
-in-process launcher (:mod:`ppipe.runtime.launch.inproc`): there the workers' timed waits
-and the frontend's work take turns on one loop, one core, so resnet50's 15 ms SLO is the
-launcher's, not the runtime's (it served 126 of 141 requests in process on a quiet host).
+Two checks, each independent of how busy the host is:
 
-What is checked: every model is served (at least nine in ten of its requests answered with
-outputs, at most a tenth dropped), where the old budgets answered every resnet50 request
-with a drop. The share on time is the host's: resnet50's median latency sits near its SLO on
-a 2-core host with two dozen worker processes, the frontend and the load generators on it,
-so it swings from run to run; the 99 % target is a benchmark figure
-(``scripts/bench_default_plan.py``, docs/benchmarks.md), not asserted here.
+* In real time, resnet50 (6.15 ms of slack in a 15.26 ms SLO) is not shut off: at least
+  half of its requests are answered with outputs. Before the runtime's margins were
+  data-plane rules with a capped adaptive part, every one was dropped. How many come on
+  time here is the host's (a 2-core host carries two dozen worker processes, the frontend
+  and the load generator; its costs are a few ms at the median, more when it is busy):
+  that figure is a benchmark's (``scripts/bench_default_plan.py``, docs/benchmarks.md).
+* Dilated ``x DILATION`` (:mod:`ppipe.spec.dilation`: every latency, transfer and SLO of
+  the plan ``x k``, the host's costs as they are), each model alone and all three together
+  at ``LOAD`` of the planned rate: on time as the simulator of the same plan says, within
+  ``TOLERANCE``, with nothing dropped beyond that.
 """
 
 from __future__ import annotations
@@ -38,31 +38,33 @@ from ppipe.runtime.ingress.http_server import create_app
 from ppipe.runtime.ingress.http_transport import BackgroundServer
 from ppipe.sim.simulator import SimConfig
 from ppipe.sim.sweep import run_point
+from ppipe.spec.dilation import save_dilated
 
 pytestmark = pytest.mark.ray
 
-LOAD = 0.03  # of each model's planned rate: ~40 req/s each
-SERVED = 0.9  # answered with outputs (on time or late), per model (see the module's docstring)
-MAX_DROPS = 0.1  # dropped, per model
+REAL_TIME_LOAD = 0.03  # of resnet50's planned rate: ~40 req/s
+ANSWERED = 0.5  # in real time, at least this share of resnet50's requests answered with outputs
+DILATION = 4.0
+LOAD = 0.1  # of each model's planned rate in dilated time (its planned rate / DILATION)
+TOLERANCE = 0.02  # on time, the runtime's share against the simulator's
 DURATION_S = 4.0
+WARM_S = 4.0  # at the measured rates first: enough batches of each model for its adaptive answer budget
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tmp_path_factory):
+def default_plan(ray_cluster, tmp_path_factory) -> Path:
     from ppipe.planner.api import plan as make_plan
 
     path = tmp_path_factory.mktemp("default") / "plan.yaml"
     make_plan().save(path)
-    dep = load_deployment(path)
-    with frontend(dep) as url:
-        bench(url, {m.name: 5.0 for m in dep.plan.models}, 1.5, tmp_path_factory.mktemp("warm"))  # connections, first batches
-        yield url, dep
+    return path
 
 
 @contextlib.contextmanager
-def frontend(dep):
-    """The frontend's URL, the plan served with `ppipe serve`'s defaults on emulated Ray
-    workers (real-size feature maps: no byte cap; an authenticated data path)."""
+def served(plan_file: Path, warm_dir: Path):
+    """``(url, deployment)``: the plan served with `ppipe serve`'s defaults on emulated Ray
+    workers (real-size feature maps: no byte cap; an authenticated data path), warmed up."""
+    dep = load_deployment(plan_file)
     opts = serving_options()
     settings = dict(scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1e3}, dispatch_lead_us=opts["dispatch_lead_us"],
                     answer_budget_us=opts["answer_budget_us"], report_tolerance_us=DEFAULT_REPORT_TOLERANCE_MS * 1e3,
@@ -70,7 +72,8 @@ def frontend(dep):
     workers = start_workers(dep, backend="emulated")
     try:
         with BackgroundServer(create_app(Runtime(dep.plan, dep.profiles, dep.cluster, workers, **settings))) as srv:
-            yield srv.url
+            bench(srv.url, {m.name: 5.0 for m in dep.plan.models}, 1.5, warm_dir)  # connections, first batches
+            yield srv.url, dep
     finally:
         for h in workers.values():
             h.kill()
@@ -93,17 +96,34 @@ def simulated(dep, rates: dict[str, float]) -> dict[str, float]:
     return {m: res.models[m].attainment for m in rates}
 
 
+def test_resnet50_of_the_default_plan_is_not_shut_off_in_real_time(default_plan, tmp_path):
+    with served(default_plan, tmp_path) as (url, dep):
+        rate = REAL_TIME_LOAD * dep.plan.model("resnet50").throughput_rps
+        r = bench(url, {"resnet50": rate}, DURATION_S, tmp_path)["resnet50"]
+    assert r["sent"] >= 0.6 * rate * DURATION_S  # (Poisson arrivals of a fixed seed)
+    assert r["ok"] >= ANSWERED * r["sent"], (r["ok"], r["sent"], r["slo_attainment"], r["drops"], r["p50_ms"], r["p99_ms"])
+
+
+@pytest.fixture(scope="module")
+def dilated(default_plan, tmp_path_factory):
+    from ppipe.runtime.launch.deploy import load_deployment as load
+
+    base = load(default_plan)
+    plan_file = save_dilated(base.plan, base.profiles, base.cluster, DILATION, tmp_path_factory.mktemp("dilated"))
+    with served(plan_file, tmp_path_factory.mktemp("warm")) as got:
+        yield got
+
+
 @pytest.mark.parametrize("alone", ["resnet50", "inception_v2", "densenet121", None])
-def test_every_model_of_the_default_plan_is_served_at_a_low_load(served, alone, tmp_path):
-    url, dep = served
+def test_the_default_plan_dilated_is_served_as_simulated(dilated, alone, tmp_path):
+    url, dep = dilated
     planned = {m.name: m.throughput_rps for m in dep.plan.models}
-    # together, a third of the load each: the same total rate through the one frontend and
-    # three load generators on the same two cores
-    rates = {m: LOAD * r for m, r in planned.items() if m == alone} if alone else {m: LOAD / 3 * r for m, r in planned.items()}
+    rates = {m: LOAD * r for m, r in planned.items() if m == alone} if alone else {m: LOAD * r for m, r in planned.items()}
+    bench(url, rates, WARM_S, tmp_path)  # the adaptive answer budget learns this host's lateness at this load
     got = bench(url, rates, DURATION_S, tmp_path)
     sim = simulated(dep, rates)
     for m, r in got.items():
-        assert r["sent"] >= 0.6 * rates[m] * DURATION_S  # (Poisson arrivals of a fixed seed)
-        assert r["ok"] >= SERVED * r["sent"], (m, r["ok"], r["sent"], r["slo_attainment"], r["drops"], r["p50_ms"], r["p99_ms"])
-        assert sum(r["drops"].values()) <= MAX_DROPS * r["sent"], (m, r["drops"], r["sent"])
+        assert r["sent"] >= 0.6 * rates[m] * DURATION_S
         assert sim[m] >= 0.99, (m, sim[m])
+        on_time = r["slo_attainment"]
+        assert on_time >= sim[m] - TOLERANCE, (m, on_time, sim[m], r["drops"], r["p50_ms"], r["p99_ms"])
