@@ -9,6 +9,7 @@ import ipaddress
 import json
 import os
 import secrets
+import time
 
 import click
 
@@ -88,7 +89,11 @@ class _NullClock:
 @click.command("serve")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option("--cluster", default=None, help="Cluster YAML or built-in name; overrides the plan's 'cluster_file'/'cluster'.")
-@click.option("--ray-address", default=None, help="Ray cluster to join ('auto' or HOST:PORT); default: start a local Ray instance.")
+@click.option("--launcher", type=click.Choice(["auto", "local", "ray"]), default="auto", show_default=True,
+              help="What runs the workers: local processes of this machine (no Ray), or Ray actors (several machines, "
+              "frontend shards). auto: Ray when --ray-address is given, the cluster names Ray nodes (ray_resource) or "
+              "several shards are asked for; local otherwise.")
+@click.option("--ray-address", default=None, help="Ray cluster to join ('auto' or HOST:PORT); default (--launcher ray): start a local Ray instance.")
 @click.option(
     "--backend",
     type=click.Choice(["ort", "tensorrt", "torch", "emulated"]),
@@ -158,15 +163,18 @@ class _NullClock:
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
-def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, host, port, grpc_port, token, max_body_mb,
+def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, host, port, grpc_port, token, max_body_mb,
           header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, replan, replan_time_limit_s, replan_min_interval_s,
           replan_window_s, replan_curvature_window_s, num_cpus, emulated_max_bytes):
-    """Serve PLAN_FILE on Ray behind an Open Inference Protocol (KServe v2) HTTP API.
+    """Serve PLAN_FILE behind an Open Inference Protocol (KServe v2) HTTP API.
 
-    Without --ray-address, the local Ray instance it starts listens on loopback only when
-    --host is a loopback address (the default), on all interfaces otherwise.
+    The workers run as local processes (--launcher local) or as Ray actors (--launcher
+    ray). Without --ray-address, the local Ray instance it starts listens on loopback only
+    when --host is a loopback address (the default), on all interfaces otherwise.
     """
     import uvicorn
+
+    t0 = time.perf_counter()
 
     from ppipe.runtime.ingress.http_transport import uvicorn_config
     from ppipe.runtime.launch.deploy import load_deployment
@@ -179,19 +187,22 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     options = _scheduler_options(max_queue, wake_lead_ms)
     _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
+    launcher, n_shards = _choose_launcher(launcher, ray_address, dep.cluster, shards, n_shards, transport)
     replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s,
                                    replan_curvature_window_s) if replan == "auto" else None
     if grpc_port is not None:
         _check_grpc_port(host, port, grpc_port)
     if not _is_loopback(host) and not token:
         click.echo(f"warning: serving on {host} without --token: anyone who reaches this port can use it", err=True)
-    init_ray(ray_address, num_cpus, loopback_only=_is_loopback(host))
     if emulated_max_bytes is not None and backend != "emulated":
         raise UserError("--emulated-max-bytes applies to --backend emulated only")
+    if launcher == "ray":
+        init_ray(ray_address, num_cpus, loopback_only=_is_loopback(host))
     opts = {} if emulated_max_bytes is None else {"max_bytes_per_sample": emulated_max_bytes}
-    workers, edges = _start_workers_and_links(dep, backend, opts, transport)
+    workers, edges = _start_workers_and_links(dep, backend, opts, transport, launcher)
     settings = _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
-                               body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, opts, host, grpc_port)
+                               body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, opts, host, grpc_port,
+                               launcher)
     parts = assign_shards(dep.plan, n_shards)
     owner = {m: i for i, ms in enumerate(parts) for m in ms}
     sock = reuseport_socket(host, port)
@@ -200,11 +211,12 @@ def serve(plan_file, cluster, ray_address, backend, transport, policy, max_queue
     shutdown = functools.partial(_kill_all, actors, workers, switchers)
     addresses = _shard_addresses(actors, shutdown)
     companions = functools.partial(_companions, dep=dep, parts=parts, owner=owner, actors=actors, addresses=addresses,
-                                   switchers=switchers, worker_options={"backend": backend, "backend_options": opts},
+                                   switchers=switchers, worker_options=settings.workers,
                                    plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s)
     app, _, router = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
     (app if router is None else router.app).fe.switcher = switchers[0]
-    click.echo(_serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts))
+    click.echo(_serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts)
+               + f"; {launcher} launcher, workers up {time.perf_counter() - t0:.1f} s after start")
     uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
 
 
@@ -253,12 +265,37 @@ def _check_grpc_port(host: str, port: int, grpc_port: int) -> None:
         raise UserError(f"cannot bind the gRPC frontend to {host}:{grpc_port}: {why}", fix="choose another --grpc-port")
 
 
-def _start_workers_and_links(dep, backend: str, backend_options: dict, transport: str) -> tuple[dict, dict]:
-    """Start the plan's vGPU workers and connect them (``--transport``): (workers, edges).
-    Workers whose links cannot be set up are killed before the error goes on."""
-    from ppipe.runtime.launch.deploy import setup_transport, start_workers
+def _choose_launcher(requested: str, ray_address: str | None, cluster, shards_flag: str, n_shards: int,
+                     transport: str) -> tuple[str, int]:
+    """``--launcher``: (launcher, shard count). ``auto`` is Ray where Ray is asked for (an
+    address, a cluster that names Ray nodes, an explicit count of several shards) and the
+    local launcher otherwise, with one frontend (shards are Ray actors). Refuses what the
+    local launcher cannot do: several shards, NCCL or ring edges, a Ray address."""
+    needs_ray = [why for why, yes in (("--ray-address", ray_address is not None),
+                                      ("the cluster's ray_resource", any(g.ray_resource for g in cluster.servers)),
+                                      (f"--shards {shards_flag}", shards_flag != "auto" and n_shards > 1)) if yes]
+    launcher = requested if requested != "auto" else ("ray" if needs_ray else "local")
+    if launcher == "ray":
+        return launcher, n_shards
+    if needs_ray:
+        raise UserError(f"--launcher local cannot serve with {' and '.join(needs_ray)}: that takes Ray",
+                        fix="use --launcher ray (or auto), or leave those out")
+    if transport in ("nccl", "ring"):
+        raise UserError(f"--transport {transport} needs --launcher ray: the local launcher's edges go over the data path (TCP)",
+                        fix="use --transport auto or tcp, or --launcher ray")
+    return launcher, 1
 
-    workers = start_workers(dep, backend=backend, backend_options=backend_options)
+
+def _start_workers_and_links(dep, backend: str, backend_options: dict, transport: str, launcher: str = "ray") -> tuple[dict, dict]:
+    """Start the plan's vGPU workers with ``launcher`` and connect them (``--transport``):
+    (workers, edges). The local launcher's edges all go over the data path's connections
+    (no edges named). Workers whose links cannot be set up are killed before the error goes on."""
+    from ppipe.runtime.launch.deploy import setup_transport
+    from ppipe.runtime.launch.launchers import start_function
+
+    workers = start_function(launcher)(dep, backend=backend, backend_options=backend_options)
+    if launcher == "local":
+        return workers, {}
     try:
         edges = setup_transport(dep, workers, transport)
     except BaseException:
@@ -269,7 +306,8 @@ def _start_workers_and_links(dep, backend: str, backend_options: dict, transport
 
 
 def _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
-                    body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, backend_options, host, grpc_port):
+                    body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, backend_options, host, grpc_port,
+                    launcher: str = "ray"):
     """What every frontend shard is built with: the runtime's, app's, HTTP server's,
     workers' and gRPC frontend's settings, from ``ppipe serve``'s flags."""
     from ppipe.runtime.launch.deploy import LinkOpener
@@ -278,13 +316,13 @@ def _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_
     return ServeSettings(
         runtime={"policy": policy, "scheduler_options": options, "dispatch_lead_us": dispatch_lead_ms * 1000.0,
                  "data_secret": secrets.token_bytes(32),  # this server's: its data path's connections prove it
-                 "links": None if transport == "tcp" else LinkOpener(transport),
+                 "links": None if transport == "tcp" or launcher == "local" else LinkOpener(transport),
                  "answer_budget_us": answer_budget_ms * 1000.0,
                  "report_tolerance_us": None if report_tolerance_ms < 0 else report_tolerance_ms * 1000.0},
         app={"token": token, "max_body_bytes": int(max_body_mb * 1024 * 1024), "body_timeout_s": body_timeout_s,
              "decode_workers": decode_workers},
         server={"header_timeout_s": header_timeout_s, "shutdown_timeout_s": shutdown_timeout_s},
-        workers={"backend": backend, "backend_options": backend_options},
+        workers={"backend": backend, "backend_options": backend_options, "launcher": launcher},
         grpc={} if grpc_port is None else {"host": host, "port": grpc_port, "token": token,
                                            "max_message_bytes": int(max_body_mb * 1024 * 1024)},
     )

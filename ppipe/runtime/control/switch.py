@@ -51,19 +51,23 @@ class PartialSwitch(RuntimeError):
 
 
 class PlanSwitcher:
-    """Switches a runtime to new plans, starting and stopping workers on Ray.
+    """Switches a runtime to new plans, starting and stopping its workers.
 
     Args:
         runtime: the running :class:`~ppipe.runtime.scheduler.host.Runtime` (its loop is this one's).
         dep: the :class:`~ppipe.runtime.launch.deploy.Deployment` being served (cluster, profiles, plan file).
         backend, backend_options: how new workers run (as ``ppipe serve`` started the first ones).
         start_timeout_s: a new worker must have loaded its blocks within this.
+        launcher: what starts new workers (:mod:`ppipe.runtime.launch.launchers`: ``local`` or ``ray``).
     """
 
     def __init__(self, runtime: Any, dep: Any, backend: str = "ort", backend_options: dict[str, Any] | None = None,
-                 start_timeout_s: float = 300.0):
+                 start_timeout_s: float = 300.0, launcher: str = "ray"):
+        from ppipe.runtime.launch.launchers import respawn_function, start_function
+
         self.runtime, self.dep = runtime, dep
         self.backend, self.backend_options = backend, dict(backend_options or {})
+        self._start_workers, self._respawn_worker = start_function(launcher), respawn_function(launcher)
         self.start_timeout_s = start_timeout_s
         self.started: list[Any] = []  # every worker this switcher started (for shutdown)
         self._lock = asyncio.Lock()
@@ -158,9 +162,7 @@ class PlanSwitcher:
             return None
 
     async def _start(self, dep: Any, vgpu_ids: list[str]) -> dict[str, Any]:
-        from ppipe.runtime.launch.deploy import start_workers
-
-        handles = await asyncio.to_thread(start_workers, dep, self.backend, self.backend_options, self.start_timeout_s, set(vgpu_ids))
+        handles = await asyncio.to_thread(self._start_workers, dep, self.backend, self.backend_options, self.start_timeout_s, set(vgpu_ids))
         self.started.extend(handles.values())
         return handles
 
@@ -207,10 +209,8 @@ class PlanSwitcher:
         """Re-created workers (after a failure) are the new plan's."""
         if self.runtime.respawn is None:
             return
-        from ppipe.runtime.launch.deploy import respawn_worker
-
         async def respawn(vgpu_id: str) -> Any:
-            handle = await asyncio.to_thread(respawn_worker, dep, vgpu_id, self.backend, self.backend_options)
+            handle = await asyncio.to_thread(self._respawn_worker, dep, vgpu_id, self.backend, self.backend_options)
             self.started.append(handle)
             return handle
 

@@ -78,10 +78,13 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
     mine = {p.vgpu_id for p in plan.placement}
     respawn = None
     if settings.workers:
-        from ppipe.runtime.launch.deploy import respawn_worker
+        from ppipe.runtime.launch.launchers import respawn_function
+
+        options = dict(settings.workers)
+        respawn_worker = respawn_function(options.pop("launcher", "ray"))
 
         async def respawn(vgpu_id: str) -> Any:
-            return await asyncio.to_thread(respawn_worker, dep, vgpu_id, **settings.workers)
+            return await asyncio.to_thread(respawn_worker, dep, vgpu_id, **options)
 
     rt = Runtime(plan, {m: dep.profiles[m] for m in models}, dep.cluster, {v: h for v, h in workers.items() if v in mine},
                  edges={e: t for e, t in edges.items() if e[0] in mine}, respawn=respawn, **settings.runtime)
@@ -170,12 +173,16 @@ def start_shard_actors(dep: Any, parts: list[list[str]], workers: dict[str, Any]
 
 def shard_addresses(actors: list[Any], timeout_s: float = 300.0) -> list[str]:
     """Wait for the shard actors to start; each one's router address."""
+    if not actors:
+        return []
     import ray
 
     return ray.get([a.start.remote() for a in actors], timeout=timeout_s)
 
 
 def kill_shard_actors(actors: list[Any]) -> None:
+    if not actors:
+        return
     import ray
 
     for a in actors:

@@ -1,0 +1,172 @@
+"""The local launcher (ppipe.runtime.launch.local): a plan's workers as processes of this machine, no Ray.
+
+The handles' calls and lifelines over the private socket pairs, start-up errors, a served
+plan (`ppipe serve`'s default on one machine) whose killed worker is re-created, and no
+worker process left behind when the server goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from ppipe.errors import UserError
+from ppipe.runtime.launch.deploy import load_deployment
+from ppipe.runtime.launch.handle import WorkerGone
+from ppipe.runtime.launch.local import PROCESS_NAME, start_local_workers
+from ppipe.spec.cluster import load_cluster
+
+from .conftest import make_plan
+from .raynodes import free_port
+
+
+@pytest.fixture(scope="module")
+def two_stage(tinynet, tmp_path_factory):
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)], slo_ms=400.0)
+    path = tmp_path_factory.mktemp("local") / "plan.yaml"
+    plan.save(path)
+    return load_deployment(path)
+
+
+def test_each_worker_is_a_process_of_its_own_that_answers_the_handles_calls(two_stage):
+    workers = start_local_workers(two_stage, backend="emulated")
+    try:
+        pids = {h.pid for h in workers.values()}
+        assert len(pids) == len(workers) == len(two_stage.plan.placement) and os.getpid() not in pids
+        assert all(h.info["vgpu_id"] == v and h.info["pid"] == h.pid for v, h in workers.items())
+
+        async def main():
+            addrs = [await h.open_data_path("tcp://127.0.0.1:9") for h in workers.values()]
+            assert all(a.startswith("tcp://127.0.0.1:") for a in addrs)
+            assert [await h.drop_peer("nobody") for h in workers.values()] == [0, 0]
+            pings = await asyncio.gather(*(h.ping() for h in workers.values()))
+            assert {p["pid"] for p in pings} == pids
+
+        asyncio.run(main())
+    finally:
+        for h in workers.values():
+            h.kill()
+
+
+def test_a_killed_worker_ends_its_lifeline_and_its_calls(two_stage):
+    handle = next(iter(start_local_workers(two_stage, backend="emulated").values()))
+
+    async def main():
+        life = asyncio.ensure_future(handle.lifeline())
+        await asyncio.sleep(0.05)
+        assert not life.done()
+        handle.kill()
+        with pytest.raises(WorkerGone, match="exit code -9"):
+            await asyncio.wait_for(life, 5)
+        handle.kill()  # again: nothing
+        with pytest.raises(WorkerGone):
+            await handle.connect_peers([])
+
+    asyncio.run(main())
+    assert not psutil.pid_exists(handle.pid) or psutil.Process(handle.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_worker_exits_when_its_host_closes_the_pair(two_stage):
+    handle = next(iter(start_local_workers(two_stage, backend="emulated").values()))
+    handle._sock.close()  # as the host's process ending would
+    handle.process.join(5)
+    assert handle.process.exitcode == 0
+
+
+def test_a_worker_that_cannot_build_its_backend_is_a_user_error_and_nothing_is_left(two_stage, tmp_path):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    pytest.importorskip("onnxruntime")
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("tensorrt is installed: its backend would build")
+    except ImportError:
+        pass
+    with pytest.raises(UserError) as err:  # raised in the worker's process, with its message and fix
+        start_local_workers(two_stage, backend="tensorrt")
+    assert "tensorrt" in str(err.value).lower() and err.value.fix
+    time.sleep(0.2)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.name() == PROCESS_NAME]
+    assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE]
+
+
+# ---- `ppipe serve` on one machine ---------------------------------------------------------------------------
+def _serve(plan: Path, port: int, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(plan), "--backend", "emulated", "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("not ready in time")
+
+
+def _workers(server: psutil.Process) -> list[psutil.Process]:
+    return [p for p in server.children(recursive=True) if p.name() == PROCESS_NAME]
+
+
+def _infer(url: str, tinynet) -> httpx.Response:
+    body = {"inputs": [{"name": "input", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}]}
+    return httpx.post(f"{url}/v2/models/{tinynet.name}/infer", json=body, timeout=10)
+
+
+def test_ppipe_serve_runs_its_workers_locally_without_ray_and_recreates_a_killed_one(two_stage, tinynet):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(Path(two_stage.plan_file), port, "--report-tolerance-ms", "-1")
+    try:
+        _wait_ready(url, proc)
+        server = psutil.Process(proc.pid)
+        workers = _workers(server)
+        names = " ".join(" ".join(p.cmdline()) for p in server.children(recursive=True))
+        assert "raylet" not in names and "gcs_server" not in names
+        assert len(workers) == len(two_stage.plan.placement)
+        assert all(_infer(url, tinynet).status_code == 200 for _ in range(5))
+        victim = workers[0]
+        victim.kill()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # re-created: a new process, and the plan served again
+            time.sleep(0.3)
+            alive = {p.pid for p in _workers(server)}
+            if victim.pid not in alive and len(alive) == len(workers) and _infer(url, tinynet).status_code == 200:
+                break
+        else:
+            raise AssertionError("the killed worker was not re-created")
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+        failed = [ln for ln in metrics.splitlines() if ln.startswith("ppipe_vgpu_failed{")]
+        assert failed and all(ln.endswith(" 0.0") for ln in failed), failed
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)  # EOF: no process of the server holds its stdout any more
+    assert "local launcher" in out, out
+    time.sleep(0.5)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_the_local_launcher_refuses_what_takes_ray(two_stage):
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+
+    for flags, says in ((["--launcher", "local", "--shards", "2"], "--shards 2"), (["--launcher", "local", "--ray-address", "auto"], "--ray-address"),
+                        (["--launcher", "local", "--transport", "ring"], "--transport ring")):
+        r = CliRunner().invoke(main, ["serve", two_stage.plan_file, "--backend", "emulated", *flags])
+        assert r.exit_code == 2 and says in r.output, r.output
