@@ -158,8 +158,12 @@ class BodyDecoder:
             await asyncio.gather(*(loop.run_in_executor(self._executor(), self._job, b"{}", None) for _ in range(self.workers)))
 
     def stop(self) -> None:
+        """Stop the pool's processes and wait for them (idle ones end at once; a decode in
+        progress is bounded by the body limit). Not waiting would leave them behind where the
+        server's process ends right after (uvicorn re-raises SIGTERM once it has shut down:
+        no exit handler runs), each holding the server's stdout open."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
     def _executor(self) -> concurrent.futures.Executor:
