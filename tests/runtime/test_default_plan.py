@@ -3,7 +3,8 @@
 ``ppipe plan``'s default (HC2-S, the three built-in models) on emulated workers with the
 real inputs and feature maps (the profiled latencies emulate the GPUs), the frontend with
 `ppipe serve`'s defaults, driven by ``ppipe bench --binary`` from its own processes. The
-workers are Ray actors, a process each, as `ppipe serve` starts them.
+workers are local processes, one per vGPU, as `ppipe serve` starts them on one machine
+(:mod:`ppipe.runtime.launch.local`).
 
 Two checks, each independent of how busy the host is:
 
@@ -14,9 +15,10 @@ Two checks, each independent of how busy the host is:
   and the load generator; its costs are a few ms at the median, more when it is busy):
   that figure is a benchmark's (``scripts/bench_default_plan.py``, docs/benchmarks.md).
 * Dilated ``x DILATION`` (:mod:`ppipe.spec.dilation`: every latency, transfer and SLO of
-  the plan ``x k``, the host's costs as they are), each model alone and all three together
-  at ``LOAD`` of the planned rate: on time as the simulator of the same plan says, within
-  ``TOLERANCE``, with nothing dropped beyond that.
+  the plan ``x k``, the host's costs as they are), each model alone at ``LOAD`` of its
+  planned rate and all three together at a third of that each: on time as the simulator
+  of the same plan says, within ``TOLERANCE`` (the share of late answers the adaptive
+  answer budget allows).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import pytest
 
 from ppipe.dataplane.margins import serving_options
 from ppipe.runtime.cli import DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
-from ppipe.runtime.launch.deploy import load_deployment, start_workers
+from ppipe.runtime.launch.deploy import load_deployment
+from ppipe.runtime.launch.local import start_local_workers
 from ppipe.runtime.scheduler.host import Runtime
 from ppipe.runtime.ingress.http_server import create_app
 from ppipe.runtime.ingress.http_transport import BackgroundServer
@@ -40,19 +43,20 @@ from ppipe.sim.simulator import SimConfig
 from ppipe.sim.sweep import run_point
 from ppipe.spec.dilation import save_dilated
 
-pytestmark = pytest.mark.ray
-
 REAL_TIME_LOAD = 0.03  # of resnet50's planned rate: ~40 req/s
 ANSWERED = 0.5  # in real time, at least this share of resnet50's requests answered with outputs
 DILATION = 4.0
 LOAD = 0.1  # of each model's planned rate in dilated time (its planned rate / DILATION)
-TOLERANCE = 0.02  # on time, the runtime's share against the simulator's
+# on time, the runtime's share against the simulator's: the adaptive answer budget covers the 95th percentile
+# of the answers' lateness (ppipe.runtime.scheduler.budgets), so up to 5 % may come late where the simulator,
+# which has no host, has none
+TOLERANCE = 0.05
 DURATION_S = 4.0
 WARM_S = 4.0  # at the measured rates first: enough batches of each model for its adaptive answer budget
 
 
 @pytest.fixture(scope="module")
-def default_plan(ray_cluster, tmp_path_factory) -> Path:
+def default_plan(tmp_path_factory) -> Path:
     from ppipe.planner.api import plan as make_plan
 
     path = tmp_path_factory.mktemp("default") / "plan.yaml"
@@ -62,14 +66,14 @@ def default_plan(ray_cluster, tmp_path_factory) -> Path:
 
 @contextlib.contextmanager
 def served(plan_file: Path, warm_dir: Path):
-    """``(url, deployment)``: the plan served with `ppipe serve`'s defaults on emulated Ray
+    """``(url, deployment)``: the plan served with `ppipe serve`'s defaults on emulated local
     workers (real-size feature maps: no byte cap; an authenticated data path), warmed up."""
     dep = load_deployment(plan_file)
     opts = serving_options()
     settings = dict(scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1e3}, dispatch_lead_us=opts["dispatch_lead_us"],
                     answer_budget_us=opts["answer_budget_us"], report_tolerance_us=DEFAULT_REPORT_TOLERANCE_MS * 1e3,
                     data_secret=secrets.token_bytes(32))
-    workers = start_workers(dep, backend="emulated")
+    workers = start_local_workers(dep, backend="emulated")
     try:
         with BackgroundServer(create_app(Runtime(dep.plan, dep.profiles, dep.cluster, workers, **settings))) as srv:
             bench(srv.url, {m.name: 5.0 for m in dep.plan.models}, 1.5, warm_dir)  # connections, first batches
@@ -118,7 +122,9 @@ def dilated(default_plan, tmp_path_factory):
 def test_the_default_plan_dilated_is_served_as_simulated(dilated, alone, tmp_path):
     url, dep = dilated
     planned = {m.name: m.throughput_rps for m in dep.plan.models}
-    rates = {m: LOAD * r for m, r in planned.items() if m == alone} if alone else {m: LOAD * r for m, r in planned.items()}
+    # together, a third of the load each: the same total rate through the one frontend, from three load
+    # generators on the same cores
+    rates = {m: LOAD * r for m, r in planned.items() if m == alone} if alone else {m: LOAD / 3 * r for m, r in planned.items()}
     bench(url, rates, WARM_S, tmp_path)  # the adaptive answer budget learns this host's lateness at this load
     got = bench(url, rates, DURATION_S, tmp_path)
     sim = simulated(dep, rates)
