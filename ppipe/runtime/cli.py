@@ -96,10 +96,12 @@ class _NullClock:
 @click.option("--ray-address", default=None, help="Ray cluster to join ('auto' or HOST:PORT); default (--launcher ray): start a local Ray instance.")
 @click.option(
     "--backend",
-    type=click.Choice(["ort", "tensorrt", "torch", "emulated"]),
-    default="ort",
+    type=click.Choice(["auto", "ort", "tensorrt", "torch", "emulated"]),
+    default="auto",
     show_default=True,
-    help="How workers run partitions: onnxruntime, TensorRT, PyTorch (pip install ppipe[torch]), or emulated (sleep for the profiled latency).",
+    help="How workers run partitions: onnxruntime, TensorRT, PyTorch (pip install ppipe[torch]), or emulated (sleep for the "
+    "profiled latency). auto: onnxruntime for CPU pools; for GPU pools the best GPU backend installed (TensorRT, PyTorch "
+    "on CUDA, onnxruntime's CUDA provider), and a refusal naming the extra to install when there is none.",
 )
 @click.option(
     "--transport",
@@ -184,6 +186,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     _check_serve_flags(transport, backend, dispatch_lead_ms, answer_budget_ms,
                        {"--header-timeout-s": header_timeout_s, "--body-timeout-s": body_timeout_s, "--shutdown-timeout-s": shutdown_timeout_s})
     dep = load_deployment(plan_file, cluster)
+    backend = _backend_for(backend, dep.plan)
     options = _scheduler_options(max_queue, wake_lead_ms)
     _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
@@ -263,6 +266,17 @@ def _check_grpc_port(host: str, port: int, grpc_port: int) -> None:
     why = check_port_free(host, grpc_port)
     if why:
         raise UserError(f"cannot bind the gRPC frontend to {host}:{grpc_port}: {why}", fix="choose another --grpc-port")
+
+
+def _backend_for(requested: str, plan) -> str:
+    """``--backend``, ``auto`` resolved (:mod:`ppipe.runtime.workers.backend_choice`); a GPU plan
+    that ort would run on the CPU gets a warning."""
+    from ppipe.runtime.workers.backend_choice import choose_backend, pool_types
+
+    backend, warning = choose_backend(requested, pool_types(plan))
+    if warning:
+        click.echo(warning, err=True)
+    return backend
 
 
 def _choose_launcher(requested: str, ray_address: str | None, cluster, shards_flag: str, n_shards: int,
