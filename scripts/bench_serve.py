@@ -213,18 +213,14 @@ def auto_dilation(planned_rps: float, bytes_per_request: float, gbps: float) -> 
 
 
 def dilate(profile, cluster, k: float, out_dir: Path):
-    """The same plan problem k times slower: latencies x k, NIC bandwidths / k (so SLOs,
-    derived from batch-1 latency, scale by k too). A plan for it has the same pipelines,
-    partitions and batches, and k times lower rates."""
-    from ppipe.spec.profile import ModelProfile, load_profile
+    """The same plan problem k times slower (:mod:`ppipe.spec.dilation`), the profile saved
+    in ``out_dir``. A plan for it has the same pipelines, partitions and batches, and k
+    times lower rates."""
+    from ppipe.spec.dilation import dilated_cluster, dilated_profile
+    from ppipe.spec.profile import load_profile
 
-    man = profile.manifest.model_copy(
-        update={"latency_bs1_us": {g: v * k for g, v in profile.manifest.latency_bs1_us.items()},
-                "slo_ms": None if profile.manifest.slo_ms is None else profile.manifest.slo_ms * k}
-    )
-    ModelProfile(manifest=man, table={key: v * k for key, v in profile.table.items()}).save(out_dir)
-    servers = [s.model_copy(update={"nic_bandwidth_gbps": s.nic_bandwidth_gbps / k}) for s in cluster.servers]
-    return load_profile(out_dir), cluster.model_copy(update={"name": f"{cluster.name}-x{k:g}", "servers": servers})
+    dilated_profile(profile, k).save(out_dir)
+    return load_profile(out_dir), dilated_cluster(cluster, k)
 
 
 def lateness(rt, since: int) -> dict[str, float]:

@@ -110,9 +110,7 @@ def test_resnet50_of_the_default_plan_is_not_shut_off_in_real_time(default_plan,
 
 @pytest.fixture(scope="module")
 def dilated(default_plan, tmp_path_factory):
-    from ppipe.runtime.launch.deploy import load_deployment as load
-
-    base = load(default_plan)
+    base = load_deployment(default_plan)
     plan_file = save_dilated(base.plan, base.profiles, base.cluster, DILATION, tmp_path_factory.mktemp("dilated"))
     with served(plan_file, tmp_path_factory.mktemp("warm")) as got:
         yield got
