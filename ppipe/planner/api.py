@@ -51,6 +51,7 @@ from ppipe.planner.core import milp_plan, plan_configs
 from ppipe.planner.objectives import ObjectiveLike, get_objective
 from ppipe.planner.solvers import SolverTimeLimitError, get_solver, time_left
 from ppipe.spec.cluster import ClusterSpec, load_cluster, resolve_cluster_path
+from ppipe.spec.local_gpu import is_local_gpu
 from ppipe.spec.plan import Plan, PlanSettings, SolverReport
 from ppipe.spec.profile import ModelProfile, load_profile, load_profile_ref, profile_ref, resolve_model_dir  # noqa: F401 (re-exported)
 
@@ -78,9 +79,12 @@ def _formulation_defaults(formulation: str) -> dict:
 
 
 def resolve_cluster(cluster: ClusterSpec | str | Path) -> tuple[ClusterSpec, str | None]:
-    """(spec, file) from a ClusterSpec, a YAML path or a built-in name."""
+    """(spec, file) from a ClusterSpec, a YAML path or a built-in name; no file for
+    ``local-gpu``, which ``simulate`` and ``serve`` detect again from the plan's cluster name."""
     if isinstance(cluster, ClusterSpec):
         return cluster, None
+    if is_local_gpu(cluster):
+        return load_cluster(cluster), None
     return load_cluster(cluster), str(resolve_cluster_path(cluster))
 
 

@@ -61,7 +61,7 @@ def _parse_per_model(values: tuple[str, ...], flag: str):
 def plan(cluster, model_dirs, slo_ms, slo_scale, weights, margin, max_partitions, planner, solver, formulation, gpu_rule,
          configs_per_template, batch_build, objective, required_rps, time_limit_s, gap, headroom, headroom_util, column_generation,
          output, quiet):
-    """Plan pooled pipelines: CLUSTER (file or built-in name, default HC2-S) and MODEL_DIRs
+    """Plan pooled pipelines: CLUSTER (file, built-in name or local-gpu: this machine's GPUs; default HC2-S) and MODEL_DIRs
     (profile folders or built-in model names, default every built-in model) -> plan.yaml."""
     from ppipe.planner.api import plan as make_plan
 

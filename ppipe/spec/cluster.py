@@ -13,6 +13,9 @@ A cluster file (``clusters/*.yaml``) looks like::
       - {name: t4, gpu_type: T4, gpus_per_server: 2, count: 6, nic_bandwidth_gbps: 50}
 
 Servers are given in groups; instance ``i`` of group ``l4`` is the server ``l4-i``.
+
+The name ``local-gpu`` is no file: it is this machine's GPUs, found when it is loaded
+(:mod:`ppipe.spec.local_gpu`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from ppipe.errors import SpecError
 from ppipe.spec.base import SCHEMA_VERSION, StrictModel, load_yaml_model
+from ppipe.spec.local_gpu import LOCAL_GPU, is_local_gpu, local_gpu_cluster
 
 
 class GpuType(StrictModel):
@@ -130,10 +134,17 @@ def builtin_dirs(kind: str) -> list[Path]:
 
 
 def resolve_cluster_path(ref: str | Path) -> Path:
-    """A cluster file path, or the name of a built-in cluster (e.g. ``HC2-S``)."""
+    """A cluster file path, or the name of a built-in cluster (e.g. ``HC2-S``).
+
+    Raises:
+        SpecError: no such file or built-in cluster, or ``local-gpu``, which has no file.
+    """
     p = Path(ref)
     if p.exists():
         return p
+    if is_local_gpu(ref):
+        raise SpecError(f"cluster '{LOCAL_GPU}' is detected when loaded and has no file",
+                        fix=f"load it with load_cluster('{LOCAL_GPU}'), which detects this machine's GPUs")
     for d in builtin_dirs("clusters"):
         for cand in (d / f"{ref}.yaml", d / str(ref)):
             if cand.exists():
@@ -141,11 +152,14 @@ def resolve_cluster_path(ref: str | Path) -> Path:
     known = sorted({c.stem for d in builtin_dirs("clusters") for c in d.glob("*.yaml")})
     raise SpecError(
         "no such cluster file or built-in cluster",
-        fix=f"give a path to a cluster YAML or one of the built-in clusters: {', '.join(known)}",
+        fix=f"give a path to a cluster YAML or one of the built-in clusters: {', '.join(known)}, "
+        f"or {LOCAL_GPU} (this machine's GPUs)",
         file=str(ref),
     )
 
 
 def load_cluster(ref: str | Path) -> ClusterSpec:
-    """Load a cluster by path or built-in name."""
+    """Load a cluster by path or built-in name; ``local-gpu`` is this machine's GPUs, detected now."""
+    if is_local_gpu(ref):
+        return local_gpu_cluster()
     return load_yaml_model(ClusterSpec, resolve_cluster_path(ref))
