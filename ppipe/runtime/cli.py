@@ -55,8 +55,14 @@ def init_ray(ray_address: str | None, num_cpus: int | None, loopback_only: bool)
     reserved to start now, and a worker can lower its niceness itself only with root or
     ``RLIMIT_NICE`` (``ppipe.runtime.workers.worker.undo_ray_niceness``). A joined cluster's
     workers have the niceness of its ``ray start`` (the README says how to set it there).
+    Ray is the extra ``ppipe[ray]``: without it, a clear refusal.
     """
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise UserError("Ray is not installed: serving with Ray (--launcher ray, --ray-address, a cluster with ray_resource, "
+                        "--shards N) needs the extra ppipe[ray]",
+                        fix="pip install 'ppipe[ray]', or serve on this machine without Ray (--launcher local, one frontend)") from None
 
     if ray_address:
         ray.init(address=ray_address, include_dashboard=False)

@@ -8,6 +8,7 @@ land on either node.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -60,11 +61,18 @@ def make_plan(profile, cluster: ClusterSpec, partitions, batch: int = 4, slo_ms:
     )
 
 
+RAY_MISSING = importlib.util.find_spec("ray") is None
+SKIP_WITHOUT_RAY = pytest.mark.skip(reason="Ray is not installed (the extra ppipe[ray]; CI's .[test] pulls it)")
+
+
 def pytest_collection_modifyitems(items):
-    """A test that uses the session's Ray cluster is a Ray test: marked ``ray`` whether or not it says so."""
+    """A test that uses the session's Ray cluster is a Ray test: marked ``ray`` whether or not
+    it says so. Without Ray (ppipe[ray] is an extra), the Ray tests skip and say why."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("ray") is None:
             item.add_marker(pytest.mark.ray)
+        if RAY_MISSING and item.get_closest_marker("ray") is not None:
+            item.add_marker(SKIP_WITHOUT_RAY)
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +84,7 @@ def _ray_only_in_ray_tests(request, monkeypatch):
         return
     try:
         import ray
-    except ImportError:  # pragma: no cover - ray is a dependency
+    except ImportError:  # without ppipe[ray] nothing can start Ray
         return
 
     def refuse(*args, **kwargs):

@@ -100,9 +100,17 @@ def test_a_worker_that_cannot_build_its_backend_is_a_user_error_and_nothing_is_l
 
 
 # ---- `ppipe serve` on one machine ---------------------------------------------------------------------------
-def _serve(plan: Path, port: int, *flags: str) -> subprocess.Popen:
+def without_ray(tmp_path: Path) -> dict:
+    """An environment in which ``import ray`` fails in every process (the server, its fork
+    server, its workers), as on a machine where the extra ppipe[ray] is not installed."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text('raise ImportError("no Ray here (the test blocks it)")\n')
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+
+
+def _serve(plan: Path, port: int, *flags: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(plan), "--backend", "emulated", "--port", str(port), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -127,10 +135,10 @@ def _infer(url: str, tinynet) -> httpx.Response:
     return httpx.post(f"{url}/v2/models/{tinynet.name}/infer", json=body, timeout=10)
 
 
-def test_ppipe_serve_runs_its_workers_locally_without_ray_and_recreates_a_killed_one(two_stage, tinynet):
+def test_ppipe_serve_runs_its_workers_locally_without_ray_and_recreates_a_killed_one(two_stage, tinynet, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _serve(Path(two_stage.plan_file), port, "--report-tolerance-ms", "-1")
+    proc = _serve(Path(two_stage.plan_file), port, "--report-tolerance-ms", "-1", env=without_ray(tmp_path))
     try:
         _wait_ready(url, proc)
         server = psutil.Process(proc.pid)
@@ -170,3 +178,10 @@ def test_the_local_launcher_refuses_what_takes_ray(two_stage):
                         (["--launcher", "local", "--transport", "ring"], "--transport ring")):
         r = CliRunner().invoke(main, ["serve", two_stage.plan_file, "--backend", "emulated", *flags])
         assert r.exit_code == 2 and says in r.output, r.output
+
+
+def test_serving_with_ray_where_it_is_not_installed_names_the_extra(two_stage, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ppipe.cli", "serve", two_stage.plan_file, "--backend", "emulated", "--launcher", "ray"],
+                       capture_output=True, text=True, env=without_ray(tmp_path), timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "ppipe[ray]" in r.stderr and "--launcher local" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -81,7 +81,7 @@ def node_host() -> str:
     not running or every alive Ray node is this host, else this node's address in Ray."""
     try:
         import ray
-    except ImportError:  # pragma: no cover - ray is a dependency
+    except ImportError:  # ray is the extra ppipe[ray]: no Ray, no other node
         return LOOPBACK
     if not ray.is_initialized():
         return LOOPBACK
