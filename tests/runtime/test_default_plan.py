@@ -18,7 +18,7 @@ Two checks, each independent of how busy the host is:
   the plan ``x k``, the host's costs as they are), each model alone at ``LOAD`` of its
   planned rate and all three together at a third of that each: on time as the simulator
   of the same plan says, within ``TOLERANCE`` (the share of late answers the adaptive
-  answer budget allows).
+  answer budget allows) or ``LATE_ALLOWED`` requests, whichever is more.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ LOAD = 0.1  # of each model's planned rate in dilated time (its planned rate / D
 # of the answers' lateness (ppipe.runtime.scheduler.budgets), so up to 5 % may come late where the simulator,
 # which has no host, has none
 TOLERANCE = 0.05
+LATE_ALLOWED = 2  # requests: at a few dozen per model, one late answer is already more than 5 %
 DURATION_S = 4.0
 WARM_S = 4.0  # at the measured rates first: enough batches of each model for its adaptive answer budget
 
