@@ -45,11 +45,9 @@ def test_bench_without_a_server_says_so():
     assert "cannot reach http://127.0.0.1:9" in r.output
 
 
-@pytest.mark.ray
-def test_bench_against_a_running_server(ray_cluster, tinynet, tmp_path):
-    import ray
-
-    from ppipe.runtime.launch.deploy import load_deployment, start_workers
+def test_bench_against_a_running_server(tinynet, tmp_path):
+    from ppipe.runtime.launch.deploy import load_deployment
+    from ppipe.runtime.launch.local import start_local_workers
     from ppipe.runtime.scheduler.host import Runtime
     from ppipe.runtime.ingress.http_server import create_app
     from ppipe.runtime.ingress.http_transport import BackgroundServer
@@ -59,7 +57,7 @@ def test_bench_against_a_running_server(ray_cluster, tinynet, tmp_path):
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
     plan.save(tmp_path / "plan.yaml")
     dep = load_deployment(tmp_path / "plan.yaml")
-    workers = start_workers(dep, backend="emulated")
+    workers = start_local_workers(dep, backend="emulated")
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers)
     out = tmp_path / "bench.json"
     try:

@@ -1,4 +1,8 @@
-"""The runtime with the data plane's real scheduler: serving, multi-node paths, failures."""
+"""The runtime with the data plane's real scheduler: serving, multi-node paths, failures.
+
+Workers are local processes (:mod:`ppipe.runtime.launch.local`, `ppipe serve`'s launcher on
+one machine) except where the test is about Ray: paths across Ray nodes, a Ray actor
+re-created."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from ppipe.runtime.launch.deploy import load_deployment, start_workers
+from ppipe.runtime.launch.deploy import load_deployment
+from ppipe.runtime.launch.launchers import start_function
 from ppipe.runtime.scheduler.host import Runtime
 from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
 from ppipe.runtime.ingress.http_server import create_app
@@ -18,8 +23,6 @@ from ppipe.runtime.ingress.http_transport import BackgroundServer
 from ppipe.spec.cluster import load_cluster
 from .conftest import THREE_CPUS, make_plan
 from .tinynet import reference, write_tinynet
-
-pytestmark = pytest.mark.ray
 
 TWO_NODES = """
 version: 1
@@ -33,11 +36,11 @@ servers:
 """
 
 
-def _serve(plan, tmp_path, backend, cluster_file=None):
+def _serve(plan, tmp_path, backend, cluster_file=None, launcher="local"):
     path = tmp_path / "plan.yaml"
     plan.save(path)
     dep = load_deployment(path, cluster_file)
-    workers = start_workers(dep, backend=backend)
+    workers = start_function(launcher)(dep, backend=backend)
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, keep_traces=10_000)
     return rt, workers, create_app(rt)
 
@@ -47,7 +50,7 @@ def _kill_all(workers):
         h.kill()
 
 
-def test_real_scheduler_serves_a_two_partition_plan(ray_cluster, tinynet, tmp_path):
+def test_real_scheduler_serves_a_two_partition_plan(tinynet, tmp_path):
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
     rt, workers, app = _serve(plan, tmp_path, "ort")
     xs = np.random.default_rng(2).normal(size=(8, 3, 8, 8)).astype(np.float32)
@@ -65,6 +68,7 @@ def test_real_scheduler_serves_a_two_partition_plan(ray_cluster, tinynet, tmp_pa
     assert stats.get("dispatches", len(rt.traces)) == len(rt.traces)
 
 
+@pytest.mark.ray
 def test_batches_cross_nodes_along_reserved_paths(ray_cluster, tmp_path):
     import ray
 
@@ -80,7 +84,7 @@ def test_batches_cross_nodes_along_reserved_paths(ray_cluster, tmp_path):
             for res in ("nodeA", "nodeB"):
                 if res in n["Resources"]:
                     node_of[res] = n["NodeID"]
-    rt, workers, app = _serve(plan, tmp_path, "emulated", cfile)
+    rt, workers, app = _serve(plan, tmp_path, "emulated", cfile, launcher="ray")
     try:
         with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
             for _ in range(3):
@@ -97,7 +101,7 @@ def test_batches_cross_nodes_along_reserved_paths(ray_cluster, tmp_path):
         assert [r.vgpu_id for r in t.reports] == t.route
 
 
-def test_killed_worker_fails_its_requests_and_the_rest_keeps_serving(ray_cluster, tmp_path):
+def test_killed_worker_fails_its_requests_and_the_rest_keeps_serving(tmp_path):
     prof = write_tinynet(tmp_path / "m", base_us=4000.0)  # ~4-20 ms per stage: batches are in flight
     cfile = tmp_path / "three.yaml"
     cfile.write_text(THREE_CPUS)

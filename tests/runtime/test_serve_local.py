@@ -1,4 +1,4 @@
-"""End to end on the CPU with a local Ray: a two-partition plan of a real (tiny) CNN.
+"""End to end on the CPU with local worker processes: a two-partition plan of a real (tiny) CNN.
 
 Uses the test double of the scheduler (tests/runtime/fakes.py) to pin the driver's
 contract; test_dataplane_integration.py runs the data plane's real scheduler.
@@ -13,7 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from ppipe.runtime.launch.deploy import load_deployment, start_workers
+from ppipe.runtime.launch.deploy import load_deployment
+from ppipe.runtime.launch.local import start_local_workers
 from ppipe.runtime.scheduler.host import Runtime
 from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
 from ppipe.runtime.ingress.http_server import create_app
@@ -23,17 +24,14 @@ from .conftest import make_plan
 from .fakes import FifoScheduler
 from .tinynet import reference
 
-pytestmark = pytest.mark.ray
-
-
 @pytest.fixture(scope="module")
-def served(ray_cluster, tinynet, tmp_path_factory):
+def served(tinynet, tmp_path_factory):
     cluster = load_cluster("local-cpu")
     plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
     path = tmp_path_factory.mktemp("plan") / "plan.yaml"
     plan.save(path)
     dep = load_deployment(path)
-    workers = start_workers(dep, backend="ort")
+    workers = start_local_workers(dep, backend="ort")
     factory = functools.partial(FifoScheduler, max_batch=4, window_us=3000.0)
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, scheduler_factory=factory, keep_traces=100)
     app = create_app(rt, token=None, max_body_bytes=1 << 20)

@@ -134,16 +134,16 @@ def test_an_old_plan_worker_that_dies_while_draining_fails_only_its_batches(tiny
 
 
 # ---- end to end: Ray workers, the HTTP app, `ppipe apply` --------------------------------------------------
-def test_ppipe_apply_switches_a_serving_server_with_every_request_answered(ray_cluster, tinynet, tmp_path):
+def test_ppipe_apply_switches_a_serving_server_with_every_request_answered(tinynet, tmp_path):
     import threading
 
     import httpx
-    import ray
     from click.testing import CliRunner
 
     from ppipe.cli import main
     from ppipe.runtime.client.bench import run_bench
-    from ppipe.runtime.launch.deploy import load_deployment, start_workers
+    from ppipe.runtime.launch.deploy import load_deployment
+    from ppipe.runtime.launch.local import start_local_workers
     from ppipe.runtime.ingress.http_server import create_app
     from ppipe.runtime.ingress.http_transport import BackgroundServer
     from ppipe.runtime.control.switch import PlanSwitcher
@@ -155,10 +155,10 @@ def test_ppipe_apply_switches_a_serving_server_with_every_request_answered(ray_c
     new_plan.save(tmp_path / "new.yaml")
     (tmp_path / "other.yaml").write_text((tmp_path / "new.yaml").read_text().replace("cluster: local-cpu", "cluster: HC1-S", 1))
     dep = load_deployment(tmp_path / "plan.yaml")
-    workers = start_workers(dep, backend="emulated")
+    workers = start_local_workers(dep, backend="emulated")
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers)
     app = create_app(rt, token="s3cret")
-    switcher = PlanSwitcher(rt, dep, backend="emulated")
+    switcher = PlanSwitcher(rt, dep, backend="emulated", launcher="local")
     app.fe.switcher = switcher
     try:
         with BackgroundServer(app) as srv:
