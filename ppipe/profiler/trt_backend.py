@@ -53,13 +53,12 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import re
-import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ppipe.errors import NotAvailableError, UserError
+from ppipe.spec.local_gpu import mps_available  # defined with the local-gpu cluster, which needs it too
 
 WORKSPACE_BYTES = 1 << 30
 PRECISIONS = ("tf32", "fp16")
@@ -302,18 +301,6 @@ def _mps_worker(plan_path: str, batch: int, reps: int, warmup: int, percentage: 
         queue.put(("ok", float(np.median(times))))
     except Exception as exc:  # report to the parent instead of dying silently
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
-
-
-def mps_available() -> bool:
-    """Whether an MPS control daemon is running (``nvidia-cuda-mps-control -d``)."""
-    exe = shutil.which("nvidia-cuda-mps-control")
-    if exe is None:
-        return False
-    try:
-        r = subprocess.run([exe], input="get_server_list\n", capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
 
 
 def _device_name(cp) -> str:

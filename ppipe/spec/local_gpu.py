@@ -27,6 +27,14 @@ the vendor's (``NVIDIA GeForce RTX 4090`` is ``RTX-4090``). A profile measured o
 GPU (``ppipe profile --measure H200``) then matches the cluster by that name; the
 roofline has no estimate for it.
 
+The sheet's type names are read from :mod:`ppipe.profiler.estimate.gpus`, imported only
+when ``local-gpu`` is named: the one import of this package against the spec <- profiler
+direction, since the sheet is the profiler's. The MPS check (:func:`mps_available`) lives
+here, and the profiler's and the workers' checks are this one.
+
+A machine of several GPU types is several server groups of one machine; the workers pin
+GPU i of a group as CUDA device i, which is right only where the machine has one type.
+
 The mapping and the cluster building take the device list as data, so they are tested
 without a GPU; only :func:`detect_devices` talks to a driver.
 """
@@ -35,6 +43,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import shutil
+import subprocess
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -215,15 +225,20 @@ def detect_devices(import_module: Callable[[str], Any] = importlib.import_module
     return Detection((), "", tuple(tried))
 
 
-def default_mps_running() -> bool:
-    """Whether an MPS control daemon answers (the profiler's and the workers' own check)."""
-    from ppipe.profiler.trt_backend import mps_available
+def mps_available() -> bool:
+    """Whether an MPS control daemon answers (``nvidia-cuda-mps-control -d``). The profiler
+    and the workers ask the same (through :mod:`ppipe.profiler.trt_backend`)."""
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        return False
+    try:
+        r = subprocess.run([exe], input="get_server_list\n", capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
 
-    return mps_available()
 
-
-def local_gpu_cluster(detect: Callable[[], Detection] = detect_devices,
-                      mps_running: Callable[[], bool] = default_mps_running):
+def local_gpu_cluster(detect: Callable[[], Detection] = detect_devices, mps_running: Callable[[], bool] = mps_available):
     """The ``local-gpu`` cluster of this machine; warns (:class:`TimeSlicedWarning`) where
     the levels are time-sliced.
 
