@@ -169,6 +169,7 @@ class LocalWorkerHandle:
 
     def __init__(self, vgpu_id: str, process: Any, sock: socket.socket, info: dict[str, Any]):
         self.vgpu_id, self.process, self.info = vgpu_id, process, info
+        self._pid = process.pid  # kept: a closed Process has none
         self._sock = sock
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
@@ -179,7 +180,7 @@ class LocalWorkerHandle:
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self._pid
 
     async def open_data_path(self, frontend: str, secret: bytes | None = None) -> str:
         return await self._call("open_data_path", frontend, secret)
@@ -241,7 +242,8 @@ class LocalWorkerHandle:
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         await asyncio.to_thread(self.process.join, 2.0)  # reap it
-        self.why_gone = f"worker {self.vgpu_id} (pid {self.process.pid}) is gone: exit code {self.process.exitcode}"
+        self.why_gone = f"worker {self.vgpu_id} (pid {self.pid}) is gone: exit code {self.process.exitcode}"
+        self._release()
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(WorkerGone(self.why_gone))
@@ -249,8 +251,18 @@ class LocalWorkerHandle:
         assert self._gone is not None
         self._gone.set()
 
+    def _release(self) -> None:
+        """Close the pair and the process's sentinel pipe: a server that re-creates workers
+        and switches plans for days must not keep two fds of each worker it ever had."""
+        if self._writer is not None:
+            self._writer.close()
+        try:
+            self.process.close()
+        except ValueError:  # still running (it outlived the join): its finalizer closes them
+            pass
+
     def __repr__(self) -> str:
-        return f"LocalWorkerHandle({self.vgpu_id!r}, pid {self.process.pid})"
+        return f"LocalWorkerHandle({self.vgpu_id!r}, pid {self.pid})"
 
 
 def start_local_workers(dep: Deployment, backend: str = "ort", backend_options: dict[str, Any] | None = None,
