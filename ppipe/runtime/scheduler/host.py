@@ -38,6 +38,7 @@ from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, W
 from ppipe.dataplane.handover import SwitchingScheduler
 from ppipe.errors import UserError
 from ppipe.runtime.clock import WallClock
+from ppipe.runtime.memory import trim_heap_periodically
 from ppipe.runtime.launch.handle import WorkerHandle
 from ppipe.runtime.scheduler.batches import BatchesMixin
 from ppipe.runtime.scheduler.budgets import ServiceBudgets
@@ -230,7 +231,8 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
         """Make the clock and the scheduler on the running loop, open the data path to every
-        worker, and watch each worker's life."""
+        worker, and watch each worker's life (and the process's heap:
+        :mod:`ppipe.runtime.memory`)."""
         loop = asyncio.get_running_loop()
         self.clock = self._clock_factory(loop)
         self.scheduler, margins = self._build_scheduler(self.plan, self.profiles)
@@ -246,6 +248,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
         freeze_startup_objects()
         self._lifelines = [loop.create_task(self._watch(v, h)) for v, h in self.workers.items()]
         self._lifelines.append(loop.create_task(self._sweep_overdue()))
+        self._lifelines.append(loop.create_task(trim_heap_periodically()))  # a burst's buffers go back to the system
 
     def _build_scheduler(self, plan: Plan, profiles: dict[str, ModelProfile]) -> tuple[Any, dict]:
         """A scheduler for ``plan`` with the runtime's margins in its options, and the margins.
