@@ -22,6 +22,7 @@ import multiprocessing
 import os
 
 from ppipe.runtime.ingress.protocol import InferRequest, ProtocolError, decode_job, parse_infer_request
+from ppipe.runtime.memory import trim_heap
 from ppipe.runtime.scheduler.host import DroppedError
 
 INLINE_DECODE_BYTES = 64 * 1024
@@ -100,6 +101,14 @@ def _process_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
                                                   initializer=_ignore_interrupts)
 
 
+def pool_decode_job(body: bytes, header_length: str | None):
+    """:func:`decode_job` in a pool process, after giving the last job's freed memory back
+    (:func:`ppipe.runtime.memory.trim_heap`: microseconds): a process that decoded one large
+    body would otherwise keep that body's heap for good."""
+    trim_heap()
+    return decode_job(body, header_length)
+
+
 def _ignore_interrupts() -> None:
     """A decode process leaves Ctrl-C to the server, which shuts the pool down in order (a
     terminal sends SIGINT to the whole process group)."""
@@ -128,7 +137,7 @@ class BodyDecoder:
     """
 
     def __init__(self, workers: int, inline_bytes: int = INLINE_DECODE_BYTES, max_queued: int = MAX_QUEUED_DECODES,
-                 executor=None, job=decode_job):
+                 executor=None, job=pool_decode_job):
         if workers < 0:
             raise ValueError(f"decode workers must be >= 0, got {workers}")
         self.workers, self.inline_bytes, self.max_queued = workers, inline_bytes, max_queued
