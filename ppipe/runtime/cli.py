@@ -409,9 +409,23 @@ def _replan_policy(dep, time_limit_s: float, min_interval_s: float, window_s: fl
 
     if not time_limit_s > 0:
         raise UserError(f"--replan-time-limit-s must be > 0, got {time_limit_s}", fix="e.g. --replan-time-limit-s 1.5")
-    planner_replan(dep.plan, dep.profiles, dep.cluster, time_limit_s=time_limit_s)  # a plan it cannot re-make is refused here
+    replan = planner_replan(dep.plan, dep.profiles, dep.cluster, time_limit_s=time_limit_s)  # a plan it cannot re-make is refused here
+    _warm_up_replanner(replan, dep.plan)
     # the new workers' load time, for the controller's look-ahead (what a plan must last)
     return ReplanPolicy(window_s=window_s, curvature_window_s=curvature_window_s, min_interval_s=min_interval_s, load_delay_s=10.0)
+
+
+def _warm_up_replanner(replan, plan) -> None:
+    """Re-plan the served weights once before serving: the planner's first use in a process
+    (its lazy imports, HiGHS) takes seconds and about 16 MB, which would otherwise come out
+    of the first re-plan's time limit and show as memory that grows while serving."""
+    t0 = time.perf_counter()
+    try:
+        replan({m.name: m.weight for m in plan.models})
+    except UserError as exc:
+        click.echo(f"warning: the re-planner's warm-up found no plan ({exc}); re-plans may still find one", err=True)
+        return
+    click.echo(f"re-planner warmed up in {time.perf_counter() - t0:.1f} s", err=True)
 
 
 @click.command("bench")
