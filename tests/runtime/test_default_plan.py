@@ -23,11 +23,13 @@ Two checks, each independent of how busy the host is:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,56 @@ def test_the_default_plan_dilated_is_served_as_simulated(dilated, alone, tmp_pat
         assert sim[m] >= 0.99, (m, sim[m])
         on_time = r["slo_attainment"]
         assert on_time >= sim[m] - TOLERANCE, (m, on_time, sim[m], r["drops"], r["p50_ms"], r["p99_ms"])
+
+
+def test_a_killed_worker_and_a_plan_switch_with_real_feature_maps_lose_no_request(default_plan, tmp_path):
+    """resnet50's two partitions hand on their real feature maps (dilated x DILATION): a
+    worker of its first pool killed under load, then a switch to a plan of other weights
+    (``ppipe apply``), both while requests flow. Every request is answered (on time, late, or
+    dropped with its reason), the killed worker is re-created, and the switch is applied."""
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+    from ppipe.planner.api import plan as make_plan
+    from ppipe.runtime.control.switch import PlanSwitcher
+    from ppipe.runtime.launch.local import respawn_local_worker
+
+    base = load_deployment(default_plan)
+    first = save_dilated(base.plan, base.profiles, base.cluster, DILATION, tmp_path / "first")
+    other = make_plan(weights=[1.0, 1.0, 2.0])
+    second = save_dilated(other, base.profiles, base.cluster, DILATION, tmp_path / "second")
+    dep = load_deployment(first)
+    assert len(dep.plan.model("resnet50").pipelines[0].partitions) >= 2  # feature maps cross a hop
+    workers = start_local_workers(dep, backend="emulated")
+
+    async def respawn(vgpu_id):
+        return await asyncio.to_thread(respawn_local_worker, dep, vgpu_id, "emulated")
+
+    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, respawn=respawn, respawn_interval_s=0.2, data_secret=secrets.token_bytes(32))
+    app = create_app(rt, token="t")
+    switcher = PlanSwitcher(rt, dep, backend="emulated", launcher="local")
+    app.fe.switcher = switcher
+    victim = dep.plan.placements_of("resnet50", 0, 0)[0].vgpu_id
+    rate = LOAD * dep.plan.model("resnet50").throughput_rps
+    try:
+        with BackgroundServer(app) as srv:
+            load = subprocess.Popen([str(Path(sys.executable).with_name("ppipe")), "bench", srv.url, "--model", "resnet50", "--rate",
+                                     f"{rate}", "--duration-s", "8", "--binary", "--token", "t", "--json-out", str(tmp_path / "r.json")],
+                                    stdout=subprocess.DEVNULL)
+            time.sleep(2.5)
+            killed_pid = rt.workers[victim].pid
+            rt.workers[victim].kill()
+            time.sleep(2.0)
+            applied = CliRunner().invoke(main, ["apply", str(second), "--url", srv.url, "--token", "t"])
+            assert load.wait(60) == 0
+            recreated = victim not in rt.failed and (victim not in rt.workers or rt.workers[victim].pid != killed_pid)
+    finally:
+        for h in [*rt.workers.values(), *switcher.started]:
+            h.kill()
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert applied.exit_code == 0, applied.output
+    assert res["sent"] >= 0.6 * rate * 8 and not res["errors"], res
+    assert res["ok"] + sum(res["drops"].values()) == res["sent"], res
+    assert set(res["drops"]) <= {"worker-failed", "deadline-unreachable", "no-pipeline"}, res["drops"]
+    assert res["ok"] >= 0.8 * res["sent"], res
+    assert recreated

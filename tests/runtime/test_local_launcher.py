@@ -149,6 +149,9 @@ def test_ppipe_serve_runs_its_workers_locally_without_ray_and_recreates_a_killed
         names = " ".join(" ".join(p.cmdline()) for p in server.children(recursive=True))
         assert "raylet" not in names and "gcs_server" not in names
         assert len(workers) == len(two_stage.plan.placement)
+        for _ in range(5):  # the first, cold request may be dropped (503 with its reason) on a busy host
+            if _infer(url, tinynet).status_code == 200:
+                break
         answers = [_infer(url, tinynet) for _ in range(5)]
         assert all(r.status_code == 200 for r in answers), [(r.status_code, r.text[:200]) for r in answers]
         victim = workers[0]
