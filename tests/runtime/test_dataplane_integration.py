@@ -198,7 +198,7 @@ def test_a_killed_worker_is_re_created_and_the_model_is_served_again(ray_cluster
     plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
     plan.save(tmp_path / "plan.yaml")
     dep = load_deployment(tmp_path / "plan.yaml")
-    workers = start_workers(dep, backend="ort")
+    workers = start_function("ray")(dep, backend="ort")
 
     async def respawn(vgpu_id):
         return await asyncio.to_thread(respawn_worker, dep, vgpu_id, "ort")
