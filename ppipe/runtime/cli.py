@@ -417,8 +417,8 @@ def _replan_policy(dep, time_limit_s: float, min_interval_s: float, window_s: fl
 
 def _warm_up_replanner(replan, plan) -> None:
     """Re-plan the served weights once before serving: the planner's first use in a process
-    (its lazy imports, HiGHS) takes seconds and about 16 MB, which would otherwise come out
-    of the first re-plan's time limit and show as memory that grows while serving."""
+    (its lazy imports, HiGHS) is slow and allocates, which would otherwise come out of the
+    first re-plan's time limit and show as memory that grows while serving."""
     t0 = time.perf_counter()
     try:
         replan({m.name: m.weight for m in plan.models})

@@ -4,14 +4,12 @@ Why: a serving process allocates a buffer of each request's input (0.6 MB for Re
 and frees it when answered. glibc serves a block that large by ``mmap`` at first, but each
 freed mmapped block raises its threshold (up to 32 MB), so after the first few every input
 comes from the heap's arenas, and what a burst of requests in flight took stays with the
-process when they are answered: `scripts/soak.py` measured the frontend at 186 MiB after
-warm-up and 330 MiB for good after one minute of 3x overload. Fixing the threshold instead
-(``mallopt(M_MMAP_THRESHOLD)``) returns each block at once but pays its page faults on
-every request (0.8 ms more per 0.6 MB request's three buffers, measured here), which a
-15 ms SLO cannot spare. ``malloc_trim(0)`` returns the free pages of every arena
-(``MADV_DONTNEED``) in one call, costing microseconds when there is little to give back:
-called every few seconds it bounds the process's memory by what is in use, not by its
-largest burst.
+process when they are answered. Fixing the threshold instead (``mallopt(M_MMAP_THRESHOLD)``)
+would return each block at once but pay its page faults on every request, on the latency
+path. ``malloc_trim(0)`` returns the free pages of every arena (``MADV_DONTNEED``) in one
+call, cheap when there is little to give back: called every few seconds, off any request's
+path, it bounds the process's memory by what is in use, not by its largest burst
+(docs/benchmarks.md, "Thirty minutes of faults", has the figures).
 
 Elsewhere than glibc (musl, macOS) there is no ``malloc_trim``: :func:`trim_heap` does
 nothing and says so once in the log.
