@@ -60,9 +60,9 @@ def init_ray(ray_address: str | None, num_cpus: int | None, loopback_only: bool)
     try:
         import ray
     except ImportError:
-        raise UserError("Ray is not installed: serving with Ray (--launcher ray, --ray-address, a cluster with ray_resource, "
-                        "--shards N) needs the extra ppipe[ray]",
-                        fix="pip install 'ppipe[ray]', or serve on this machine without Ray (--launcher local, one frontend)") from None
+        raise UserError("Ray is not installed: serving with Ray (--launcher ray, --ray-address, a cluster with ray_resource) "
+                        "needs the extra ppipe[ray]",
+                        fix="pip install 'ppipe[ray]', or serve on this machine without Ray (--launcher local)") from None
 
     if ray_address:
         ray.init(address=ray_address, include_dashboard=False)
@@ -96,9 +96,9 @@ class _NullClock:
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option("--cluster", default=None, help="Cluster YAML or built-in name; overrides the plan's 'cluster_file'/'cluster'.")
 @click.option("--launcher", type=click.Choice(["auto", "local", "ray"]), default="auto", show_default=True,
-              help="What runs the workers: local processes of this machine (no Ray), or Ray actors (several machines, "
-              "frontend shards). auto: Ray when --ray-address is given, the cluster names Ray nodes (ray_resource) or "
-              "several shards are asked for; local otherwise.")
+              help="What runs the workers and the frontend shards: local processes of this machine (no Ray), or Ray actors "
+              "(several machines). auto: Ray when --ray-address is given or the cluster names Ray nodes (ray_resource); "
+              "local otherwise.")
 @click.option("--ray-address", default=None, help="Ray cluster to join ('auto' or HOST:PORT); default (--launcher ray): start a local Ray instance.")
 @click.option(
     "--backend",
@@ -176,8 +176,8 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
           replan_window_s, replan_curvature_window_s, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE behind an Open Inference Protocol (KServe v2) HTTP API.
 
-    The workers run as local processes (--launcher local) or as Ray actors (--launcher
-    ray). Without --ray-address, the local Ray instance it starts listens on loopback only
+    The workers and the frontend shards (--shards) run as local processes (--launcher
+    local) or as Ray actors (--launcher ray). Without --ray-address, the local Ray instance it starts listens on loopback only
     when --host is a loopback address (the default), on all interfaces otherwise.
     """
     import uvicorn
@@ -187,7 +187,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     from ppipe.runtime.ingress.http_transport import uvicorn_config
     from ppipe.runtime.launch.deploy import load_deployment
     from ppipe.runtime.control.shard_plan import assign_shards, parse_shards
-    from ppipe.runtime.launch.shards import build_shard, reuseport_socket, start_shard_actors
+    from ppipe.runtime.launch.shards import build_shard, reuseport_socket
 
     _check_serve_flags(transport, backend, dispatch_lead_ms, answer_budget_ms,
                        {"--header-timeout-s": header_timeout_s, "--body-timeout-s": body_timeout_s, "--shutdown-timeout-s": shutdown_timeout_s})
@@ -208,18 +208,22 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     if launcher == "ray":
         init_ray(ray_address, num_cpus, loopback_only=_is_loopback(host))
     opts = {} if emulated_max_bytes is None else {"max_bytes_per_sample": emulated_max_bytes}
-    workers, edges = _start_workers_and_links(dep, backend, opts, transport, launcher)
     settings = _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
                                body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, opts, host, grpc_port,
                                launcher)
     parts = assign_shards(dep.plan, n_shards)
     owner = {m: i for i, ms in enumerate(parts) for m in ms}
     sock = reuseport_socket(host, port)
-    actors = start_shard_actors(dep, parts, workers, edges, settings, owner, host, port)
+    shard_set = _Shards(launcher, dep, parts, settings, owner, host, port)  # the other shards start while shard 0's workers load
+    try:
+        workers, edges = _start_workers_and_links(dep, backend, opts, transport, launcher, only=shard_set.first_vgpus())
+    except BaseException:
+        shard_set.kill()
+        raise
     switchers: list = []  # the server's plan switcher (the workers it starts are stopped at shutdown too)
-    shutdown = functools.partial(_kill_all, actors, workers, switchers)
-    addresses = _shard_addresses(actors, shutdown)
-    companions = functools.partial(_companions, dep=dep, parts=parts, owner=owner, actors=actors, addresses=addresses,
+    shutdown = functools.partial(_kill_all, shard_set, workers, switchers, shutdown_timeout_s)
+    shard_set.start(workers, edges, shutdown)
+    companions = functools.partial(_companions, dep=dep, parts=parts, owner=owner, shards=shard_set,
                                    switchers=switchers, worker_options=settings.workers,
                                    plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s)
     app, _, router = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
@@ -288,12 +292,11 @@ def _backend_for(requested: str, plan) -> str:
 def _choose_launcher(requested: str, ray_address: str | None, cluster, shards_flag: str, n_shards: int,
                      transport: str) -> tuple[str, int]:
     """``--launcher``: (launcher, shard count). ``auto`` is Ray where Ray is asked for (an
-    address, a cluster that names Ray nodes, an explicit count of several shards) and the
-    local launcher otherwise, with one frontend (shards are Ray actors). Refuses what the
-    local launcher cannot do: several shards, NCCL or ring edges, a Ray address."""
+    address, a cluster that names Ray nodes) and the local launcher otherwise; either runs
+    any number of shards (``shards_flag``, ``n_shards``: ``--shards`` as given and counted).
+    Refuses what the local launcher cannot do: NCCL or ring edges, a Ray address, Ray nodes."""
     needs_ray = [why for why, yes in (("--ray-address", ray_address is not None),
-                                      ("the cluster's ray_resource", any(g.ray_resource for g in cluster.servers)),
-                                      (f"--shards {shards_flag}", shards_flag != "auto" and n_shards > 1)) if yes]
+                                      ("the cluster's ray_resource", any(g.ray_resource for g in cluster.servers))) if yes]
     launcher = requested if requested != "auto" else ("ray" if needs_ray else "local")
     if launcher == "ray":
         return launcher, n_shards
@@ -303,17 +306,19 @@ def _choose_launcher(requested: str, ray_address: str | None, cluster, shards_fl
     if transport in ("nccl", "ring"):
         raise UserError(f"--transport {transport} needs --launcher ray: the local launcher's edges go over the data path (TCP)",
                         fix="use --transport auto or tcp, or --launcher ray")
-    return launcher, 1
+    return launcher, n_shards
 
 
-def _start_workers_and_links(dep, backend: str, backend_options: dict, transport: str, launcher: str = "ray") -> tuple[dict, dict]:
-    """Start the plan's vGPU workers with ``launcher`` and connect them (``--transport``):
-    (workers, edges). The local launcher's edges all go over the data path's connections
-    (no edges named). Workers whose links cannot be set up are killed before the error goes on."""
+def _start_workers_and_links(dep, backend: str, backend_options: dict, transport: str, launcher: str = "ray",
+                             only: set[str] | None = None) -> tuple[dict, dict]:
+    """Start the plan's vGPU workers (those of ``only``, if given) with ``launcher`` and
+    connect them (``--transport``): (workers, edges). The local launcher's edges all go over
+    the data path's connections (no edges named). Workers whose links cannot be set up are
+    killed before the error goes on."""
     from ppipe.runtime.launch.deploy import setup_transport
     from ppipe.runtime.launch.launchers import start_function
 
-    workers = start_function(launcher)(dep, backend=backend, backend_options=backend_options)
+    workers = start_function(launcher)(dep, backend=backend, backend_options=backend_options, only=only)
     if launcher == "local":
         return workers, {}
     try:
@@ -348,41 +353,106 @@ def _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_
     )
 
 
-def _kill_all(actors: list, workers: dict, switchers: list) -> None:
-    """At shutdown: kill the shard actors, the plan's workers and those the plan switchers started."""
-    from ppipe.runtime.launch.shards import kill_shard_actors
+class _Shards:
+    """The frontend shards but the first (the ``ppipe serve`` process is shard 0): local
+    processes under the local launcher (:mod:`ppipe.runtime.launch.local_shards`), Ray
+    actors under Ray (:mod:`ppipe.runtime.launch.shards`). None for one shard."""
 
-    kill_shard_actors(actors)
+    def __init__(self, launcher: str, dep, parts: list[list[str]], settings, owner: dict[str, int], host: str, port: int):
+        self.launcher, self.dep, self.parts, self.settings, self.owner = launcher, dep, parts, settings, owner
+        self.host, self.port = host, port
+        self.local: list = []  # LocalShard, by index - 1
+        self.actors: list = []
+        self.addresses: list = []
+        if launcher == "local" and len(parts) > 1:
+            from ppipe.runtime.launch.local_shards import launch_local_shards
+
+            self.local = launch_local_shards(dep, parts, settings, owner, host, port)
+
+    def first_vgpus(self) -> set[str] | None:
+        """The vGPUs whose workers this process starts: shard 0's under the local launcher
+        (each other shard starts its own), every one under Ray (the actors get handles)."""
+        if not self.local:
+            return None
+        from ppipe.runtime.control.shard_plan import sub_plan
+
+        return {p.vgpu_id for p in sub_plan(self.dep.plan, self.parts[0]).placement}
+
+    def start(self, workers: dict, edges: dict, shutdown) -> None:
+        """Wait for the other shards to serve (Ray's are started now, with shard 0's workers'
+        handles); their router addresses. On failure, ``shutdown()`` and re-raise."""
+        try:
+            if self.local:
+                from ppipe.runtime.launch.local_shards import wait_local_shards
+
+                self.addresses = wait_local_shards(self.local)
+            elif len(self.parts) > 1:
+                from ppipe.runtime.launch.shards import shard_addresses, start_shard_actors
+
+                self.actors = start_shard_actors(self.dep, self.parts, workers, edges, self.settings, self.owner, self.host, self.port)
+                self.addresses = shard_addresses(self.actors)
+        except BaseException:
+            shutdown()
+            raise
+
+    def handles(self) -> list:
+        """Each other shard's :class:`~ppipe.runtime.control.shard_control.ShardHandle`, by index - 1."""
+        if self.local:
+            return list(self.local)
+        from ppipe.runtime.launch.shards import RayShard
+
+        return [RayShard(a) for a in self.actors]
+
+    def exchange(self, router):
+        """Shard 0's companion that tells every shard the routers' addresses (and, for local
+        shards, restarts one that dies)."""
+        if self.local:
+            from ppipe.runtime.launch.local_shards import ShardSupervisor
+
+            return ShardSupervisor(router, self.local)
+        from ppipe.runtime.launch.shards import PeerExchange
+
+        return PeerExchange(router, self.handles(), self.addresses)
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop every other shard: local ones drain within ``timeout_s`` (then are killed), actors are killed."""
+        if self.local:
+            from ppipe.runtime.launch.local_shards import stop_local_shards
+
+            stop_local_shards(self.local, timeout_s)
+        if self.actors:
+            from ppipe.runtime.launch.shards import kill_shard_actors
+
+            kill_shard_actors(self.actors)
+
+    def kill(self) -> None:
+        if self.local:
+            from ppipe.runtime.launch.local_shards import kill_local_shards
+
+            kill_local_shards(self.local)
+
+
+def _kill_all(shards: _Shards, workers: dict, switchers: list, shutdown_timeout_s: float) -> None:
+    """At shutdown: stop the other shards, kill the plan's workers and those the plan switchers started."""
+    shards.stop(shutdown_timeout_s + 5.0)
     for h in [*workers.values(), *(h for sw in switchers for h in sw.started)]:
         h.kill()
 
 
-def _shard_addresses(actors: list, shutdown) -> list:
-    """Wait for the shard actors to start; their addresses. On failure, ``shutdown()`` and re-raise."""
-    from ppipe.runtime.launch.shards import shard_addresses
-
-    try:
-        return shard_addresses(actors)
-    except BaseException:
-        shutdown()
-        raise
-
-
-def _companions(rt, router, *, dep, parts, owner, actors, addresses, switchers, worker_options, plan_file, replan_policy,
+def _companions(rt, router, *, dep, parts, owner, shards: _Shards, switchers, worker_options, plan_file, replan_policy,
                 replan_time_limit_s) -> list:
     """The first shard's companions (``build_shard(companions=...)``): the peer exchange with
     the other shards, SIGHUP plan reloads and, with ``--replan auto``, the re-planning loop.
     It appends the server's plan switcher to ``switchers``."""
     from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload
     from ppipe.runtime.control.shard_plan import sub_plan
-    from ppipe.runtime.launch.shards import PeerExchange, RayShard
 
-    out = [] if router is None else [PeerExchange(router, actors, addresses)]
+    out = [] if router is None else [shards.exchange(router)]
     if router is None:  # one shard
         switchers.append(PlanSwitcher(rt, dep, **worker_options))
     else:
         mine = dataclasses.replace(dep, plan=sub_plan(dep.plan, parts[0]), profiles={m: dep.profiles[m] for m in parts[0]})
-        switchers.append(ShardedSwitcher(PlanSwitcher(rt, mine, **worker_options), dep, owner, [RayShard(a) for a in actors], router))
+        switchers.append(ShardedSwitcher(PlanSwitcher(rt, mine, **worker_options), dep, owner, shards.handles(), router))
     out.append(SighupReload(switchers[0], plan_file))  # ppipe apply and SIGHUP switch plans
     if replan_policy is not None:
         from ppipe.runtime.control.replan import ReplanLoop
@@ -392,11 +462,12 @@ def _companions(rt, router, *, dep, parts, owner, actors, addresses, switchers, 
 
 
 def _serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts) -> str:
-    """What ``ppipe serve`` prints once it serves: models, addresses, workers, links, shards."""
+    """What ``ppipe serve`` prints once it serves: models, addresses, workers (every shard's:
+    one per vGPU of the plan), links, shards."""
     return (
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
         + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
-        + f"({len(workers)} vGPU workers, backend {backend}, policy {policy}, "
+        + f"({len(dep.plan.placement)} vGPU workers, backend {backend}, policy {policy}, "
         f"{sum(t == 'nccl' for t, _ in edges.values())} of {len(edges)} worker pairs over NCCL"
         + (f", {sum(t.startswith('ring') for t, _ in edges.values())} through a staging ring" if transport == "ring" else "")
         + (f"; {len(parts)} shards: " + ", ".join("+".join(ms) for ms in parts) if len(parts) > 1 else "") + ")"

@@ -1,17 +1,20 @@
-"""What shard 0 asks the other frontend shards during a plan switch: one message type per request.
+"""What shard 0 asks the other frontend shards: one message type per request.
 
 A server of several frontend shards switches plans from shard 0
 (:class:`ppipe.runtime.control.switch.ShardedSwitcher`), which asks every shard to prepare,
-commit, abort, lift an embargo, log or hand over its arrivals, and follow new model owners.
-Each request is a message below, sent through a :class:`ShardHandle`: the other shards'
-handles cross a process (:class:`ppipe.runtime.launch.shards.RayShard`, the only code that
-calls Ray), shard 0's is this process's :class:`ShardControl`. Every shard answers with its
-:class:`ShardControl`, which dispatches on the message's type to that shard's
+commit, abort, lift an embargo, log or hand over its arrivals, and follow new model owners;
+and shard 0 tells every shard where the others' routers are (:class:`SetPeers`, at start
+and whenever a shard's process is replaced). Each request is a message below, sent through
+a :class:`ShardHandle`: the other shards' handles cross a process
+(:class:`ppipe.runtime.launch.local_shards.LocalShard` over a private socket pair,
+:class:`ppipe.runtime.launch.shards.RayShard` as a Ray actor call), shard 0's is this
+process's :class:`ShardControl`. Every shard answers with its :class:`ShardControl`, which
+dispatches on the message's type to that shard's
 :class:`~ppipe.runtime.control.switch.PlanSwitcher` and router, so a shard runs only these
 requests, never a method named by the caller.
 
-The messages cross a Ray actor call, which pickles them; a :class:`Prepare` carries a
-:class:`~ppipe.runtime.launch.deploy.Deployment` as it is.
+Both channels pickle the messages (both ends are this program); a :class:`Prepare` carries
+a :class:`~ppipe.runtime.launch.deploy.Deployment` as it is.
 """
 
 from __future__ import annotations
@@ -68,7 +71,15 @@ class SetOwner:
     owner: dict[str, int]
 
 
-ShardRequest = Union[Prepare, Commit, Abort, Lift, LogArrivals, TakeArrivals, SetOwner]
+@dataclass(frozen=True)
+class SetPeers:
+    """Every shard's router address, by index (None: that shard is down); see
+    :meth:`ppipe.runtime.ingress.shard_router.ShardRouter.set_peers`."""
+
+    addresses: tuple[str | None, ...]
+
+
+ShardRequest = Union[Prepare, Commit, Abort, Lift, LogArrivals, TakeArrivals, SetOwner, SetPeers]
 
 
 class ShardHandle(Protocol):
@@ -103,5 +114,9 @@ class ShardControl:
             case SetOwner(owner):
                 if self.router is not None:
                     self.router.owner = dict(owner)
+                return None
+            case SetPeers(addresses):
+                if self.router is not None:
+                    self.router.set_peers(list(addresses))
                 return None
         raise TypeError(f"not a shard request: {request!r}")

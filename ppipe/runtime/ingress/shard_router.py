@@ -8,6 +8,11 @@ does not own is passed to the owner as it came (method, path, headers, body) ove
 data-path connection (:class:`ShardRouter`) and answered from there, so every check, drop
 and metric happens in the owner exactly as if the client had reached it directly. The
 messages are those of :mod:`ppipe.runtime.wire.shard_messages`.
+
+A shard that is down (its process died and is being restarted, or the server is stopping)
+is ``None`` among the peers (:meth:`ShardRouter.set_peers`): its models' requests get an
+explicit 503 at once, and those already waiting for its answer get one too, so that no
+request waits for an answer that cannot come.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ log = logging.getLogger("ppipe.runtime")
 _JSON = [(b"content-type", b"application/json")]
 # what a shard that cannot pass requests yet (or cannot be reached) answers
 _STARTING = (503, _JSON, b'{"error": "the server is starting; retry shortly"}')
+
+
+class ShardDown(ConnectionError):
+    """The shard a request was passed to is down: it died (and is being restarted) or stops."""
+
+
+def _down(target: int) -> ShardDown:
+    return ShardDown(f"shard {target} of this server is down (restarting or stopping); its models' requests "
+                     "fail until it is back: retry shortly")
 
 
 def merge_readiness(answers: list[tuple[int, list, bytes]]) -> tuple[int, list, bytes]:
@@ -106,6 +120,7 @@ class ShardRouter:
         self._outbox = None
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future] = {}  # id -> (answer message, body)
+        self._target: dict[int, int] = {}  # id -> the shard that is to answer it
         self.grpc: Any = None  # this shard's GrpcFrontend, where it serves gRPC too
 
     # lifecycle (a companion of the app: started and stopped on the server's loop)
@@ -123,8 +138,18 @@ class ShardRouter:
             self._inbox.close()
             self._outbox.close()
 
-    def set_peers(self, addresses: list[str]) -> None:
-        self.peers = list(addresses)
+    def set_peers(self, addresses: list[str | None]) -> None:
+        """Every shard's router address, by index (``None``: that shard is down). A request
+        waiting for a shard whose address changes (it died, or came back as a new process)
+        fails now with :class:`ShardDown`: its answer would never come."""
+        old, self.peers = self.peers, list(addresses)
+        if old is None:
+            return
+        changed = {i for i, a in enumerate(old) if a is not None and (i >= len(self.peers) or self.peers[i] != a)}
+        for rid, target in list(self._target.items()):
+            fut = self._waiting.get(rid)
+            if target in changed and fut is not None and not fut.done():
+                fut.set_exception(_down(target))
 
     # ASGI
     async def __call__(self, scope, receive, send) -> None:
@@ -183,6 +208,8 @@ class ShardRouter:
             if not isinstance(answer, GrpcAnswer):
                 raise WireError(f"a {type(answer).__name__} answered a gRPC call")
             return answer.code, answer.message, join_metadata(answer.trailing, answer.binary_trailing), body
+        except ShardDown as exc:
+            return "UNAVAILABLE", str(exc), [], b""
         except Exception as exc:
             log.warning("shard %d could not reach shard %d: %s", self.index, target, exc)
             return "UNAVAILABLE", "a shard of this server did not answer", [], b""
@@ -199,18 +226,25 @@ class ShardRouter:
             if not isinstance(answer, PassAnswer):
                 raise WireError(f"a {type(answer).__name__} answered an HTTP request")
             return answer.status, list(answer.headers), out
+        except ShardDown as exc:
+            return 503, _JSON, orjson.dumps({"error": str(exc)})
         except Exception as exc:
             log.warning("shard %d could not reach shard %d: %s", self.index, target, exc)
             return 503, _JSON, b'{"error": "a shard of this server did not answer"}'
 
     async def _send_and_wait(self, target: int, msg: PassRequest | PassGrpc, body: bytes) -> tuple[Any, bytes]:
         """Send ``msg`` with ``body`` to shard ``target``; its answer and the answer's body."""
+        address = self.peers[target]
+        if address is None:
+            raise _down(target)
         fut = self._waiting[msg.id] = asyncio.get_running_loop().create_future()
+        self._target[msg.id] = target
         try:
-            self._outbox.send(self.peers[target], pack(ShardEnvelope(msg), {"body": _bytes_array(body)}))
+            self._outbox.send(address, pack(ShardEnvelope(msg), {"body": _bytes_array(body)}))
             return await fut
         finally:
             self._waiting.pop(msg.id, None)
+            self._target.pop(msg.id, None)
 
     # what other shards send
     def _on_message(self, message) -> None:

@@ -3,15 +3,18 @@
 One frontend process (HTTP, decoding, the scheduler, the data path) uses one core, so its
 CPU per request bounds the rate one process serves. ``ppipe serve --shards N`` runs N
 frontend processes on the same port (``SO_REUSEPORT``: the kernel spreads connections
-over them, :func:`reuseport_socket`); shard 0 is the ``ppipe serve`` process, the others
-are Ray actors on the same node (:class:`ShardServer`). Each shard owns some models
-(:mod:`ppipe.runtime.control.shard_plan` says which): its scheduler, runtime and workers
-serve only those (:func:`build_shard`), and its router passes requests for the others to
-their owners (:class:`ppipe.runtime.ingress.shard_router.ShardRouter`).
+over them, :func:`reuseport_socket`); shard 0 is the ``ppipe serve`` process, each other
+one a :class:`ShardServer` in a process of its own on this machine. Each shard owns some
+models (:mod:`ppipe.runtime.control.shard_plan` says which): its scheduler, runtime and
+workers serve only those (:func:`build_shard`), and its router passes requests for the
+others to their owners (:class:`ppipe.runtime.ingress.shard_router.ShardRouter`).
 
-This module is the Ray side of shards: the actor, where it runs, how shards learn each
-other's router addresses (:class:`PeerExchange`), and the handle through which shard 0's
-plan switches reach the others (:class:`RayShard`).
+What runs the other shards follows the launcher: local processes under the local launcher
+(:mod:`ppipe.runtime.launch.local_shards`: each shard starts its own workers, and one that
+dies is restarted), Ray actors on this node under Ray (below: the actor, and
+:class:`RayShard`, the handle through which shard 0's plan switches reach one). Either
+way shard 0 tells every shard where the others' routers are (:class:`PeerExchange`) with
+the typed requests of :mod:`ppipe.runtime.control.shard_control`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ppipe.runtime.control.shard_control import ShardControl, ShardRequest
+from ppipe.runtime.control.shard_control import SetPeers, ShardControl, ShardHandle, ShardRequest
 from ppipe.runtime.control.shard_plan import assign_shards, parse_shards, sub_plan  # noqa: F401 (ppipe.runtime.cli imports the first two from here)
 from ppipe.runtime.ingress.shard_router import ShardRouter
 
@@ -49,8 +52,8 @@ class ServeSettings:
         app: keyword arguments of :func:`ppipe.runtime.ingress.http_server.create_app` (token, body
             limits and timeouts, decode workers).
         server: keyword arguments of :func:`ppipe.runtime.ingress.http_transport.uvicorn_config` (timeouts).
-        workers: how a failed vGPU's worker is re-created (``backend``,
-            ``backend_options`` of :func:`ppipe.runtime.launch.deploy.respawn_worker`); empty: never.
+        workers: how workers are started and a failed vGPU's worker re-created (``launcher``,
+            ``backend``, ``backend_options`` of :mod:`ppipe.runtime.launch.launchers`); empty: never.
         grpc: keyword arguments of :class:`ppipe.runtime.ingress.grpc_server.GrpcServer` (host,
             port, token, message limit); empty: no gRPC frontend.
     """
@@ -103,22 +106,20 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
 
 
 class ShardServer:
-    """Shard ``index`` (> 0) of ``ppipe serve --shards``, as a Ray actor on the head node:
-    its runtime and app served by uvicorn on its own thread and loop, on the shared port."""
+    """Shard ``index`` (> 0) of ``ppipe serve --shards``, in a process of its own (a local
+    process or a Ray actor): its runtime and app served by uvicorn on its own thread and
+    loop, on the shared port; shard 0's requests answered by :meth:`control`."""
 
     def __init__(self, index: int, dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings,
                  owner: dict[str, int], host: str, port: int):
-        from ppipe.runtime.workers.worker import undo_ray_niceness
-
-        undo_ray_niceness()  # on every request's path, like the workers
         self.index, self.host, self.port = index, host, port
         self._args = (dep, models, workers, edges, settings, index, owner)
         self.server = None
         self.router: ShardRouter | None = None
-        self._control: ShardControl | None = None  # this shard's answers to plan-switch requests
+        self._control: ShardControl | None = None  # this shard's answers to shard 0's requests
 
     async def start(self) -> str:
-        """Start serving; returns this shard's router address (for :meth:`set_peers`)."""
+        """Start serving; returns this shard's router address (for :class:`PeerExchange`)."""
         from dataclasses import replace
 
         from ppipe.runtime.ingress.http_transport import BackgroundServer
@@ -132,16 +133,13 @@ class ShardServer:
         await asyncio.get_running_loop().run_in_executor(None, self.server.__enter__)
         return self.router.address
 
-    async def set_peers(self, addresses: list[str]) -> None:
-        self.server.loop.call_soon_threadsafe(self.router.set_peers, addresses)
-
-    # this shard's part of plan switches (ppipe.runtime.control.switch.ShardedSwitcher), run on its loop
+    # shard 0's requests (peers, plan switches: ppipe.runtime.control.switch.ShardedSwitcher), run on its loop
     async def _on_loop(self, coro) -> Any:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.server.loop))
 
     async def control(self, request: ShardRequest) -> Any:
-        """This shard's answer to one of shard 0's plan-switch requests (:class:`RayShard`),
-        computed on the shard's loop by its :class:`~ppipe.runtime.control.shard_control.ShardControl`."""
+        """This shard's answer to one of shard 0's requests, computed on the shard's loop by
+        its :class:`~ppipe.runtime.control.shard_control.ShardControl`."""
         return await self._on_loop(self._control.call(request))
 
     async def stop(self) -> None:
@@ -157,11 +155,21 @@ def here_strategy():
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
+class _RayShardServer(ShardServer):
+    """A :class:`ShardServer` as Ray starts it: at the driver's priority, not Ray's worker niceness."""
+
+    def __init__(self, *args: Any):
+        from ppipe.runtime.workers.worker import undo_ray_niceness
+
+        undo_ray_niceness()  # on every request's path, like the workers
+        super().__init__(*args)
+
+
 def shard_actor_class():
     """:class:`ShardServer` as a Ray actor class."""
     import ray
 
-    return ray.remote(num_cpus=0, max_concurrency=16)(ShardServer)
+    return ray.remote(num_cpus=0, max_concurrency=16)(_RayShardServer)
 
 
 def start_shard_actors(dep: Any, parts: list[list[str]], workers: dict[str, Any], edges: dict, settings: ServeSettings,
@@ -202,15 +210,31 @@ class RayShard:
 
 class PeerExchange:
     """A companion of shard 0's app: once its router listens, tells every shard where all
-    routers are (the shard actors' addresses came back from their ``start``)."""
+    routers are (``addresses``: the other shards' router addresses, from their start)."""
 
-    def __init__(self, router: ShardRouter, actors: list[Any], addresses: list[str]):
-        self.router, self.actors, self.addresses = router, actors, addresses
+    def __init__(self, router: ShardRouter, shards: list[ShardHandle], addresses: list[str | None]):
+        self.router, self.shards, self.addresses = router, list(shards), list(addresses)
+
+    @property
+    def everyone(self) -> list[str | None]:
+        """Every shard's router address, by index (None: that shard is down)."""
+        return [self.router.address, *self.addresses]
 
     async def start(self) -> None:
-        everyone = [self.router.address, *self.addresses]
-        self.router.set_peers(everyone)
-        await asyncio.gather(*(a.set_peers.remote(everyone) for a in self.actors))
+        await self.tell_peers()
+
+    async def tell_peers(self) -> None:
+        """Send :attr:`everyone` to every shard that is up (this one in-process).
+
+        Raises:
+            Exception: the first shard's failure to hear it (every other shard heard it)."""
+        everyone = tuple(self.everyone)
+        self.router.set_peers(list(everyone))
+        results = await asyncio.gather(*(s.call(SetPeers(everyone)) for s, a in zip(self.shards, self.addresses) if a is not None),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
 
     async def stop(self) -> None:
         return None

@@ -1,0 +1,473 @@
+"""Frontend shards as processes of this machine, without Ray: the local launcher's shards.
+
+``ppipe serve --shards N`` under the local launcher runs shards 1..N-1 each in a Python
+process of its own (``python -m ppipe.runtime.launch.local_shards``, a fresh interpreter:
+a shard imports the HTTP server, the scheduler and the planner, which a fork of the
+server's process would share copy-on-write only until the first collection). Each one is
+a :class:`~ppipe.runtime.launch.shards.ShardServer`, the code a Ray shard runs: it starts
+the workers of its own models with the local launcher (:mod:`ppipe.runtime.launch.local`;
+they are its children, and a plan switch's new workers too), binds the shared port
+(``SO_REUSEPORT``) and answers shard 0.
+
+Shard 0 reaches a shard through a :class:`LocalShard` over a private socket pair (no port,
+nothing another user can reach), as the local launcher reaches its workers: the first
+frame is the shard's :class:`ShardStart`, answered by the router's address (or the error
+that stopped it); then each frame is ``(id, request)``, a typed request of
+:mod:`ppipe.runtime.control.shard_control` (peers, plan switches), answered by
+``(id, ok, value)``. Frames are pickled (both ends are this program).
+
+The pair is also the shard's lifeline. A shard whose server is gone (killed, crashed) sees
+it end and stops, and with it its workers, whose pairs end in turn. A shard that dies is
+restarted by shard 0's :class:`ShardSupervisor`, as a worker is: meanwhile every router
+has it down (``None`` among its peers), so its models' requests get an explicit 503 at
+once and those waiting for it get one too (nothing waits for an answer that cannot come);
+once it is back, with the models, plan part and owners its :class:`LocalShard` last saw
+committed, every router learns its new address. Each shard leads a process group of its own
+(its workers, fork server, JSON decode pool): what a dead shard leaves in it is killed.
+SIGTERM of ``ppipe serve`` stops every shard (SIGTERM: each drains as shard 0 does), then
+kills what is left of each group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ppipe.errors import UserError
+from ppipe.runtime.control.shard_control import Abort, Commit, LogArrivals, Prepare, SetOwner, SetPeers, ShardRequest
+from ppipe.runtime.launch.local import _frame, _name_process, _portable, _read_frame, _read_frame_blocking, _rebuilt
+from ppipe.runtime.launch.shards import PeerExchange
+
+log = logging.getLogger("ppipe.runtime")
+PROCESS_NAME = "ppipe-shard"  # a shard process's name in ps and top
+RESTART_DELAYS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # between tries to restart a shard; the last repeats
+
+
+@dataclass(frozen=True)
+class ShardStart:
+    """What shard ``index`` is started with: the first frame on its pair.
+
+    Attributes:
+        index: the shard's number (> 0).
+        dep: a :class:`~ppipe.runtime.launch.deploy.Deployment` that holds its models (the
+            whole one at first, the shard's part after a plan switch).
+        models: the models it serves.
+        settings: every shard's :class:`~ppipe.runtime.launch.shards.ServeSettings`.
+        owner: model -> the shard that serves it (every model's).
+        host, port: the shared address it binds (``SO_REUSEPORT``).
+        log_arrivals: start with the re-plan loop's arrival log on.
+        start_timeout_s: its workers must have loaded their blocks within this.
+    """
+
+    index: int
+    dep: Any
+    models: list[str]
+    settings: Any
+    owner: dict[str, int]
+    host: str
+    port: int
+    log_arrivals: bool = False
+    start_timeout_s: float = 300.0
+
+
+# ---- the shard's process -----------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ppipe.runtime.launch.local_shards FD``: serve as the shard that the frame on
+    the socket ``FD`` describes, until its server says stop or is gone."""
+    fd = int((sys.argv[1:] if argv is None else argv)[0])
+    _name_process(PROCESS_NAME)
+    # the server stops its shards itself, in order (SIGTERM); a stray SIGINT must not cut one
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    try:
+        start = _read_frame_blocking(sock)
+        asyncio.run(_serve(sock, start))
+    except (EOFError, OSError):
+        pass  # the server is gone before it said what to serve
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no thread of the frontend or the data path lingers
+
+
+async def _serve(sock: socket.socket, start: ShardStart) -> None:
+    from ppipe.runtime.launch.shards import ShardServer
+
+    workers: dict[str, Any] = {}
+    server = None
+    try:
+        workers = await asyncio.to_thread(_start_workers, start)
+        server = ShardServer(start.index, start.dep, start.models, workers, {}, start.settings, start.owner, start.host, start.port)
+        address = await server.start()
+        if start.log_arrivals:
+            await server.control(LogArrivals(True))
+    except BaseException as exc:  # the server reports it (a missing sub-model is the user's to fix)
+        sock.sendall(_frame((0, False, _portable(exc))))
+        if server is not None:
+            await server.stop()
+        _kill(workers)
+        return
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(_frame((0, True, address)))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    calls = asyncio.ensure_future(_answer_calls(reader, writer, server))
+    told = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([calls, told], return_when=asyncio.FIRST_COMPLETED)
+    calls.cancel()
+    await server.stop()  # drains as the server's shard 0 does (--shutdown-timeout-s)
+    _kill(workers)  # a plan switch's workers end with this process: their pairs close
+
+
+def _start_workers(start: ShardStart) -> dict[str, Any]:
+    """The workers of the shard's models, as children of this process (the local launcher)."""
+    from ppipe.runtime.control.shard_plan import sub_plan
+    from ppipe.runtime.launch.local import start_local_workers
+
+    options = start.settings.workers
+    mine = {p.vgpu_id for p in sub_plan(start.dep.plan, start.models).placement}
+    return start_local_workers(start.dep, options.get("backend", "ort"), options.get("backend_options"),
+                               start.start_timeout_s, only=mine)
+
+
+def _kill(workers: dict[str, Any]) -> None:
+    for h in workers.values():
+        h.kill()
+
+
+async def _answer_calls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Any) -> None:
+    """Answer the server's requests, each as its own task (a commit may wait on a drain)."""
+    tasks: set[asyncio.Task] = set()
+    try:
+        while True:
+            call_id, request = await _read_frame(reader)
+            task = asyncio.ensure_future(_answer(writer, server, call_id, request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass  # the server closed the pair or died: this shard ends with it
+
+
+async def _answer(writer: asyncio.StreamWriter, server: Any, call_id: int, request: ShardRequest) -> None:
+    try:
+        reply = (call_id, True, await server.control(request))
+    except Exception as exc:
+        reply = (call_id, False, _portable(exc))
+    writer.write(_frame(reply))
+
+
+# ---- the server's side -------------------------------------------------------------------------------------
+class LocalShard:
+    """A :class:`~ppipe.runtime.control.shard_control.ShardHandle` on a shard process of
+    this machine, and what starts it again.
+
+    Requests are answered in any order (each frame carries its id). The handle keeps what
+    the shard serves as the requests through it commit it (a :class:`Prepare`'s
+    deployment once its :class:`Commit` succeeds, :class:`SetOwner`, :class:`LogArrivals`),
+    so that :meth:`restart` starts the shard that was serving.
+    """
+
+    def __init__(self, start: ShardStart):
+        self.spec = start
+        self.index = start.index
+        self.proc: subprocess.Popen | None = None
+        self.address: str | None = None
+        self.why_gone: str | None = None
+        self._sock: socket.socket | None = None
+        self._prepared: Any = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._opening: asyncio.Task | None = None
+        self._gone: asyncio.Event | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def describe(self) -> str:
+        return f"shard {self.index} ({', '.join(self.spec.models)}; pid {self.pid})"
+
+    # starting (blocking: the server's start-up, or a thread)
+    def launch(self) -> None:
+        """Start the shard's process and send it its :class:`ShardStart`; returns at once."""
+        ours, theirs = socket.socketpair()
+        try:
+            # a session of its own: the terminal's Ctrl-C is the server's to pass on, and the
+            # shard's group (its workers, fork server, decode pool) can be ended together
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            theirs.close()
+        self._sock = ours
+        ours.sendall(_frame(self.spec))
+
+    def wait_started(self, timeout_s: float | None = None) -> str:
+        """Wait for the shard to serve; its router address.
+
+        Raises:
+            UserError: it exited or refused to start (its error), or did not start in time.
+        """
+        assert self._sock is not None and self.proc is not None
+        timeout_s = self.spec.start_timeout_s + 60.0 if timeout_s is None else timeout_s
+        self._sock.settimeout(timeout_s)
+        try:
+            _, ok, value = _read_frame_blocking(self._sock)
+        except socket.timeout:
+            self.kill()
+            raise UserError(f"{self.describe()} did not start within {timeout_s:.0f} s",
+                            fix="a larger --start-timeout, or a lighter backend") from None
+        except (EOFError, OSError):
+            code = self.proc.wait()
+            raise UserError(f"{self.describe()} exited while starting (exit code {code})", fix="see its error above") from None
+        self._sock.settimeout(None)
+        if not ok:
+            self.kill()
+            raise _rebuilt(value)
+        self.address = value
+        return value
+
+    def restart(self) -> str:
+        """Start the shard anew (its process is gone), as it served last; its new router address."""
+        self._release()
+        self.launch()
+        return self.wait_started()
+
+    # shard 0's requests (on the server's loop)
+    async def call(self, request: ShardRequest) -> Any:
+        await self._ensure_open()
+        if self.why_gone is not None:
+            raise ConnectionError(self.why_gone)
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = fut
+        assert self._writer is not None
+        self._writer.write(_frame((call_id, request)))
+        answer = await fut
+        self._note(request)
+        return answer
+
+    def _note(self, request: ShardRequest) -> None:
+        """What a request the shard answered changes of what it serves (for :meth:`restart`)."""
+        match request:
+            case Prepare(deployment):
+                self._prepared = deployment
+            case Commit() if self._prepared is not None:
+                dep, self._prepared = self._prepared, None
+                self.spec = replace(self.spec, dep=dep, models=[m.name for m in dep.plan.models])
+            case Abort():
+                self._prepared = None
+            case SetOwner(owner):
+                self.spec = replace(self.spec, owner=dict(owner))
+            case LogArrivals(on):
+                self.spec = replace(self.spec, log_arrivals=on)
+
+    async def lifeline(self) -> None:
+        """Returns once the shard's process is gone (:attr:`why_gone` says how)."""
+        await self._ensure_open()
+        assert self._gone is not None
+        await self._gone.wait()
+
+    async def _ensure_open(self) -> None:
+        if self._opening is None:
+            self._gone = asyncio.Event()
+            self.why_gone = None
+            self._opening = asyncio.ensure_future(self._open())
+        await asyncio.shield(self._opening)
+
+    async def _open(self) -> None:
+        reader, self._writer = await asyncio.open_connection(sock=self._sock)
+        asyncio.ensure_future(self._read_answers(reader))
+
+    async def _read_answers(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                call_id, ok, value = await _read_frame(reader)
+                fut = self._waiting.pop(call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(value) if ok else fut.set_exception(_rebuilt(value))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        proc = self.proc
+        code = await asyncio.to_thread(_reap, proc)
+        self.why_gone = f"{self.describe()} is gone: exit code {code}"
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError(self.why_gone))
+        self._waiting.clear()
+        assert self._gone is not None
+        self._gone.set()
+
+    def reset(self) -> None:
+        """Forget the last process's pair (on the server's loop, before :meth:`restart`)."""
+        if self._writer is not None:
+            self._writer.close()
+        self._writer, self._opening = None, None
+        self._prepared = None  # a switch it had prepared failed with it
+
+    def _release(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    # stopping
+    def terminate(self) -> None:
+        """SIGTERM the shard (no wait): it drains and stops, as ``ppipe serve`` does."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the shard's process and every process of its group (no wait)."""
+        if self.proc is not None:
+            _kill_group(self.proc)
+
+    def __repr__(self) -> str:
+        return f"LocalShard({self.index}, pid {self.pid})"
+
+
+def _reap(proc: subprocess.Popen | None) -> int | None:
+    """Wait for a shard's process whose pair ended; its exit code. What its group still
+    holds (a worker, the JSON decode pool, which outlive a killed parent) is killed."""
+    if proc is None:
+        return None
+    try:
+        code = proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:  # the pair ended but the process lingers: it is of no use
+        proc.kill()
+        code = proc.wait()
+    _kill_group(proc)
+    return code
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group that the shard's process leads (its own session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing of it is left
+
+
+def launch_local_shards(dep: Any, parts: list[list[str]], settings: Any, owner: dict[str, int], host: str, port: int,
+                        start_timeout_s: float = 300.0) -> list[LocalShard]:
+    """Start the processes of shards 1.. (the calling process is shard 0); returns at once.
+    Their workers load while shard 0's do; :func:`wait_local_shards` waits for them."""
+    shards: list[LocalShard] = []
+    try:
+        for i, models in enumerate(parts):
+            if i > 0:
+                shards.append(LocalShard(ShardStart(i, dep, list(models), settings, dict(owner), host, port,
+                                                    start_timeout_s=start_timeout_s)))
+                shards[-1].launch()
+    except BaseException:
+        kill_local_shards(shards)
+        raise
+    return shards
+
+
+def wait_local_shards(shards: list[LocalShard]) -> list[str]:
+    """Wait for every shard to serve; their router addresses.
+
+    Raises:
+        UserError: a shard did not start (every shard is then stopped).
+    """
+    try:
+        return [s.wait_started() for s in shards]
+    except BaseException:
+        kill_local_shards(shards)
+        raise
+
+
+def kill_local_shards(shards: list[LocalShard]) -> None:
+    for s in shards:
+        s.kill()
+    for s in shards:
+        _reap(s.proc)
+
+
+def stop_local_shards(shards: list[LocalShard], timeout_s: float) -> None:
+    """SIGTERM every shard, wait up to ``timeout_s`` for all to stop, SIGKILL the rest."""
+    for s in shards:
+        s.terminate()
+    deadline = time.monotonic() + timeout_s
+    for s in shards:
+        if s.proc is None:
+            continue
+        try:
+            s.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s: killed", s.describe(), timeout_s)
+        _kill_group(s.proc)
+        s.proc.wait()
+
+
+class ShardSupervisor(PeerExchange):
+    """A companion of shard 0's app under the local launcher: tells every shard where the
+    routers are (:class:`~ppipe.runtime.launch.shards.PeerExchange`), watches each shard's
+    lifeline and restarts a shard that dies (meanwhile it is down in every router); at
+    stop, tells the shards that shard 0 is down and asks them to stop (SIGTERM)."""
+
+    def __init__(self, router: Any, shards: list[LocalShard]):
+        super().__init__(router, shards, [s.address for s in shards])
+        self._watching: list[asyncio.Task] = []
+        self._stopping = False
+        self.restarts = 0  # shards restarted so far
+
+    async def start(self) -> None:
+        await super().start()
+        self._watching = [asyncio.ensure_future(self._watch(i, s)) for i, s in enumerate(self.shards, 1)]
+
+    async def _watch(self, index: int, shard: LocalShard) -> None:
+        while True:
+            await shard.lifeline()
+            if self._stopping:
+                return
+            log.error("%s; its models' requests are answered 503 until it is back; restarting it", shard.why_gone)
+            self.addresses[index - 1] = None
+            await self._tell()
+            shard.reset()
+            for attempt in itertools.count():
+                try:
+                    self.addresses[index - 1] = await asyncio.to_thread(shard.restart)
+                    break
+                except Exception as exc:
+                    delay = RESTART_DELAYS_S[min(attempt, len(RESTART_DELAYS_S) - 1)]
+                    log.error("shard %d did not restart (%s); trying again in %.1f s", index, exc, delay)
+                    await asyncio.sleep(delay)
+                    if self._stopping:
+                        return
+            self.restarts += 1
+            await self._tell()
+            log.warning("%s is back: restarted", shard.describe())
+
+    async def _tell(self) -> None:
+        """Every router learns the addresses; a shard that fails to hear it is its watcher's to restart."""
+        try:
+            await self.tell_peers()
+        except Exception as exc:
+            log.warning("a shard did not hear the new router addresses: %s", exc)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for t in self._watching:
+            t.cancel()
+        down = (None, *self.addresses)  # requests the shards pass to shard 0 fail at once from now on
+        try:
+            await asyncio.wait_for(asyncio.gather(*(s.call(SetPeers(down)) for s, a in zip(self.shards, self.addresses)
+                                                    if a is not None), return_exceptions=True), timeout=5.0)
+        except asyncio.TimeoutError:
+            pass
+        for s in self.shards:
+            s.terminate()
+
+
+if __name__ == "__main__":
+    main()
