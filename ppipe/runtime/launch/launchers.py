@@ -1,9 +1,11 @@
 """The two launchers of a served plan's workers, by name: ``local`` and ``ray``.
 
 * ``local`` (:mod:`ppipe.runtime.launch.local`): a process per vGPU on this machine, no
-  Ray; the default of ``ppipe serve`` on one machine.
+  Ray; the default of ``ppipe serve`` on one machine. Its frontend shards are local
+  processes too (:mod:`ppipe.runtime.launch.local_shards`), each starting its own workers.
 * ``ray`` (:mod:`ppipe.runtime.launch.deploy`): a Ray actor per vGPU, on the node of its
-  server; needed for several machines and for frontend shards.
+  server; needed for several machines (and for NCCL edges). Its frontend shards are Ray
+  actors (:mod:`ppipe.runtime.launch.shards`).
 
 Both hand back :class:`~ppipe.runtime.launch.handle.WorkerHandle` objects; the host, plan
 switches and re-creation after a failure take the launcher's two functions from here and
