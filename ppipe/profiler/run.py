@@ -235,7 +235,7 @@ class _PartialWriter:
 
 
 def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: list[str] | None, latency_bs1, provenance, layers=None):
-    from ppipe.spec.profile import BlockSpec, ModelManifest, SourceSpec, TensorSpec
+    from ppipe.spec.profile import IMAGENET_PREPROCESS, BlockSpec, ModelManifest, SourceSpec, TensorSpec
 
     def node_name(pos):
         return info.node(pos).name
@@ -263,6 +263,8 @@ def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: lis
         latency_bs1_us=latency_bs1,
         provenance=provenance,
         layers=layers,
+        # the built-in models are ImageNet classifiers: they take images as torchvision prepares them
+        preprocess=IMAGENET_PREPROCESS if src.get("kind") == "builtin" else None,
     )
 
 

@@ -520,10 +520,13 @@ def _warm_up_replanner(replan, plan) -> None:
               "--binary sends raw_input_contents, --json typed contents. The model's metadata still comes from URL.")
 @click.option("--records-out", type=click.Path(dir_okay=False), default=None,
               help="Also write every request's (send offset s, outcome, latency ms) as a JSON list to this file.")
+@click.option("--images", "images_dir", type=click.Path(file_okay=False), default=None,
+              help="Send the image files (JPEG, PNG, ...) of this folder in turn, as BYTES inputs, instead of a random tensor "
+              "(models whose model.yaml declares a preprocess).")
 def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape, grpc_address,
-          records_out):
+          records_out, images_dir):
     """Open-loop load against URL (a `ppipe serve`): SLO attainment, goodput, p50/p99, drops."""
-    from ppipe.runtime.client.bench import format_table, run_bench, to_json
+    from ppipe.runtime.client.bench import format_table, load_images, run_bench, to_json
 
     if rate_rps <= 0 or duration_s <= 0:
         raise UserError("--rate and --duration-s must be positive")
@@ -536,7 +539,8 @@ def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms,
     records: list | None = [] if records_out else None
     res = asyncio.run(
         run_bench(url, model, rate_rps, duration_s, arrivals=arrivals, trace=trace, binary=binary, seed=seed, slo_ms=slo_ms, token=token, cv=cv,
-                  client=client, input_shape=shape, grpc=grpc_address, records=records)
+                  client=client, input_shape=shape, grpc=grpc_address, records=records,
+                  images=load_images(images_dir) if images_dir else None)
     )
     if records_out:
         with open(records_out, "w") as fh:

@@ -111,6 +111,58 @@ class LayersSpec(StrictModel):
     )
 
 
+class ImagePreprocess(StrictModel):
+    """How an encoded image (JPEG, PNG, WebP, BMP, TIFF) becomes the model's input tensor,
+    so that clients may send images (``BYTES`` inputs) instead of tensors.
+
+    The input's shape gives the size and the layout: ``[C, H, W]`` for ``layout: NCHW``,
+    ``[H, W, C]`` for ``NHWC``, with C = 3 (``color`` RGB or BGR) or 1 (gray). A decoded
+    image of ``h x w`` becomes ``H x W`` by ``resize``: ``stretch`` scales each axis on its
+    own (aspect not kept); ``letterbox`` scales both by ``min(H / h, W / w)`` and pads the
+    bottom and right with ``pad_value`` (the detectors' "keep ratio" resize). Each channel c
+    of pixel p (0-255) then becomes ``(p x scale - mean[c]) / std[c]`` in the input's dtype
+    (``uint8`` inputs take the resized pixels as they are).
+    """
+
+    color: Literal["RGB", "BGR", "GRAY"] = Field(default="RGB", description="Channel order the model takes (GRAY: one channel).")
+    layout: Literal["NCHW", "NHWC"] = Field(default="NCHW", description="Where the channels are in the input's shape.")
+    resize: Literal["stretch", "letterbox"] = Field(default="stretch", description="stretch: to H x W; letterbox: aspect kept, padded.")
+    interpolation: Literal["linear", "area", "nearest"] = Field(default="linear", description="Resampling filter (OpenCV's).")
+    pad_value: int = Field(default=0, ge=0, le=255, description="Pixel value (0-255) of letterbox padding, before normalization.")
+    scale: float = Field(default=1.0, gt=0, description="Pixels (0-255) are multiplied by this first, e.g. 0.00392157 for 0-1.")
+    mean: list[float] = Field(default_factory=lambda: [0.0], description="Subtracted per channel after scale (one value: all).")
+    std: list[float] = Field(default_factory=lambda: [1.0], description="Divided by per channel after the mean (one value: all).")
+
+    @model_validator(mode="after")
+    def _per_channel(self) -> "ImagePreprocess":
+        channels = 1 if self.color == "GRAY" else 3
+        for key in ("mean", "std"):
+            if len(getattr(self, key)) not in (1, channels):
+                raise ValueError(f"preprocess.{key} needs 1 or {channels} values for color {self.color}, got {len(getattr(self, key))}")
+        if any(v == 0 for v in self.std):
+            raise ValueError("preprocess.std must not hold 0")
+        return self
+
+    def geometry(self, spec: "TensorSpec") -> tuple[int, int, int]:
+        """(H, W, C) of the model input ``spec`` under this layout.
+
+        Raises:
+            ValueError: the input is not 3-D, or its channels do not match ``color``.
+        """
+        if len(spec.shape) != 3:
+            raise ValueError(f"preprocess needs a 3-D input ([C, H, W] or [H, W, C]), input '{spec.name}' has shape {spec.shape}")
+        c, h, w = spec.shape if self.layout == "NCHW" else (spec.shape[2], *spec.shape[:2])
+        if c != (1 if self.color == "GRAY" else 3):
+            raise ValueError(f"preprocess color {self.color} gives {1 if self.color == 'GRAY' else 3} channel(s); input "
+                             f"'{spec.name}' has {c} under layout {self.layout} (shape {spec.shape})")
+        return h, w, c
+
+
+IMAGENET_PREPROCESS = ImagePreprocess(color="RGB", layout="NCHW", resize="stretch", scale=1 / 255,
+                                      mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+"""torchvision's ImageNet normalization: what the built-in classifiers (3 x 224 x 224) take."""
+
+
 class ModelManifest(StrictModel):
     version: int = Field(default=SCHEMA_VERSION, description="File format version.")
     name: str = Field(description="Model name (unique within a plan).")
@@ -131,12 +183,26 @@ class ModelManifest(StrictModel):
     layers: LayersSpec | None = Field(
         default=None, description="Optional per-layer (per ONNX node) batch-1 timings of the measured device types."
     )
+    preprocess: ImagePreprocess | None = Field(
+        default=None, description="How encoded images sent as BYTES inputs become the input tensor; none: tensors only."
+    )
 
     @model_validator(mode="after")
     def _blocks_in_order(self) -> "ModelManifest":
         got = [b.index for b in self.blocks]
         if got != list(range(len(got))):
             raise ValueError(f"blocks: indices must be 0..{len(got) - 1} in order, got {got}")
+        return self
+
+    @model_validator(mode="after")
+    def _preprocess_fits_input(self) -> "ModelManifest":
+        if self.preprocess is None:
+            return self
+        if self.input is None:
+            raise ValueError("preprocess needs the model's input (input: name, shape, dtype)")
+        if self.input.dtype not in ("float32", "float16", "uint8"):
+            raise ValueError(f"preprocess makes float32, float16 or uint8 inputs; input '{self.input.name}' is {self.input.dtype}")
+        self.preprocess.geometry(self.input)
         return self
 
 

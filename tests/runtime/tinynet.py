@@ -83,8 +83,9 @@ def latency_table(base_us: float = 300.0) -> dict[tuple[str, int, int, int], flo
     return out
 
 
-def write_tinynet(directory: Path, base_us: float = 300.0, name: str = "tinynet") -> ModelProfile:
-    """Write model.yaml, profile.csv, blocks/*.onnx and full.onnx into ``directory``."""
+def write_tinynet(directory: Path, base_us: float = 300.0, name: str = "tinynet", preprocess=None) -> ModelProfile:
+    """Write model.yaml, profile.csv, blocks/*.onnx and full.onnx into ``directory``
+    (``preprocess``: the model.yaml's, an ImagePreprocess or None)."""
     d = Path(directory)
     (d / "blocks").mkdir(parents=True, exist_ok=True)
     w = _weights()
@@ -108,6 +109,7 @@ def write_tinynet(directory: Path, base_us: float = 300.0, name: str = "tinynet"
         outputs=[TensorSpec(name="logits", shape=SHAPES["logits"])],
         blocks=blocks,
         slo_ms=200.0,
+        preprocess=preprocess,
     )
     prof = ModelProfile(manifest=manifest, table=latency_table(base_us), directory=d)
     prof.save(d)

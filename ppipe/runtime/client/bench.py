@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -75,6 +76,44 @@ def sample_input(meta: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
     return {spec["name"]: x}
 
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+
+
+def load_images(directory: str) -> list[bytes]:
+    """The image files of ``directory`` (by suffix, in name order), as their bytes.
+
+    Raises:
+        UserError: the folder does not exist or holds no image file.
+    """
+    from pathlib import Path
+
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise UserError(f"--images {directory}: no such folder", fix="give a folder of JPEG/PNG files")
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise UserError(f"--images {directory}: no image file in it", fix=f"put files ending in {', '.join(IMAGE_SUFFIXES)} there")
+    return [f.read_bytes() for f in files]
+
+
+def image_inputs(meta: dict[str, Any], images: list[bytes]) -> list[dict[str, np.ndarray]]:
+    """One request's inputs per image: a BYTES tensor of shape [1] holding it.
+
+    Raises:
+        UserError: the model takes no images (its metadata names no BYTES alternative).
+    """
+    spec = meta["inputs"][0]
+    if "also_accepts" not in (spec.get("parameters") or {}):
+        raise UserError(f"model '{meta['name']}' takes {spec['datatype']} tensors, not images: its model.yaml declares no preprocess",
+                        fix="leave out --images, or add a preprocess to the model's model.yaml")
+    out = []
+    for blob in images:
+        arr = np.empty(1, dtype=object)
+        arr[0] = blob
+        out.append({spec["name"]: arr})
+    return out
+
+
 def encode_grpc_request(model: str, inputs: dict[str, np.ndarray], raw: bool = True) -> bytes:
     """A serialized ``ModelInferRequest``: the tensors in raw_input_contents (``raw``) or
     as typed contents (not for FP16, which has no typed field)."""
@@ -84,6 +123,14 @@ def encode_grpc_request(model: str, inputs: dict[str, np.ndarray], raw: bool = T
 
     req = pb.ModelInferRequest(model_name=model)
     for name, arr in inputs.items():
+        if arr.dtype == object:  # byte strings: 4-byte little-endian lengths and bytes, or bytes_contents
+            t = req.inputs.add(name=name, datatype="BYTES", shape=arr.shape)
+            blobs = [bytes(b) for b in arr.reshape(-1)]
+            if raw:
+                req.raw_input_contents.append(b"".join(len(b).to_bytes(4, "little") + b for b in blobs))
+            else:
+                t.contents.bytes_contents.extend(blobs)
+            continue
         dt = datatype_of(arr.dtype)
         t = req.inputs.add(name=name, datatype=dt, shape=arr.shape)
         if raw:
@@ -157,9 +204,11 @@ async def run_bench(
     client: str = "raw",
     grpc: str | None = None,
     records: list | None = None,
+    images: list[bytes] | None = None,
 ) -> BenchResult:
     """Drive ``url`` open loop (or, with ``grpc``, that gRPC address); returns the figures
     (see :class:`BenchResult`). ``binary``: REST's binary extension, gRPC's raw_input_contents.
+    ``images``: encoded image files, sent in turn as BYTES inputs (instead of one random tensor).
     ``records``: a list that gets one ``(send offset s, outcome, latency ms)`` per request, in
     answer order; the outcome is ``"200"``, the drop reason, or the error."""
     headers = {"authorization": f"Bearer {token}"} if token else {}
@@ -170,12 +219,13 @@ async def run_bench(
     slo = slo_ms or (meta.get("parameters") or {}).get("slo_ms")
     if not slo:
         raise UserError(f"model '{model}' does not state its SLO", fix="give --slo-ms")
-    body, req_headers = encode_infer_request(sample_input(meta, seed), binary=binary, binary_output=binary)
+    requests = image_inputs(meta, images) if images else [sample_input(meta, seed)]
     times_us = arrival_times_us(arrivals, rate_rps, duration_s, seed, trace, cv)
     if grpc:
-        sender = _grpc_sender(grpc, token, timeout_s, encode_grpc_request(model, sample_input(meta, seed), raw=binary))
+        sender = _grpc_sender(grpc, token, timeout_s, [encode_grpc_request(model, r, raw=binary) for r in requests])
     else:
-        sender = _http_sender(client, base, headers, timeout_s, f"/v2/models/{model}/infer", body, req_headers)
+        bodies = [encode_infer_request(r, binary=binary, binary_output=binary) for r in requests]
+        sender = _http_sender(client, base, headers, timeout_s, f"/v2/models/{model}/infer", bodies)
     tally = _Tally(slo, records)
     try:
         await _send_open_loop(times_us, sender, tally)
@@ -209,27 +259,32 @@ class _Sender:
     errors: tuple[type[BaseException], ...]
 
 
-def _grpc_sender(address: str, token: str | None, timeout_s: float, grpc_body: bytes) -> _Sender:
+def _grpc_sender(address: str, token: str | None, timeout_s: float, grpc_bodies: list[bytes]) -> _Sender:
     gc = GrpcInferClient(address, token=token, timeout_s=timeout_s)
+    turn = itertools.cycle(grpc_bodies)
 
     async def post() -> tuple[int | str, dict[str, str]]:
-        return await gc.infer(grpc_body)
+        return await gc.infer(next(turn))
 
     return _Sender(post, gc.aclose, ())
 
 
-def _http_sender(client: str, base: str, headers: dict[str, str], timeout_s: float, path: str, body: bytes,
-                 req_headers: dict[str, str]) -> _Sender:
-    """POST ``body`` to ``path`` with ``client``: "raw" (:class:`RawHttpClient`) or "httpx"."""
+def _http_sender(client: str, base: str, headers: dict[str, str], timeout_s: float, path: str,
+                 bodies: list[tuple[bytes, dict[str, str]]]) -> _Sender:
+    """POST the ``(body, headers)`` of ``bodies`` in turn to ``path`` with ``client``: "raw"
+    (:class:`RawHttpClient`) or "httpx"."""
     import httpx
 
     from ppipe.runtime.client.httpclient import HttpError, RawHttpClient
+
+    turn = itertools.cycle(bodies)
 
     if client == "httpx":
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         hx = httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout_s, limits=limits)
 
         async def post_httpx() -> tuple[int, Any]:
+            body, req_headers = next(turn)
             resp = await hx.post(path, content=body, headers=req_headers)
             return resp.status_code, resp.headers
 
@@ -238,6 +293,7 @@ def _http_sender(client: str, base: str, headers: dict[str, str], timeout_s: flo
         raw = RawHttpClient(base, headers=headers, timeout_s=timeout_s)
 
         async def post_raw() -> tuple[int, dict[str, str]]:
+            body, req_headers = next(turn)
             status, hdrs, _ = await raw.request("POST", path, body, req_headers)
             return status, hdrs
 

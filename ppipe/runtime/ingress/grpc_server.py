@@ -45,7 +45,7 @@ import numpy as np
 
 from ppipe.runtime.ingress import proto as pb
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
-from ppipe.runtime.ingress.protocol import DATATYPES, MAX_DIMS, InferInput, ProtocolError, datatype_of
+from ppipe.runtime.ingress.protocol import BYTES, DATATYPES, INPUT_DATATYPES, MAX_DIMS, InferInput, ProtocolError, datatype_of, split_bytes
 from ppipe.runtime.ingress.http_server import DEFAULT_MAX_BODY_BYTES, DROP_STATUS, Frontend
 from ppipe.runtime.ingress.model_io import check_infer_inputs
 
@@ -59,6 +59,7 @@ STATUS_CODE = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.UNIMPLEMENTED,
     500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -104,14 +105,17 @@ def decode_inputs(request) -> list[InferInput]:
     out: list[InferInput] = []
     for i, t in enumerate(request.inputs):
         where = f"inputs[{i}] ('{t.name}')"
-        if t.datatype not in DATATYPES:
-            raise ProtocolError(400, f"{where}.datatype {t.datatype!r} is not supported; use one of {', '.join(DATATYPES)}")
+        if t.datatype not in INPUT_DATATYPES:
+            raise ProtocolError(400, f"{where}.datatype {t.datatype!r} is not supported; use one of {', '.join(INPUT_DATATYPES)}")
         shape = list(t.shape)
         if len(shape) > MAX_DIMS:
             raise ProtocolError(400, f"{where}.shape has {len(shape)} dimensions; at most {MAX_DIMS} are accepted")
         if any(d < 0 for d in shape):
             raise ProtocolError(400, f"{where}.shape must be non-negative integers, got {shape}")
         count = math.prod(shape)  # at most MAX_DIMS int64 factors: cheap; compared with the data before numpy sees it
+        if t.datatype == BYTES:
+            out.append(InferInput(name=t.name, array=_bytes_input(t, where, shape, count, raw[i] if raw else None)))
+            continue
         dtype = np.dtype(DATATYPES[t.datatype]).newbyteorder("<")
         if raw:
             if t.HasField("contents"):
@@ -139,6 +143,21 @@ def decode_inputs(request) -> list[InferInput]:
                 raise ProtocolError(400, f"{where}.contents.{field} cannot be read as {t.datatype}: {exc}") from None
         out.append(InferInput(name=t.name, array=arr))
     return out
+
+
+def _bytes_input(t, where: str, shape: list[int], count: int, raw: bytes | None) -> np.ndarray:
+    """A ``BYTES`` input as an array of ``bytes``: from its raw contents (each element a
+    4-byte little-endian length and its bytes, as Triton sends them) or ``contents.bytes_contents``."""
+    if raw is not None:
+        if t.HasField("contents"):
+            raise ProtocolError(400, f"{where} has typed contents and raw_input_contents; send one or the other")
+        return split_bytes(memoryview(raw), count, where).reshape(shape)
+    values = t.contents.bytes_contents
+    if len(values) != count:
+        raise ProtocolError(400, f"{where}.contents.bytes_contents has {len(values)} elements, shape {shape} needs {count}")
+    arr = np.empty(count, dtype=object)
+    arr[:] = list(values)
+    return arr.reshape(shape)
 
 
 def encode_outputs(response, outputs: dict[str, np.ndarray]) -> None:
@@ -269,6 +288,7 @@ class GrpcFrontend:
         except _Refused as exc:
             await self._abort(context, exc)
         t0 = asyncio.get_running_loop().time()
+        arrival_us = self.runtime.clock.true_now_us()
         try:
             try:
                 inputs = decode_inputs(request)
@@ -277,10 +297,16 @@ class GrpcFrontend:
             except ProtocolError as exc:
                 raise _Refused(exc.status, exc.message) from None
             try:
+                arr = await self.rest.images_to_tensor(name, arr, arrival_us)
+            except ProtocolError as exc:
+                raise _Refused(exc.status, exc.message) from None
+            except DroppedError as exc:
+                raise _Refused(DROP_STATUS.get(exc.reason, 503), str(exc), drop_reason=exc.reason) from None
+            try:
                 if arr.shape[0] == 1:
-                    results = [await self.runtime.infer(name, {in_name: arr[0]})]
+                    results = [await self.runtime.infer(name, {in_name: arr[0]}, arrival_us=arrival_us)]
                 else:
-                    results = await self.runtime.infer_samples(name, [{in_name: s} for s in arr])
+                    results = await self.runtime.infer_samples(name, [{in_name: s} for s in arr], arrival_us=arrival_us)
             except DroppedError as exc:
                 raise _Refused(DROP_STATUS.get(exc.reason, 503), str(exc), drop_reason=exc.reason) from None
             outputs = {k: np.stack([r[k] for r in results]) for k in results[0]}
@@ -403,3 +429,4 @@ class GrpcServer:
         if self.server is not None:
             await self.server.stop(self.grace_s)
             self.server = None
+        self.frontend.rest.images.stop()

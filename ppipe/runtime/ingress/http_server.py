@@ -72,6 +72,7 @@ from starlette.routing import Route
 
 from ppipe.errors import UserError
 from ppipe.runtime.ingress.bodies import BodyDecoder, default_decode_workers, read_body
+from ppipe.runtime.ingress.images import ImagePool, default_image_workers
 from ppipe.runtime.ingress.model_io import check_infer_inputs, model_metadata
 from ppipe.runtime.ingress.protocol import HEADER_LENGTH, InferRequest, ProtocolError, brief, encode_infer_response
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
@@ -118,6 +119,7 @@ class Frontend:
         self.runtime, self.token, self.max_body_bytes = runtime, token, max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.decoder = BodyDecoder(default_decode_workers() if decode_workers is None else decode_workers)
+        self.images = ImagePool(default_image_workers())
         self.models: dict[str, Any] = {}  # shared with the gRPC frontend: updated in place
         self.refresh_models()
         if hasattr(runtime, "on_switch"):
@@ -157,7 +159,8 @@ class Frontend:
         return model_metadata(name, self.models[name], self.runtime.profiles[name].manifest)
 
     async def _samples(self, name: str, body: bytes, header_length: str | None, arrival_us: float) -> tuple[InferRequest, str, np.ndarray]:
-        """Decode a body and check it against the model: (request, input name, samples).
+        """Decode a body and check it against the model: (request, input name, samples as
+        the model's input tensor; encoded images prepared, :meth:`images_to_tensor`).
 
         A body decoded in the pool is dropped (``DroppedError``, deadline-unreachable) when
         its decode cannot end in time for its deadline: before it is queued, by the pool's
@@ -171,27 +174,63 @@ class Frontend:
         dec, man = self.decoder, self.runtime.profiles[name].manifest
         if not dec.in_pool(body, header_length):
             req = await dec.decode(body, header_length)
-            return (req, *check_infer_inputs(name, man, req.inputs, req.requested_outputs))
+            in_name, arr = check_infer_inputs(name, man, req.inputs, req.requested_outputs)
+        else:
+            req, in_name, arr = await self._decode_in_pool(name, body, header_length, arrival_us)
+        return req, in_name, await self.images_to_tensor(name, arr, arrival_us)
+
+    async def _decode_in_pool(self, name: str, body: bytes, header_length: str | None, arrival_us: float):
+        dec, man = self.decoder, self.runtime.profiles[name].manifest
         # the decode must leave the pipeline at least half of the slack: a request decoded at
         # the last moment would find the pipeline's queue (and the estimate's error) in its way
         latest_us = arrival_us + DECODE_SHARE_OF_SLACK * self._decode_slack_us[name]
         try:
-            end_us = self.runtime.clock.true_now_us() + dec.expected_end_s(len(body)) * 1e6
-            if end_us > latest_us:
-                raise DroppedError(
-                    "deadline-unreachable",
-                    f"decoding this {len(body)}-byte JSON body would end {(end_us - latest_us) / 1e3:.0f} ms too late for the SLO "
-                    f"({dec.queued} JSON bodies are decoding ahead of it); the binary tensor extension needs no decoding",
-                )
+            self._admit(latest_us, dec.expected_end_s(len(body)),
+                        f"decoding this {len(body)}-byte JSON body", f"{dec.queued} JSON bodies are decoding ahead of it; "
+                        "the binary tensor extension needs no decoding")
             req = await dec.decode(body, header_length)
             in_name, arr = check_infer_inputs(name, man, req.inputs, req.requested_outputs)
-            late_us = self.runtime.clock.true_now_us() - latest_us
-            if late_us > 0:
-                raise DroppedError("deadline-unreachable", f"decoding the JSON body ended {late_us / 1e3:.0f} ms too late for the SLO")
+            self._check_late(latest_us, "decoding the JSON body")
         except DroppedError as exc:  # the data plane's drops are counted by the runtime; these here
             self.runtime.metrics.drops.labels(name, exc.reason).inc()
             raise
         return req, in_name, arr
+
+    async def images_to_tensor(self, name: str, arr: np.ndarray, arrival_us: float) -> np.ndarray:
+        """``arr`` as it is, or, where it holds encoded images, the model's input tensor made
+        of them (:class:`ppipe.runtime.ingress.images.ImagePool`), admitted as the pool's
+        JSON decodes are: dropped when the images would be ready too late for the deadline.
+        The gRPC frontend calls it too.
+
+        Raises:
+            ProtocolError: an image does not decode (400), or this server has no OpenCV (415).
+            DroppedError: deadline-unreachable, queue-full.
+        """
+        if arr.dtype != object:
+            return arr
+        man, images = self.runtime.profiles[name].manifest, self.images
+        latest_us = arrival_us + DECODE_SHARE_OF_SLACK * self._decode_slack_us[name]
+        nbytes = sum(len(b) for b in arr)
+        try:
+            self._admit(latest_us, images.expected_end_s(nbytes), f"decoding these {len(arr)} image(s) of {nbytes} bytes",
+                        f"{images.queued} requests of images are decoding ahead of them")
+            out = await images.prepare(list(arr), man.preprocess, man.input)
+            self._check_late(latest_us, "decoding the images")
+        except DroppedError as exc:
+            self.runtime.metrics.drops.labels(name, exc.reason).inc()
+            raise
+        return out
+
+    def _admit(self, latest_us: float, expected_s: float, what: str, ahead: str) -> None:
+        """Raise deadline-unreachable when work expected to take ``expected_s`` from now would end after ``latest_us``."""
+        end_us = self.runtime.clock.true_now_us() + expected_s * 1e6
+        if end_us > latest_us:
+            raise DroppedError("deadline-unreachable", f"{what} would end {(end_us - latest_us) / 1e3:.0f} ms too late for the SLO ({ahead})")
+
+    def _check_late(self, latest_us: float, what: str) -> None:
+        late_us = self.runtime.clock.true_now_us() - latest_us
+        if late_us > 0:
+            raise DroppedError("deadline-unreachable", f"{what} ended {late_us / 1e3:.0f} ms too late for the SLO")
 
     # ---- endpoints -----------------------------------------------------------------------
     async def server_metadata(self, request: Request) -> Response:
@@ -463,6 +502,7 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
             for c in reversed(started):
                 await c.stop()
             fe.decoder.stop()
+            fe.images.stop()
             await runtime.stop()
             if on_shutdown is not None:
                 on_shutdown()

@@ -20,7 +20,9 @@ def model_metadata(name: str, model_plan, manifest) -> dict[str, Any]:
     (with a leading batch axis of -1), its SLO and pipelines from ``model_plan``."""
     dt, spec = _DATATYPE_OF_NUMPY, manifest.input
     inputs = (
-        [{"name": spec.name, "datatype": dt.get(spec.dtype, spec.dtype.upper()), "shape": [-1, *spec.shape]}]
+        [{"name": spec.name, "datatype": dt.get(spec.dtype, spec.dtype.upper()), "shape": [-1, *spec.shape],
+          **({"parameters": {"also_accepts": "BYTES [-1]: encoded images (JPEG, PNG, WebP, BMP, TIFF), prepared as "
+                                             + _describe(manifest.preprocess)}} if manifest.preprocess else {})}]
         if spec
         else [{"name": "input", "datatype": "FP32", "shape": [-1], "note": "any name and shape: the profile has no input spec"}]
     )
@@ -36,13 +38,20 @@ def model_metadata(name: str, model_plan, manifest) -> dict[str, Any]:
     }
 
 
+def _describe(pre) -> str:
+    """The preprocess in one line, for the metadata."""
+    return (f"{pre.color} {pre.layout}, {pre.resize} ({pre.interpolation}), x {pre.scale:g}, mean {pre.mean}, std {pre.std}")
+
+
 def check_infer_inputs(name: str, man, inputs: list[InferInput], requested_outputs: list[str]) -> tuple[str, np.ndarray]:
     """Check a decoded infer request against model ``name``'s manifest ``man``: one input
-    of the manifest's name, datatype and shape [N, ...], 1..MAX_SAMPLES_PER_REQUEST samples,
-    only known outputs requested. The REST and the gRPC frontends both call it.
+    of the manifest's name, datatype and shape [N, ...] (or, for a model that declares a
+    preprocess, a BYTES tensor of N encoded images, shape [N] or [N, 1]),
+    1..MAX_SAMPLES_PER_REQUEST samples, only known outputs requested. The REST and the gRPC
+    frontends both call it.
 
     Returns:
-        (input name, its array of N samples).
+        (input name, its array of N samples; for images, N byte strings).
 
     Raises:
         ProtocolError: 400, naming the field at fault and what it must be.
@@ -51,7 +60,9 @@ def check_infer_inputs(name: str, man, inputs: list[InferInput], requested_outpu
         raise ProtocolError(400, f"model '{name}' takes 1 input tensor, got {len(inputs)}")
     t = inputs[0]
     arr = t.array
-    if man.input is not None:
+    if arr.dtype == object:
+        arr = _image_input(name, man, t.name, arr)
+    elif man.input is not None:
         spec = man.input
         if t.name != spec.name:
             raise ProtocolError(400, f"model '{name}' has input '{spec.name}', not {brief(t.name)}")
@@ -72,6 +83,19 @@ def check_infer_inputs(name: str, man, inputs: list[InferInput], requested_outpu
         if known and o not in known:
             raise ProtocolError(400, f"model '{name}' has no output {brief(o)} (outputs: {', '.join(known)})")
     return t.name, arr
+
+
+def _image_input(name: str, man, input_name: str, arr: np.ndarray) -> np.ndarray:
+    """The encoded images of a BYTES input, flat: [N] or [N, 1] elements of a model that declares a preprocess."""
+    if man.preprocess is None or man.input is None:
+        want = f"{_dt(np.dtype(man.input.dtype))} [N, {', '.join(map(str, man.input.shape))}]" if man.input else "numeric"
+        raise ProtocolError(400, f"model '{name}' takes {want} tensors; it declares no image preprocessing (no 'preprocess' "
+                                 "in its model.yaml), so BYTES inputs are refused")
+    if input_name != man.input.name:
+        raise ProtocolError(400, f"model '{name}' has input '{man.input.name}', not {brief(input_name)}")
+    if arr.ndim not in (1, 2) or (arr.ndim == 2 and arr.shape[1] != 1):
+        raise ProtocolError(400, f"input '{input_name}' of BYTES holds encoded images: shape [N] or [N, 1], got {list(arr.shape)}")
+    return arr.reshape(-1)
 
 
 def _dt(dtype: np.dtype) -> str:

@@ -3,7 +3,10 @@
 Requests carry tensors as JSON (``"data"``: a flat or nested list, row-major) or, with the
 binary tensor extension, as raw little-endian bytes after a JSON header whose length is
 given by the ``Inference-Header-Content-Length`` HTTP header; a binary input says its
-size in ``parameters.binary_data_size``. A response is binary when the request asks for
+size in ``parameters.binary_data_size``. ``BYTES`` tensors (encoded images, for models that
+declare a preprocess: :mod:`ppipe.runtime.ingress.images`) hold one byte string per
+element: in binary, each as a 4-byte little-endian length and its bytes (Triton's layout);
+in JSON, each as a base64 string. They parse to arrays of ``bytes`` objects. A response is binary when the request asks for
 it (``parameters.binary_data_output: true``, or ``parameters.binary_data: true`` on a
 requested output) and JSON otherwise.
 
@@ -21,6 +24,8 @@ double and nesting beyond 1,024 levels are errors, so they become a 400).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,7 +36,7 @@ import orjson
 
 HEADER_LENGTH = "inference-header-content-length"
 
-# KServe v2 datatype <-> numpy dtype. BYTES (strings) is not a CNN input; refused.
+# KServe v2 datatype <-> numpy dtype, for tensors of numbers; BYTES (byte strings) is apart
 DATATYPES: dict[str, str] = {
     "BOOL": "bool",
     "UINT8": "uint8",
@@ -47,6 +52,8 @@ DATATYPES: dict[str, str] = {
     "FP64": "float64",
 }
 NUMPY_TO_DATATYPE = {v: k for k, v in DATATYPES.items()}
+BYTES = "BYTES"
+INPUT_DATATYPES = (*DATATYPES, BYTES)
 
 MAX_DIMS = 32
 """The most dimensions a tensor may have: numpy 1.x's own limit (numpy 2 allows 64); a CNN's
@@ -216,16 +223,16 @@ def _parse_input(t: Any, where: str, body_bytes: int, tail: memoryview, offset: 
     if not isinstance(name, str):
         raise ProtocolError(400, f"{where}.name must be a string")
     count = shape_elements(shape, where, body_bytes)
-    if not isinstance(datatype, str) or datatype not in DATATYPES:
-        raise ProtocolError(400, f"{where}.datatype {brief(datatype)} is not supported; use one of {', '.join(DATATYPES)}")
-    dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
+    if not isinstance(datatype, str) or datatype not in INPUT_DATATYPES:
+        raise ProtocolError(400, f"{where}.datatype {brief(datatype)} is not supported; use one of {', '.join(INPUT_DATATYPES)}")
     params = t.get("parameters") or {}
     if not isinstance(params, dict):
         raise ProtocolError(400, f"{where}.parameters must be an object")
+    if datatype == BYTES:
+        return _bytes_input(t, where, shape, count, params, tail, offset)
+    dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
     if "binary_data_size" in params:
-        size = params["binary_data_size"]
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ProtocolError(400, f"{where}.parameters.binary_data_size must be a non-negative integer")
+        size = _binary_size(params, where)
         if size != count * dtype.itemsize:
             raise ProtocolError(
                 400, f"{where}: binary_data_size {size} != {count} elements x {dtype.itemsize} bytes of {datatype}"
@@ -239,6 +246,71 @@ def _parse_input(t: Any, where: str, body_bytes: int, tail: memoryview, offset: 
     if arr.size != count:
         raise ProtocolError(400, f"{where}.data has {arr.size} elements, shape {brief(shape)} needs {count}")
     return arr.reshape(shape), offset
+
+
+def _binary_size(params: dict[str, Any], where: str) -> int:
+    size = params["binary_data_size"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ProtocolError(400, f"{where}.parameters.binary_data_size must be a non-negative integer")
+    return size
+
+
+def _bytes_input(t: dict[str, Any], where: str, shape: list[int], count: int, params: dict[str, Any],
+                 tail: memoryview, offset: int) -> tuple[np.ndarray, int]:
+    """A ``BYTES`` tensor as an array of ``bytes`` of ``shape``, and the tail's offset after it:
+    binary (``count`` elements of a 4-byte little-endian length and the bytes, filling
+    ``binary_data_size`` exactly) or JSON (``data``: ``count`` base64 strings, flat or nested)."""
+    if "binary_data_size" in params:
+        size = _binary_size(params, where)
+        if offset + size > len(tail):
+            raise ProtocolError(400, f"{where}: binary data runs past the end of the body")
+        return split_bytes(tail[offset : offset + size], count, where).reshape(shape), offset + size
+    if "data" not in t:
+        raise ProtocolError(400, f"{where} has no 'data' (and no parameters.binary_data_size)")
+    flat = _flat_strings(t["data"], where)
+    if len(flat) != count:
+        raise ProtocolError(400, f"{where}.data has {len(flat)} elements, shape {brief(shape)} needs {count}")
+    out = np.empty(count, dtype=object)
+    for i, text in enumerate(flat):
+        try:
+            out[i] = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError(400, f"{where}.data[{i}] is not base64; BYTES elements in JSON are base64 strings "
+                                     "(or send the binary tensor extension)") from None
+    return out.reshape(shape), offset
+
+
+def split_bytes(region: memoryview, count: int, where: str) -> np.ndarray:
+    """``count`` length-prefixed byte strings that fill ``region`` exactly, as an array of bytes."""
+    if count * 4 > len(region):  # before anything is allocated for them
+        raise ProtocolError(400, f"{where}: {count} BYTES elements need at least {count} x 4 bytes, the tensor has {len(region)}")
+    out, pos = np.empty(count, dtype=object), 0
+    for i in range(count):
+        if pos + 4 > len(region):
+            raise ProtocolError(400, f"{where}: element {i} of {count} has no 4-byte length prefix within binary_data_size")
+        n = int.from_bytes(region[pos : pos + 4], "little")
+        if pos + 4 + n > len(region):
+            raise ProtocolError(400, f"{where}: element {i} claims {n} bytes, past the end of its binary_data_size")
+        out[i] = bytes(region[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    if pos != len(region):
+        raise ProtocolError(400, f"{where}: {len(region) - pos} bytes of binary_data_size follow its {count} elements")
+    return out
+
+
+def _flat_strings(data: Any, where: str) -> list[str]:
+    """The strings of a flat or nested JSON list, in row-major order (at most :data:`MAX_DIMS` deep)."""
+    flat: list[str] = []
+    stack = [(data, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            flat.append(item)
+        elif isinstance(item, list) and depth < MAX_DIMS:
+            stack.extend((x, depth + 1) for x in reversed(item))
+        else:
+            raise ProtocolError(400, f"{where}.data must hold base64 strings for BYTES, got {brief(item)}")
+    return flat
 
 
 def _parse_outputs(head: dict[str, Any]) -> tuple[bool, list[str]]:
@@ -318,6 +390,11 @@ def _encode_body(head: dict[str, Any], key: str, tensors: dict[str, np.ndarray],
     entries = head.setdefault(key, [])
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
+        if arr.dtype == object:  # byte strings (encoded images)
+            entry, blob = _bytes_entry(name, arr, binary)
+            entries.append(entry)
+            blobs.extend([blob] if binary else [])
+            continue
         entry: dict[str, Any] = {"name": name, "shape": list(arr.shape), "datatype": datatype_of(arr.dtype)}
         if binary:
             data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
@@ -333,6 +410,19 @@ def _encode_body(head: dict[str, Any], key: str, tensors: dict[str, np.ndarray],
         "content-type": "application/octet-stream",
         "inference-header-content-length": str(len(head_bytes)),
     }
+
+
+def _bytes_entry(name: str, arr: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes]:
+    """A BYTES tensor entry of the byte strings ``arr``, and its binary blob (length-prefixed
+    elements; empty in JSON, where the entry holds them as base64)."""
+    entry: dict[str, Any] = {"name": name, "shape": list(arr.shape), "datatype": BYTES}
+    flat = [bytes(b) for b in arr.reshape(-1)]
+    if not binary:
+        entry["data"] = [base64.b64encode(b).decode("ascii") for b in flat]
+        return entry, b""
+    blob = b"".join(len(b).to_bytes(4, "little") + b for b in flat)
+    entry["parameters"] = {"binary_data_size": len(blob)}
+    return entry, blob
 
 
 def _json_numbers(arr: np.ndarray) -> np.ndarray | list:
