@@ -213,7 +213,8 @@ class Frontend:
         nbytes = sum(len(b) for b in arr)
         try:
             self._admit(latest_us, images.expected_end_s(nbytes), f"decoding these {len(arr)} image(s) of {nbytes} bytes",
-                        f"{images.queued} requests of images are decoding ahead of them")
+                        f"{images.queued} requests of images are decoding ahead of them; plan with a larger --margin or SLO "
+                        "to leave time for decoding, or send the input tensor")
             out = await images.prepare(list(arr), man.preprocess, man.input)
             self._check_late(latest_us, "decoding the images")
         except DroppedError as exc:
