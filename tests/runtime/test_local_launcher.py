@@ -181,7 +181,7 @@ def test_the_local_launcher_refuses_what_takes_ray(two_stage):
 
     from ppipe.cli import main
 
-    for flags, says in ((["--launcher", "local", "--shards", "2"], "--shards 2"), (["--launcher", "local", "--ray-address", "auto"], "--ray-address"),
+    for flags, says in ((["--launcher", "local", "--ray-address", "auto"], "--ray-address"),
                         (["--launcher", "local", "--transport", "ring"], "--transport ring")):
         r = CliRunner().invoke(main, ["serve", two_stage.plan_file, "--backend", "emulated", *flags])
         assert r.exit_code == 2 and says in r.output, r.output

@@ -1,4 +1,5 @@
-"""Frontend shards: which models each owns, the simulator's equivalence, and requests passed between shards."""
+"""Frontend shards: which models each owns, the simulator's equivalence, requests passed between
+shards, and `ppipe serve --shards 2` under the local launcher (one test under Ray)."""
 
 from __future__ import annotations
 
@@ -256,7 +257,8 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _serve_two_shards(tmp_path, port: int, *flags: str):
-    """`ppipe serve plan.yaml --shards 2` (emulated workers) as a user starts it, once ready."""
+    """`ppipe serve plan.yaml --shards 2` (emulated workers) as a user starts it, once ready;
+    the local launcher unless ``flags`` say otherwise."""
     import os
     import subprocess
     import sys
@@ -264,7 +266,7 @@ def _serve_two_shards(tmp_path, port: int, *flags: str):
     from ppipe.runtime.client.httpclient import wait_until_ready
 
     proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(tmp_path / "plan.yaml"), "--backend", "emulated",
-                             "--shards", "2", "--port", str(port), "--num-cpus", "2", *flags],
+                             "--shards", "2", "--port", str(port), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "RAY_ADDRESS": ""},
                             cwd=tmp_path)
     try:
@@ -273,6 +275,32 @@ def _serve_two_shards(tmp_path, port: int, *flags: str):
         proc.kill()
         raise AssertionError("ppipe serve did not become ready:\n" + proc.communicate()[0][-3000:]) from None
     return proc
+
+
+def _stop_and_leave_nothing(proc, sig=None) -> str:
+    """Stop `ppipe serve` (SIGTERM) and check that no process of it is left (its shards, their
+    workers, fork servers and decode pools); its output."""
+    import signal
+
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    proc.send_signal(sig or signal.SIGTERM)
+    out, _ = proc.communicate(timeout=90)  # EOF: no process of the server holds its output any more
+    for p in children:
+        try:
+            p.wait(timeout=10)  # a process that outlived its server, if any, fails the check below
+        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+            pass
+    left = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [(p.pid, p.cmdline()) for p in left]
+    return out
+
+
+def _shard_processes(proc) -> list:
+    import psutil
+
+    return [p for p in psutil.Process(proc.pid).children() if "ppipe.runtime.launch.local_shards" in " ".join(p.cmdline())]
 
 
 def _grpc_infer_on_a_new_channel(address: str, model: str) -> bool:
@@ -296,12 +324,14 @@ def _grpc_infer_on_a_new_channel(address: str, model: str) -> bool:
         client.close()
 
 
-@pytest.mark.ray
 @pytest.mark.slow
-def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
-    """The command a user runs: two shards (one a Ray actor), REST requests and gRPC calls
-    on fresh connections (the kernel spreads them over the shards), merged metrics, a clean
-    stop on SIGINT."""
+def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port_and_restarts_a_shard_that_dies(tmp_path):
+    """The command a user runs, without Ray: two shards (the second a process of its own, with
+    its own workers), REST requests and gRPC calls on fresh connections (the kernel spreads
+    them over the shards), merged metrics. Then SIGKILL of shard 1's process: a is served
+    throughout; b's requests get 200 or an explicit 503 (never a hang: each has a 30 s client
+    timeout) until the restarted shard serves b again, and the log says what happened.
+    SIGTERM then stops every process of the server."""
     import signal
 
     from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
@@ -311,7 +341,9 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
     port, grpc_port = _free_ports(2)
     proc = _serve_two_shards(tmp_path, port, "--grpc-port", str(grpc_port))
     url = f"http://127.0.0.1:{port}"
+    request = {"inputs": [{"name": "input", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}]}
     try:
+        (victim,) = _shard_processes(proc)  # shard 1; shard 0 is the server's process
         codes, drops = {}, []
         body, headers = encode_infer_request({"input": np.zeros((1, 3, 8, 8), np.float32)}, binary=True)
         for m in ("a", "b"):
@@ -327,14 +359,62 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port(tmp_path):
                 assert decode_infer_response(r.content, r.headers.get("inference-header-content-length"))["logits"].shape == (1, 5)
         metrics = httpx.get(url + "/metrics", timeout=10).text
         grpc_ok = {m: sum(_grpc_infer_on_a_new_channel(f"127.0.0.1:{grpc_port}", m) for _ in range(4)) for m in ("a", "b")}
+
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=30)
+        answers = {"a": [], "b": []}
+        for _ in range(400):  # b is back once the new shard serves (a few seconds); a bound, not a time
+            for m in ("a", "b"):
+                r = httpx.post(f"{url}/v2/models/{m}/infer", json=request, timeout=30)
+                answers[m].append((r.status_code, r.json().get("error", "")))
+            if answers["b"][-1][0] == 200:
+                break
+        (restarted,) = _shard_processes(proc)
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out = _stop_and_leave_nothing(proc)
     assert codes == {"a": [200] * 6, "b": [200] * 6}
     assert grpc_ok == {"a": 4, "b": 4}  # each channel reaches one shard, which serves or passes the call
     assert all(drops) and len(drops) <= 3, drops  # each 503 says why; a few at most
     assert 'ppipe_requests_total{code="200",model="a"} 6.0' in metrics and 'ppipe_requests_total{code="200",model="b"} 6.0' in metrics
-    assert "2 shards: a, b" in out
+    assert "2 shards: a, b" in out and "local launcher" in out
+    # the shard that died
+    assert restarted.pid != victim.pid and answers["b"][-1][0] == 200, answers["b"][-3:]
+    refused = [(code, why) for code, why in answers["b"] if code != 200]
+    assert all(code == 503 and why for code, why in refused), refused  # explicit, with the reason
+    assert any("shard 1 of this server is down" in why for _, why in refused), refused
+    assert sum(code == 200 for code, _ in answers["a"]) >= len(answers["a"]) - 2, answers["a"]  # a: its shard never stopped
+    assert f"shard 1 (b; pid {victim.pid}) is gone: exit code -9" in out and "restarting it" in out
+    assert f"shard 1 (b; pid {restarted.pid}) is back" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ppipe_serve_with_two_ray_shards_answers_every_model_on_one_port(tmp_path):
+    """Under Ray (--launcher ray), the second shard is a Ray actor given shard 0's worker
+    handles: both models answer on one port, and SIGINT stops the server cleanly."""
+    import signal
+
+    plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    plan.save(tmp_path / "plan.yaml")
+    (port,) = _free_ports(1)
+    proc = _serve_two_shards(tmp_path, port, "--launcher", "ray", "--num-cpus", "2")
+    url = f"http://127.0.0.1:{port}"
+    request = {"inputs": [{"name": "input", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}]}
+    try:
+        codes = {}
+        for m in ("a", "b"):
+            for _ in range(4):
+                for _try in range(3):  # an explicit drop (503 with its reason) while the workers are cold is sent again
+                    r = httpx.post(f"{url}/v2/models/{m}/infer", json=request, timeout=30)
+                    if r.status_code != 503:
+                        break
+                codes.setdefault(m, []).append(r.status_code)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert codes == {"a": [200] * 4, "b": [200] * 4}, out[-3000:]
+    assert "2 shards: a, b" in out and "ray launcher" in out
     assert "Traceback" not in out
 
 
@@ -407,7 +487,7 @@ def test_a_shard_answers_each_plan_switch_request_with_its_own_handler():
     from types import SimpleNamespace
 
     from ppipe.runtime.control.shard_control import (
-        Abort, Commit, Lift, LogArrivals, Prepare, SetOwner, ShardControl, TakeArrivals,
+        Abort, Commit, Lift, LogArrivals, Prepare, SetOwner, SetPeers, ShardControl, TakeArrivals,
     )
 
     asked = []
@@ -419,14 +499,14 @@ def test_a_shard_answers_each_plan_switch_request_with_its_own_handler():
                 return name
             return method
 
-    router = SimpleNamespace(owner={"a": 0})
+    router = SimpleNamespace(owner={"a": 0}, set_peers=lambda addresses: asked.append(("set_peers", addresses)))
     control = ShardControl(Switcher(), router)
     requests = [Prepare("dep"), Commit({"g0": None}), Abort(), Lift("g0", 5.0), LogArrivals(True), TakeArrivals(),
-                SetOwner({"a": 1})]
+                SetOwner({"a": 1}), SetPeers(("tcp://x:1", None))]
     answers = [asyncio.run(control.call(r)) for r in requests]
     assert asked == [("prepare", "dep"), ("commit", {"g0": None}), ("abort",), ("lift", "g0", 5.0), ("log_arrivals", True),
-                     ("take_arrivals",)]
-    assert answers == ["prepare", "commit", "abort", "lift", "log_arrivals", "take_arrivals", None]
+                     ("take_arrivals",), ("set_peers", ["tcp://x:1", None])]
+    assert answers == ["prepare", "commit", "abort", "lift", "log_arrivals", "take_arrivals", None, None]
     assert router.owner == {"a": 1}
     with pytest.raises(TypeError, match="not a shard request"):
         asyncio.run(control.call("commit"))
@@ -444,6 +524,85 @@ def test_a_server_of_shards_is_ready_once_every_shard_has_started_and_then_while
     assert merge_readiness([ready, starting]) == starting
     assert merge_readiness([unreachable, ready]) == unreachable
     assert merge_readiness([lost, lost]) == lost
+
+
+def test_a_request_waiting_for_a_shard_that_goes_down_is_answered_503_and_so_is_every_later_one():
+    """Shard 1 takes a request and never answers (its process died): once shard 0's router
+    learns that shard 1 is down, the waiting request and every new one for shard 1's models
+    get an explicit 503 (REST) or UNAVAILABLE (gRPC) at once; shard 0's own models are
+    not affected."""
+    import asyncio
+
+    async def run():
+        taken = asyncio.Event()
+
+        async def never_answers(scope, receive, send):
+            taken.set()
+            await asyncio.Event().wait()
+
+        r0, r1 = ShardRouter(None, 0, {"a": 0, "b": 1}), ShardRouter(never_answers, 1, {"a": 0, "b": 1})
+        await r0.start()
+        await r1.start()
+        try:
+            r0.set_peers([r0.address, r1.address])
+            scope = {"type": "http", "method": "POST", "path": "/v2/models/b/infer", "headers": [], "query_string": b""}
+            waiting = asyncio.ensure_future(r0._ask(1, scope, b"{}"))
+            await taken.wait()
+            r0.set_peers([r0.address, None])  # as the supervisor tells it when shard 1's process is gone
+            first = await waiting
+            later = await r0._ask(1, scope, b"{}")
+            grpc = await r0.ask_grpc(1, "ModelInfer", b"", [])
+        finally:
+            await r0.stop()
+            await r1.stop()
+        return first, later, grpc
+
+    first, later, grpc = asyncio.run(run())
+    for status, _, body in (first, later):
+        assert status == 503 and b"shard 1 of this server is down" in body
+    assert grpc[0] == "UNAVAILABLE" and "shard 1 of this server is down" in grpc[1]
+
+
+def test_a_local_shard_restarts_with_the_part_its_last_committed_switch_gave_it():
+    """LocalShard keeps what the shard serves as requests through it are answered: a
+    prepared part only once committed (an aborted one never), the owners, the arrival log."""
+    from types import SimpleNamespace
+
+    from ppipe.runtime.control.shard_control import Abort, Commit, LogArrivals, Prepare, SetOwner
+    from ppipe.runtime.launch.local_shards import LocalShard, ShardStart
+
+    def part(*models):
+        return SimpleNamespace(plan=SimpleNamespace(models=[SimpleNamespace(name=m) for m in models]))
+
+    shard = LocalShard(ShardStart(1, part("b"), ["b"], None, {"a": 0, "b": 1}, "127.0.0.1", 1))
+    shard._note(Prepare(part("b", "x")))
+    shard._note(Abort())
+    shard._note(Commit({}))  # a commit with nothing prepared (this shard did not switch) changes nothing
+    assert shard.spec.models == ["b"]
+    new = part("b", "c")
+    shard._note(Prepare(new))
+    assert shard.spec.models == ["b"]  # prepared, not yet serving
+    shard._note(SetOwner({"a": 0, "b": 1, "c": 1}))
+    shard._note(Commit({"g0": None}))
+    shard._note(LogArrivals(True))
+    assert shard.spec.dep is new and shard.spec.models == ["b", "c"]
+    assert shard.spec.owner == {"a": 0, "b": 1, "c": 1} and shard.spec.log_arrivals is True
+
+
+def test_several_shards_run_under_the_local_launcher_unless_ray_is_asked_for(tmp_path):
+    from ppipe.runtime.cli import _choose_launcher
+
+    plan, cluster = _two_model_plan(tmp_path, ONE, ONE, servers=1)
+    assert _choose_launcher("auto", None, cluster, "2", 2, "auto") == ("local", 2)
+    assert _choose_launcher("auto", None, cluster, "auto", 2, "auto") == ("local", 2)
+    assert _choose_launcher("ray", None, cluster, "2", 2, "auto") == ("ray", 2)
+    assert _choose_launcher("auto", "auto", cluster, "2", 2, "auto") == ("ray", 2)  # a Ray address
+    ray_nodes = cluster.model_copy(update={"servers": [cluster.servers[0].model_copy(update={"ray_resource": "nodeA"})]})
+    assert _choose_launcher("auto", None, ray_nodes, "2", 2, "auto") == ("ray", 2)
+    with pytest.raises(UserError, match="--launcher local cannot serve with the cluster's ray_resource"):
+        _choose_launcher("local", None, ray_nodes, "2", 2, "auto")
+    with pytest.raises(UserError, match="--transport nccl needs --launcher ray"):
+        _choose_launcher("auto", None, cluster, "2", 2, "nccl")
 
 
 # ---- plan switches of a server of shards (ppipe.runtime.control.switch.ShardedSwitcher) -----------------
@@ -512,13 +671,13 @@ def test_shards_commit_givers_first_and_a_cycle_under_an_embargo_that_the_later_
     assert calls == [(0, Commit({"g1": None})), (1, Commit({"g0": 100.0})), (0, Lift("g1", 201.0))]
 
 
-@pytest.mark.ray
 @pytest.mark.slow
 def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_path):
-    """`ppipe apply` on `ppipe serve --shards 2` while both models are under load: the new
-    plan swaps the models' GPUs, so each shard takes the GPU the other gives up (the cycle
-    that commits under an embargo). Every request is answered; a plan that would leave a
-    shard without a model is refused and the server serves on."""
+    """`ppipe apply` on `ppipe serve --shards 2` (local shards) while both models are under
+    load: the new plan swaps the models' GPUs, so each shard takes the GPU the other gives up
+    (the cycle that commits under an embargo); shard 1's part of the switch reaches its
+    process as typed requests. Every request is answered; a plan that would leave a shard
+    without a model is refused and the server serves on."""
     import asyncio
     import signal
     import threading
@@ -552,8 +711,7 @@ def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_pa
                                json={"inputs": [{"name": "input", "shape": [1, 3, 8, 8], "datatype": "FP32",
                                                  "data": [0.0] * 192}]}).status_code for m in ("a", "b")}
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out = _stop_and_leave_nothing(proc, signal.SIGINT)
     assert applied.exit_code == 0, applied.output + out[-3000:]
     assert "0 vGPUs kept, 2 started, 2 finishing their batches" in applied.output
     for m in ("a", "b"):
