@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -111,6 +112,8 @@ async def _serve(sock: socket.socket, start: ShardStart) -> None:
         if start.log_arrivals:
             await server.control(LogArrivals(True))
     except BaseException as exc:  # the server reports it (a missing sub-model is the user's to fix)
+        if not isinstance(exc, UserError):
+            traceback.print_exc()  # a bug: its traceback where the server's log is
         sock.sendall(_frame((0, False, _portable(exc))))
         if server is not None:
             await server.stop()
@@ -182,6 +185,7 @@ class LocalShard:
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
         self.why_gone: str | None = None
+        self.down: str | None = None  # why requests are refused: its process is gone and not yet restarted
         self._sock: socket.socket | None = None
         self._prepared: Any = None
         self._ids = itertools.count(1)
@@ -232,7 +236,10 @@ class LocalShard:
         self._sock.settimeout(None)
         if not ok:
             self.kill()
-            raise _rebuilt(value)
+            err = _rebuilt(value)
+            if isinstance(err, UserError):
+                raise err
+            raise UserError(f"{self.describe()} did not start: {err}", fix="see its error above")
         self.address = value
         return value
 
@@ -244,6 +251,8 @@ class LocalShard:
 
     # shard 0's requests (on the server's loop)
     async def call(self, request: ShardRequest) -> Any:
+        if self.down is not None:  # checked first: a restart's new pair is not to be read here yet
+            raise ConnectionError(self.down)
         await self._ensure_open()
         if self.why_gone is not None:
             raise ConnectionError(self.why_gone)
@@ -299,7 +308,7 @@ class LocalShard:
             pass
         proc = self.proc
         code = await asyncio.to_thread(_reap, proc)
-        self.why_gone = f"{self.describe()} is gone: exit code {code}"
+        self.why_gone = self.down = f"{self.describe()} is gone: exit code {code}"
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(ConnectionError(self.why_gone))
@@ -308,11 +317,16 @@ class LocalShard:
         self._gone.set()
 
     def reset(self) -> None:
-        """Forget the last process's pair (on the server's loop, before :meth:`restart`)."""
+        """Forget the last process's pair (on the server's loop, before :meth:`restart`; the
+        shard stays :attr:`down` until :meth:`up`)."""
         if self._writer is not None:
             self._writer.close()
         self._writer, self._opening = None, None
         self._prepared = None  # a switch it had prepared failed with it
+
+    def up(self) -> None:
+        """The restarted shard serves: requests go to it again (on the server's loop)."""
+        self.down = None
 
     def _release(self) -> None:
         if self._sock is not None:
@@ -444,6 +458,7 @@ class ShardSupervisor(PeerExchange):
                     await asyncio.sleep(delay)
                     if self._stopping:
                         return
+            shard.up()
             self.restarts += 1
             await self._tell()
             log.warning("%s is back: restarted", shard.describe())
