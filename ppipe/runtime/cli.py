@@ -355,8 +355,9 @@ def _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_
 
 class _Shards:
     """The frontend shards but the first (the ``ppipe serve`` process is shard 0): local
-    processes under the local launcher (:mod:`ppipe.runtime.launch.local_shards`), Ray
-    actors under Ray (:mod:`ppipe.runtime.launch.shards`). None for one shard."""
+    processes under the local launcher (:mod:`ppipe.runtime.launch.local_shards`, started
+    here, so that they load while shard 0's workers do), Ray actors under Ray
+    (:mod:`ppipe.runtime.launch.shards`, started by :meth:`start`). Empty for one shard."""
 
     def __init__(self, launcher: str, dep, parts: list[list[str]], settings, owner: dict[str, int], host: str, port: int):
         self.launcher, self.dep, self.parts, self.settings, self.owner = launcher, dep, parts, settings, owner
