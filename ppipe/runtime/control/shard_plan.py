@@ -87,7 +87,7 @@ def assign_shards(plan: Plan, n: int) -> list[list[str]]:
 def auto_shards(plan: Plan, cores: int) -> int:
     """The default shard count: what the planned rate needs at ``FRONTEND_CPU_S_PER_REQUEST``
     (each shard at most ``TARGET_BUSY`` busy), no more than the NIC components, and no more
-    than the cores but one (the workers and Ray's daemons need CPU too)."""
+    than the cores but one (the workers, and Ray's daemons where Ray runs, need CPU too)."""
     rate = sum(m.throughput_rps for m in plan.models)
     need = math.ceil(rate * FRONTEND_CPU_S_PER_REQUEST / TARGET_BUSY)
     return max(1, min(need, len(nic_components(plan)), cores - 1))
