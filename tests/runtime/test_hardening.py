@@ -568,3 +568,35 @@ def test_decode_processes_leave_ctrl_c_to_the_server():
         assert pool.submit(os.getpid).result(timeout=60) == pid  # the same process, still serving
     finally:
         pool.shutdown()
+
+
+_POOL_OWNER = """
+import os, sys, time
+from ppipe.runtime.ingress.bodies import _process_pool
+if __name__ == "__main__":
+    pool = _process_pool(1)
+    print(pool.submit(os.getpid).result(timeout=60), flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not os.sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_decode_processes_end_with_a_server_killed_by_sigkill(tmp_path):
+    """A server killed with SIGKILL shuts nothing down: its decode processes end by themselves."""
+    import signal
+    import subprocess
+    import sys
+
+    psutil = pytest.importorskip("psutil")
+    script = tmp_path / "owner.py"
+    script.write_text(_POOL_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(owner.stdout.readline())
+        assert psutil.pid_exists(child)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+        gone, alive = psutil.wait_procs([psutil.Process(child)], timeout=30)
+        assert not alive
+    finally:
+        owner.kill()

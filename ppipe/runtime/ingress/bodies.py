@@ -98,7 +98,7 @@ def _process_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
     # spawn, never fork: the server process runs Ray's and uvicorn's threads. (So a script
     # that serves must guard its main code with `if __name__ == "__main__"`.)
     return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                  initializer=_ignore_interrupts)
+                                                  initializer=_pool_process_init, initargs=(os.getpid(),))
 
 
 def pool_decode_job(body: bytes, header_length: str | None):
@@ -109,12 +109,31 @@ def pool_decode_job(body: bytes, header_length: str | None):
     return decode_job(body, header_length)
 
 
-def _ignore_interrupts() -> None:
+def _pool_process_init(server_pid: int) -> None:
     """A decode process leaves Ctrl-C to the server, which shuts the pool down in order (a
-    terminal sends SIGINT to the whole process group)."""
+    terminal sends SIGINT to the whole process group), and ends when the server ends: a
+    server killed with SIGKILL shuts nothing down, and its pool's processes would stay for
+    good, blocked on their queue, holding the server's stdout."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _end_with(server_pid)
+
+
+def _end_with(server_pid: int) -> None:
+    """SIGTERM this process when its parent ends (Linux's parent-death signal; elsewhere
+    nothing), and exit now if the parent ``server_pid`` is already gone."""
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != server_pid:  # it ended before the signal was set
+        os._exit(0)
 
 
 class BodyDecoder:
