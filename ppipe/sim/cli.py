@@ -96,9 +96,12 @@ def _serving_margins(plan, profiles, spec, policy: str, lead_ms: float, budget_m
 @click.option("--records", "records_out", type=click.Path(dir_okay=False), default=None,
               help="Write one CSV row per request (arrival, dispatch, stages, completion or drop reason/place) of the run shown.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
+@click.option("--schedulers", type=int, default=1, show_default=True,
+              help="Decide the plan with this many schedulers, each over a disjoint group of its servers (ppipe.dataplane.split): "
+              "what a split for a rate beyond one scheduler core costs. Prints what the groups keep.")
 def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full_points, arrivals, period_s, replan,
              replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s, replan_curvature_window_s, trace_file, cv, duration_s, seed,
-             policy, jitter_cv, dispatch_lead_ms, answer_budget_ms, feedback, rates_from, plot_dir, records_out, json_out) -> None:
+             policy, jitter_cv, dispatch_lead_ms, answer_budget_ms, feedback, rates_from, plot_dir, records_out, json_out, schedulers) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
     from ppipe.sim.simulator import SimConfig, default_feedback
@@ -136,6 +139,7 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
     config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy, replan=setup,
                        scheduler_options=margins)
     base = rates or base_rates(plan)
+    factory = _split_factory(plan, schedulers, policy, margins, replan) if schedulers != 1 else None
 
     if sweep:
         def progress(f, res):
@@ -144,7 +148,8 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
             click.echo(f"load {f:.3f}: {parts}  ({res.wall_s:.1f} s{cut})")
 
         result = run_sweep(plan, profiles, spec, rates_rps=rates, workload=workload, config=config, target=target,
-                           search=search, bisect_steps=bisect_steps, progress=progress, early_stop=not full_points)
+                           search=search, bisect_steps=bisect_steps, progress=progress, early_stop=not full_points,
+                           scheduler_factory=factory)
         _print_sweep(result, base)
         payload = {"plan": str(plan_file), "policy": policy, "arrivals": kind.value, "base_rates_rps": base, **result.to_dict()}
         # the figures of one point: the highest load at which every model still met the target
@@ -153,7 +158,7 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
         shown = result.points.get(key, result.points[min(result.points)])
     else:
         f = 1.0 if load is None else load
-        shown = run_point(plan, profiles, spec, f, rates_rps=rates, workload=workload, config=config)
+        shown = run_point(plan, profiles, spec, f, rates_rps=rates, workload=workload, config=config, scheduler_factory=factory)
         _print_point(shown, f, base)
         _print_switches(shown.switches)
         payload = {"plan": str(plan_file), "policy": policy, "arrivals": kind.value, "load": f, "base_rates_rps": base, **shown.to_dict()}
@@ -180,6 +185,23 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
             written.append(plots.plot_utilization(shown, d / "utilization.png"))
         for p in written:
             click.echo(f"wrote {p}")
+
+
+def _split_factory(plan, k: int, policy: str, options: dict, replan: str):
+    """``--schedulers K``: the scheduler factory of K server groups, after printing what they keep."""
+    from ppipe.dataplane.split import build_split_scheduler, split_report, split_servers
+
+    if k < 1:
+        raise UserError(f"--schedulers must be >= 1, got {k}", fix="e.g. --schedulers 2")
+    if replan == "auto" or policy == "reactive-pool":
+        what = "--replan auto" if replan == "auto" else "--policy reactive-pool"
+        raise UserError(f"--schedulers {k} does not go with {what}", fix=f"leave out one of --schedulers and {what}")
+    report = split_report(plan, split_servers(plan, k))
+    shares = " / ".join(f"{x:.2f}" for x in report["shares"])
+    kept = ", ".join(f"{m} {100 * v:.1f} %" for m, v in report["kept"].items())
+    click.echo(f"{k} schedulers over disjoint server groups: shares {shares}{'' if report['balanced'] else ' (not balanced)'}; "
+               f"capacity kept: {kept}")
+    return lambda p, pr, cl, clock: build_split_scheduler(p, pr, cl, clock, k, policy=policy, **options)
 
 
 def _replan_setup(plan, profiles, spec, time_limit_s: float, load_delay_s: float, min_interval_s: float, window_s: float,

@@ -131,3 +131,15 @@ def test_trace_and_bursty_arrivals(plan_dir, tmp_path):
     r = invoke(plan_dir / "plan.yaml", "--load", 0.25, "--duration-s", 1, "--arrivals", "bursty", "--cv", 3, "--json", out)
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["arrivals"] == "bursty"
+
+
+def test_schedulers_split_the_servers_and_say_what_they_keep(plan_dir):
+    from ppipe.spec.plan import load_plan
+
+    servers = {p.server for p in load_plan(plan_dir / "plan.yaml").placement}
+    r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--schedulers", len(servers))
+    assert r.exit_code == 0, r.output
+    assert f"{len(servers)} schedulers over disjoint server groups" in r.output and "capacity kept:" in r.output
+    for bad, match in ((0, "--schedulers must be >= 1"), (len(servers) + 1, f"cannot split a plan on {len(servers)} servers")):
+        r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--schedulers", bad)
+        assert r.exit_code == 2 and match in r.output, r.output
