@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import socket
@@ -126,10 +127,25 @@ def make_plans(tmp: Path) -> tuple[Path, Path, dict[str, float]]:
     return files[0], files[1], rates
 
 
-def start_server(plan: Path, port: int, grpc_port: int) -> subprocess.Popen:
+# `ppipe serve` under tracemalloc (--tracemalloc DIR): a snapshot of the frontend's Python heap
+# into DIR at each SIGUSR1 (the soak sends one at each process sample)
+_TRACED_SERVE = """
+import itertools, pathlib, signal, sys, tracemalloc
+out = pathlib.Path(sys.argv.pop(1))
+tracemalloc.start(6)
+turn = itertools.count()
+signal.signal(signal.SIGUSR1, lambda *_: tracemalloc.take_snapshot().dump(str(out / f"snap{next(turn)}.tm")))
+sys.argv[0] = "ppipe"
+from ppipe.cli import main
+main()
+"""
+
+
+def start_server(plan: Path, port: int, grpc_port: int, traced: Path | None = None) -> subprocess.Popen:
     from ppipe.runtime.client.httpclient import wait_until_ready
 
-    proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", str(plan), "--backend", "emulated", "--token", TOKEN,
+    head = [sys.executable, "-c", _TRACED_SERVE, str(traced)] if traced else [sys.executable, "-m", "ppipe.cli"]
+    proc = subprocess.Popen([*head, "serve", str(plan), "--backend", "emulated", "--token", TOKEN,
                              "--port", str(port), "--grpc-port", str(grpc_port), "--replan", "auto",
                              "--replan-window-s", "30", "--replan-min-interval-s", "30"],
                             stdout=subprocess.DEVNULL, stderr=open(plan.parent / "serve.log", "w"))
@@ -489,8 +505,9 @@ def answered_twice(records: list, server_ok: dict, server_drops: dict) -> int:
 
 
 # ---- the run --------------------------------------------------------------------------------------------
-async def soak(url: str, grpc: str, port: int, server_pid: int, minutes: float, seed: int, plans, base, faults):
-    """The load, the faults, the hostile clients and the process samples, together."""
+async def soak(url: str, grpc: str, port: int, server_pid: int, minutes: float, seed: int, plans, base, faults, traced: bool = False):
+    """The load, the faults, the hostile clients and the process samples (each with a heap
+    snapshot of the frontend where it is ``traced``), together."""
     ports = (port, int(grpc.rsplit(":", 1)[1]))
     total = minutes * 60.0
     t0 = time.monotonic() + 1.0
@@ -503,6 +520,8 @@ async def soak(url: str, grpc: str, port: int, server_pid: int, minutes: float, 
     async def sample(name: str, at_s: float) -> None:
         await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
         samples[name] = await asyncio.to_thread(sample_processes, server_pid, ports)
+        if traced:
+            os.kill(server_pid, signal.SIGUSR1)
 
     async def load_then_stop() -> None:
         await drive_load(url, grpc, t0, total, base, faults, records)
@@ -537,11 +556,29 @@ def print_report(fig: Figures, faults: list[Fault], base: dict, minutes: float) 
     print(f"processes left after SIGTERM: {fig.left_after_sigterm}")
 
 
+def print_heap_growth(folder: Path, top: int = 15) -> None:
+    """The frontend's Python heap: what grew most from the first snapshot (after warm-up) to the last (the end)."""
+    import tracemalloc
+
+    snaps = sorted(folder.glob("snap*.tm"), key=lambda f: int(f.stem[4:]))
+    if len(snaps) < 2:
+        print(f"heap: {len(snaps)} snapshot(s) in {folder}, need two")
+        return
+    first, last = (tracemalloc.Snapshot.load(str(f)) for f in (snaps[0], snaps[-1]))
+    total = lambda s: sum(t.size for t in s.traces) / 2**20  # noqa: E731
+    print(f"frontend Python heap (tracemalloc): {total(first):.1f} MiB after warm-up, {total(last):.1f} MiB at the end; grew most:")
+    for stat in last.compare_to(first, "lineno")[:top]:
+        print(f"   {stat.size_diff / 2**20:+8.2f} MiB {stat.count_diff:+8d} blocks  {stat.traceback[0]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--tracemalloc", type=Path, default=None, metavar="DIR",
+                    help="run the server under tracemalloc (slower: a diagnosis, not the targets' run), a snapshot of its "
+                    "Python heap into DIR at each sample, and print what grew most from after warm-up to the end")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
     import httpx
@@ -556,10 +593,14 @@ def main() -> int:
         slo_ms = min(m.slo_ms for m in load_plan(plan_a).models)
         port, grpc_port = free_port(), free_port()
         url, grpc = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-        proc = start_server(plan_a, port, grpc_port)
+        if args.tracemalloc:
+            args.tracemalloc.mkdir(parents=True, exist_ok=True)
+        proc = start_server(plan_a, port, grpc_port, args.tracemalloc)
         try:
             records, hostile_out, idle_out, samples = asyncio.run(
-                soak(url, grpc, port, proc.pid, args.minutes, args.seed, (plan_a, plan_b), base, faults))
+                soak(url, grpc, port, proc.pid, args.minutes, args.seed, (plan_a, plan_b), base, faults, bool(args.tracemalloc)))
+            if args.tracemalloc:
+                time.sleep(10.0)  # the last snapshot is written
             counts = server_counts(url)
             status = httpx.get(url + "/v2/admin/plan", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).json()
         finally:
@@ -567,6 +608,8 @@ def main() -> int:
     fig = figures(records, hostile_out, idle_out, faults, slo_ms, args.minutes * 60.0, counts, samples,
                   len(status.get("switches", [])), left)
     print_report(fig, faults, base, args.minutes)
+    if args.tracemalloc:
+        print_heap_growth(args.tracemalloc)
     if args.json_out:
         args.json_out.write_text(json.dumps(asdict(fig), indent=1))
     print(f"soak: sent {fig.sent}, answered once {fig.answered - fig.answered_twice}, unanswered {fig.unanswered}, "
