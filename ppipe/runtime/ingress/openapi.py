@@ -19,7 +19,8 @@ DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "IN
 
 _PARAMETERS = {"type": "object", "additionalProperties": {"type": ["string", "number", "integer", "boolean"]}}
 _SHAPE = {"type": "array", "items": {"type": "integer", "minimum": 0}}
-_DATA = {"type": "array", "description": "The tensor's elements, row-major, flattened (nested lists are accepted too)."}
+_DATA = {"type": "array", "description": "The tensor's elements, row-major, flattened (nested lists are accepted too); "
+                                          "for BYTES (encoded images, models with a preprocess), base64 strings."}
 
 REQUEST_INPUT = {
     "type": "object",
