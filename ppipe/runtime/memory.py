@@ -11,6 +11,13 @@ call, cheap when there is little to give back: called every few seconds, off any
 path, it bounds the process's memory by what is in use, not by its largest burst
 (docs/benchmarks.md, "Thirty minutes of faults", has the figures).
 
+What it cannot give back is a page that still holds one live block, and each arena (glibc
+makes up to 8 per core, one per thread that allocates while the others are busy: the
+event loop, gRPC's threads, the image decoders) fragments on its own. :func:`limit_arenas`
+caps them at :data:`SERVER_ARENAS`: fewer, fuller arenas hold fewer half-used pages. The
+frontend's Python heap stays flat over a soak (tracemalloc: +4 MiB while RSS grew 80 MiB),
+so what grows is this native fragmentation.
+
 Elsewhere than glibc (musl, macOS) there is no ``malloc_trim``: :func:`trim_heap` does
 nothing and says so once in the log.
 """
@@ -26,6 +33,8 @@ import time
 log = logging.getLogger(__name__)
 
 TRIM_INTERVAL_S = 5.0
+SERVER_ARENAS = 2
+M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 
 def _libc_malloc_trim():
@@ -37,6 +46,16 @@ def _libc_malloc_trim():
 
 
 _MALLOC_TRIM = _libc_malloc_trim()
+
+
+def limit_arenas(arenas: int = SERVER_ARENAS) -> bool:
+    """Let glibc create at most ``arenas`` malloc arenas in this process from now on
+    (``mallopt(M_ARENA_MAX)``; threads share them under their locks). False where not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
 
 
 def trim_heap() -> float:

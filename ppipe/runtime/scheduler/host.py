@@ -38,7 +38,7 @@ from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, W
 from ppipe.dataplane.handover import SwitchingScheduler
 from ppipe.errors import UserError
 from ppipe.runtime.clock import WallClock
-from ppipe.runtime.memory import trim_heap_periodically
+from ppipe.runtime.memory import limit_arenas, trim_heap_periodically
 from ppipe.runtime.launch.handle import WorkerHandle
 from ppipe.runtime.scheduler.batches import BatchesMixin
 from ppipe.runtime.scheduler.budgets import ServiceBudgets
@@ -248,6 +248,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
         freeze_startup_objects()
         self._lifelines = [loop.create_task(self._watch(v, h)) for v, h in self.workers.items()]
         self._lifelines.append(loop.create_task(self._sweep_overdue()))
+        limit_arenas()  # before the gRPC and image threads start: fewer arenas, less fragmentation held
         self._lifelines.append(loop.create_task(trim_heap_periodically()))  # a burst's buffers go back to the system
 
     def _build_scheduler(self, plan: Plan, profiles: dict[str, ModelProfile]) -> tuple[Any, dict]:
