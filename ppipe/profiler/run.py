@@ -234,7 +234,11 @@ class _PartialWriter:
         self._fh.close()
 
 
-def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: list[str] | None, latency_bs1, provenance, layers=None):
+def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: list[str] | None, latency_bs1, provenance, layers=None,
+              preprocess=None):
+    """The model.yaml of a profile. ``preprocess``: the one the folder's model.yaml declared
+    (kept across re-profiling: it describes the model's input, not its cuts); the built-in
+    models take torchvision's ImageNet preprocess; others none."""
     from ppipe.spec.profile import IMAGENET_PREPROCESS, BlockSpec, ModelManifest, SourceSpec, TensorSpec
 
     def node_name(pos):
@@ -263,8 +267,7 @@ def _manifest(name, src, info: GraphInfo, blocks: Sequence[Block], onnx_rel: lis
         latency_bs1_us=latency_bs1,
         provenance=provenance,
         layers=layers,
-        # the built-in models are ImageNet classifiers: they take images as torchvision prepares them
-        preprocess=IMAGENET_PREPROCESS if src.get("kind") == "builtin" else None,
+        preprocess=preprocess or (IMAGENET_PREPROCESS if src.get("kind") == "builtin" else None),
     )
 
 
@@ -427,7 +430,8 @@ class _Run:
     layer_timings: LayerTimings | None = None
 
     def manifest(self, latency_bs1: dict[str, float], provenance: dict[str, str]):
-        return _manifest(self.name, self.src, self.info, self.blocks, self.onnx_rel, latency_bs1, provenance, self.layers_spec)
+        return _manifest(self.name, self.src, self.info, self.blocks, self.onnx_rel, latency_bs1, provenance, self.layers_spec,
+                         _old_preprocess(self.out))
 
 
 def _check_request(req: ProfileRequest) -> None:
@@ -643,6 +647,19 @@ def _old_provenance(out: Path) -> dict[str, str]:
         return {str(k): str(v) for k, v in ((yaml.safe_load(p.read_text()) or {}).get("provenance") or {}).items()}
     except (OSError, yaml.YAMLError, AttributeError):
         return {}
+
+
+def _old_preprocess(out: Path):
+    """The preprocess the folder's model.yaml declares, or None (no file, none, or unreadable)."""
+    import yaml
+
+    from ppipe.spec.profile import ImagePreprocess
+
+    try:
+        raw = (yaml.safe_load((out / "model.yaml").read_text()) or {}).get("preprocess")
+        return ImagePreprocess(**raw) if isinstance(raw, dict) else None
+    except (OSError, yaml.YAMLError, TypeError, ValueError):
+        return None
 
 
 def _progress(total: int, desc: str, enabled: bool) -> tqdm:

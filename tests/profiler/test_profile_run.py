@@ -245,3 +245,20 @@ def test_resuming_over_a_broken_layers_file_says_what_to_delete(tiny_onnx, tmp_p
     (out / "layers.csv").unlink()  # as the message says: the layers are timed again
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0 and load_profile(out).layers.gpus() == ["cpu"]
+
+
+def test_a_declared_preprocess_survives_profiling_again(tiny_onnx, tmp_path):
+    """The user adds a preprocess to model.yaml by hand; profiling the model again keeps it."""
+    import yaml
+
+    out = tmp_path / "tiny"
+    args = ["profile", str(tiny_onnx), "-o", str(out), "--blocks", "2", "--batches", "1", "--reps", "1", "--threads", "2", "--no-progress"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert load_profile(out).manifest.preprocess is None  # a user's ONNX declares none by itself
+    doc = yaml.safe_load((out / "model.yaml").read_text())
+    doc["preprocess"] = {"color": "BGR", "mean": [1.0, 2.0, 3.0], "std": [4.0, 5.0, 6.0]}
+    (out / "model.yaml").write_text(yaml.safe_dump(doc))
+    res = CliRunner().invoke(main, [*args[:5], "3", *args[6:]])  # other cuts: a fresh profile into the folder
+    assert res.exit_code == 0, res.output
+    pre = load_profile(out).manifest.preprocess
+    assert pre.color == "BGR" and pre.mean == [1.0, 2.0, 3.0]
