@@ -271,3 +271,22 @@ def test_bench_images_errors_name_the_fix(tmp_path):
 def test_base64_in_json_is_what_the_encoder_writes():
     body, _ = encode_infer_request({"input": _bytes_tensor(b"\x00\xff")}, binary=False)
     assert base64.b64encode(b"\x00\xff").decode() in body.decode()
+
+
+def test_bench_cli_images_flag(served, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+
+    url, _ = served
+    (tmp_path / "a.png").write_bytes(_encode(_pixels(8, 8)))
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["bench", url, "--model", "tinynet", "--rate", "20", "--duration-s", "0.5", "--binary",
+                                  "--images", str(tmp_path), "--json-out", str(out)])
+    assert r.exit_code == 0, r.output
+    got = json.loads(out.read_text())
+    assert got["sent"] > 0 and got["ok"] == got["sent"]
+    r = CliRunner().invoke(main, ["bench", url, "--model", "tinynet", "--rate", "20", "--images", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and "no such folder" in r.output
