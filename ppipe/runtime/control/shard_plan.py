@@ -11,14 +11,25 @@ schedulers each over its part: the simulator still predicts the sharded server, 
 rule for sharing a NIC at all. The components are packed into at most N shards by their
 planned load (largest first, each to the least loaded shard).
 
+A model whose planned rate needs more than one scheduler's core is spread with
+``--shard-by servers`` (:func:`split_layout`): the plan's *servers* go into N disjoint groups
+(:func:`ppipe.dataplane.split.split_servers`) and each shard serves its group's sub-plan, so
+a model may live on several shards, each with its share of the model's capacity. Groups
+share no vGPU and no server, hence no NIC, so the shards' schedulers are again
+independent; the simulator runs the same split (``ppipe simulate --schedulers N``). A split
+that keeps too little of a model, or loads one shard well above the others, is refused.
+:class:`ShardLayout` is what either way gives each shard and the routers.
+
 A live plan switch keeps each model on its shard (:func:`shard_owners`) and hands GPUs and
 NICs from the shards that give them up to those that take them over
 (:func:`incoming_resources`; :class:`ppipe.runtime.control.switch.ShardedSwitcher` runs it).
+A server whose shards split the servers does not switch plans (it is restarted instead).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ppipe.errors import UserError
 from ppipe.spec.plan import Plan
@@ -27,6 +38,9 @@ from ppipe.spec.plan import Plan
 # measures it; a shard is sized to stay below TARGET_BUSY of its core at the planned rate).
 FRONTEND_CPU_S_PER_REQUEST = 1.5e-3
 TARGET_BUSY = 0.7
+
+SHARD_BY = ("models", "servers")  # --shard-by
+MIN_KEPT = 0.99  # --shard-by servers: a model must keep this share of its capacity
 
 
 def nic_components(plan: Plan) -> list[list[str]]:
@@ -169,11 +183,12 @@ def incoming_resources(old: Plan, old_owner: dict[str, int], new: Plan, new_owne
     return out
 
 
-def parse_shards(value: str, plan: Plan, cores: int) -> int:
-    """``--shards``: ``auto`` (:func:`auto_shards`) or a count >= 1 (capped by the plan's
-    NIC components when it is packed)."""
+def parse_shards(value: str, plan: Plan, cores: int, by: str = "models") -> int:
+    """``--shards``: ``auto`` (:func:`auto_shards`, or :func:`auto_split_shards` with
+    ``by="servers"``) or a count >= 1 (capped by the plan's NIC components when it is packed
+    by models)."""
     if value == "auto":
-        return auto_shards(plan, cores)
+        return auto_split_shards(plan, cores) if by == "servers" else auto_shards(plan, cores)
     try:
         n = int(value)
     except ValueError:
@@ -181,3 +196,142 @@ def parse_shards(value: str, plan: Plan, cores: int) -> int:
     if n < 1:
         raise UserError(f"--shards must be 'auto' or a count >= 1, got '{value}'", fix="e.g. --shards 2, or leave it at auto")
     return n
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What each frontend shard serves, and where the routers send each model's requests.
+
+    Attributes:
+        by: ``models`` (whole NIC components per shard) or ``servers`` (a group of servers per shard).
+        plans: per shard, the plan its models come from: the whole plan (``models``) or its
+            servers' sub-plan (``servers``; :func:`ppipe.dataplane.split.sub_plan`).
+        parts: per shard, the models it serves (those with capacity in its plan).
+        routes: model -> [(shard, weight)]: the shards that serve it, weighted by the
+            capacity each has for it (one entry where a model lives on one shard).
+        servers: per shard, the servers its vGPUs are on.
+        shares: per shard, its share of the plan's capacity.
+        kept: per model, the share of its capacity the shards keep together (1.0 by models).
+    """
+
+    by: str
+    plans: list[Plan]
+    parts: list[list[str]]
+    routes: dict[str, list[tuple[int, float]]]
+    servers: list[list[str]]
+    shares: list[float]
+    kept: dict[str, float]
+
+    def owner(self) -> dict[str, int]:
+        """model -> its one shard (``models`` layouts; a plan switch's owner map)."""
+        return {m: r[0][0] for m, r in self.routes.items()}
+
+    def describe(self) -> list[str]:
+        """One line per shard: its models (with their share of each model's capacity), servers, share of the plan."""
+        out = []
+        for i, (models, servers) in enumerate(zip(self.parts, self.servers)):
+            held = []
+            for m in models:
+                total = sum(w for _, w in self.routes[m])
+                mine = sum(w for k, w in self.routes[m] if k == i)
+                held.append(m if len(self.routes[m]) == 1 else f"{m} {mine / total:.0%}")
+            out.append(f"shard {i}: {', '.join(held)} on {len(servers)} server{'s' if len(servers) != 1 else ''} "
+                       f"({', '.join(servers)}), {self.shares[i]:.0%} of the plan's capacity")
+        return out
+
+
+def _capacity(plan: Plan) -> dict[str, float]:
+    from ppipe.dataplane.split import group_capacity
+
+    return group_capacity(plan)
+
+
+def model_layout(plan: Plan, n: int) -> ShardLayout:
+    """``--shard-by models``: :func:`assign_shards`, each shard with the whole plan (and its models)."""
+    parts = assign_shards(plan, n)
+    cap = _capacity(plan)
+    total = sum(cap.values()) or 1.0
+    return ShardLayout(
+        by="models", plans=[plan] * len(parts), parts=parts,
+        routes={m: [(i, cap.get(m, 0.0))] for i, ms in enumerate(parts) for m in ms},
+        servers=[sorted({p.server for p in plan.placement if p.model in ms}) for ms in parts],
+        shares=[sum(cap.get(m, 0.0) for m in ms) / total for ms in parts],
+        kept={m.name: 1.0 for m in plan.models})
+
+
+def split_layout(plan: Plan, n: int) -> ShardLayout:
+    """``--shard-by servers``: the plan's servers in ``n`` groups
+    (:func:`ppipe.dataplane.split.split_servers`), shard i serving group i's sub-plan.
+
+    Raises:
+        UserError: ``n`` is more than the servers the plan uses, or the split is not one the
+            plan takes well: a shard above :data:`ppipe.dataplane.split.MAX_GROUP_SHARE` of
+            an even share of the capacity, a model keeping less than :data:`MIN_KEPT` of its
+            capacity (its pools sit on too few servers), or a shard with no whole pipeline.
+            The message says what the split keeps.
+    """
+    from ppipe.dataplane.split import split_report, split_servers, sub_plan as servers_sub_plan
+
+    used = sorted({p.server for p in plan.placement})
+    if n > len(used):
+        raise UserError(f"--shards {n} --shard-by servers: the plan's vGPUs are on {len(used)} server"
+                        f"{'s' if len(used) != 1 else ''} ({', '.join(used)}), and each shard needs servers of its own",
+                        fix=f"use --shards {len(used)} or fewer, or --shard-by models")
+    if n == 1:
+        return model_layout(plan, 1)
+    groups = split_servers(plan, n)
+    report = split_report(plan, groups)
+    plans = [servers_sub_plan(plan, g) for g in groups]
+    caps = [_capacity(p) for p in plans]
+    order = [m.name for m in plan.models]
+    parts = [[m for m in order if c.get(m, 0.0) > 0] for c in caps]
+    kept = dict(report["kept"])
+    low = {m: k for m, k in kept.items() if k < MIN_KEPT}
+    empty = [i for i, ms in enumerate(parts) if not ms]
+    if not report["balanced"] or low or empty:
+        why = []
+        if not report["balanced"]:
+            why.append(f"its shards carry {', '.join(f'{s:.0%}' for s in report['shares'])} of the capacity "
+                       f"(at most {_max_share():.2f} x an even share each)")
+        if low:
+            why.append("it keeps " + ", ".join(f"{k:.0%} of {m}'s capacity" for m, k in low.items())
+                       + " (a pipeline whose pools fall on two shards is lost)")
+        if empty:
+            why.append(f"shard{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} would hold no whole pipeline")
+        groups_text = "; ".join(f"shard {i}: {', '.join(sorted(g))}" for i, g in enumerate(groups))
+        raise UserError(f"--shards {n} --shard-by servers: the plan's servers do not split well into {n} shards: "
+                        f"{'; '.join(why)} (split: {groups_text}; kept: "
+                        + ", ".join(f"{m} {k:.0%}" for m, k in kept.items()) + ")",
+                        fix=f"use fewer shards (--shards {n - 1}), or --shard-by models")
+    routes: dict[str, list[tuple[int, float]]] = {m: [(i, c[m]) for i, c in enumerate(caps) if c.get(m, 0.0) > 0] for m in order}
+    return ShardLayout(by="servers", plans=plans, parts=parts, routes={m: r for m, r in routes.items() if r},
+                       servers=[sorted(g) for g in groups], shares=list(report["shares"]), kept=kept)
+
+
+def _max_share() -> float:
+    from ppipe.dataplane.split import MAX_GROUP_SHARE
+
+    return MAX_GROUP_SHARE
+
+
+def shard_layout(plan: Plan, n: int, by: str = "models") -> ShardLayout:
+    """The layout of ``n`` shards by ``by`` (:data:`SHARD_BY`): :func:`model_layout` or :func:`split_layout`."""
+    if by not in SHARD_BY:
+        raise UserError(f"--shard-by must be one of {', '.join(SHARD_BY)}, got '{by}'", fix="use --shard-by models or servers")
+    return split_layout(plan, n) if by == "servers" else model_layout(plan, n)
+
+
+def auto_split_shards(plan: Plan, cores: int) -> int:
+    """``--shards auto --shard-by servers``: what the planned rate needs (as :func:`auto_shards`),
+    at most the servers the plan uses and the cores but one, lowered until the split is one
+    :func:`split_layout` takes."""
+    rate = sum(m.throughput_rps for m in plan.models)
+    need = math.ceil(rate * FRONTEND_CPU_S_PER_REQUEST / TARGET_BUSY)
+    n = max(1, min(need, len({p.server for p in plan.placement}), cores - 1))
+    while n > 1:
+        try:
+            split_layout(plan, n)
+            return n
+        except UserError:
+            n -= 1
+    return 1
