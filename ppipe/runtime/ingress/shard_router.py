@@ -2,12 +2,19 @@
 
 On a server of several frontend shards (``ppipe serve --shards N``,
 :mod:`ppipe.runtime.launch.shards`) every shard serves the same port, and the kernel
-spreads connections over them; each shard schedules only the models it owns
-(:mod:`ppipe.runtime.control.shard_plan`). A request that reaches a shard for a model it
-does not own is passed to the owner as it came (method, path, headers, body) over a
-data-path connection (:class:`ShardRouter`) and answered from there, so every check, drop
-and metric happens in the owner exactly as if the client had reached it directly. The
-messages are those of :mod:`ppipe.runtime.wire.shard_messages`.
+spreads connections over them; each shard schedules only its own part of the plan
+(:mod:`ppipe.runtime.control.shard_plan`): whole models (``--shard-by models``), or its
+group of servers, so that one model may live on several shards (``--shard-by servers``).
+Each shard decides where a request for a model goes by :class:`Routes`: the one shard that
+serves the model, or, where several do, the next turn of this shard's smooth weighted
+round robin over them, weighted by their capacity for the model (the deal of
+:class:`ppipe.dataplane.split.SplitScheduler`, which the simulator runs). Every shard deals
+what it receives, so the split follows capacity however the kernel spreads connections.
+A request whose turn falls on another shard is passed there as it came (method, path,
+headers, body) over a data-path connection (:class:`ShardRouter`) and answered from there,
+so every check, drop and metric happens in that shard exactly as if the client had reached
+it directly; a passed request is served where it lands, never dealt again. The messages
+are those of :mod:`ppipe.runtime.wire.shard_messages`.
 
 A shard that is down (its process died and is being restarted, or the server is stopping)
 is ``None`` among the peers (:meth:`ShardRouter.set_peers`): its models' requests get an
@@ -18,13 +25,15 @@ request waits for an answer that cannot come.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
-from typing import Any
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import orjson
 
+from ppipe.dataplane.split import _Dealer
 from ppipe.runtime.wire.frames import WireError, pack, unpack
 from ppipe.runtime.wire.shard_messages import (
     GrpcAnswer, HttpRequest, PassAnswer, PassGrpc, PassRequest, ShardEnvelope, join_metadata, split_metadata,
@@ -35,6 +44,70 @@ log = logging.getLogger("ppipe.runtime")
 _JSON = [(b"content-type", b"application/json")]
 # what a shard that cannot pass requests yet (or cannot be reached) answers
 _STARTING = (503, _JSON, b'{"error": "the server is starting; retry shortly"}')
+
+
+# set while a shard serves a request another shard passed to it: it is served here, not dealt again
+_PASSED: contextvars.ContextVar[bool] = contextvars.ContextVar("ppipe_shard_passed", default=False)
+
+
+class Routes:
+    """Where each model's requests go from shard ``index``: model -> [(shard, weight)].
+
+    Args:
+        table: model -> the shard that serves it (``int``), or the shards that do with their
+            weights (their capacity for it); shards of weight 0 are left out.
+        index: the shard these routes are of.
+
+    :meth:`get` (``routes.get(model, default)``, as a dict of owners is read) gives the
+    shard for the next request of a model: the only one, or the next turn of a smooth
+    weighted round robin over several (``ppipe.dataplane.split``'s dealer), each call one
+    turn. Within the handling of a request another shard passed here, it is this shard.
+    """
+
+    def __init__(self, table: Mapping[str, int | Sequence[tuple[int, float]]], index: int):
+        self.index = index
+        self.table: dict[str, tuple[tuple[int, float], ...]] = {}
+        for model, where in table.items():
+            entries = ((int(where), 1.0),) if isinstance(where, (int, np.integer)) else tuple(
+                (int(k), float(w)) for k, w in where if w > 0)
+            if entries:
+                self.table[model] = entries
+        self._dealers = {m: _Dealer([w for _, w in e]) for m, e in self.table.items() if len(e) > 1}
+
+    def get(self, model: str, default: Any = None) -> Any:
+        """The shard to serve the next request of ``model`` (``default`` for a model no shard serves)."""
+        entries = self.table.get(model)
+        if entries is None:
+            return default
+        if _PASSED.get():
+            return self.index
+        dealer = self._dealers.get(model)
+        return entries[0][0] if dealer is None else entries[dealer.next()][0]
+
+    def shards_of(self, model: str) -> list[int]:
+        """The shards that serve ``model``."""
+        return [k for k, _ in self.table.get(model, ())]
+
+    def values(self) -> list[int]:
+        """Every (model, shard) pair's shard: ``set(routes.values())`` is the shards that serve something."""
+        return [k for entries in self.table.values() for k, _ in entries]
+
+    def shards(self) -> list[int]:
+        """The shards that serve some model, in order."""
+        return sorted(set(self.values()))
+
+    def __contains__(self, model: object) -> bool:
+        return model in self.table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.table)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def split(self) -> bool:
+        """Whether some model lives on several shards."""
+        return bool(self._dealers)
 
 
 class ShardDown(ConnectionError):
@@ -68,12 +141,15 @@ def merge_readiness(answers: list[tuple[int, list, bytes]]) -> tuple[int, list, 
     return waiting[0] if waiting else good[0] if good else answers[0]
 
 
-def merge_metrics(texts: list[bytes]) -> bytes:
+def merge_metrics(texts: list[bytes], shards: Sequence[int] | None = None) -> bytes:
     """Prometheus text expositions of several shards as one: each family once, with the
-    samples of every shard (the shards' label sets are disjoint: models, vGPUs)."""
+    samples of every shard. Where the shards' label sets are disjoint (models, vGPUs: each
+    model on one shard) the samples are kept as they are; where a model lives on several
+    shards, pass ``shards`` (each text's shard index): every sample then gets a ``shard``
+    label, so that a model's series stay apart per shard (sum them by model)."""
     families: dict[str, list[str]] = {}
     samples: dict[str, list[str]] = {}
-    for text in texts:
+    for k, text in enumerate(texts):
         current = None
         for line in text.decode().splitlines():
             if line.startswith("# HELP ") or line.startswith("# TYPE "):
@@ -82,8 +158,8 @@ def merge_metrics(texts: list[bytes]) -> bytes:
                 if line not in head:
                     head.append(line)
                 samples.setdefault(current, [])
-            elif line.strip():
-                samples.setdefault(current or "", []).append(line)
+            elif line.strip() and not line.startswith("#"):
+                samples.setdefault(current or "", []).append(line if shards is None else _with_shard(line, shards[k]))
     out = []
     for name, head in families.items():
         out += head + samples.pop(name, [])
@@ -92,28 +168,41 @@ def merge_metrics(texts: list[bytes]) -> bytes:
     return ("\n".join(out) + "\n").encode()
 
 
+def _with_shard(line: str, shard: int) -> str:
+    """A sample line of the text exposition with the label ``shard="<shard>"`` added."""
+    name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=len(line))
+    if line[name_end:name_end + 1] == "{":
+        close = line.index("}", name_end)
+        inner = line[name_end + 1:close]
+        return f'{line[:close]}{"," if inner else ""}shard="{shard}"{line[close:]}'
+    return f'{line[:name_end]}{{shard="{shard}"}}{line[name_end:]}'
+
+
 class ShardRouter:
-    """ASGI: serves the models this shard owns with ``app``; passes the others to their owners.
+    """ASGI: serves this shard's requests with ``app``; passes the others to the shards they are dealt to.
 
     Args:
         app: this shard's app (:func:`ppipe.runtime.ingress.http_server.create_app`).
         index: this shard's number.
-        owner: model name -> the shard that owns it (every model of the plan).
+        owner: every model of the plan -> the shard that serves it, or the shards that do
+            with their weights, [(shard, weight)] (:class:`Routes`; ``--shard-by servers``).
         secret: the server's data-path secret: connections between shards prove it (None:
             not authenticated).
 
-    Requests under ``/v2/models/{name}`` go to the owner of ``name`` (names no shard owns
-    stay here, for the 404), those under ``/v2/admin/`` (plan switches) to shard 0.
+    Requests under ``/v2/models/{name}`` go where :attr:`owner` (a :class:`Routes`) deals
+    them (names no shard serves stay here, for the 404), those under ``/v2/admin/`` (plan
+    switches) to shard 0.
     ``/v2/health/ready`` and ``/metrics`` ask every shard and combine the answers
     (:func:`merge_readiness`, :func:`merge_metrics`); everything else is answered here.
     Between shards, a request is one data-path message (:class:`PassRequest
     <ppipe.runtime.wire.shard_messages.PassRequest>`, the body as its tensor), and so is its
-    answer; the owner replays it into its own app. A message that does not decode is logged
+    answer; the shard it is passed to replays it into its own app. A message that does not decode is logged
     and dropped.
     """
 
-    def __init__(self, app: Any, index: int, owner: dict[str, int], secret: bytes | None = None):
-        self.app, self.index, self.owner, self.secret = app, index, dict(owner), secret
+    def __init__(self, app: Any, index: int, owner: Mapping[str, Any], secret: bytes | None = None):
+        self.app, self.index, self.secret = app, index, secret
+        self.owner = owner
         self.peers: list[str] | None = None  # every shard's router address, by index
         self.address: str | None = None
         self._inbox = None
@@ -122,6 +211,15 @@ class ShardRouter:
         self._waiting: dict[int, asyncio.Future] = {}  # id -> (answer message, body)
         self._target: dict[int, int] = {}  # id -> the shard that is to answer it
         self.grpc: Any = None  # this shard's GrpcFrontend, where it serves gRPC too
+
+    @property
+    def owner(self) -> Routes:
+        """Where each model's requests go (:class:`Routes`); set it with a dict of owners or of weighted shards."""
+        return self._routes
+
+    @owner.setter
+    def owner(self, table: Mapping[str, Any]) -> None:
+        self._routes = Routes(table.table if isinstance(table, Routes) else table, self.index)
 
     # lifecycle (a companion of the app: started and stopped on the server's loop)
     async def start(self) -> None:
@@ -163,7 +261,7 @@ class ShardRouter:
                 return await self._pass(target, scope, receive, send)
         elif path.startswith("/v2/admin/") and self.index != 0:  # plan switches: shard 0 runs them
             return await self._pass(0, scope, receive, send)
-        elif path in ("/v2/health/ready", "/metrics") and len(set(self.owner.values())) > 1:
+        elif path in ("/v2/health/ready", "/metrics") and len(self.owner.shards()) > 1:
             return await self._gather(path, scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -178,11 +276,11 @@ class ShardRouter:
         body = await _read_body(receive)
         if body is None:
             return
-        shards = sorted(set(self.owner.values()))
+        shards = self.owner.shards()
         answers = await asyncio.gather(*(self._ask(i, scope, body) for i in shards))
         bad = [a for a in answers if a[0] != 200]
         if path == "/metrics" and not bad:
-            merged = merge_metrics([a[2] for a in answers])
+            merged = merge_metrics([a[2] for a in answers], shards if self.owner.split() else None)
             await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")], merged)
         elif path == "/metrics":  # an error (401) as the first shard that gave it
             await _respond(send, *bad[0])
@@ -192,7 +290,7 @@ class ShardRouter:
     async def ready(self) -> bool:
         """Whether the server is ready, by :func:`merge_readiness` of every shard's answer."""
         scope = {"method": "GET", "path": "/v2/health/ready", "query_string": b"", "headers": [], "http_version": "1.1"}
-        answers = await asyncio.gather(*(self._ask(i, scope, b"") for i in sorted(set(self.owner.values()))))
+        answers = await asyncio.gather(*(self._ask(i, scope, b"") for i in self.owner.shards()))
         return merge_readiness(answers)[0] == 200
 
     # asking another shard
@@ -285,6 +383,7 @@ class ShardRouter:
             code, message, trailing, out = "UNIMPLEMENTED", "this shard does not serve gRPC", [], b""
         else:
             try:
+                _PASSED.set(True)  # this task's context: the call is served here, not dealt again
                 code, message, trailing, out = await self.grpc.serve_passed(msg.rpc, body, join_metadata(msg.metadata, msg.binary_metadata))
             except Exception:
                 log.exception("shard %d: a passed gRPC call failed", self.index)
