@@ -45,6 +45,11 @@ class SwitchBusy(UserError):
     """Another plan switch is running."""
 
 
+class SwitchRefused(SwitchBusy):
+    """This server does not switch plans at all (its shards split the plan's servers); like a
+    busy switch, answered 409 with the reason, and the old plan serves on."""
+
+
 class PartialSwitch(RuntimeError):
     """Some shards of the server switched to a new plan and others could not (a shard's
     process failed between its prepare and its commit): the server serves a mix of plans."""
@@ -374,6 +379,21 @@ class ShardedSwitcher(PlanSwitcher):
     async def take_arrivals(self) -> list[tuple[str, float]]:
         logs = await asyncio.gather(*(shard.call(TakeArrivals()) for shard in self.shards))
         return sorted((a for log_ in logs for a in log_), key=lambda a: a[1])
+
+
+class SplitServersSwitcher(ShardedSwitcher):
+    """The plan switcher of a server whose shards split the plan's servers
+    (``ppipe serve --shard-by servers``): it refuses every switch (:class:`SwitchRefused`),
+    and the old plan serves on. A switch there would have to move servers between shards
+    and re-weight every router's deal in one step, which the sharded switch does not do;
+    restarting ``ppipe serve`` with the new plan splits it anew. What a re-plan loop reads
+    (the shards' arrival logs) and ``GET /v2/admin/plan`` work as on any server of shards.
+    """
+
+    async def apply(self, plan: Plan, source: str, keep_live: bool = True) -> dict[str, Any]:
+        raise SwitchRefused(f"{source}: this server's shards split the plan's servers (--shard-by servers), "
+                            "and such a server does not switch plans live; the plan it serves keeps serving",
+                            fix="restart `ppipe serve` with the new plan, or serve with --shard-by models to switch plans live")
 
 
 class SighupReload:
