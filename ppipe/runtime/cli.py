@@ -158,8 +158,12 @@ class _NullClock:
               help="Processes that decode large JSON infer bodies off the event loop (0: decode on the loop). "
               "Default: a quarter of the CPUs, 1 to 4 (no YAML field).")
 @click.option("--shards", "shards", default="auto", show_default=True,
-              help="Frontend processes on the port, each scheduling its own models (groups of models that share no NIC): "
-              "a count, or auto (as many as the plan's planned rate needs, at most the cores but one). No YAML field.")
+              help="Frontend processes on the port, each scheduling its own part of the plan (--shard-by): a count, or auto "
+              "(as many as the plan's planned rate needs, at most the cores but one). No YAML field.")
+@click.option("--shard-by", "shard_by", type=click.Choice(["models", "servers"]), default="models", show_default=True,
+              help="What each shard gets: whole models (groups of models that share no NIC), or a group of the plan's servers "
+              "and every model's vGPUs there, so that one model's requests are spread over several shards by their "
+              "capacity for it (a split that loses capacity or loads one shard more is refused; no live plan switches).")
 @click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="auto: watch each model's arrival rate, re-plan when the mix shifts (a model past 90 % of its capacity and a "
               "new plan >= 10 % better) and switch plans live (ppipe.control.replan; needs a max-min plan).")
@@ -172,7 +176,7 @@ class _NullClock:
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
 def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, host, port, grpc_port, token, max_body_mb,
-          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, replan, replan_time_limit_s, replan_min_interval_s,
+          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, shard_by, replan, replan_time_limit_s, replan_min_interval_s,
           replan_window_s, replan_curvature_window_s, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE behind an Open Inference Protocol (KServe v2) HTTP API.
 
@@ -186,7 +190,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
 
     from ppipe.runtime.ingress.http_transport import uvicorn_config
     from ppipe.runtime.launch.deploy import load_deployment
-    from ppipe.runtime.control.shard_plan import assign_shards, parse_shards
+    from ppipe.runtime.control.shard_plan import parse_shards, shard_layout
     from ppipe.runtime.launch.shards import build_shard, reuseport_socket
 
     _check_serve_flags(transport, backend, dispatch_lead_ms, answer_budget_ms,
@@ -195,8 +199,12 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     backend = _backend_for(backend, dep.plan)
     options = _scheduler_options(max_queue, wake_lead_ms)
     _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
-    n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1)
+    n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1, by=shard_by)
     launcher, n_shards = _choose_launcher(launcher, ray_address, dep.cluster, shards, n_shards, transport)
+    layout = shard_layout(dep.plan, n_shards, shard_by)  # a split the plan does not take well is refused here
+    if layout.by == "servers" and replan == "auto":
+        raise UserError("--replan auto cannot run with --shard-by servers: a server whose shards split the plan's servers "
+                        "does not switch plans live", fix="use --shard-by models with --replan auto, or leave --replan off")
     replan_policy = _replan_policy(dep, replan_time_limit_s, replan_min_interval_s, replan_window_s,
                                    replan_curvature_window_s) if replan == "auto" else None
     if grpc_port is not None:
@@ -211,10 +219,13 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     settings = _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
                                body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, opts, host, grpc_port,
                                launcher)
-    parts = assign_shards(dep.plan, n_shards)
-    owner = {m: i for i, ms in enumerate(parts) for m in ms}
+    parts = layout.parts
+    owner = layout.routes if layout.by == "servers" else layout.owner()
+    deps = [dep if p is dep.plan else dataclasses.replace(dep, plan=p) for p in layout.plans]  # each shard's plan holds its part
+    if len(parts) > 1:
+        click.echo(f"{len(parts)} shards by {layout.by}:\n  " + "\n  ".join(layout.describe()), err=True)
     sock = reuseport_socket(host, port)
-    shard_set = _Shards(launcher, dep, parts, settings, owner, host, port)  # the other shards start while shard 0's workers load
+    shard_set = _Shards(launcher, deps, parts, settings, owner, host, port)  # the other shards start while shard 0's workers load
     try:
         workers, edges = _start_workers_and_links(dep, backend, opts, transport, launcher, only=shard_set.first_vgpus())
     except BaseException:
@@ -223,12 +234,12 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     switchers: list = []  # the server's plan switcher (the workers it starts are stopped at shutdown too)
     shutdown = functools.partial(_kill_all, shard_set, workers, switchers, shutdown_timeout_s)
     shard_set.start(workers, edges, shutdown)
-    companions = functools.partial(_companions, dep=dep, parts=parts, owner=owner, shards=shard_set,
+    companions = functools.partial(_companions, dep=dep, layout=layout, shards=shard_set,
                                    switchers=switchers, worker_options=settings.workers,
                                    plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s)
-    app, _, router = build_shard(dep, parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
+    app, _, router = build_shard(deps[0], parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
     (app if router is None else router.app).fe.switcher = switchers[0]
-    click.echo(_serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts)
+    click.echo(_serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, layout.by)
                + f"; {launcher} launcher, workers up {time.perf_counter() - t0:.1f} s after start")
     uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
 
@@ -357,10 +368,11 @@ class _Shards:
     """The frontend shards but the first (the ``ppipe serve`` process is shard 0): local
     processes under the local launcher (:mod:`ppipe.runtime.launch.local_shards`, started
     here, so that they load while shard 0's workers do), Ray actors under Ray
-    (:mod:`ppipe.runtime.launch.shards`, started by :meth:`start`). Empty for one shard."""
+    (:mod:`ppipe.runtime.launch.shards`, started by :meth:`start`). Empty for one shard.
+    ``deps[i]``: shard i's deployment, whose plan holds its part (``parts[i]``: its models)."""
 
-    def __init__(self, launcher: str, dep, parts: list[list[str]], settings, owner: dict[str, int], host: str, port: int):
-        self.launcher, self.dep, self.parts, self.settings, self.owner = launcher, dep, parts, settings, owner
+    def __init__(self, launcher: str, deps: list, parts: list[list[str]], settings, owner: dict, host: str, port: int):
+        self.launcher, self.deps, self.parts, self.settings, self.owner = launcher, deps, parts, settings, owner
         self.host, self.port = host, port
         self.local: list = []  # LocalShard, by index - 1
         self.actors: list = []
@@ -368,7 +380,7 @@ class _Shards:
         if launcher == "local" and len(parts) > 1:
             from ppipe.runtime.launch.local_shards import launch_local_shards
 
-            self.local = launch_local_shards(dep, parts, settings, owner, host, port)
+            self.local = launch_local_shards(deps, parts, settings, owner, host, port)
 
     def first_vgpus(self) -> set[str] | None:
         """The vGPUs whose workers this process starts: shard 0's under the local launcher
@@ -377,7 +389,7 @@ class _Shards:
             return None
         from ppipe.runtime.control.shard_plan import sub_plan
 
-        return {p.vgpu_id for p in sub_plan(self.dep.plan, self.parts[0]).placement}
+        return {p.vgpu_id for p in sub_plan(self.deps[0].plan, self.parts[0]).placement}
 
     def start(self, workers: dict, edges: dict, shutdown) -> None:
         """Wait for the other shards to serve (Ray's are started now, with shard 0's workers'
@@ -390,7 +402,7 @@ class _Shards:
             elif len(self.parts) > 1:
                 from ppipe.runtime.launch.shards import shard_addresses, start_shard_actors
 
-                self.actors = start_shard_actors(self.dep, self.parts, workers, edges, self.settings, self.owner, self.host, self.port)
+                self.actors = start_shard_actors(self.deps, self.parts, workers, edges, self.settings, self.owner, self.host, self.port)
                 self.addresses = shard_addresses(self.actors)
         except BaseException:
             shutdown()
@@ -440,20 +452,23 @@ def _kill_all(shards: _Shards, workers: dict, switchers: list, shutdown_timeout_
         h.kill()
 
 
-def _companions(rt, router, *, dep, parts, owner, shards: _Shards, switchers, worker_options, plan_file, replan_policy,
+def _companions(rt, router, *, dep, layout, shards: _Shards, switchers, worker_options, plan_file, replan_policy,
                 replan_time_limit_s) -> list:
     """The first shard's companions (``build_shard(companions=...)``): the peer exchange with
     the other shards, SIGHUP plan reloads and, with ``--replan auto``, the re-planning loop.
-    It appends the server's plan switcher to ``switchers``."""
-    from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload
+    It appends the server's plan switcher to ``switchers`` (one that refuses every switch
+    where the shards split the plan's servers)."""
+    from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload, SplitServersSwitcher
     from ppipe.runtime.control.shard_plan import sub_plan
 
     out = [] if router is None else [shards.exchange(router)]
     if router is None:  # one shard
         switchers.append(PlanSwitcher(rt, dep, **worker_options))
     else:
-        mine = dataclasses.replace(dep, plan=sub_plan(dep.plan, parts[0]), profiles={m: dep.profiles[m] for m in parts[0]})
-        switchers.append(ShardedSwitcher(PlanSwitcher(rt, mine, **worker_options), dep, owner, shards.handles(), router))
+        first = layout.parts[0]
+        mine = dataclasses.replace(dep, plan=sub_plan(layout.plans[0], first), profiles={m: dep.profiles[m] for m in first})
+        kind = SplitServersSwitcher if layout.by == "servers" else ShardedSwitcher
+        switchers.append(kind(PlanSwitcher(rt, mine, **worker_options), dep, layout.owner(), shards.handles(), router))
     out.append(SighupReload(switchers[0], plan_file))  # ppipe apply and SIGHUP switch plans
     if replan_policy is not None:
         from ppipe.runtime.control.replan import ReplanLoop
@@ -462,16 +477,18 @@ def _companions(rt, router, *, dep, parts, owner, shards: _Shards, switchers, wo
     return out
 
 
-def _serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts) -> str:
+def _serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, by: str = "models") -> str:
     """What ``ppipe serve`` prints once it serves: models, addresses, workers (every shard's:
-    one per vGPU of the plan), links, shards."""
+    one per vGPU of the plan), links, shards (by servers: a model on several shards is
+    named in each)."""
     return (
         f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
         + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
         + f"({len(dep.plan.placement)} vGPU workers, backend {backend}, policy {policy}, "
         f"{sum(t == 'nccl' for t, _ in edges.values())} of {len(edges)} worker pairs over NCCL"
         + (f", {sum(t.startswith('ring') for t, _ in edges.values())} through a staging ring" if transport == "ring" else "")
-        + (f"; {len(parts)} shards: " + ", ".join("+".join(ms) for ms in parts) if len(parts) > 1 else "") + ")"
+        + (f"; {len(parts)} shards{' by servers' if by == 'servers' else ''}: " + ", ".join("+".join(ms) for ms in parts)
+           if len(parts) > 1 else "") + ")"
     )
 
 

@@ -60,10 +60,12 @@ class ShardStart:
     Attributes:
         index: the shard's number (> 0).
         dep: a :class:`~ppipe.runtime.launch.deploy.Deployment` that holds its models (the
-            whole one at first, the shard's part after a plan switch).
+            whole one at first, or its servers' sub-plan with ``--shard-by servers``; the
+            shard's part after a plan switch).
         models: the models it serves.
         settings: every shard's :class:`~ppipe.runtime.launch.shards.ServeSettings`.
-        owner: model -> the shard that serves it (every model's).
+        owner: model -> the shard that serves it, or [(shard, weight)] where several do
+            (every model's; :class:`~ppipe.runtime.ingress.shard_router.Routes`).
         host, port: the shared address it binds (``SO_REUSEPORT``).
         log_arrivals: start with the re-plan loop's arrival log on.
         start_timeout_s: its workers must have loaded their blocks within this.
@@ -73,7 +75,7 @@ class ShardStart:
     dep: Any
     models: list[str]
     settings: Any
-    owner: dict[str, int]
+    owner: dict[str, Any]
     host: str
     port: int
     log_arrivals: bool = False
@@ -370,15 +372,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass  # nothing of it is left
 
 
-def launch_local_shards(dep: Any, parts: list[list[str]], settings: Any, owner: dict[str, int], host: str, port: int,
+def launch_local_shards(deps: list[Any], parts: list[list[str]], settings: Any, owner: dict[str, Any], host: str, port: int,
                         start_timeout_s: float = 300.0) -> list[LocalShard]:
     """Start the processes of shards 1.. (the calling process is shard 0); returns at once.
-    Their workers load while shard 0's do; :func:`wait_local_shards` waits for them."""
+    ``deps[i]``: shard i's deployment (its plan holds its part). Their workers load while
+    shard 0's do; :func:`wait_local_shards` waits for them."""
     shards: list[LocalShard] = []
     try:
         for i, models in enumerate(parts):
             if i > 0:
-                shards.append(LocalShard(ShardStart(i, dep, list(models), settings, dict(owner), host, port,
+                shards.append(LocalShard(ShardStart(i, deps[i], list(models), settings, dict(owner), host, port,
                                                     start_timeout_s=start_timeout_s)))
                 shards[-1].launch()
     except BaseException:

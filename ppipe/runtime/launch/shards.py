@@ -4,10 +4,12 @@ One frontend process (HTTP, decoding, the scheduler, the data path) uses one cor
 CPU per request bounds the rate one process serves. ``ppipe serve --shards N`` runs N
 frontend processes on the same port (``SO_REUSEPORT``: the kernel spreads connections
 over them, :func:`reuseport_socket`); shard 0 is the ``ppipe serve`` process, each other
-one a :class:`ShardServer` in a process of its own on this machine. Each shard owns some
-models (:mod:`ppipe.runtime.control.shard_plan` says which): its scheduler, runtime and
-workers serve only those (:func:`build_shard`), and its router passes requests for the
-others to their owners (:class:`ppipe.runtime.ingress.shard_router.ShardRouter`).
+one a :class:`ShardServer` in a process of its own on this machine. Each shard serves a
+part of the plan (:mod:`ppipe.runtime.control.shard_plan` says which): whole models, or
+its group of servers' sub-plan (``--shard-by servers``: a shard is started with that
+sub-plan as its deployment's plan). Its scheduler, runtime and workers serve only that
+part (:func:`build_shard`), and its router passes the requests it deals to other shards
+there (:class:`ppipe.runtime.ingress.shard_router.ShardRouter`).
 
 What runs the other shards follows the launcher: local processes under the local launcher
 (:mod:`ppipe.runtime.launch.local_shards`: each shard starts its own workers, and one that
@@ -26,7 +28,7 @@ from typing import Any, Callable
 
 from ppipe.runtime.control.shard_control import SetPeers, ShardControl, ShardHandle, ShardRequest
 from ppipe.runtime.control.shard_plan import assign_shards, parse_shards, sub_plan  # noqa: F401 (ppipe.runtime.cli imports the first two from here)
-from ppipe.runtime.ingress.shard_router import ShardRouter
+from ppipe.runtime.ingress.shard_router import Routes, ShardRouter
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -66,10 +68,12 @@ class ServeSettings:
 
 
 def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings, index: int,
-                owner: dict[str, int], companions: Callable[[Any, ShardRouter | None], list[Any]] | None = None,
+                owner: dict[str, Any], companions: Callable[[Any, ShardRouter | None], list[Any]] | None = None,
                 on_shutdown: Callable[[], None] | None = None):
-    """One shard's runtime and app: the plan restricted to ``models``, their workers and
-    edges; returns ``(asgi_app, runtime, router)`` (``router`` None for a single shard).
+    """One shard's runtime and app: ``dep``'s plan (the whole plan, or the shard's servers'
+    sub-plan) restricted to ``models``, their workers and edges; returns ``(asgi_app,
+    runtime, router)`` (``router`` None for a single shard). ``owner``: where each model's
+    requests go (:class:`~ppipe.runtime.ingress.shard_router.Routes`).
 
     ``companions(runtime, router)`` gives more companions of the shard's app (the peer
     exchange, plan switches), started after the router on the app's loop; the gRPC
@@ -91,7 +95,8 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
 
     rt = Runtime(plan, {m: dep.profiles[m] for m in models}, dep.cluster, {v: h for v, h in workers.items() if v in mine},
                  edges={e: t for e, t in edges.items() if e[0] in mine}, respawn=respawn, **settings.runtime)
-    router = ShardRouter(None, index, owner, settings.runtime.get("data_secret")) if len(set(owner.values())) > 1 else None
+    several = len(Routes(owner, index).shards()) > 1
+    router = ShardRouter(None, index, owner, settings.runtime.get("data_secret")) if several else None
     extra = list(companions(rt, router)) if companions else []
     if settings.grpc:
         from ppipe.runtime.ingress.grpc_server import GrpcServer
@@ -111,7 +116,7 @@ class ShardServer:
     loop, on the shared port; shard 0's requests answered by :meth:`control`."""
 
     def __init__(self, index: int, dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings,
-                 owner: dict[str, int], host: str, port: int):
+                 owner: dict[str, Any], host: str, port: int):
         self.index, self.host, self.port = index, host, port
         self._args = (dep, models, workers, edges, settings, index, owner)
         self.server = None
@@ -172,10 +177,12 @@ def shard_actor_class():
     return ray.remote(num_cpus=0, max_concurrency=16)(_RayShardServer)
 
 
-def start_shard_actors(dep: Any, parts: list[list[str]], workers: dict[str, Any], edges: dict, settings: ServeSettings,
-                       owner: dict[str, int], host: str, port: int) -> list[Any]:
-    """Start the frontend shards but the first (the calling process is shard 0) as Ray actors on this node."""
-    return [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, dep, ms, workers, edges, settings, owner, host, port)
+def start_shard_actors(deps: list[Any], parts: list[list[str]], workers: dict[str, Any], edges: dict, settings: ServeSettings,
+                       owner: dict[str, Any], host: str, port: int) -> list[Any]:
+    """Start the frontend shards but the first (the calling process is shard 0) as Ray actors
+    on this node; ``deps[i]``: shard i's deployment (its plan holds its part)."""
+    return [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, deps[i], ms, workers, edges, settings, owner,
+                                                                                    host, port)
             for i, ms in enumerate(parts) if i > 0]
 
 
