@@ -796,3 +796,194 @@ def test_a_new_models_owner_is_told_to_every_shard_before_its_owner_commits():
     asyncio.run(AddsModelC().apply(None, "new.yaml"))
     with_c = {"a": 0, "b": 1, "c": 1}
     assert calls[:4] == [(1, Prepare("part 1")), (0, SetOwner(with_c)), (1, SetOwner(with_c)), (1, Commit({}))]
+
+
+# ---- --shard-by servers: one model's servers split over shards --------------------------------------------
+SPLIT_CLUSTER = """
+version: 1
+name: split-cpus
+bandwidth_efficiency: 1.0
+gpu_types:
+- {name: cpu, vgpu_levels: [1, 2]}
+servers:
+- {name: h, gpu_type: cpu, gpus_per_server: 2, count: 2, nic_bandwidth_gbps: 10}
+"""
+TWO_POOLS = [(0, 1, "cpu", 1, 2), (2, 2, "cpu", 1, 2)]  # two partitions, each pool one vGPU on each server
+
+
+def _split_plan(tmp_path, partitions=TWO_POOLS):
+    """Model a (tinynet) on two servers of two CPU 'GPUs' (SPLIT_CLUSTER, saved as cluster.yaml):
+    each of its pools has a vGPU on each server, so the servers split into two whole halves."""
+    (tmp_path / "cluster.yaml").write_text(SPLIT_CLUSTER)
+    cluster = load_cluster(tmp_path / "cluster.yaml")
+    plan = make_plan(write_tinynet(tmp_path / "a", name="a"), cluster, partitions)
+    return plan.model_copy(update={"cluster_file": "cluster.yaml"}), cluster
+
+
+def test_a_split_by_servers_gives_each_shard_its_servers_sub_plan_and_weights_by_capacity(tmp_path):
+    from ppipe.runtime.control.shard_plan import shard_layout
+
+    plan, _ = _split_plan(tmp_path)
+    layout = shard_layout(plan, 2, "servers")
+    assert layout.by == "servers" and layout.parts == [["a"], ["a"]] and layout.servers == [["h-0"], ["h-1"]]
+    for i, p in enumerate(layout.plans):
+        assert {pl.server for pl in p.placement} == {f"h-{i}"} and [len(pp.partitions) for pp in p.model("a").pipelines] == [2]
+    (s0, w0), (s1, w1) = layout.routes["a"]
+    assert (s0, s1) == (0, 1) and w0 == pytest.approx(w1) and w0 + w1 == pytest.approx(plan.model("a").pipelines[0].throughput_rps)
+    assert layout.kept == {"a": pytest.approx(1.0)} and layout.shares == [pytest.approx(0.5)] * 2
+    assert layout.describe() == ["shard 0: a 50% on 1 server (h-0), 50% of the plan's capacity",
+                                 "shard 1: a 50% on 1 server (h-1), 50% of the plan's capacity"]
+    by_models = shard_layout(plan, 2, "models")  # one model: one shard, as before
+    assert by_models.parts == [["a"]] and by_models.owner() == {"a": 0} and by_models.plans == [plan]
+
+
+def test_a_split_that_loses_a_models_capacity_or_needs_more_servers_is_refused(tmp_path):
+    from ppipe.runtime.control.shard_plan import auto_split_shards, shard_layout
+
+    plan, _ = _split_plan(tmp_path)
+    # partition 0 on h-0 only, partition 1 on h-1 only: any split of the two servers cuts the pipeline
+    cut = plan.model_copy(update={"placement": [pl.model_copy(update={"server": f"h-{pl.partition}", "gpu_index": pl.replica})
+                                                for pl in plan.placement]})
+    with pytest.raises(UserError) as info:
+        shard_layout(cut, 2, "servers")
+    assert "do not split well" in info.value.message and "keeps 0% of a's capacity" in info.value.message
+    assert "--shards 1" in info.value.fix and "--shard-by models" in info.value.fix
+    with pytest.raises(UserError) as info:
+        shard_layout(plan, 3, "servers")
+    assert "on 2 servers" in info.value.message and "--shards 2 or fewer" in info.value.fix
+    assert auto_split_shards(cut, cores=16) == 1 and parse_shards("auto", cut, 16, by="servers") == 1
+
+
+def test_routes_deal_a_models_requests_over_its_shards_by_weight_and_a_passed_request_stays():
+    from ppipe.runtime.ingress.shard_router import _PASSED, Routes
+
+    routes = Routes({"a": [(0, 2.0), (1, 1.0)], "b": 1, "c": [(0, 0.0), (2, 3.0)]}, index=0)
+    assert [routes.get("a") for _ in range(6)] == [0, 1, 0, 0, 1, 0]  # smooth: 2 : 1, never two 1s in a row
+    assert [routes.get("b") for _ in range(3)] == [1, 1, 1] and routes.get("c") == 2  # one shard (weight 0 left out)
+    assert routes.get("zzz", 0) == 0 and "a" in routes and "zzz" not in routes
+    assert routes.shards() == [0, 1, 2] and routes.shards_of("a") == [0, 1] and routes.split()
+    assert not Routes({"a": 0, "b": 1}, 0).split() and set(Routes({"a": 0, "b": 1}, 0).values()) == {0, 1}
+    token = _PASSED.set(True)
+    try:
+        assert [routes.get("a") for _ in range(3)] == [0, 0, 0]  # served where it was passed to
+    finally:
+        _PASSED.reset(token)
+
+
+def test_metrics_of_shards_that_share_a_model_carry_the_shard_label():
+    a = b'# HELP ppipe_requests_total n\n# TYPE ppipe_requests_total counter\nppipe_requests_total{model="a"} 1.0\nup 1\n'
+    b = b'# HELP ppipe_requests_total n\n# TYPE ppipe_requests_total counter\nppipe_requests_total{model="a"} 2.0\nup 1\n'
+    text = merge_metrics([a, b], shards=[0, 1]).decode()
+    assert 'ppipe_requests_total{model="a",shard="0"} 1.0' in text and 'ppipe_requests_total{model="a",shard="1"} 2.0' in text
+    assert 'up{shard="0"} 1' in text and text.count("# TYPE ppipe_requests_total") == 1
+
+
+def test_shards_of_one_split_model_deal_rest_and_grpc_requests_by_capacity(tmp_path):
+    """Model a on two shards (each its server's sub-plan) weighted 2 : 1; six REST requests
+    to shard 0 and six gRPC calls to shard 1: each shard deals what it receives (0, 1, 0 per
+    three), a passed call is served where it lands, and the merged metrics say per shard."""
+    tg = pytest.importorskip("tritonclient.grpc")
+    from ppipe.runtime.control.shard_plan import shard_layout
+    from ppipe.runtime.ingress.protocol import encode_infer_request
+
+    plan, _ = _split_plan(tmp_path)
+    layout = shard_layout(plan, 2, "servers")
+    routes = {"a": [(0, 2.0), (1, 1.0)]}
+    (srv0, r0), (srv1, r1) = (_shard_server(p, tmp_path, ["a"], i, routes, grpc=True) for i, p in enumerate(layout.plans))
+    auth = {"authorization": "Bearer t0k"}
+    with srv0, srv1:
+        r0.set_peers([r0.address, r1.address])
+        r1.set_peers([r0.address, r1.address])
+        body, headers = encode_infer_request({"input": np.full((1, 3, 8, 8), 3.0, np.float32)}, binary=True)
+        with httpx.Client(base_url=srv0.url, timeout=30) as c:
+            rest = [c.post("/v2/models/a/infer", content=body, headers={**headers, **auth}).status_code for _ in range(6)]
+        client = tg.InferenceServerClient(f"127.0.0.1:{r1.grpc_server.port}")
+        x = tg.InferInput("input", [1, 3, 8, 8], "FP32")
+        x.set_data_from_numpy(np.full((1, 3, 8, 8), 3.0, np.float32))
+        grpc_ok = [client.infer("a", [x], headers=auth).as_numpy("y").shape for _ in range(6)]
+        client.close()
+        metrics = httpx.get(srv1.url + "/metrics", headers=auth, timeout=30).text
+        ready = httpx.get(srv1.url + "/v2/health/ready", timeout=30).status_code
+    assert rest == [200] * 6 and grpc_ok == [(1, 3, 8, 8)] * 6 and ready == 200, grpc_ok
+    assert 'ppipe_requests_total{code="200",model="a",shard="0"} 8.0' in metrics, metrics
+    assert 'ppipe_requests_total{code="200",model="a",shard="1"} 4.0' in metrics
+
+
+def test_serve_refuses_a_split_by_servers_that_the_plan_does_not_take_and_replan_with_it(tmp_path):
+    from click.testing import CliRunner
+
+    from ppipe.cli import main
+
+    plan, _ = _split_plan(tmp_path)
+    cut = plan.model_copy(update={"placement": [pl.model_copy(update={"server": f"h-{pl.partition}", "gpu_index": pl.replica})
+                                                for pl in plan.placement]})
+    cut.save(tmp_path / "cut.yaml")
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "cut.yaml"), "--shards", "2", "--shard-by", "servers", "--backend", "emulated"])
+    assert r.exit_code == 2, r.output
+    assert "do not split well into 2 shards" in r.output and "kept: a 0%" in r.output and "--shard-by models" in r.output
+    plan.save(tmp_path / "plan.yaml")
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--shards", "2", "--shard-by", "servers",
+                                  "--backend", "emulated", "--replan", "auto"])
+    assert r.exit_code == 2 and "--replan auto cannot run with --shard-by servers" in r.output, r.output
+
+
+@pytest.mark.slow
+def test_ppipe_serve_splits_one_models_servers_over_two_shards(tmp_path):
+    """`ppipe serve --shards 2 --shard-by servers`, local launcher: model a's two servers, one
+    per shard (each starts its own server's workers). REST requests and gRPC calls on fresh
+    connections are all answered, both shards serve some (the merged metrics' shard label),
+    the start-up log says what each shard holds, and `ppipe apply`'s request is refused
+    (409, why) while the plan serves on."""
+    plan, _ = _split_plan(tmp_path)
+    plan.save(tmp_path / "plan.yaml")
+    port, grpc_port = _free_ports(2)
+    proc = _serve_two_shards(tmp_path, port, "--shard-by", "servers", "--grpc-port", str(grpc_port), "--token", "t0k")
+    url, auth = f"http://127.0.0.1:{port}", {"authorization": "Bearer t0k"}
+    request = {"inputs": [{"name": "input", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}]}
+    try:
+        assert len(_shard_processes(proc)) == 1
+        codes, drops = [], []
+        for _ in range(12):
+            for _try in range(3):  # an explicit drop on a loaded host (503 with its reason) is sent again, twice at most
+                r = httpx.post(f"{url}/v2/models/a/infer", json=request, headers=auth, timeout=30)
+                if r.status_code != 503:
+                    break
+                drops.append(r.headers.get("ppipe-drop-reason"))
+            codes.append(r.status_code)
+        grpc_ok = sum(_grpc_infer_on_a_new_channel_with(f"127.0.0.1:{grpc_port}", "a", auth) for _ in range(4))
+        metrics = httpx.get(url + "/metrics", headers=auth, timeout=10).text
+        switch = httpx.post(url + "/v2/admin/plan", content=(tmp_path / "plan.yaml").read_text(),
+                            headers={**auth, "content-type": "application/yaml"}, timeout=60)
+        after = httpx.post(f"{url}/v2/models/a/infer", json=request, headers=auth, timeout=30).status_code
+    finally:
+        out = _stop_and_leave_nothing(proc)
+    assert codes == [200] * 12 and grpc_ok == 4, (codes, grpc_ok, out[-3000:])
+    assert all(drops) and len(drops) <= 3, drops
+    served = {k: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                     if line.startswith("ppipe_requests_total{") and 'code="200"' in line and f'shard="{k}"' in line)
+              for k in ("0", "1")}
+    assert served["0"] > 0 and served["1"] > 0 and served["0"] + served["1"] >= 16, (served, metrics)
+    assert switch.status_code == 409 and "--shard-by servers" in switch.json()["error"] and after in (200, 503)
+    assert "2 shards by servers:" in out and "shard 0: a 50% on 1 server (h-0)" in out and "shard 1: a 50% on 1 server (h-1)" in out
+    assert "Traceback" not in out
+
+
+def _grpc_infer_on_a_new_channel_with(address: str, model: str, headers: dict) -> bool:
+    """One tritonclient.grpc ModelInfer on a channel of its own, with ``headers``; whether it
+    answered (an explicit drop, UNAVAILABLE, is retried twice)."""
+    tg = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    client = tg.InferenceServerClient(address)
+    x = tg.InferInput("input", [1, 3, 8, 8], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 3, 8, 8), np.float32))
+    try:
+        for _try in range(3):
+            try:
+                return client.infer(model, [x], headers=headers).as_numpy("logits").shape == (1, 5)
+            except InferenceServerException as exc:
+                if exc.status() != "StatusCode.UNAVAILABLE":
+                    raise
+        return False
+    finally:
+        client.close()
