@@ -933,7 +933,9 @@ def test_ppipe_serve_splits_one_models_servers_over_two_shards(tmp_path):
     per shard (each starts its own server's workers). REST requests and gRPC calls on fresh
     connections are all answered, both shards serve some (the merged metrics' shard label),
     the start-up log says what each shard holds, and `ppipe apply`'s request is refused
-    (409, why) while the plan serves on."""
+    (409, why), and so is SIGHUP's, while the plan serves on."""
+    import signal
+
     plan, _ = _split_plan(tmp_path)
     plan.save(tmp_path / "plan.yaml")
     port, grpc_port = _free_ports(2)
@@ -954,7 +956,9 @@ def test_ppipe_serve_splits_one_models_servers_over_two_shards(tmp_path):
         metrics = httpx.get(url + "/metrics", headers=auth, timeout=10).text
         switch = httpx.post(url + "/v2/admin/plan", content=(tmp_path / "plan.yaml").read_text(),
                             headers={**auth, "content-type": "application/yaml"}, timeout=60)
+        proc.send_signal(signal.SIGHUP)  # refused too: logged, and the plan serves on
         after = httpx.post(f"{url}/v2/models/a/infer", json=request, headers=auth, timeout=30).status_code
+        status = httpx.get(url + "/v2/admin/plan", headers=auth, timeout=30).json()
     finally:
         out = _stop_and_leave_nothing(proc)
     assert codes == [200] * 12 and grpc_ok == 4, (codes, grpc_ok, out[-3000:])
@@ -964,6 +968,8 @@ def test_ppipe_serve_splits_one_models_servers_over_two_shards(tmp_path):
               for k in ("0", "1")}
     assert served["0"] > 0 and served["1"] > 0 and served["0"] + served["1"] >= 16, (served, metrics)
     assert switch.status_code == 409 and "--shard-by servers" in switch.json()["error"] and after in (200, 503)
+    assert status["models"] == ["a"] and status["vgpus"] == 4 and status["switches"] == []
+    assert "is not served" in out and "does not switch plans live" in out  # SIGHUP's refusal, in the log
     assert "2 shards by servers:" in out and "shard 0: a 50% on 1 server (h-0)" in out and "shard 1: a 50% on 1 server (h-1)" in out
     assert "Traceback" not in out
 
