@@ -24,7 +24,8 @@ along server lines allows (a pipeline whose pools fall into different groups is 
 :class:`SplitScheduler` drives the K schedulers as one (the driver contract of
 :mod:`ppipe.dataplane.api`): batch ids are ``local id x K + group``, pipelines keep the
 plan's indices, ``wake`` wakes every group. The simulator runs it as it runs any
-scheduler; the runtime's counterpart runs each group's scheduler in a process of its own.
+scheduler; the runtime's counterpart (``ppipe serve --shards K --shard-by servers``) runs
+each group's scheduler in a frontend shard of its own, dealing with the same :class:`Dealer`.
 Pure logic, no I/O.
 """
 
@@ -61,7 +62,7 @@ def split_servers(plan: Plan, k: int) -> list[set[str]]:
     servers = sorted(cap.hosted, key=lambda s: (-sum(cap.hosted[s].values()), s))
     if not 1 <= k <= len(servers):
         raise UserError(f"cannot split a plan on {len(servers)} servers into {k} scheduler groups",
-                        fix=f"use 1 to {len(servers)} schedulers")
+                        fix=f"use 1 to {len(servers)} groups (schedulers, shards)")
     # two starts: the greedy spread, and all in group 0 but the k - 1 smallest servers
     starts = [_greedy(cap, servers, k), {s: max(0, i - (len(servers) - k)) for i, s in enumerate(servers)}]
     group, _ = max((_improve(cap, servers, k, g) for g in starts), key=lambda gs: gs[1])
@@ -195,7 +196,7 @@ def group_capacity(plan: Plan) -> dict[str, float]:
     return {m.name: sum(min(part.throughput_rps for part in p.partitions) for p in m.pipelines) for m in plan.models}
 
 
-class _Dealer:
+class Dealer:
     """Smooth weighted round robin over groups: each turn every group gains its weight, the
     one with the most credit is chosen and pays the total (so over any run the choices
     follow the weights as closely as whole requests can)."""
@@ -228,7 +229,7 @@ class SplitScheduler:
         self.subs, self.k = list(schedulers), len(schedulers)
         self.executes_as_planned = all(getattr(s, "executes_as_planned", False) is True for s in self.subs)
         caps = [group_capacity(p) for p in plans]
-        self._dealers = {m.name: _Dealer([c.get(m.name, 0.0) for c in caps]) for m in plan.models}
+        self._dealers = {m.name: Dealer([c.get(m.name, 0.0) for c in caps]) for m in plan.models}
         self._owner = {pl.vgpu_id: g for g, p in enumerate(plans) for pl in p.placement}
         # group -> model -> local pipeline index -> the plan's index
         self._pipeline = [{m.name: self._global_indices(plan, sub, m.name) for m in sub.models} for sub in plans]

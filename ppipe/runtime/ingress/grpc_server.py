@@ -204,11 +204,16 @@ class GrpcFrontend:
         meta = ((DROP_HEADER, exc.drop_reason),) if exc.drop_reason else ()
         await context.abort(STATUS_CODE.get(exc.status, grpc.StatusCode.INTERNAL), exc.message, trailing_metadata=meta)
 
-    def _owner(self, name: str) -> int | None:
-        """The shard that serves model ``name``, where it is another shard of this server."""
+    def _owner(self, name: str, deal: bool = True) -> int | None:
+        """The shard that serves model ``name``, where it is another shard of this server. A
+        model on several shards: with ``deal`` (an infer), the next turn of the router's deal;
+        without (metadata, readiness), this shard where it serves the model, else the first."""
         r = self.router
         if r is None:
             return None
+        if not deal:
+            shards = r.owner.shards_of(name)
+            return None if not shards or r.index in shards else shards[0]
         k = r.owner.get(name, r.index)
         return None if k == r.index else k
 
@@ -245,7 +250,7 @@ class GrpcFrontend:
         return pb.ServerReadyResponse(ready=ok)
 
     async def model_ready(self, request, context):
-        if (shard := self._owner(request.name)) is not None:
+        if (shard := self._owner(request.name, deal=False)) is not None:
             return await self._pass(shard, "ModelReady", request, context)
         try:
             self._check_token(context)
@@ -264,7 +269,7 @@ class GrpcFrontend:
         return pb.ServerMetadataResponse(name="ppipe", version=__version__)
 
     async def model_metadata(self, request, context):
-        if (shard := self._owner(request.name)) is not None:
+        if (shard := self._owner(request.name, deal=False)) is not None:
             return await self._pass(shard, "ModelMetadata", request, context)
         try:
             self._check_token(context)

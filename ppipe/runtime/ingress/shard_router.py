@@ -33,7 +33,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import orjson
 
-from ppipe.dataplane.split import _Dealer
+from ppipe.dataplane.split import Dealer
 from ppipe.runtime.wire.frames import WireError, pack, unpack
 from ppipe.runtime.wire.shard_messages import (
     GrpcAnswer, HttpRequest, PassAnswer, PassGrpc, PassRequest, ShardEnvelope, join_metadata, split_metadata,
@@ -72,7 +72,7 @@ class Routes:
                 (int(k), float(w)) for k, w in where if w > 0)
             if entries:
                 self.table[model] = entries
-        self._dealers = {m: _Dealer([w for _, w in e]) for m, e in self.table.items() if len(e) > 1}
+        self._dealers = {m: Dealer([w for _, w in e]) for m, e in self.table.items() if len(e) > 1}
 
     def get(self, model: str, default: Any = None) -> Any:
         """The shard to serve the next request of ``model`` (``default`` for a model no shard serves)."""
