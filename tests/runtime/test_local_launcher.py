@@ -81,7 +81,7 @@ def test_a_killed_worker_ends_its_lifeline_and_its_calls(two_stage):
 
 def test_a_worker_exits_when_its_host_closes_the_pair(two_stage):
     handle = next(iter(start_local_workers(two_stage, backend="emulated").values()))
-    handle._sock.close()  # as the host's process ending would
+    handle._calls._sock.close()  # as the host's process ending would
     handle.process.join(5)
     assert handle.process.exitcode == 0
 

@@ -303,9 +303,9 @@ def _shard_processes(proc) -> list:
     return [p for p in psutil.Process(proc.pid).children() if "ppipe.runtime.launch.local_shards" in " ".join(p.cmdline())]
 
 
-def _grpc_infer_on_a_new_channel(address: str, model: str) -> bool:
-    """One tritonclient.grpc ModelInfer on a channel of its own; whether it answered (an
-    explicit drop, UNAVAILABLE, is retried twice, as the REST calls are)."""
+def _grpc_infer_on_a_new_channel(address: str, model: str, headers: dict | None = None) -> bool:
+    """One tritonclient.grpc ModelInfer on a channel of its own (with ``headers``); whether
+    it answered (an explicit drop, UNAVAILABLE, is retried twice, as the REST calls are)."""
     tg = pytest.importorskip("tritonclient.grpc")
     from tritonclient.utils import InferenceServerException
 
@@ -315,7 +315,7 @@ def _grpc_infer_on_a_new_channel(address: str, model: str) -> bool:
     try:
         for _try in range(3):
             try:
-                return client.infer(model, [x]).as_numpy("logits").shape == (1, 5)
+                return client.infer(model, [x], headers=headers).as_numpy("logits").shape == (1, 5)
             except InferenceServerException as exc:
                 if exc.status() != "StatusCode.UNAVAILABLE":
                     raise
@@ -952,7 +952,7 @@ def test_ppipe_serve_splits_one_models_servers_over_two_shards(tmp_path):
                     break
                 drops.append(r.headers.get("ppipe-drop-reason"))
             codes.append(r.status_code)
-        grpc_ok = sum(_grpc_infer_on_a_new_channel_with(f"127.0.0.1:{grpc_port}", "a", auth) for _ in range(4))
+        grpc_ok = sum(_grpc_infer_on_a_new_channel(f"127.0.0.1:{grpc_port}", "a", auth) for _ in range(4))
         metrics = httpx.get(url + "/metrics", headers=auth, timeout=10).text
         switch = httpx.post(url + "/v2/admin/plan", content=(tmp_path / "plan.yaml").read_text(),
                             headers={**auth, "content-type": "application/yaml"}, timeout=60)
@@ -972,24 +972,3 @@ def test_ppipe_serve_splits_one_models_servers_over_two_shards(tmp_path):
     assert "is not served" in out and "does not switch plans live" in out  # SIGHUP's refusal, in the log
     assert "2 shards by servers:" in out and "shard 0: a 50% on 1 server (h-0)" in out and "shard 1: a 50% on 1 server (h-1)" in out
     assert "Traceback" not in out
-
-
-def _grpc_infer_on_a_new_channel_with(address: str, model: str, headers: dict) -> bool:
-    """One tritonclient.grpc ModelInfer on a channel of its own, with ``headers``; whether it
-    answered (an explicit drop, UNAVAILABLE, is retried twice)."""
-    tg = pytest.importorskip("tritonclient.grpc")
-    from tritonclient.utils import InferenceServerException
-
-    client = tg.InferenceServerClient(address)
-    x = tg.InferInput("input", [1, 3, 8, 8], "FP32")
-    x.set_data_from_numpy(np.zeros((1, 3, 8, 8), np.float32))
-    try:
-        for _try in range(3):
-            try:
-                return client.infer(model, [x], headers=headers).as_numpy("logits").shape == (1, 5)
-            except InferenceServerException as exc:
-                if exc.status() != "StatusCode.UNAVAILABLE":
-                    raise
-        return False
-    finally:
-        client.close()

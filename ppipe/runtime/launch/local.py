@@ -28,7 +28,7 @@ import pickle
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from ppipe.errors import UserError
 from ppipe.runtime.launch.deploy import Deployment, worker_env, worker_specs
@@ -88,6 +88,77 @@ def _rebuilt(err: tuple) -> Exception:
     if err[0] == "user":
         return UserError(err[1], fix=err[2], file=err[3])
     return RuntimeError(err[1])
+
+
+class PairCalls:
+    """Calls over a socket pair to a child process, answered in any order: each frame is
+    ``(call id, *call)`` out and ``(call id, ok, value)`` back. The reader starts on the
+    first loop that calls. When the pair ends, ``on_end()`` (a coroutine: reap the process,
+    release what it held) says why, as ``(why, exception type)``; the calls waiting and
+    every later one then fail with that exception, and :meth:`wait_gone` returns.
+
+    The local launcher's worker handles and local shards' handles both call through one.
+    """
+
+    def __init__(self, sock: socket.socket, on_end: Callable[[], Awaitable[tuple[str, type[Exception]]]]):
+        self._sock, self._on_end = sock, on_end
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._opening: asyncio.Task | None = None
+        self._gone: asyncio.Event | None = None
+        self.why_gone: str | None = None
+        self._error: type[Exception] = ConnectionError
+
+    async def call(self, *call: Any) -> Any:
+        """Send ``call``, return its answer (or raise its error, or the pair's end)."""
+        await self._ensure_open()
+        if self.why_gone is not None:
+            raise self._error(self.why_gone)
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = fut
+        assert self._writer is not None
+        self._writer.write(_frame((call_id, *call)))
+        return await fut
+
+    async def wait_gone(self) -> None:
+        """Returns once the pair has ended (and ``on_end`` has run)."""
+        await self._ensure_open()
+        assert self._gone is not None
+        await self._gone.wait()
+
+    def close(self) -> None:
+        """Close the pair's writer (the reader then ends)."""
+        if self._writer is not None:
+            self._writer.close()
+
+    async def _ensure_open(self) -> None:
+        if self._opening is None:
+            self._gone = asyncio.Event()
+            self._opening = asyncio.ensure_future(self._open())
+        await asyncio.shield(self._opening)
+
+    async def _open(self) -> None:
+        reader, self._writer = await asyncio.open_connection(sock=self._sock)
+        asyncio.ensure_future(self._read_answers(reader))
+
+    async def _read_answers(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                call_id, ok, value = await _read_frame(reader)
+                fut = self._waiting.pop(call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(value) if ok else fut.set_exception(_rebuilt(value))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        self.why_gone, self._error = await self._on_end()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(self._error(self.why_gone))
+        self._waiting.clear()
+        assert self._gone is not None
+        self._gone.set()
 
 
 # ---- the worker's process ----------------------------------------------------------------------------------
@@ -162,25 +233,22 @@ async def _answer(writer: asyncio.StreamWriter, worker: Any, call_id: int, metho
 class LocalWorkerHandle:
     """A :class:`~ppipe.runtime.launch.handle.WorkerHandle` on a worker process of this machine.
 
-    Calls are answered in any order (each frame carries its id). The handle's reader, on
-    the first loop that calls, takes the answers; when the pair ends it fails the calls
-    waiting and every later one with :class:`WorkerGone`, and ends :meth:`lifeline`.
+    Calls go over the pair (:class:`PairCalls`); when the pair ends, the calls waiting and
+    every later one fail with :class:`WorkerGone`, and :meth:`lifeline` ends.
     """
 
     def __init__(self, vgpu_id: str, process: Any, sock: socket.socket, info: dict[str, Any]):
         self.vgpu_id, self.process, self.info = vgpu_id, process, info
         self._pid = process.pid  # kept: a closed Process has none
-        self._sock = sock
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._opening: asyncio.Task | None = None
-        self._gone: asyncio.Event | None = None
-        self.why_gone: str | None = None
+        self._calls = PairCalls(sock, self._ended)
 
     @property
     def pid(self) -> int:
         return self._pid
+
+    @property
+    def why_gone(self) -> str | None:
+        return self._calls.why_gone
 
     async def open_data_path(self, frontend: str, secret: bytes | None = None) -> str:
         return await self._call("open_data_path", frontend, secret)
@@ -199,9 +267,7 @@ class LocalWorkerHandle:
 
     async def lifeline(self) -> None:
         """Waits until the worker's process is gone, then raises :class:`WorkerGone`."""
-        await self._ensure_open()
-        assert self._gone is not None
-        await self._gone.wait()
+        await self._calls.wait_gone()
         raise WorkerGone(self.why_gone or f"worker {self.vgpu_id} is gone")
 
     def kill(self) -> None:
@@ -212,50 +278,18 @@ class LocalWorkerHandle:
             pass  # already reaped or closed
 
     async def _call(self, method: str, *args: Any) -> Any:
-        await self._ensure_open()
-        if self.why_gone is not None:
-            raise WorkerGone(self.why_gone)
-        call_id = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting[call_id] = fut
-        assert self._writer is not None
-        self._writer.write(_frame((call_id, method, args)))
-        return await fut
+        return await self._calls.call(method, args)
 
-    async def _ensure_open(self) -> None:
-        if self._opening is None:
-            self._gone = asyncio.Event()
-            self._opening = asyncio.ensure_future(self._open())
-        await asyncio.shield(self._opening)
-
-    async def _open(self) -> None:
-        reader, self._writer = await asyncio.open_connection(sock=self._sock)
-        asyncio.ensure_future(self._read_answers(reader))
-
-    async def _read_answers(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while True:
-                call_id, ok, value = await _read_frame(reader)
-                fut = self._waiting.pop(call_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(value) if ok else fut.set_exception(_rebuilt(value))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
+    async def _ended(self) -> tuple[str, type[Exception]]:
         await asyncio.to_thread(self.process.join, 2.0)  # reap it
-        self.why_gone = f"worker {self.vgpu_id} (pid {self.pid}) is gone: exit code {self.process.exitcode}"
+        why = f"worker {self.vgpu_id} (pid {self.pid}) is gone: exit code {self.process.exitcode}"
         self._release()
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(WorkerGone(self.why_gone))
-        self._waiting.clear()
-        assert self._gone is not None
-        self._gone.set()
+        return why, WorkerGone
 
     def _release(self) -> None:
         """Close the pair and the process's sentinel pipe: a server that re-creates workers
         and switches plans for days must not keep two fds of each worker it ever had."""
-        if self._writer is not None:
-            self._writer.close()
+        self._calls.close()
         try:
             self.process.close()
         except ValueError:  # still running (it outlived the join): its finalizer closes them

@@ -45,7 +45,7 @@ from typing import Any
 
 from ppipe.errors import UserError
 from ppipe.runtime.control.shard_control import Abort, Commit, LogArrivals, Prepare, SetOwner, SetPeers, ShardRequest
-from ppipe.runtime.launch.local import _frame, _name_process, _portable, _read_frame, _read_frame_blocking, _rebuilt
+from ppipe.runtime.launch.local import PairCalls, _frame, _name_process, _portable, _read_frame, _read_frame_blocking, _rebuilt
 from ppipe.runtime.launch.shards import PeerExchange
 
 log = logging.getLogger("ppipe.runtime")
@@ -189,12 +189,8 @@ class LocalShard:
         self.why_gone: str | None = None
         self.down: str | None = None  # why requests are refused: its process is gone and not yet restarted
         self._sock: socket.socket | None = None
+        self._calls: PairCalls | None = None  # requests over the pair of the current process
         self._prepared: Any = None
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._opening: asyncio.Task | None = None
-        self._gone: asyncio.Event | None = None
 
     @property
     def pid(self) -> int | None:
@@ -215,6 +211,8 @@ class LocalShard:
         finally:
             theirs.close()
         self._sock = ours
+        self._calls = PairCalls(ours, self._ended)
+        self.why_gone = None
         ours.sendall(_frame(self.spec))
 
     def wait_started(self, timeout_s: float | None = None) -> str:
@@ -255,15 +253,8 @@ class LocalShard:
     async def call(self, request: ShardRequest) -> Any:
         if self.down is not None:  # checked first: a restart's new pair is not to be read here yet
             raise ConnectionError(self.down)
-        await self._ensure_open()
-        if self.why_gone is not None:
-            raise ConnectionError(self.why_gone)
-        call_id = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting[call_id] = fut
-        assert self._writer is not None
-        self._writer.write(_frame((call_id, request)))
-        answer = await fut
+        assert self._calls is not None
+        answer = await self._calls.call(request)
         self._note(request)
         return answer
 
@@ -284,46 +275,20 @@ class LocalShard:
 
     async def lifeline(self) -> None:
         """Returns once the shard's process is gone (:attr:`why_gone` says how)."""
-        await self._ensure_open()
-        assert self._gone is not None
-        await self._gone.wait()
+        assert self._calls is not None
+        await self._calls.wait_gone()
 
-    async def _ensure_open(self) -> None:
-        if self._opening is None:
-            self._gone = asyncio.Event()
-            self.why_gone = None
-            self._opening = asyncio.ensure_future(self._open())
-        await asyncio.shield(self._opening)
-
-    async def _open(self) -> None:
-        reader, self._writer = await asyncio.open_connection(sock=self._sock)
-        asyncio.ensure_future(self._read_answers(reader))
-
-    async def _read_answers(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while True:
-                call_id, ok, value = await _read_frame(reader)
-                fut = self._waiting.pop(call_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(value) if ok else fut.set_exception(_rebuilt(value))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
-        proc = self.proc
-        code = await asyncio.to_thread(_reap, proc)
+    async def _ended(self) -> tuple[str, type[Exception]]:
+        code = await asyncio.to_thread(_reap, self.proc)
         self.why_gone = self.down = f"{self.describe()} is gone: exit code {code}"
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(ConnectionError(self.why_gone))
-        self._waiting.clear()
-        assert self._gone is not None
-        self._gone.set()
+        return self.why_gone, ConnectionError
 
     def reset(self) -> None:
         """Forget the last process's pair (on the server's loop, before :meth:`restart`; the
         shard stays :attr:`down` until :meth:`up`)."""
-        if self._writer is not None:
-            self._writer.close()
-        self._writer, self._opening = None, None
+        if self._calls is not None:
+            self._calls.close()
+        self._calls = None
         self._prepared = None  # a switch it had prepared failed with it
 
     def up(self) -> None:
