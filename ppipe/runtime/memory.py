@@ -14,9 +14,9 @@ path, it bounds the process's memory by what is in use, not by its largest burst
 What it cannot give back is a page that still holds one live block, and each arena (glibc
 makes up to 8 per core, one per thread that allocates while the others are busy: the
 event loop, gRPC's threads, the image decoders) fragments on its own. :func:`limit_arenas`
-caps them at :data:`SERVER_ARENAS`: fewer, fuller arenas hold fewer half-used pages. The
-frontend's Python heap stays flat over a soak (tracemalloc: +4 MiB while RSS grew 80 MiB),
-so what grows is this native fragmentation.
+caps them at :data:`SERVER_ARENAS`: fewer, fuller arenas hold fewer half-used pages
+(``scripts/soak.py --tracemalloc`` shows that what a soak adds is native memory, not
+Python objects; docs/benchmarks.md has the figures).
 
 Elsewhere than glibc (musl, macOS) there is no ``malloc_trim``: :func:`trim_heap` does
 nothing and says so once in the log.
