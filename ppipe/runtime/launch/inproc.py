@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from ppipe.errors import UserError
@@ -168,21 +168,33 @@ class InprocServing:
     runtime: Any
     workers: dict[str, InprocWorkerHandle]
     client: Any = None
+    ingresses: list[Any] = field(default_factory=list)
 
 
 @contextlib.asynccontextmanager
 async def inproc_serve(dep: Deployment, *, backend: str = "emulated", backend_options: dict[str, Any] | None = None,
                        clock: StageClock | None = None, http: bool = False, app_options: dict[str, Any] | None = None,
-                       **runtime_options: Any) -> AsyncIterator[InprocServing]:
+                       ingresses: int = 0, **runtime_options: Any) -> AsyncIterator[InprocServing]:
     """Serve ``dep`` in this process, on the running loop: workers (:func:`start_inproc_workers`),
     a started runtime over them (:func:`inproc_runtime`) and, with ``http``, the frontend's
     app (``app_options``: :func:`~ppipe.runtime.ingress.http_server.create_app`'s keywords)
     behind an ``httpx.AsyncClient`` over ``httpx.ASGITransport``. On exit the app (or the
     runtime) is stopped, pending requests answered ``shutdown``, and every worker killed.
+
+    ``ingresses`` > 0: the requests go through that many
+    :class:`~ppipe.runtime.ingress.remote.IngressRuntime` (``InprocServing.ingresses``; the
+    app, with ``http``, serves over the first), which hold the tensors, and the runtime
+    decides on their metadata (``accept_ingresses``), all on this loop.
     """
     workers = start_inproc_workers(dep, backend, backend_options, clock)
     try:
+        if ingresses:
+            runtime_options["accept_ingresses"] = True
         runtime = inproc_runtime(dep, workers, **runtime_options)
+        if ingresses:
+            async with _ingresses(dep, runtime, workers, ingresses, http, app_options) as serving:
+                yield serving
+            return
         if not http:
             await runtime.start()
             try:
@@ -200,6 +212,44 @@ async def inproc_serve(dep: Deployment, *, backend: str = "emulated", backend_op
                 yield InprocServing(runtime, workers, client)
     finally:
         kill_all(workers)
+
+
+@contextlib.asynccontextmanager
+async def _ingresses(dep: Deployment, runtime: Any, workers: dict[str, InprocWorkerHandle], n: int, http: bool, app_options: dict[str, Any] | None) -> AsyncIterator[InprocServing]:
+    """A started runtime with ``n`` started ingresses that have heard from it (and, with
+    ``http``, the app over the first)."""
+    from ppipe.runtime.ingress.remote import IngressRuntime
+
+    await runtime.start()
+    front = [IngressRuntime(i, runtime.ingress_address, dep.plan, dep.profiles, secret=runtime.data_secret, host=LOOPBACK)
+             for i in range(n)]
+    try:
+        for ing in front[1:] if http else front:  # the app starts the first itself
+            await ing.start()
+        if not http:
+            await _heard(front)
+            yield InprocServing(runtime, workers, None, front)
+            return
+        import httpx
+
+        from ppipe.runtime.ingress.http_server import create_app
+
+        app = create_app(front[0], **(app_options or {}))
+        async with _app_lifespan(app):
+            await _heard(front)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://inproc") as client:
+                yield InprocServing(runtime, workers, client, front)
+    finally:
+        for ing in front:
+            await ing.stop()
+        await runtime.stop()
+
+
+async def _heard(front: list[Any], timeout_s: float = 10.0) -> None:
+    """Wait until every ingress has heard from the scheduler (its hello answered)."""
+    async with asyncio.timeout(timeout_s):
+        while not all(i.started for i in front):
+            await asyncio.sleep(0.001)
 
 
 @contextlib.asynccontextmanager

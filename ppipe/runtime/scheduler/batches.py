@@ -59,12 +59,9 @@ class BatchesMixin:
 
     def _send_stages(self, d: Dispatch, route: list[str]) -> None:
         """Send stage 0's message (the batch's inputs) and, for every stage that receives over
-        NCCL, its message without tensors (both ends of an NCCL edge are posted at once)."""
-        names = list(d.requests[0].payload)
-        if len(d.requests) == 1:  # a view with the batch axis, not a copy of the input
-            inputs = {n: np.expand_dims(d.requests[0].payload[n], 0) for n in names}
-        else:
-            inputs = {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
+        NCCL, its message without tensors (both ends of an NCCL edge are posted at once).
+        Where ingress processes hold the inputs, they send stage 0 its rows themselves
+        (:meth:`~ppipe.runtime.scheduler.ingresses.IngressesMixin._send_remote_inputs`)."""
         to_wall = self.clock.to_wall_us
         timing = tuple(
             Reservation(None if s.transfer_start_us is None else to_wall(s.transfer_start_us), s.transfer_us,
@@ -75,7 +72,10 @@ class BatchesMixin:
         addrs = tuple(self.addresses[v] for v in route)
         message = StageMsg(d.batch_id, 0, tuple(route), addrs, d.batch, timing, links, self.report_tolerance_us,
                            self.clock.wall_now_us())
-        self._outbox.send(addrs[0], pack(message, inputs))
+        if self.accept_ingresses:
+            message = self._send_remote_inputs(d, message)
+        else:
+            self._outbox.send(addrs[0], pack(message, _stacked_inputs(d)))
         for j in range(1, len(route)):
             if links is not None and links[j] is not None and links[j].recv is not None:
                 self._outbox.send(addrs[j], pack(msgspec.structs.replace(message, stage=j, sent_us=None)))
@@ -180,3 +180,10 @@ class BatchesMixin:
         )
         self._apply(self.scheduler.report(sr))
 
+
+def _stacked_inputs(d: Dispatch) -> dict[str, np.ndarray]:
+    """A batch's inputs, each with the batch axis (a batch of one: a view of its input, not a copy)."""
+    names = list(d.requests[0].payload)
+    if len(d.requests) == 1:
+        return {n: np.expand_dims(d.requests[0].payload[n], 0) for n in names}
+    return {n: np.stack([r.payload[n] for r in d.requests]) for n in names}

@@ -44,6 +44,7 @@ from ppipe.runtime.scheduler.batches import BatchesMixin
 from ppipe.runtime.scheduler.budgets import ServiceBudgets
 from ppipe.runtime.scheduler.failures import FailuresMixin
 from ppipe.runtime.scheduler.inflight import BatchTrace, DroppedError, InFlight, Pending
+from ppipe.runtime.scheduler.ingresses import IngressesMixin, RemoteInput
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.scheduler.switching import PreparedSwitch, RetiringWorker, SwitchingMixin, check_switchable
 from ppipe.runtime.wire.datapath import Inbox, Outbox, node_host
@@ -93,7 +94,7 @@ def default_scheduler_factory(plan, profiles, cluster, clock, policy: str = "res
     return build_scheduler(plan, profiles, cluster, clock, policy=policy, **options)
 
 
-class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
+class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
     """Serves a plan: scheduler + workers, behind :meth:`infer`.
 
     Args:
@@ -145,6 +146,9 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
             every worker as its data path opens; the report inbox reads only connections
             that prove it, and refusals count in ``ppipe_datapath_refused_total``. None:
             the data path is not authenticated.
+        accept_ingresses: take requests from ingress processes that hold their tensors
+            (:mod:`~ppipe.runtime.scheduler.ingresses`; they reach :attr:`ingress_address`)
+            instead of :meth:`infer` in this process.
     """
 
     def __init__(
@@ -171,6 +175,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
         links: Any = None,
         clock_factory: ClockFactory = WallClock,
         data_secret: bytes | None = None,
+        accept_ingresses: bool = False,
     ):
         self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
         self._factory = scheduler_factory or default_scheduler_factory
@@ -222,6 +227,8 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
         self.on_switch: list[Callable[[], None]] = []  # called at each switch, after the new plan is in place
         self.arrival_log: list[tuple[str, float]] | None = None  # (model, arrival) of each request, for a re-plan loop
         self.metrics.track_capacity(self)  # ppipe_model_capacity_alive_ratio, from self.plan and self.failed
+        self.accept_ingresses = accept_ingresses
+        self._init_ingresses()
 
     @property
     def nccl_edges(self) -> set[tuple[str, str]]:
@@ -245,6 +252,8 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
         await asyncio.gather(*(self.workers[v].connect_peers(self._next_stage_addresses(v)) for v in vgpus))
         for a in addrs:
             self._outbox.connect(a)
+        if self.accept_ingresses:
+            self._lifelines.append(self._open_ingress_inbox(self._inbox.address.split("://")[1].rpartition(":")[0]))
         freeze_startup_objects()
         self._lifelines = [loop.create_task(self._watch(v, h)) for v, h in self.workers.items()]
         self._lifelines.append(loop.create_task(self._sweep_overdue()))
@@ -346,6 +355,8 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin):
         """Make a sample's request, give it to the scheduler and arm its timeout."""
         if self.scheduler is None:
             raise RuntimeError("Runtime.start() has not run")
+        if self.accept_ingresses and not isinstance(inputs, RemoteInput):
+            raise RuntimeError("this scheduler's requests come from its ingress processes, not from infer()")
         try:
             mp = self.plan.model(model)
         except KeyError:  # a model a plan switch has just removed

@@ -77,6 +77,15 @@ class StageReport(msgspec.Struct, **STRUCT):
     carried: tuple["StageReport", ...] = ()
 
 
+class AnswerTo(msgspec.Struct, **STRUCT):
+    """Where rows of a batch's outputs go: rows ``offset`` .. ``offset + len(rids) - 1`` answer
+    requests ``rids`` of the ingress whose inbox is ``address`` (:class:`Answer`)."""
+
+    address: str
+    offset: int
+    rids: tuple[int, ...]
+
+
 class StageMsg(msgspec.Struct, **STRUCT):
     """Stage ``stage`` of batch ``batch_id``, with the whole route so each worker can forward.
 
@@ -86,6 +95,14 @@ class StageMsg(msgspec.Struct, **STRUCT):
     ``tolerance_us``: a stage within this of its reservation lets its report ride on
     (None: every stage reports at once); ``sent_us``: when the tensors left their sender
     (None on a message without tensors); ``carried``: the reports riding on.
+
+    Where the batch's requests are held by ingress processes (:mod:`ppipe.runtime.ingress.remote`),
+    each ingress sends stage 0 its own rows: ``part`` is ``(offset, rows)``, the rows of the
+    inputs this message carries (the worker runs the batch once all ``batch`` rows are in),
+    and ``answers`` says which ingress the last stage answers with which rows of the
+    outputs (its report to the scheduler then carries none). ``part`` None: the message
+    carries the whole batch (or no tensors); ``answers`` empty: the outputs go with the
+    last report.
     """
 
     batch_id: int
@@ -98,6 +115,8 @@ class StageMsg(msgspec.Struct, **STRUCT):
     tolerance_us: float | None = None
     sent_us: float | None = None
     carried: tuple[StageReport, ...] = ()
+    part: tuple[int, int] | None = None
+    answers: tuple[AnswerTo, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.route)
@@ -107,6 +126,68 @@ class StageMsg(msgspec.Struct, **STRUCT):
             raise ValueError(f"{len(self.links)} links for a route of {n} vGPUs")
         if self.batch < 1:
             raise ValueError(f"batch of {self.batch}")
+        if self.part is not None and not (0 <= self.part[0] and 1 <= self.part[1] and sum(self.part) <= self.batch):
+            raise ValueError(f"part {self.part} of a batch of {self.batch}")
+        if self.answers and sum(len(a.rids) for a in self.answers) != self.batch:
+            raise ValueError(f"answers for {sum(len(a.rids) for a in self.answers)} rows of a batch of {self.batch}")
+
+
+class Answer(msgspec.Struct, tag="answer", **STRUCT):
+    """The last stage's outputs for some requests of an ingress (rows in ``rids``' order), as tensors."""
+
+    batch_id: int
+    rids: tuple[int, ...]
+
+
+# ---- between ingress processes and the scheduler's host ---------------------------------------
+
+
+class Arrival(msgspec.Struct, **STRUCT):
+    """A request (one sample) an ingress holds: its id there, its model, and when it arrived (wall-clock us)."""
+
+    rid: int
+    model: str
+    arrival_us: float
+
+
+class FromIngress(msgspec.Struct, **STRUCT):
+    """What an ingress tells the scheduler in one loop tick: new requests and withdrawn ones
+    (the other samples of a request that was refused). ``hello``: the ingress's inbox
+    address, on its first message."""
+
+    ingress: int
+    arrivals: tuple[Arrival, ...] = ()
+    withdrawn: tuple[int, ...] = ()
+    hello: str | None = None
+
+
+class SendInputs(msgspec.Struct, **STRUCT):
+    """Send these requests' inputs, stacked in this order, as ``stage`` (a stage-0 :class:`StageMsg`
+    whose ``part`` names their rows) to the route's first worker."""
+
+    stage: StageMsg
+    rids: tuple[int, ...]
+
+
+class Refusal(msgspec.Struct, **STRUCT):
+    """These requests of an ingress will not be served (a drop, a failed worker, a timeout)."""
+
+    rids: tuple[int, ...]
+    reason: str
+    detail: str = ""
+
+
+class ToIngress(msgspec.Struct, tag="down", **STRUCT):
+    """What the scheduler tells an ingress in one loop tick: inputs to send, requests refused,
+    and (when it changed) the models ready now."""
+
+    sends: tuple[SendInputs, ...] = ()
+    refusals: tuple[Refusal, ...] = ()
+    ready: tuple[str, ...] | None = None
+
+
+IngressInbox = ToIngress | Answer
+"""What an ingress's inbox receives: the scheduler's :class:`ToIngress` and the last workers' :class:`Answer`."""
 
 
 def ran_as_reserved(report: StageReport, reserved: Reservation, tol_us: float) -> bool:

@@ -15,6 +15,16 @@ last stage's, a late stage's or a failed one's, or the one before an NCCL edge) 
 list along. A stage's report tells the scheduler something only where reality left the
 reservation, so the common batch costs the frontend one report message instead of one per
 stage, and each worker but the last one send instead of two.
+
+Where ingress processes hold the requests (:mod:`ppipe.runtime.ingress.remote`), a batch's
+inputs come to its first worker from each of them as stage-0 messages that carry some of
+its rows (``part``); the worker keeps them (:class:`_Parts`) until every row is in, puts
+them together in row order and runs the batch once. The last stage then answers each
+ingress with its rows of the outputs (``answers``: an
+:class:`~ppipe.runtime.wire.messages.Answer` each) and reports to the scheduler without
+them. Parts of a batch that never completes (an ingress died before sending its rows) are
+let go ``STALE_PARTS_US`` after the batch's reserved end; the scheduler fails that batch
+on its own (its reports never come).
 """
 
 from __future__ import annotations
@@ -25,10 +35,12 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable
 
 import msgspec
+import numpy as np
 
+from ppipe.runtime.clock import wall_us
 from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox, is_loopback_address, node_host
 from ppipe.runtime.wire.frames import WireError, pack, unpack
-from ppipe.runtime.wire.messages import StageMsg, StageReport, ran_as_reserved
+from ppipe.runtime.wire.messages import Answer, StageMsg, StageReport, ran_as_reserved
 
 log = logging.getLogger("ppipe.runtime")
 
@@ -46,6 +58,30 @@ class StageResult:
 
 StageRunner = Callable[[StageMsg, "dict[str, Any] | None"], Awaitable[StageResult]]
 
+STALE_PARTS_US = 10e6  # parts of a batch still incomplete this long after its reserved end are let go
+
+
+class _Parts:
+    """The stage-0 messages of one batch received so far, each with its rows of the inputs."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.pieces: list[tuple[int, dict[str, Any]]] = []  # (offset, tensors)
+        self.last: StageMsg | None = None
+
+    def add(self, msg: StageMsg, tensors: dict[str, Any]) -> None:
+        offset, rows = msg.part
+        if any(off == offset for off, _ in self.pieces):
+            raise ValueError(f"rows from {offset} of batch {msg.batch_id} came twice")
+        self.pieces.append((offset, tensors))
+        self.rows += rows
+        self.last = msg
+
+    def joined(self) -> dict[str, Any]:
+        """The inputs in row order: each tensor the rows of every part, concatenated."""
+        self.pieces.sort(key=lambda p: p[0])
+        return {n: np.concatenate([t[n] for _, t in self.pieces]) for n in self.pieces[0][1]}
+
 
 class StageServer:
     """Serves stage messages on a worker's inbox with ``run`` (as
@@ -60,12 +96,13 @@ class StageServer:
             it, and the outbox's connections prove it (None: not authenticated).
     """
 
-    def __init__(self, vgpu_id: str, run: StageRunner, secret: bytes | None = None):
-        self.vgpu_id, self.run, self.secret = vgpu_id, run, secret
+    def __init__(self, vgpu_id: str, run: StageRunner, secret: bytes | None = None, now_us: Callable[[], float] = wall_us):
+        self.vgpu_id, self.run, self.secret, self.now_us = vgpu_id, run, secret, now_us
         self.inbox: Inbox | None = None
         self.outbox = Outbox(secret)
         self.frontend: str | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._parts: dict[int, _Parts] = {}  # batch id -> the parts of its inputs received so far
 
     def open(self, frontend: str, host: str | None = None) -> str:
         """Bind this worker's inbox (on the loopback address when the frontend is on it) and
@@ -94,9 +131,40 @@ class StageServer:
         except WireError as exc:
             log.warning("%s: dropped a malformed stage message: %s", self.vgpu_id, exc)
             return
+        if msg.part is not None:
+            msg, tensors = self._take_part(msg, tensors)
+            if msg is None:
+                return
         task = asyncio.get_running_loop().create_task(self._stage(msg, tensors or None))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _take_part(self, msg: StageMsg, tensors: dict[str, Any]) -> tuple[StageMsg | None, dict[str, Any]]:
+        """A stage-0 message with some rows of a batch's inputs: ``(message, inputs)`` once every
+        row is in (the last part's message, without ``part``), else ``(None, {})``."""
+        if msg.stage != 0:
+            log.warning("%s: dropped stage %d of batch %s: only stage 0 comes in parts", self.vgpu_id, msg.stage, msg.batch_id)
+            return None, {}
+        if msg.part == (0, msg.batch):
+            return msgspec.structs.replace(msg, part=None), tensors
+        self._let_go_of_stale_parts()
+        parts = self._parts.setdefault(msg.batch_id, _Parts())
+        try:
+            parts.add(msg, tensors)
+        except ValueError as exc:
+            log.warning("%s: dropped a part: %s", self.vgpu_id, exc)
+            return None, {}
+        if parts.rows < msg.batch:
+            return None, {}
+        del self._parts[msg.batch_id]
+        return msgspec.structs.replace(parts.last, part=None), parts.joined()
+
+    def _let_go_of_stale_parts(self) -> None:
+        now = self.now_us()
+        for b, parts in list(self._parts.items()):
+            if parts.last is not None and now > parts.last.timing[-1].end_us + STALE_PARTS_US:
+                log.warning("%s: let go of batch %s's inputs: %d of %d rows came", self.vgpu_id, b, parts.rows, parts.last.batch)
+                del self._parts[b]
 
     async def _stage(self, msg: StageMsg, tensors: dict[str, Any] | None) -> None:
         k = msg.stage
@@ -107,6 +175,10 @@ class StageServer:
             self._report(StageReport(msg.batch_id, k, self.vgpu_id, error=f"{type(exc).__name__}: {exc}"), msg.carried)
             return
         report = result.report
+        if k + 1 == len(msg.route) and msg.answers:
+            self._answer(msg, result.tensors or {})
+            self._report(report, msg.carried)
+            return
         if k + 1 == len(msg.route) or (link is not None and link.send is not None):
             self._report(report, msg.carried, result.tensors if k + 1 == len(msg.route) else None)
             return
@@ -120,6 +192,15 @@ class StageServer:
         except DataPathFull as exc:
             report = msgspec.structs.replace(report, error=f"DataPathFull: {exc}")
         self._report(report, msg.carried)
+
+    def _answer(self, msg: StageMsg, outputs: dict[str, Any]) -> None:
+        """Send each ingress its rows of the batch's outputs (views, not copies)."""
+        for to in msg.answers:
+            rows = slice(to.offset, to.offset + len(to.rids))
+            try:
+                self.outbox.send(to.address, pack(Answer(msg.batch_id, to.rids), {n: a[rows] for n, a in outputs.items()}))
+            except DataPathFull:
+                log.error("%s: ingress %s stopped reading; batch %s's answers to it are lost", self.vgpu_id, to.address, msg.batch_id)
 
     def _report(self, report: StageReport, carried: tuple[StageReport, ...], outputs: dict[str, Any] | None = None) -> None:
         """Send a report to the frontend, with the earlier stages' reports that rode on to here."""

@@ -1,0 +1,224 @@
+"""An ingress process's runtime: it holds the requests' tensors; the scheduler decides elsewhere.
+
+:class:`IngressRuntime` stands where the HTTP and gRPC frontends expect a
+:class:`~ppipe.runtime.scheduler.host.Runtime` (``infer``, ``infer_samples``, ``model_ready``,
+``started``, ``clock``, ``profiles``, ``metrics``), but the data plane's scheduler runs in
+another process (:mod:`ppipe.runtime.scheduler.ingresses`). Per request::
+
+    client --HTTP--> ingress --Arrival (id, model, arrival)--> scheduler
+                     ingress <--SendInputs (stage 0, rows)---- scheduler   (it dispatched)
+                     ingress --stage 0 + its rows' inputs--> first worker --> ... --> last worker
+    client <--HTTP-- ingress <--Answer (its rows of the outputs)-------------------- last worker
+
+so the tensors go from the ingress to the first worker and from the last worker back, never
+through the scheduler, whose cost per request is a few small messages, each coalesced with
+the others of its loop tick in both directions (:class:`~ppipe.runtime.wire.messages.FromIngress`,
+:class:`~ppipe.runtime.wire.messages.ToIngress`). A request's error comes as a
+:class:`~ppipe.runtime.wire.messages.Refusal` (drops, failed batches, the scheduler's
+timeouts). Exactly one answer per request: the first of an answer and a refusal wins, and a
+request with neither by SLO + ``answer_grace_s`` is answered ``timeout`` here (a scheduler
+that has gone answers nothing).
+
+Times: the arrival is sent on the wall clock (the scheduler converts it to its timeline);
+``clock`` is a :class:`~ppipe.runtime.clock.WallClock`, injected as the host's is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+import numpy as np
+
+from ppipe.runtime.clock import WallClock
+from ppipe.runtime.scheduler.inflight import DroppedError
+from ppipe.runtime.scheduler.metrics import RuntimeMetrics
+from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox
+from ppipe.runtime.wire.frames import WireError, pack, unpack
+from ppipe.runtime.wire.messages import Answer, Arrival, FromIngress, IngressInbox, SendInputs, ToIngress
+from ppipe.spec.plan import Plan
+from ppipe.spec.profile import ModelProfile
+
+log = logging.getLogger("ppipe.runtime")
+
+
+@dataclass
+class _Held:
+    """A request this ingress holds until its answer: its future and its inputs (until sent)."""
+
+    future: asyncio.Future
+    inputs: dict[str, np.ndarray] | None
+    timer: Any = None
+
+
+class IngressRuntime:
+    """The runtime an ingress process's frontends serve with (see the module's docstring).
+
+    Args:
+        index: this ingress's number among the server's ingresses.
+        scheduler_address: the scheduler's ingress inbox (``Runtime.ingress_address``).
+        plan, profiles: what the server serves (the frontends validate against the profiles).
+        secret: the server's data-path secret (None: not authenticated).
+        host: the address this ingress's inbox binds (workers and the scheduler reach it).
+        answer_grace_s: a request unanswered at SLO + this is answered ``timeout``.
+        clock_factory: ``f(loop)``: the clock (default :class:`~ppipe.runtime.clock.WallClock`).
+    """
+
+    def __init__(self, index: int, scheduler_address: str, plan: Plan, profiles: dict[str, ModelProfile], *,
+                 secret: bytes | None = None, host: str = LOOPBACK, answer_grace_s: float = 30.0,
+                 clock_factory: Callable[[asyncio.AbstractEventLoop], Any] = WallClock, metrics: RuntimeMetrics | None = None):
+        self.index, self.scheduler_address, self.plan, self.profiles = index, scheduler_address, plan, profiles
+        self.secret, self.host, self.answer_grace_s = secret, host, answer_grace_s
+        self.metrics = metrics or RuntimeMetrics()
+        self._clock_factory = clock_factory
+        self.clock: Any = None
+        self.on_switch: list[Callable[[], None]] = []
+        self._inbox: Inbox | None = None
+        self._outbox = Outbox(secret)
+        self._held: dict[int, _Held] = {}
+        self._ids = itertools.count()
+        self._arrivals: list[Arrival] = []
+        self._withdrawn: list[int] = []
+        self._ready: set[str] | None = None  # the models the scheduler said are ready (None: not heard yet)
+        self.address: str | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind the inbox and say hello to the scheduler (it answers with the models ready)."""
+        loop = asyncio.get_running_loop()
+        self.clock = self._clock_factory(loop)
+        self._inbox = Inbox(self._on_message, self.host, self.secret)
+        self.address = self._inbox.address
+        self._outbox.send(self.scheduler_address, pack(FromIngress(self.index, hello=self.address)))
+
+    async def stop(self) -> None:
+        for rid in list(self._held):
+            self._refuse(rid, "shutdown", "the server is shutting down")
+        if self._inbox is not None:
+            self._inbox.close()
+        self._outbox.close()
+
+    @property
+    def started(self) -> bool:
+        return self._ready is not None
+
+    def model_ready(self, model: str) -> bool:
+        return self._ready is not None and model in self._ready
+
+    # ---- requests -----------------------------------------------------------------------
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None = None) -> dict[str, np.ndarray]:
+        """Serve one sample (arrays without the batch axis); returns its outputs.
+
+        Raises:
+            DroppedError: the scheduler refused it, its batch failed, or no answer came in time.
+        """
+        rid = self._hold(model, inputs, arrival_us)
+        try:
+            return await self._held[rid].future
+        finally:
+            self._let_go(rid)
+
+    async def infer_samples(self, model: str, samples: list[dict[str, np.ndarray]], arrival_us: float | None = None) -> list[dict[str, np.ndarray]]:
+        """Serve the samples of one client request; returns their outputs in order. At the
+        first sample refused, the others are withdrawn and the request fails with its error."""
+        rids = [self._hold(model, s, arrival_us) for s in samples]
+        futures = [self._held[r].future for r in rids]
+        try:
+            return [await f for f in futures]
+        except DroppedError:
+            self._withdrawn.extend(r for r in rids if r in self._held)
+            self._arm_flush()
+            raise
+        finally:
+            for r in rids:
+                self._let_go(r)
+
+    def _hold(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None) -> int:
+        if self.clock is None:
+            raise RuntimeError("IngressRuntime.start() has not run")
+        mp = next((m for m in self.plan.models if m.name == model), None)
+        if mp is None:
+            raise DroppedError("unknown-model", f"the plan serves {', '.join(m.name for m in self.plan.models)}")
+        rid = next(self._ids)
+        loop = asyncio.get_running_loop()
+        held = self._held[rid] = _Held(loop.create_future(), inputs)
+        timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
+        held.timer = loop.call_later(timeout_s, self._refuse, rid, "timeout", f"no answer within {timeout_s:.1f} s")
+        now = self.clock.true_now_us() if arrival_us is None else arrival_us
+        self._arrivals.append(Arrival(rid, model, self.clock.to_wall_us(now)))
+        self._arm_flush()
+        return rid
+
+    def _let_go(self, rid: int) -> None:
+        held = self._held.pop(rid, None)
+        if held is not None:
+            held.timer.cancel()
+
+    def _arm_flush(self) -> None:
+        if len(self._arrivals) + len(self._withdrawn) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send this tick's arrivals and withdrawals to the scheduler in one message."""
+        if not (self._arrivals or self._withdrawn):
+            return
+        message = FromIngress(self.index, tuple(self._arrivals), tuple(self._withdrawn))
+        self._arrivals, self._withdrawn = [], []
+        try:
+            self._outbox.send(self.scheduler_address, pack(message))
+        except DataPathFull as exc:
+            for a in message.arrivals:
+                self._refuse(a.rid, "worker-failed", f"the scheduler cannot be reached: {exc}")
+
+    # ---- from the scheduler and the workers -------------------------------------------------
+    def _on_message(self, message: memoryview | bytes) -> None:
+        try:
+            m, tensors = unpack(message, IngressInbox)
+        except WireError as exc:
+            log.warning("ingress %d: dropped a malformed message: %s", self.index, exc)
+            return
+        if isinstance(m, Answer):
+            for i, rid in enumerate(m.rids):
+                held = self._held.get(rid)
+                if held is not None and not held.future.done():
+                    held.future.set_result({n: a[i] for n, a in tensors.items()})
+            return
+        self._told(m)
+
+    def _told(self, m: ToIngress) -> None:
+        if m.ready is not None:
+            self._ready = set(m.ready)
+        for s in m.sends:
+            self._send_inputs(s)
+        for r in m.refusals:
+            for rid in r.rids:
+                self._refuse(rid, r.reason, r.detail)
+
+    def _send_inputs(self, s: SendInputs) -> None:
+        """Send stage 0 of a batch these requests' rows, stacked in order (one request: a view)."""
+        held = [self._held.get(rid) for rid in s.rids]
+        if any(h is None or h.inputs is None for h in held):
+            log.warning("ingress %d: batch %s asks for inputs it no longer holds", self.index, s.stage.batch_id)
+            return
+        if len(held) == 1:
+            inputs = {n: np.expand_dims(a, 0) for n, a in held[0].inputs.items()}
+        else:
+            inputs = {n: np.stack([h.inputs[n] for h in held]) for n in held[0].inputs}
+        for h in held:
+            h.inputs = None
+        message = msgspec.structs.replace(s.stage, sent_us=self.clock.wall_now_us())
+        try:
+            self._outbox.send(message.addresses[0], pack(message, inputs))
+        except DataPathFull as exc:
+            for rid in s.rids:
+                self._refuse(rid, "worker-failed", str(exc))
+
+    def _refuse(self, rid: int, reason: str, detail: str) -> None:
+        held = self._held.get(rid)
+        if held is not None and not held.future.done():
+            held.future.set_exception(DroppedError(reason, detail))
+            held.future.exception()  # retrieved: a withdrawn sample has nobody awaiting it

@@ -1,0 +1,194 @@
+"""Requests held by ingress processes: the scheduler's host decides on their metadata alone.
+
+An ingress process (:class:`ppipe.runtime.ingress.remote.IngressRuntime`) holds its clients'
+connections and their tensors. The scheduler's host sees only what it decides on:
+
+- an ingress sends, once per loop tick, a :class:`~ppipe.runtime.wire.messages.FromIngress`
+  with its new requests (id there, model, arrival) and the ones it withdraws. Each becomes a
+  :class:`~ppipe.dataplane.api.Request` of the data plane, whose payload is a
+  :class:`RemoteInput` (which ingress, which id) instead of the tensors;
+- a dispatch becomes, for each ingress with requests in the batch, a
+  :class:`~ppipe.runtime.wire.messages.SendInputs`: the stage-0 message with that ingress's
+  rows (``part``) and the batch's ``answers``; the ingress sends its rows to the first
+  worker itself, and the last worker answers each ingress with its rows of the outputs.
+  The batch's rows are grouped by ingress (each ingress's requests are consecutive rows);
+- a request's error (a drop, a failed batch, a timeout, a shutdown) is told to its ingress
+  as a :class:`~ppipe.runtime.wire.messages.Refusal`; a request served needs no word from
+  here (the last worker answered its ingress);
+- which models are ready is told at an ingress's hello and whenever it changes.
+
+What the scheduler's host says to one ingress in one tick goes as one
+:class:`~ppipe.runtime.wire.messages.ToIngress` message, sent when the loop has run what is
+ready (``call_soon``). The rest of the host is unchanged: the same scheduler, reports,
+timeouts, failures and plan switches; every request still gets exactly one answer, here
+its ingress's (the first of an answer and a refusal that cross wins there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ppipe.dataplane.api import Dispatch
+from ppipe.runtime.scheduler.inflight import DroppedError, Pending
+from ppipe.runtime.wire.datapath import DataPathFull, Inbox
+from ppipe.runtime.wire.frames import WireError, pack, unpack
+from ppipe.runtime.wire.messages import AnswerTo, Arrival, FromIngress, Refusal, SendInputs, StageMsg, ToIngress
+
+log = logging.getLogger("ppipe.runtime")
+
+READINESS_CHECK_S = 0.5  # how often the models' readiness is compared with what the ingresses were told
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteInput:
+    """A request's payload where an ingress holds its inputs: the ingress and the request's id there."""
+
+    ingress: int
+    rid: int
+
+
+@dataclass
+class _Down:
+    """What one ingress is told in the current tick."""
+
+    sends: list[SendInputs] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    ready: tuple[str, ...] | None = None
+
+
+class IngressesMixin:
+    """The :class:`~ppipe.runtime.scheduler.host.Runtime`'s side of its ingress processes (mixed into it).
+
+    It works on the runtime's state, chiefly ``clock``, ``plan``, ``_outbox``, ``_inflight``
+    and ``data_secret``, and calls its ``_submit``, ``_settle``, ``_withdraw``, ``_fail``,
+    ``refuse`` and ``model_ready``.
+    """
+
+    def _init_ingresses(self) -> None:
+        self.ingress_address: str | None = None  # where ingresses send (after start)
+        self._ingress_inbox: Inbox | None = None
+        self._ingress_addrs: dict[int, str] = {}  # ingress -> its inbox's address
+        self._remote: dict[tuple[int, int], Pending] = {}  # (ingress, its id) -> the request
+        self._down: dict[int, _Down] = {}
+        self._told_ready: tuple[str, ...] | None = None
+
+    def _open_ingress_inbox(self, host: str) -> asyncio.Task:
+        """Listen for ingress processes; returns the task that keeps them told of readiness."""
+        self._ingress_inbox = Inbox(self._on_ingress, host, self.data_secret, on_refused=lambda why: self.refuse("handshake", why))
+        self.ingress_address = self._ingress_inbox.address
+        return asyncio.get_running_loop().create_task(self._keep_readiness_told())
+
+    @property
+    def ingresses(self) -> dict[int, str]:
+        """The ingress processes that said hello: {index: inbox address}."""
+        return dict(self._ingress_addrs)
+
+    # ---- from the ingresses ---------------------------------------------------------------
+    def _on_ingress(self, message: memoryview | bytes) -> None:
+        try:
+            m, _ = unpack(message, FromIngress)
+        except WireError as exc:
+            log.warning("dropped a malformed message from an ingress: %s", exc)
+            return
+        if m.hello is not None:
+            self._ingress_addrs[m.ingress] = m.hello
+            self._tell(m.ingress).ready = self._ready_models()
+        elif m.ingress not in self._ingress_addrs:
+            self.refuse("ingress-unknown", f"ingress {m.ingress} sent requests before its hello")
+            return
+        for a in m.arrivals:
+            self._submit_remote(m.ingress, a)
+        if m.withdrawn:
+            subs = [p for p in (self._remote.get((m.ingress, rid)) for rid in m.withdrawn) if p is not None]
+            self._withdraw(subs)
+
+    def _submit_remote(self, ingress: int, a: Arrival) -> None:
+        try:
+            p = self._submit(a.model, RemoteInput(ingress, a.rid), self.clock.from_wall_us(a.arrival_us))
+        except DroppedError as exc:  # a model the plan does not serve (any more)
+            self._tell(ingress).refusals.append(Refusal((a.rid,), exc.reason, exc.detail))
+            return
+        key = (ingress, a.rid)
+        self._remote[key] = p
+        p.future.add_done_callback(lambda f: self._remote_answered(p, key, f))
+
+    def _remote_answered(self, p: Pending, key: tuple[int, int], f: asyncio.Future) -> None:
+        """A remote request's answer here: served (the last worker answered its ingress) or an error to tell it."""
+        self._settle(p)
+        self._remote.pop(key, None)
+        exc = None if f.cancelled() else f.exception()
+        if exc is not None:
+            reason, detail = (exc.reason, exc.detail) if isinstance(exc, DroppedError) else ("worker-error", str(exc))
+            self._tell(key[0]).refusals.append(Refusal((key[1],), reason, detail))
+
+    def ingress_gone(self, ingress: int) -> None:
+        """An ingress process is gone (its launcher saw it die): its requests are answered
+        ``ingress-gone`` here (nobody waits for them), and the batches in flight with rows of
+        it whose first stage has not reported fail (their first worker waits for rows that
+        will not come)."""
+        self._ingress_addrs.pop(ingress, None)
+        self._down.pop(ingress, None)
+        for b in list(self._inflight.values()):
+            if 0 in b.unreported and any(isinstance(r.payload, RemoteInput) and r.payload.ingress == ingress for r in b.d.requests):
+                self._fail(b, "worker-failed", f"ingress {ingress} went away before the batch's inputs were all sent")
+        subs = [p for (i, _), p in list(self._remote.items()) if i == ingress]
+        self._withdraw(subs)
+
+    # ---- to the ingresses -----------------------------------------------------------------
+    def _send_remote_inputs(self, d: Dispatch, message: StageMsg) -> StageMsg:
+        """Tell each ingress with rows in batch ``d`` to send them; returns the batch's stage
+        message with its ``answers``.
+
+        Raises:
+            DataPathFull: an ingress of the batch has gone (nothing was told).
+        """
+        groups: dict[int, list[int]] = {}
+        for r in d.requests:
+            groups.setdefault(r.payload.ingress, []).append(r.payload.rid)
+        answers, offset = [], 0
+        for ingress, rids in groups.items():
+            addr = self._ingress_addrs.get(ingress)
+            if addr is None:
+                raise DataPathFull(f"ingress {ingress}, which holds inputs of batch {d.batch_id}, has gone")
+            answers.append(AnswerTo(addr, offset, tuple(rids)))
+            offset += len(rids)
+        message = msgspec.structs.replace(message, answers=tuple(answers))
+        for ingress, to in zip(groups, answers):
+            self._tell(ingress).sends.append(SendInputs(msgspec.structs.replace(message, part=(to.offset, len(to.rids))), to.rids))
+        return message
+
+    def _tell(self, ingress: int) -> _Down:
+        """What ingress ``ingress`` is told this tick (the tick's flush is armed with the first)."""
+        down = self._down.get(ingress)
+        if down is None:
+            if not self._down:
+                asyncio.get_running_loop().call_soon(self._flush_ingresses)
+            down = self._down[ingress] = _Down()
+        return down
+
+    def _flush_ingresses(self) -> None:
+        downs, self._down = self._down, {}
+        for ingress, down in downs.items():
+            addr = self._ingress_addrs.get(ingress)
+            if addr is None:
+                continue
+            try:
+                self._outbox.send(addr, pack(ToIngress(tuple(down.sends), tuple(down.refusals), down.ready)))
+            except DataPathFull:
+                log.error("ingress %d stopped reading; %d sends and %d refusals to it are lost", ingress, len(down.sends), len(down.refusals))
+
+    def _ready_models(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.plan.models if self.model_ready(m.name))
+
+    async def _keep_readiness_told(self) -> None:
+        while True:
+            await asyncio.sleep(READINESS_CHECK_S)
+            ready = self._ready_models()
+            if ready != self._told_ready:
+                self._told_ready = ready
+                for ingress in self._ingress_addrs:
+                    self._tell(ingress).ready = ready
