@@ -330,7 +330,8 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port_and_restart
     its own workers), REST requests and gRPC calls on fresh connections (the kernel spreads
     them over the shards), merged metrics. Then SIGKILL of shard 1's process: a is served
     throughout; b's requests get 200 or an explicit 503 (never a hang: each has a 30 s client
-    timeout) until the restarted shard serves b again, and the log says what happened.
+    timeout) until the restarted shard serves b again; /metrics meanwhile is 200 with a's
+    series and ppipe_shard_up 0 for shard 1 (1 once it is back); the log says what happened.
     SIGTERM then stops every process of the server."""
     import signal
 
@@ -362,6 +363,7 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port_and_restart
 
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=30)
+        during = httpx.get(url + "/metrics", timeout=30)  # shard 1 is restarting: its exit is seen at once, its start takes seconds
         answers = {"a": [], "b": []}
         for _ in range(400):  # b is back once the new shard serves (a few seconds); a bound, not a time
             for m in ("a", "b"):
@@ -370,6 +372,7 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port_and_restart
             if answers["b"][-1][0] == 200:
                 break
         (restarted,) = _shard_processes(proc)
+        after = httpx.get(url + "/metrics", timeout=30)
     finally:
         out = _stop_and_leave_nothing(proc)
     assert codes == {"a": [200] * 6, "b": [200] * 6}
@@ -383,6 +386,11 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port_and_restart
     assert all(code == 503 and why for code, why in refused), refused  # explicit, with the reason
     assert any("shard 1 of this server is down" in why for _, why in refused), refused
     assert sum(code == 200 for code, _ in answers["a"]) >= len(answers["a"]) - 2, answers["a"]  # a: its shard never stopped
+    # metrics while it restarted: shard 0's series, and the gauge that says shard 1 is down
+    assert during.status_code == 200, during.text
+    assert 'ppipe_requests_total{code="200",model="a"}' in during.text and 'model="b"' not in during.text
+    assert 'ppipe_shard_up{shard="0"} 1' in during.text and 'ppipe_shard_up{shard="1"} 0' in during.text
+    assert after.status_code == 200 and 'ppipe_shard_up{shard="1"} 1' in after.text, after.text
     assert f"shard 1 (b; pid {victim.pid}) is gone: exit code -9" in out and "restarting it" in out
     assert f"shard 1 (b; pid {restarted.pid}) is back" in out
     assert "Traceback" not in out
@@ -877,6 +885,51 @@ def test_metrics_of_shards_that_share_a_model_carry_the_shard_label():
     assert 'ppipe_requests_total{model="a",shard="0"} 1.0' in text and 'ppipe_requests_total{model="a",shard="1"} 2.0' in text
     assert 'up{shard="0"} 1' in text and text.count("# TYPE ppipe_requests_total") == 1
 
+
+
+def test_metrics_of_shards_with_one_down_keep_the_others_series_and_say_which_is_down():
+    """Shard 1 did not answer (its process is being restarted): shard 0's and 2's series are
+    kept, and ppipe_shard_up says 1 for them, 0 for shard 1; with the shard label (a model on
+    several shards) the gauge's own label is not doubled."""
+    a = b'# HELP ppipe_requests_total n\n# TYPE ppipe_requests_total counter\nppipe_requests_total{model="a"} 1.0\n'
+    c = b'# HELP ppipe_requests_total n\n# TYPE ppipe_requests_total counter\nppipe_requests_total{model="c"} 3.0\n'
+    up = {0: True, 1: False, 2: True}
+    text = merge_metrics([a, c], up=up).decode()
+    assert 'ppipe_requests_total{model="a"} 1.0' in text and 'ppipe_requests_total{model="c"} 3.0' in text
+    assert text.count("# TYPE ppipe_shard_up gauge") == 1
+    lines = text.splitlines()
+    assert [line for line in lines if line.startswith("ppipe_shard_up")] == [
+        'ppipe_shard_up{shard="0"} 1', 'ppipe_shard_up{shard="1"} 0', 'ppipe_shard_up{shard="2"} 1']
+    assert lines.index("# TYPE ppipe_shard_up gauge") < lines.index('ppipe_shard_up{shard="0"} 1')
+    labelled = merge_metrics([a, c], shards=[0, 2], up=up).decode()
+    assert 'ppipe_requests_total{model="c",shard="2"} 3.0' in labelled and 'ppipe_shard_up{shard="1"} 0' in labelled
+    assert "ppipe_shard_up" not in merge_metrics([a, c]).decode()  # only where the caller says which shards answered
+
+
+def test_a_shard_answers_metrics_of_the_shards_that_are_up_while_another_is_down(tmp_path):
+    """Shard 1 is down (None among the peers, as the supervisor tells it while it restarts):
+    shard 0's /metrics is 200 with a's series and ppipe_shard_up 1 for shard 0, 0 for shard 1;
+    a bad token still gets 401; readiness is still merge_readiness's (ready: a is)."""
+    from ppipe.runtime.ingress.protocol import encode_infer_request
+
+    srv0, r0, srv1, r1 = _two_shards(tmp_path)
+    auth = {"authorization": "Bearer t0k"}
+    with srv0, srv1, httpx.Client(base_url=srv0.url, timeout=30) as c:
+        r0.set_peers([r0.address, r1.address])
+        r1.set_peers([r0.address, r1.address])
+        body, headers = encode_infer_request({"input": np.full((1, 3, 8, 8), 3.0, np.float32)}, binary=True)
+        served = c.post("/v2/models/a/infer", content=body, headers={**headers, **auth}).status_code
+        both = c.get("/metrics", headers=auth)
+        r0.set_peers([r0.address, None])
+        one = c.get("/metrics", headers=auth)
+        no_token = c.get("/metrics")
+        ready = c.get("/v2/health/ready").status_code
+    assert served == 200 and both.status_code == 200
+    assert 'ppipe_shard_up{shard="0"} 1' in both.text and 'ppipe_shard_up{shard="1"} 1' in both.text
+    assert one.status_code == 200, one.text
+    assert 'ppipe_requests_total{code="200",model="a"} 1.0' in one.text and 'model="b"' not in one.text
+    assert 'ppipe_shard_up{shard="0"} 1' in one.text and 'ppipe_shard_up{shard="1"} 0' in one.text
+    assert no_token.status_code == 401 and ready == 200
 
 def test_shards_of_one_split_model_deal_rest_and_grpc_requests_by_capacity(tmp_path):
     """Model a on two shards (each its server's sub-plan) weighted 2 : 1; six REST requests

@@ -19,7 +19,8 @@ are those of :mod:`ppipe.runtime.wire.shard_messages`.
 A shard that is down (its process died and is being restarted, or the server is stopping)
 is ``None`` among the peers (:meth:`ShardRouter.set_peers`): its models' requests get an
 explicit 503 at once, and those already waiting for its answer get one too, so that no
-request waits for an answer that cannot come.
+request waits for an answer that cannot come. ``/metrics`` meanwhile answers with the
+other shards' series and ``ppipe_shard_up{shard="i"} 0`` for the one that is down.
 """
 
 from __future__ import annotations
@@ -141,12 +142,18 @@ def merge_readiness(answers: list[tuple[int, list, bytes]]) -> tuple[int, list, 
     return waiting[0] if waiting else good[0] if good else answers[0]
 
 
-def merge_metrics(texts: list[bytes], shards: Sequence[int] | None = None) -> bytes:
+def merge_metrics(texts: list[bytes], shards: Sequence[int] | None = None,
+                  up: Mapping[int, bool] | None = None) -> bytes:
     """Prometheus text expositions of several shards as one: each family once, with the
     samples of every shard. Where the shards' label sets are disjoint (models, vGPUs: each
     model on one shard) the samples are kept as they are; where a model lives on several
     shards, pass ``shards`` (each text's shard index): every sample then gets a ``shard``
-    label, so that a model's series stay apart per shard (sum them by model)."""
+    label, so that a model's series stay apart per shard (sum them by model).
+
+    ``up`` (every shard of the server -> whether its text is among ``texts``) adds the gauge
+    ``ppipe_shard_up{shard="i"}``, 1 or 0: a shard that could not answer (its process died
+    and is being restarted) leaves its series out of this scrape, and the gauge tells a
+    scraper so, where a failed scrape of the whole server would lose every series."""
     families: dict[str, list[str]] = {}
     samples: dict[str, list[str]] = {}
     for k, text in enumerate(texts):
@@ -165,6 +172,10 @@ def merge_metrics(texts: list[bytes], shards: Sequence[int] | None = None) -> by
         out += head + samples.pop(name, [])
     for rest in samples.values():
         out += rest
+    if up is not None:
+        out += ["# HELP ppipe_shard_up Whether the shard answered this scrape (0: it is down, e.g. being restarted, "
+                "and its series are missing)", "# TYPE ppipe_shard_up gauge"]
+        out += [f'ppipe_shard_up{{shard="{i}"}} {int(bool(answered))}' for i, answered in sorted(up.items())]
     return ("\n".join(out) + "\n").encode()
 
 
@@ -193,7 +204,8 @@ class ShardRouter:
     them (names no shard serves stay here, for the 404), those under ``/v2/admin/`` (plan
     switches) to shard 0.
     ``/v2/health/ready`` and ``/metrics`` ask every shard and combine the answers
-    (:func:`merge_readiness`, :func:`merge_metrics`); everything else is answered here.
+    (:func:`merge_readiness`, :func:`merge_metrics`; the metrics of the shards that are up,
+    while another is down); everything else is answered here.
     Between shards, a request is one data-path message (:class:`PassRequest
     <ppipe.runtime.wire.shard_messages.PassRequest>`, the body as its tensor), and so is its
     answer; the shard it is passed to replays it into its own app. A message that does not decode is logged
@@ -273,19 +285,25 @@ class ShardRouter:
         await _respond(send, status, headers, out)
 
     async def _gather(self, path: str, scope, receive, send) -> None:
+        """``/v2/health/ready`` or ``/metrics`` from every shard's answer. Readiness is
+        :func:`merge_readiness`'s. Metrics are the merge of the shards that answered 200,
+        with ``ppipe_shard_up`` saying which did not (a shard that is down answers 503: its
+        series are missing from this scrape, the others' are kept); a refusal (401: a bad
+        token) is given as the first shard gave it, and so is a 503 when no shard answered."""
         body = await _read_body(receive)
         if body is None:
             return
         shards = self.owner.shards()
         answers = await asyncio.gather(*(self._ask(i, scope, body) for i in shards))
-        bad = [a for a in answers if a[0] != 200]
-        if path == "/metrics" and not bad:
-            merged = merge_metrics([a[2] for a in answers], shards if self.owner.split() else None)
-            await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")], merged)
-        elif path == "/metrics":  # an error (401) as the first shard that gave it
-            await _respond(send, *bad[0])
-        else:
-            await _respond(send, *merge_readiness(answers))
+        if path == "/v2/health/ready":
+            return await _respond(send, *merge_readiness(answers))
+        refused = [a for a in answers if 400 <= a[0] < 500]
+        got = [(i, a) for i, a in zip(shards, answers) if a[0] == 200]
+        if refused or not got:  # a bad token (401) as the first shard that gave it; no shard answered: its 503
+            return await _respond(send, *(refused or answers)[0])
+        merged = merge_metrics([a[2] for _, a in got], [i for i, _ in got] if self.owner.split() else None,
+                               up={i: a[0] == 200 for i, a in zip(shards, answers)})
+        await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")], merged)
 
     async def ready(self) -> bool:
         """Whether the server is ready, by :func:`merge_readiness` of every shard's answer."""
