@@ -9,6 +9,7 @@ import ipaddress
 import json
 import os
 import secrets
+import socket
 import time
 
 import click
@@ -164,6 +165,11 @@ class _NullClock:
               help="What each shard gets: whole models (groups of models that share no NIC), or a group of the plan's servers "
               "and every model's vGPUs there, so that one model's requests are spread over several shards by their "
               "capacity for it (a split that loses capacity or loads one shard more is refused; no live plan switches).")
+@click.option("--ingress", "ingress", default=0, show_default=True, type=click.IntRange(min=0),
+              help="N > 0: N ingress processes on --port (and --grpc-port) hold the clients' connections and tensors (read, "
+              "authenticate, validate, decode, answer), and this process only schedules: it sees each request's metadata, "
+              "and the tensors go from an ingress to the first worker and from the last worker back. Local launcher, one "
+              "shard; no plan switches. 0: this process does it all.")
 @click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="auto: watch each model's arrival rate, re-plan when the mix shifts (a model past 90 % of its capacity and a "
               "new plan >= 10 % better) and switch plans live (ppipe.control.replan; needs a max-min plan).")
@@ -176,8 +182,8 @@ class _NullClock:
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
 def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, host, port, grpc_port, token, max_body_mb,
-          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, shard_by, replan, replan_time_limit_s, replan_min_interval_s,
-          replan_window_s, replan_curvature_window_s, num_cpus, emulated_max_bytes):
+          header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, shard_by, ingress, replan, replan_time_limit_s,
+          replan_min_interval_s, replan_window_s, replan_curvature_window_s, num_cpus, emulated_max_bytes):
     """Serve PLAN_FILE behind an Open Inference Protocol (KServe v2) HTTP API.
 
     The workers and the frontend shards (--shards) run as local processes (--launcher
@@ -199,8 +205,9 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     backend = _backend_for(backend, dep.plan)
     options = _scheduler_options(max_queue, wake_lead_ms)
     _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
-    n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1, by=shard_by)
+    n_shards = 1 if ingress and shards == "auto" else parse_shards(shards, dep.plan, os.cpu_count() or 1, by=shard_by)
     launcher, n_shards = _choose_launcher(launcher, ray_address, dep.cluster, shards, n_shards, transport)
+    _check_ingress_flags(ingress, launcher, n_shards, replan)
     layout = shard_layout(dep.plan, n_shards, shard_by)  # a split the plan does not take well is refused here
     if layout.by == "servers" and replan == "auto":
         raise UserError("--replan auto cannot run with --shard-by servers: a server whose shards split the plan's servers "
@@ -219,12 +226,13 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     settings = _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
                                body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, opts, host, grpc_port,
                                launcher)
+    settings, ingress_settings = _split_for_ingresses(settings, ingress, decode_workers)
     parts = layout.parts
     owner = layout.routes if layout.by == "servers" else layout.owner()
     deps = [dep if p is dep.plan else dataclasses.replace(dep, plan=p) for p in layout.plans]  # each shard's plan holds its part
     if len(parts) > 1:
         click.echo(f"{len(parts)} shards by {layout.by}:\n  " + "\n  ".join(layout.describe()), err=True)
-    sock = reuseport_socket(host, port)
+    sock = reuseport_socket(host, port) if not ingress else socket.create_server(("127.0.0.1", 0))  # ingresses: admin on loopback
     shard_set = _Shards(launcher, deps, parts, settings, owner, host, port)  # the other shards start while shard 0's workers load
     try:
         workers, edges = _start_workers_and_links(dep, backend, opts, transport, launcher, only=shard_set.first_vgpus())
@@ -236,11 +244,14 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     shard_set.start(workers, edges, shutdown)
     companions = functools.partial(_companions, dep=dep, layout=layout, shards=shard_set,
                                    switchers=switchers, worker_options=settings.workers,
-                                   plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s)
+                                   plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s,
+                                   ingresses=_ingress_companion(ingress, dep, ingress_settings, host, port, shutdown_timeout_s))
     app, _, router = build_shard(deps[0], parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
     (app if router is None else router.app).fe.switcher = switchers[0]
     click.echo(_serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, layout.by)
-               + f"; {launcher} launcher, workers up {time.perf_counter() - t0:.1f} s after start")
+               + f"; {launcher} launcher, workers up {time.perf_counter() - t0:.1f} s after start"
+               + (f"; {ingress} ingress processes, the scheduler's own API on http://127.0.0.1:{sock.getsockname()[1]}/v2"
+                  if ingress else ""))
     uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
 
 
@@ -452,17 +463,70 @@ def _kill_all(shards: _Shards, workers: dict, switchers: list, shutdown_timeout_
         h.kill()
 
 
+INGRESS_SWITCH_REFUSAL = ("this server's ingress processes (--ingress) hold the plan's models and SLOs, and such a server "
+                          "does not switch plans live",
+                          "restart `ppipe serve` with the new plan, or serve without --ingress to switch plans live")
+
+
+def _check_ingress_flags(ingress: int, launcher: str, n_shards: int, replan: str) -> None:
+    """Refuse ``--ingress N`` where it is not built: under Ray, with several shards, with re-planning."""
+    if not ingress:
+        return
+    if launcher != "local":
+        raise UserError("--ingress runs its ingress processes on this machine, under the local launcher; ingresses on "
+                        "Ray's nodes are not built yet", fix="use --launcher local (no --ray-address, no ray_resource), or leave out --ingress")
+    if n_shards > 1:
+        raise UserError(f"--ingress serves the whole plan from one scheduler; it does not run with --shards {n_shards}",
+                        fix="leave out --shards (or --shards 1) with --ingress")
+    if replan == "auto":
+        raise UserError("--replan auto switches plans live, which a server with --ingress does not do",
+                        fix="leave --replan off with --ingress, or serve without --ingress")
+
+
+def _split_for_ingresses(settings, ingress: int, decode_workers: int | None):
+    """(the scheduler process's settings, the ingresses'): with ``--ingress N`` the scheduler
+    takes requests from ingresses only and serves no gRPC; each ingress gets the gRPC
+    frontend and, unless ``--decode-workers`` says, a JSON decode pool of its share of the
+    default. Without ingresses: (settings, None)."""
+    if not ingress:
+        return settings, None
+    from ppipe.runtime.ingress.bodies import default_decode_workers
+
+    scheduler = dataclasses.replace(settings, runtime={**settings.runtime, "accept_ingresses": True}, grpc={})
+    per_ingress = decode_workers if decode_workers is not None else max(1, default_decode_workers() // ingress)
+    return scheduler, dataclasses.replace(settings, app={**settings.app, "decode_workers": per_ingress})
+
+
+def _ingress_companion(ingress: int, dep, settings, host: str, port: int, shutdown_timeout_s: float):
+    """``f(runtime)``: the :class:`~ppipe.runtime.launch.local_ingresses.IngressSupervisor`
+    of ``--ingress N`` (None without)."""
+    if not ingress:
+        return None
+    from ppipe.runtime.launch.local_ingresses import IngressStart, IngressSupervisor
+
+    def start(index: int, scheduler_address: str) -> IngressStart:
+        return IngressStart(index, scheduler_address, dep, settings, host, port, INGRESS_SWITCH_REFUSAL)
+
+    return lambda rt: IngressSupervisor(rt, ingress, start, stop_timeout_s=shutdown_timeout_s + 5.0)
+
+
 def _companions(rt, router, *, dep, layout, shards: _Shards, switchers, worker_options, plan_file, replan_policy,
-                replan_time_limit_s) -> list:
+                replan_time_limit_s, ingresses=None) -> list:
     """The first shard's companions (``build_shard(companions=...)``): the peer exchange with
-    the other shards, SIGHUP plan reloads and, with ``--replan auto``, the re-planning loop.
+    the other shards, SIGHUP plan reloads, with ``--replan auto`` the re-planning loop, and
+    with ``--ingress`` (``ingresses``: ``f(runtime)``) the ingress processes' supervisor.
     It appends the server's plan switcher to ``switchers`` (one that refuses every switch
-    where the shards split the plan's servers)."""
+    where the shards split the plan's servers, or where ingresses hold the plan)."""
     from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload, SplitServersSwitcher
     from ppipe.runtime.control.shard_plan import sub_plan
 
     out = [] if router is None else [shards.exchange(router)]
-    if router is None:  # one shard
+    if ingresses is not None:  # --ingress: ingress processes serve the port; the plan stays
+        from ppipe.runtime.control.switch import FixedPlan
+
+        switchers.append(FixedPlan(dep, *INGRESS_SWITCH_REFUSAL))
+        out.append(ingresses(rt))
+    elif router is None:  # one shard
         switchers.append(PlanSwitcher(rt, dep, **worker_options))
     else:
         first = layout.parts[0]

@@ -393,12 +393,14 @@ class GrpcServer:
             their owner (the answer, error or not, comes back as the owner gave it).
         max_message_bytes: largest request accepted (RESOURCE_EXHAUSTED above), REST's body limit.
         grace_s: on stop, how long in-flight RPCs may still finish.
+        shared_port: other processes of this server bind the port too (``SO_REUSEPORT``);
+            default: where there is a ``router`` (shards), and the ingress processes set it.
     """
 
     def __init__(self, runtime: Runtime, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_BODY_BYTES, grace_s: float = 5.0, router=None):
+                 max_message_bytes: int = DEFAULT_MAX_BODY_BYTES, grace_s: float = 5.0, router=None, shared_port: bool | None = None):
         self.frontend = GrpcFrontend(runtime, token=token, router=router)
-        self.shared_port = router is not None  # the shards of one server all bind the port (SO_REUSEPORT)
+        self.shared_port = router is not None if shared_port is None else shared_port
         self.host, self.port = host, port
         self.max_message_bytes, self.grace_s = max_message_bytes, grace_s
         self.server: grpc.aio.Server | None = None

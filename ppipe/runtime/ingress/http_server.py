@@ -386,7 +386,8 @@ class Frontend:
     async def metrics(self, request: Request) -> Response:
         if not self._authorized(request):
             return _error(401, _UNAUTHORIZED)
-        return Response(self.runtime.metrics.render(), media_type="text/plain; version=0.0.4")
+        render = getattr(self.runtime, "render_metrics", None)  # where the server's processes are several: all of them
+        return Response(render() if render else self.runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 def _error_body(status: int, message: str, **headers: str) -> tuple[int, bytes, dict[str, str]]:

@@ -19,6 +19,10 @@ timeouts). Exactly one answer per request: the first of an answer and a refusal 
 request with neither by SLO + ``answer_grace_s`` is answered ``timeout`` here (a scheduler
 that has gone answers nothing).
 
+Metrics: the ingress sends its own Prometheus text to the scheduler every second and
+answers ``/metrics`` with the whole server's that the scheduler sends back (every
+process's samples, each labelled with its ``process``; until the first comes, its own).
+
 Times: the arrival is sent on the wall clock (the scheduler converts it to its timeline);
 ``clock`` is a :class:`~ppipe.runtime.clock.WallClock`, injected as the host's is.
 """
@@ -44,6 +48,7 @@ from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelProfile
 
 log = logging.getLogger("ppipe.runtime")
+METRICS_EVERY_S = 1.0  # how often the ingress sends the scheduler its metrics
 
 
 @dataclass
@@ -84,6 +89,8 @@ class IngressRuntime:
         self._arrivals: list[Arrival] = []
         self._withdrawn: list[int] = []
         self._ready: set[str] | None = None  # the models the scheduler said are ready (None: not heard yet)
+        self._server_metrics: bytes | None = None  # the whole server's metrics, as the scheduler last sent them
+        self._pushing: asyncio.Task | None = None
         self.address: str | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -94,8 +101,11 @@ class IngressRuntime:
         self._inbox = Inbox(self._on_message, self.host, self.secret)
         self.address = self._inbox.address
         self._outbox.send(self.scheduler_address, pack(FromIngress(self.index, hello=self.address)))
+        self._pushing = loop.create_task(self._push_metrics())
 
     async def stop(self) -> None:
+        if self._pushing is not None:
+            self._pushing.cancel()
         for rid in list(self._held):
             self._refuse(rid, "shutdown", "the server is shutting down")
         if self._inbox is not None:
@@ -108,6 +118,18 @@ class IngressRuntime:
 
     def model_ready(self, model: str) -> bool:
         return self._ready is not None and model in self._ready
+
+    def render_metrics(self) -> bytes:
+        """The whole server's metrics as the scheduler last sent them (until then, this ingress's own)."""
+        return self._server_metrics if self._server_metrics is not None else self.metrics.render()
+
+    async def _push_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_EVERY_S)
+            try:
+                self._outbox.send(self.scheduler_address, pack(FromIngress(self.index, metrics=self.metrics.render())))
+            except DataPathFull as exc:
+                log.warning("ingress %d: the scheduler takes no metrics: %s", self.index, exc)
 
     # ---- requests -----------------------------------------------------------------------
     async def infer(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None = None) -> dict[str, np.ndarray]:
@@ -192,6 +214,8 @@ class IngressRuntime:
     def _told(self, m: ToIngress) -> None:
         if m.ready is not None:
             self._ready = set(m.ready)
+        if m.metrics is not None:
+            self._server_metrics = m.metrics
         for s in m.sends:
             self._send_inputs(s)
         for r in m.refusals:

@@ -252,10 +252,10 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         await asyncio.gather(*(self.workers[v].connect_peers(self._next_stage_addresses(v)) for v in vgpus))
         for a in addrs:
             self._outbox.connect(a)
-        if self.accept_ingresses:
-            self._lifelines.append(self._open_ingress_inbox(self._inbox.address.split("://")[1].rpartition(":")[0]))
         freeze_startup_objects()
         self._lifelines = [loop.create_task(self._watch(v, h)) for v, h in self.workers.items()]
+        if self.accept_ingresses:
+            self._lifelines.append(self._open_ingress_inbox(self._inbox.address.split("://")[1].rpartition(":")[0]))
         self._lifelines.append(loop.create_task(self._sweep_overdue()))
         limit_arenas()  # before the gRPC and image threads start: fewer arenas, less fragmentation held
         self._lifelines.append(loop.create_task(trim_heap_periodically()))  # a burst's buffers go back to the system

@@ -15,7 +15,12 @@ connections and their tensors. The scheduler's host sees only what it decides on
 - a request's error (a drop, a failed batch, a timeout, a shutdown) is told to its ingress
   as a :class:`~ppipe.runtime.wire.messages.Refusal`; a request served needs no word from
   here (the last worker answered its ingress);
-- which models are ready is told at an ingress's hello and whenever it changes.
+- which models are ready is told at an ingress's hello and whenever it changes;
+- metrics: each ingress sends its Prometheus text every second; the host answers every
+  second with the whole server's (:meth:`IngressesMixin.render_metrics`: its own and every
+  ingress's, each sample labelled ``process="scheduler"`` or ``"ingress-i"``), so that a
+  scrape that reaches any ingress of the shared port sees every process, at most a second
+  or two old.
 
 What the scheduler's host says to one ingress in one tick goes as one
 :class:`~ppipe.runtime.wire.messages.ToIngress` message, sent when the loop has run what is
@@ -27,6 +32,7 @@ its ingress's (the first of an answer and a refusal that cross wins there).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -34,6 +40,7 @@ import msgspec
 
 from ppipe.dataplane.api import Dispatch
 from ppipe.runtime.scheduler.inflight import DroppedError, Pending
+from ppipe.runtime.scheduler.metrics import merge_metrics
 from ppipe.runtime.wire.datapath import DataPathFull, Inbox
 from ppipe.runtime.wire.frames import WireError, pack, unpack
 from ppipe.runtime.wire.messages import AnswerTo, Arrival, FromIngress, Refusal, SendInputs, StageMsg, ToIngress
@@ -41,6 +48,7 @@ from ppipe.runtime.wire.messages import AnswerTo, Arrival, FromIngress, Refusal,
 log = logging.getLogger("ppipe.runtime")
 
 READINESS_CHECK_S = 0.5  # how often the models' readiness is compared with what the ingresses were told
+METRICS_EVERY_S = 1.0  # how often the ingresses are sent the whole server's metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,7 @@ class _Down:
     sends: list[SendInputs] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
     ready: tuple[str, ...] | None = None
+    metrics: bytes | None = None
 
 
 class IngressesMixin:
@@ -75,6 +84,7 @@ class IngressesMixin:
         self._remote: dict[tuple[int, int], Pending] = {}  # (ingress, its id) -> the request
         self._down: dict[int, _Down] = {}
         self._told_ready: tuple[str, ...] | None = None
+        self._ingress_metrics: dict[int, bytes] = {}  # ingress -> the last metrics text it sent
 
     def _open_ingress_inbox(self, host: str) -> asyncio.Task:
         """Listen for ingress processes; returns the task that keeps them told of readiness."""
@@ -100,6 +110,8 @@ class IngressesMixin:
         elif m.ingress not in self._ingress_addrs:
             self.refuse("ingress-unknown", f"ingress {m.ingress} sent requests before its hello")
             return
+        if m.metrics is not None:
+            self._ingress_metrics[m.ingress] = m.metrics
         for a in m.arrivals:
             self._submit_remote(m.ingress, a)
         if m.withdrawn:
@@ -132,6 +144,7 @@ class IngressesMixin:
         will not come)."""
         self._ingress_addrs.pop(ingress, None)
         self._down.pop(ingress, None)
+        self._ingress_metrics.pop(ingress, None)
         for b in list(self._inflight.values()):
             if 0 in b.unreported and any(isinstance(r.payload, RemoteInput) and r.payload.ingress == ingress for r in b.d.requests):
                 self._fail(b, "worker-failed", f"ingress {ingress} went away before the batch's inputs were all sent")
@@ -177,7 +190,7 @@ class IngressesMixin:
             if addr is None:
                 continue
             try:
-                self._outbox.send(addr, pack(ToIngress(tuple(down.sends), tuple(down.refusals), down.ready)))
+                self._outbox.send(addr, pack(ToIngress(tuple(down.sends), tuple(down.refusals), down.ready, down.metrics)))
             except DataPathFull:
                 log.error("ingress %d stopped reading; %d sends and %d refusals to it are lost", ingress, len(down.sends), len(down.refusals))
 
@@ -185,10 +198,27 @@ class IngressesMixin:
         return tuple(m.name for m in self.plan.models if self.model_ready(m.name))
 
     async def _keep_readiness_told(self) -> None:
-        while True:
+        """Every READINESS_CHECK_S, tell the ingresses the models ready where that changed;
+        every METRICS_EVERY_S, the whole server's metrics."""
+        ticks_per_metrics = max(1, round(METRICS_EVERY_S / READINESS_CHECK_S))
+        for tick in itertools.count(1):
             await asyncio.sleep(READINESS_CHECK_S)
             ready = self._ready_models()
             if ready != self._told_ready:
                 self._told_ready = ready
                 for ingress in self._ingress_addrs:
                     self._tell(ingress).ready = ready
+            if tick % ticks_per_metrics == 0 and self._ingress_addrs:
+                text = self.render_metrics()
+                for ingress in self._ingress_addrs:
+                    self._tell(ingress).metrics = text
+
+    def render_metrics(self) -> bytes:
+        """This host's Prometheus text, with the last that each ingress sent (where any did):
+        every sample labelled with its ``process``."""
+        own = self.metrics.render()
+        if not self._ingress_metrics:
+            return own
+        ingresses = sorted(self._ingress_metrics)
+        return merge_metrics([own, *(self._ingress_metrics[i] for i in ingresses)],
+                             ["scheduler", *(f"ingress-{i}" for i in ingresses)], label="process")

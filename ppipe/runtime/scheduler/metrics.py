@@ -6,7 +6,7 @@ one process.
 
 from __future__ import annotations
 
-from typing import Any, Container
+from typing import Any, Container, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -51,6 +51,54 @@ class RuntimeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def merge_metrics(texts: list[bytes], shards: Sequence[int | str] | None = None,
+                  up: Mapping[int, bool] | None = None, label: str = "shard") -> bytes:
+    """Prometheus text expositions of several shards as one: each family once, with the
+    samples of every shard. Where the shards' label sets are disjoint (models, vGPUs: each
+    model on one shard) the samples are kept as they are; where a model lives on several
+    shards, pass ``shards`` (each text's shard index): every sample then gets a ``shard``
+    label, so that a model's series stay apart per shard (sum them by model). ``label``
+    names that label where the texts are other processes' (``process``: an ingress's).
+
+    ``up`` (every shard of the server -> whether its text is among ``texts``) adds the gauge
+    ``ppipe_shard_up{shard="i"}``, 1 or 0: a shard that could not answer (its process died
+    and is being restarted) leaves its series out of this scrape, and the gauge tells a
+    scraper so, where a failed scrape of the whole server would lose every series."""
+    families: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for k, text in enumerate(texts):
+        current = None
+        for line in text.decode().splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                current = line.split()[2]
+                head = families.setdefault(current, [])
+                if line not in head:
+                    head.append(line)
+                samples.setdefault(current, [])
+            elif line.strip() and not line.startswith("#"):
+                samples.setdefault(current or "", []).append(line if shards is None else _with_shard(line, shards[k], label))
+    out = []
+    for name, head in families.items():
+        out += head + samples.pop(name, [])
+    for rest in samples.values():
+        out += rest
+    if up is not None:
+        out += ["# HELP ppipe_shard_up Whether the shard answered this scrape (0: it is down, e.g. being restarted, "
+                "and its series are missing)", "# TYPE ppipe_shard_up gauge"]
+        out += [f'ppipe_shard_up{{shard="{i}"}} {int(bool(answered))}' for i, answered in sorted(up.items())]
+    return ("\n".join(out) + "\n").encode()
+
+
+def _with_shard(line: str, shard: int | str, label: str = "shard") -> str:
+    """A sample line of the text exposition with the label ``<label>="<shard>"`` added."""
+    name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=len(line))
+    if line[name_end:name_end + 1] == "{":
+        close = line.index("}", name_end)
+        inner = line[name_end + 1:close]
+        return f'{line[:close]}{"," if inner else ""}{label}="{shard}"{line[close:]}'
+    return f'{line[:name_end]}{{{label}="{shard}"}}{line[name_end:]}'
 
 
 def capacity_alive_ratio(plan: Any, model: str, failed: Container[str]) -> float:

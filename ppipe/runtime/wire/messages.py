@@ -153,12 +153,14 @@ class Arrival(msgspec.Struct, **STRUCT):
 class FromIngress(msgspec.Struct, **STRUCT):
     """What an ingress tells the scheduler in one loop tick: new requests and withdrawn ones
     (the other samples of a request that was refused). ``hello``: the ingress's inbox
-    address, on its first message."""
+    address, on its first message. ``metrics``: its Prometheus text exposition, sent every
+    second on a message of its own."""
 
     ingress: int
     arrivals: tuple[Arrival, ...] = ()
     withdrawn: tuple[int, ...] = ()
     hello: str | None = None
+    metrics: bytes | None = None
 
 
 class SendInputs(msgspec.Struct, **STRUCT):
@@ -179,11 +181,14 @@ class Refusal(msgspec.Struct, **STRUCT):
 
 class ToIngress(msgspec.Struct, tag="down", **STRUCT):
     """What the scheduler tells an ingress in one loop tick: inputs to send, requests refused,
-    and (when it changed) the models ready now."""
+    and (when it changed) the models ready now. ``metrics``: the whole server's Prometheus
+    text (the scheduler's and every ingress's, each sample labelled with its ``process``),
+    sent every second, which the ingress's ``/metrics`` answers with."""
 
     sends: tuple[SendInputs, ...] = ()
     refusals: tuple[Refusal, ...] = ()
     ready: tuple[str, ...] | None = None
+    metrics: bytes | None = None
 
 
 IngressInbox = ToIngress | Answer

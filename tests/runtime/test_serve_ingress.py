@@ -1,0 +1,165 @@
+"""``ppipe serve --ingress N``: ingress processes on the port, the server's process schedules.
+
+tinynet's two stages on the ``ort`` backend (every answer checked against the whole model),
+served by the real command under the local launcher: the answers, which process served
+them, metrics of every process on any ingress, a killed ingress restarted while the other
+serves on, plan switches refused with the reason, and nothing left after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
+from ppipe.runtime.launch.deploy import load_deployment
+from ppipe.runtime.launch.local_ingresses import PROCESS_NAME
+from ppipe.spec.cluster import load_cluster
+
+from .conftest import make_plan
+from .raynodes import free_port
+from .tinynet import reference
+
+TOKEN = "s3cret"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def two_stage(tinynet, tmp_path_factory):
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)], slo_ms=400.0)
+    path = tmp_path_factory.mktemp("serve-ingress") / "plan.yaml"
+    plan.save(path)
+    return load_deployment(path)
+
+
+def _serve(plan: str, port: int, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", plan, "--backend", "ort", "--port", str(port),
+                             "--token", TOKEN, "--report-tolerance-ms", "-1", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("not ready in time")
+
+
+def _ingresses(server: psutil.Process) -> list[psutil.Process]:
+    return [p for p in server.children(recursive=True) if p.name() == PROCESS_NAME]
+
+
+def _infer(url: str, x: np.ndarray) -> tuple[int, np.ndarray | str]:
+    """One request of ``x``'s samples on a connection of its own (so the kernel deals it to any ingress)."""
+    body, headers = encode_infer_request({"input": x}, binary=True)
+    with httpx.Client(timeout=20) as c:
+        r = c.post(f"{url}/v2/models/tinynet/infer", content=body, headers={**headers, **AUTH})
+    if r.status_code != 200:
+        return r.status_code, r.text
+    return 200, decode_infer_response(r.content, r.headers.get("inference-header-content-length"))["logits"]
+
+
+def _check_grpc(port: int, x: np.ndarray, directory) -> None:
+    """One gRPC request (tritonclient, where installed) through the ingresses' gRPC port."""
+    tg = pytest.importorskip("tritonclient.grpc")
+    client = tg.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        t = tg.InferInput("input", list(x.shape), "FP32")
+        t.set_data_from_numpy(x)
+        out = client.infer("tinynet", [t], headers=AUTH).as_numpy("logits")
+    finally:
+        client.close()
+    np.testing.assert_allclose(out, reference(directory, x), rtol=2e-2, atol=2e-2)
+
+
+def _served_by(metrics: str) -> dict[str, float]:
+    """process -> its count of 200 answers, from the merged /metrics."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("ppipe_requests_total{") and 'code="200"' in line:
+            process = line.split('process="')[1].split('"')[0]
+            out[process] = out.get(process, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_ingress_processes_answer_with_the_models_outputs_and_one_restarts_while_the_other_serves(two_stage):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    directory = two_stage.profiles["tinynet"].directory
+    grpc_port = free_port()
+    proc = _serve(two_stage.plan_file, port, "--ingress", "2", "--grpc-port", str(grpc_port))
+    try:
+        _wait_ready(url, proc)
+        server = psutil.Process(proc.pid)
+        ingresses = _ingresses(server)
+        assert len(ingresses) == 2
+        rng = np.random.default_rng(0)
+        xs = [rng.normal(0, 1, (1 + i % 3, 3, 8, 8)).astype(np.float32) for i in range(24)]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda x: _infer(url, x), xs))
+        for x, (code, out) in zip(xs, answers):
+            assert code == 200, out
+            np.testing.assert_allclose(out, reference(directory, x), rtol=2e-2, atol=2e-2)
+
+        _check_grpc(grpc_port, xs[4], directory)
+
+        time.sleep(2.5)  # the ingresses' metrics reach the scheduler, and the merge comes back
+        metrics = httpx.get(f"{url}/metrics", headers=AUTH, timeout=5).text
+        served = _served_by(metrics)
+        assert set(served) <= {"ingress-0", "ingress-1"} and sum(served.values()) == len(xs) + 1, served  # + gRPC's
+        assert 'process="scheduler"' in metrics and "ppipe_batch_size" in metrics
+
+        refused = httpx.post(f"{url}/v2/admin/plan", content=Path(two_stage.plan_file).read_text(), headers=AUTH, timeout=10)
+        assert refused.status_code == 409 and "--ingress" in refused.json()["error"], refused.text
+        status = httpx.get(f"{url}/v2/admin/plan", headers=AUTH, timeout=5).json()
+        assert status["models"] == ["tinynet"] and status["switches"] == []
+
+        victim = ingresses[0]
+        victim.kill()
+        deadline = time.monotonic() + 30  # the other serves on meanwhile; the dead one comes back
+        while time.monotonic() < deadline:
+            code, out = _infer(url, xs[0])
+            assert code == 200, out  # the kernel deals new connections to the listeners that are left
+            alive = _ingresses(server)
+            if len(alive) == 2 and victim.pid not in {p.pid for p in alive}:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the killed ingress was not restarted")
+        with ThreadPoolExecutor(4) as pool:
+            assert all(code == 200 for code, _ in pool.map(lambda x: _infer(url, x), xs[:8]))
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=40)
+    assert "2 ingress processes" in out, out
+    time.sleep(0.5)
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--launcher", "ray"], "local launcher"),
+    (["--shards", "2"], "--shards 2"),
+    (["--replan", "auto"], "--replan auto"),
+])
+def test_what_ingress_processes_do_not_serve_with_is_refused_before_anything_starts(two_stage, flags, says):
+    from ppipe.cli import main
+
+    r = CliRunner().invoke(main, ["serve", two_stage.plan_file, "--backend", "emulated", "--ingress", "2", *flags])
+    assert r.exit_code == 2 and says in r.output, r.output
