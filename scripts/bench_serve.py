@@ -460,9 +460,9 @@ def http_floor(duration_s: float, seed: int, rates: list[float]) -> dict:
 
 
 # ---- part 3: scale-out over frontend shards ------------------------------------------------------------------
-def null_plan(tmp: Path, cluster, names: list[str], batch: int, vgpus: int, stages: int = 1):
+def null_plan(tmp: Path, cluster, names: list[str], batch: int, vgpus: int, stages: int = 1, input_shape: tuple[int, ...] = (16,)):
     """A plan of models of ``stages`` blocks with 1 us emulated latency each and a 16-float
-    input, each stage on ``vgpus`` CPU vGPUs of ``cluster`` at ``batch`` (one stage: level 2;
+    input (or one of ``input_shape``), each stage on ``vgpus`` CPU vGPUs of ``cluster`` at ``batch`` (one stage: level 2;
     several: level 4, so that they share the cluster's GPUs): the frontend is the bottleneck.
     Returns ``(plan, profiles)``; the profiles are written under ``tmp``."""
     from ppipe.planner.placement import place
@@ -473,7 +473,7 @@ def null_plan(tmp: Path, cluster, names: list[str], batch: int, vgpus: int, stag
     for name in names:
         manifest = ModelManifest(
             name=name, source=SourceSpec(kind="synthetic", note="frontend benchmark: 1 us per batch"),
-            input=TensorSpec(name="input", shape=[16]), outputs=[TensorSpec(name="output", shape=[4])],
+            input=TensorSpec(name="input", shape=list(input_shape)), outputs=[TensorSpec(name="output", shape=[4])],
             blocks=[BlockSpec(index=k, out_bytes_per_sample=16) for k in range(stages)], slo_ms=CEILING_SLO_MS,
         )
         level = 2 if stages == 1 else 4

@@ -1,25 +1,30 @@
-"""Give freed heap memory back to the system after a burst (glibc's ``malloc_trim``).
+"""The allocator of a serving process: large blocks from the heap, freed pages given back on a timer.
 
-Why: a serving process allocates a buffer of each request's input (0.6 MB for ResNet-50)
-and frees it when answered. glibc serves a block that large by ``mmap`` at first, but each
-freed mmapped block raises its threshold (up to 32 MB), so after the first few every input
-comes from the heap's arenas, and what a burst of requests in flight took stays with the
-process when they are answered. Fixing the threshold instead (``mallopt(M_MMAP_THRESHOLD)``)
-would return each block at once but pay its page faults on every request, on the latency
-path. ``malloc_trim(0)`` returns the free pages of every arena (``MADV_DONTNEED``) in one
-call, cheap when there is little to give back: called every few seconds, off any request's
-path, it bounds the process's memory by what is in use, not by its largest burst
-(docs/benchmarks.md, "Thirty minutes of faults", has the figures).
+Why: a serving process allocates a buffer for each request's input (0.6 MB for ResNet-50,
+12.8 MB for atss) and each feature map, and frees it when the request moves on. glibc
+serves a block above its mmap threshold (128 KiB at first) by a fresh ``mmap``, whose
+pages fault in one by one as they are written (about 150 faults per 0.6 MB: on a VM, a
+cost of the order of the request's whole CPU), and returns it with ``munmap`` when freed.
+Its dynamic rule raises the threshold after such a free, but it also gives the heap's top
+back to the system whenever more than the trim threshold lies free there, so a process
+whose buffers come and go keeps faulting. :func:`keep_large_blocks_in_heap` fixes the
+mmap threshold at 32 MiB (glibc's ceiling on 64-bit) and the trim threshold far above it:
+every buffer a plan sends comes from the arenas and reuses their pages, with no fault and
+no system call. What that would keep after a burst is given back by :func:`trim_heap`:
+``malloc_trim(0)`` returns the free pages of every arena (``MADV_DONTNEED``) in one call,
+cheap when there is little to give back; called every few seconds, off any request's path
+(:func:`trim_heap_periodically`), it bounds the process's memory by what is in use, not by
+its largest burst (docs/benchmarks.md, "Thirty minutes of faults", has the figures).
 
 What it cannot give back is a page that still holds one live block, and each arena (glibc
 makes up to 8 per core, one per thread that allocates while the others are busy: the
 event loop, gRPC's threads, the image decoders) fragments on its own. :func:`limit_arenas`
 caps them at :data:`SERVER_ARENAS`: fewer, fuller arenas hold fewer half-used pages
 (``scripts/soak.py --tracemalloc`` shows that what a soak adds is native memory, not
-Python objects; docs/benchmarks.md has the figures).
+Python objects; docs/benchmarks.md has the figures). :func:`tune_for_serving` does both.
 
-Elsewhere than glibc (musl, macOS) there is no ``malloc_trim``: :func:`trim_heap` does
-nothing and says so once in the log.
+Elsewhere than glibc (musl, macOS) there is no ``mallopt`` or ``malloc_trim``: these do
+nothing, and :func:`trim_heap_periodically` says so once in the log.
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ log = logging.getLogger(__name__)
 
 TRIM_INTERVAL_S = 5.0
 SERVER_ARENAS = 2
-M_ARENA_MAX = -8  # glibc's mallopt parameter
+M_ARENA_MAX = -8  # glibc's mallopt parameters
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+HEAP_BLOCK_LIMIT = 32 * 1024 * 1024  # blocks up to this come from the arenas (glibc's ceiling on 64-bit)
+TRIM_THRESHOLD = 1024 * 1024 * 1024  # free heap top kept between trims (trim_heap gives it back)
 
 
 def _libc_malloc_trim():
@@ -48,14 +57,31 @@ def _libc_malloc_trim():
 _MALLOC_TRIM = _libc_malloc_trim()
 
 
+def _mallopt(param: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(param, value))
+    except (OSError, AttributeError):
+        return False
+
+
 def limit_arenas(arenas: int = SERVER_ARENAS) -> bool:
     """Let glibc create at most ``arenas`` malloc arenas in this process from now on
     (``mallopt(M_ARENA_MAX)``; threads share them under their locks). False where not glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_ARENA_MAX, arenas))
-    except (OSError, AttributeError):
-        return False
+    return _mallopt(M_ARENA_MAX, arenas)
+
+
+def keep_large_blocks_in_heap() -> bool:
+    """Serve blocks up to :data:`HEAP_BLOCK_LIMIT` from the arenas and keep their freed pages
+    until :func:`trim_heap` (``mallopt`` of the mmap and trim thresholds). False where not glibc."""
+    return _mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT) and _mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+
+
+def tune_for_serving() -> None:
+    """A serving process's allocator (before its threads start): :func:`limit_arenas` and
+    :func:`keep_large_blocks_in_heap`; pair it with :func:`trim_heap_periodically`."""
+    limit_arenas()
+    keep_large_blocks_in_heap()
 
 
 def trim_heap() -> float:

@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from ppipe.runtime.clock import WallClock
+from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
 from ppipe.runtime.scheduler.inflight import DroppedError
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox
@@ -91,6 +92,7 @@ class IngressRuntime:
         self._ready: set[str] | None = None  # the models the scheduler said are ready (None: not heard yet)
         self._server_metrics: bytes | None = None  # the whole server's metrics, as the scheduler last sent them
         self._pushing: asyncio.Task | None = None
+        self._trimming: asyncio.Task | None = None
         self.address: str | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -102,10 +104,13 @@ class IngressRuntime:
         self.address = self._inbox.address
         self._outbox.send(self.scheduler_address, pack(FromIngress(self.index, hello=self.address)))
         self._pushing = loop.create_task(self._push_metrics())
+        tune_for_serving()  # the inputs it holds reuse the heap's pages; a burst's go back on a timer
+        self._trimming = loop.create_task(trim_heap_periodically())
 
     async def stop(self) -> None:
-        if self._pushing is not None:
-            self._pushing.cancel()
+        for task in (self._pushing, self._trimming):
+            if task is not None:
+                task.cancel()
         for rid in list(self._held):
             self._refuse(rid, "shutdown", "the server is shutting down")
         if self._inbox is not None:

@@ -194,6 +194,7 @@ def _loop_factory() -> Any:
 
 
 async def _serve_host(sock: socket.socket, spec: Any, backend: str, backend_options: dict | None) -> None:
+    from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
     from ppipe.runtime.scheduler.host import freeze_startup_objects
     from ppipe.runtime.workers.worker import VgpuWorker
 
@@ -205,8 +206,9 @@ async def _serve_host(sock: socket.socket, spec: Any, backend: str, backend_opti
         await writer.drain()
         return
     freeze_startup_objects()
+    tune_for_serving()  # inputs and feature maps reuse the heap's pages; a burst's go back on a timer
+    tasks: set[asyncio.Task] = {asyncio.ensure_future(trim_heap_periodically())}
     writer.write(_frame((0, True, await worker.ping())))
-    tasks: set[asyncio.Task] = set()
     try:
         while True:
             call_id, method, args = await _read_frame(reader)

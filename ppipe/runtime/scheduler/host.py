@@ -38,7 +38,7 @@ from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, W
 from ppipe.dataplane.handover import SwitchingScheduler
 from ppipe.errors import UserError
 from ppipe.runtime.clock import WallClock
-from ppipe.runtime.memory import limit_arenas, trim_heap_periodically
+from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
 from ppipe.runtime.launch.handle import WorkerHandle
 from ppipe.runtime.scheduler.batches import BatchesMixin
 from ppipe.runtime.scheduler.budgets import ServiceBudgets
@@ -257,7 +257,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         if self.accept_ingresses:
             self._lifelines.append(self._open_ingress_inbox(self._inbox.address.split("://")[1].rpartition(":")[0]))
         self._lifelines.append(loop.create_task(self._sweep_overdue()))
-        limit_arenas()  # before the gRPC and image threads start: fewer arenas, less fragmentation held
+        tune_for_serving()  # before the gRPC and image threads start: fewer arenas; inputs reuse the heap's pages
         self._lifelines.append(loop.create_task(trim_heap_periodically()))  # a burst's buffers go back to the system
 
     def _build_scheduler(self, plan: Plan, profiles: dict[str, ModelProfile]) -> tuple[Any, dict]:
