@@ -10,9 +10,11 @@ that needs the actor's other methods (the start-up ping, NCCL set-up) uses
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable
 
 from ppipe.runtime.launch.handle import WorkerGone
+from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
 from ppipe.runtime.workers.worker import VgpuWorker, WorkerSpec, pin_cuda_env, undo_ray_niceness
 from ppipe.runtime.launch.refs import kill_quietly
 
@@ -88,7 +90,9 @@ class VgpuActor(VgpuWorker):
     (:func:`~ppipe.runtime.workers.worker.pin_cuda_env`, before the backend loads any CUDA library) and undoes Ray's
     niceness (:func:`~ppipe.runtime.workers.worker.undo_ray_niceness`); after, it freezes the start-up objects out of the
     garbage collector's sight (a worker is on the latency path too: no full-collection
-    stalls over them)."""
+    stalls over them) and tunes the allocator as every serving process's
+    (:func:`~ppipe.runtime.memory.tune_for_serving`: feature maps reuse the heap's pages),
+    whose trim runs on the data path's loop once it is open."""
 
     def __init__(self, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None = None):
         import ray
@@ -101,6 +105,14 @@ class VgpuActor(VgpuWorker):
         super().__init__(spec, backend, backend_options)
         self._node = ray.get_runtime_context().get_node_id()
         freeze_startup_objects()
+        tune_for_serving()
+        self._trimming: Any = None
+
+    async def open_data_path(self, frontend: str, secret: bytes | None = None) -> str:
+        address = await super().open_data_path(frontend, secret)
+        if self._trimming is None and self._data_loop is not None:
+            self._trimming = asyncio.run_coroutine_threadsafe(trim_heap_periodically(), self._data_loop)
+        return address
 
 
 def actor_class():
