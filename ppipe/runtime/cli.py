@@ -8,7 +8,6 @@ import functools
 import ipaddress
 import json
 import os
-import secrets
 import socket
 import time
 
@@ -16,6 +15,7 @@ import click
 
 from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US
 from ppipe.errors import UserError
+from ppipe.runtime.launch import serving
 
 
 # Defaults of `ppipe serve` (also used by scripts/bench_serve.py, so that a rehearsal runs
@@ -207,7 +207,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
     n_shards = 1 if ingress and shards == "auto" else parse_shards(shards, dep.plan, os.cpu_count() or 1, by=shard_by)
     launcher, n_shards = _choose_launcher(launcher, ray_address, dep.cluster, shards, n_shards, transport)
-    _check_ingress_flags(ingress, launcher, n_shards, replan)
+    serving.check_ingress_flags(ingress, launcher, n_shards, replan)
     layout = shard_layout(dep.plan, n_shards, shard_by)  # a split the plan does not take well is refused here
     if layout.by == "servers" and replan == "auto":
         raise UserError("--replan auto cannot run with --shard-by servers: a server whose shards split the plan's servers "
@@ -223,32 +223,32 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     if launcher == "ray":
         init_ray(ray_address, num_cpus, loopback_only=_is_loopback(host))
     opts = {} if emulated_max_bytes is None else {"max_bytes_per_sample": emulated_max_bytes}
-    settings = _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
+    settings = serving.serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
                                body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, opts, host, grpc_port,
                                launcher)
-    settings, ingress_settings = _split_for_ingresses(settings, ingress, decode_workers)
+    settings, ingress_settings = serving.split_for_ingresses(settings, ingress, decode_workers)
     parts = layout.parts
     owner = layout.routes if layout.by == "servers" else layout.owner()
     deps = [dep if p is dep.plan else dataclasses.replace(dep, plan=p) for p in layout.plans]  # each shard's plan holds its part
     if len(parts) > 1:
         click.echo(f"{len(parts)} shards by {layout.by}:\n  " + "\n  ".join(layout.describe()), err=True)
     sock = reuseport_socket(host, port) if not ingress else socket.create_server(("127.0.0.1", 0))  # ingresses: admin on loopback
-    shard_set = _Shards(launcher, deps, parts, settings, owner, host, port)  # the other shards start while shard 0's workers load
+    shard_set = serving.ShardSet(launcher, deps, parts, settings, owner, host, port)  # the other shards start while shard 0's workers load
     try:
-        workers, edges = _start_workers_and_links(dep, backend, opts, transport, launcher, only=shard_set.first_vgpus())
+        workers, edges = serving.start_workers_and_links(dep, backend, opts, transport, launcher, only=shard_set.first_vgpus())
     except BaseException:
         shard_set.kill()
         raise
     switchers: list = []  # the server's plan switcher (the workers it starts are stopped at shutdown too)
-    shutdown = functools.partial(_kill_all, shard_set, workers, switchers, shutdown_timeout_s)
+    shutdown = functools.partial(serving.kill_all, shard_set, workers, switchers, shutdown_timeout_s)
     shard_set.start(workers, edges, shutdown)
-    companions = functools.partial(_companions, dep=dep, layout=layout, shards=shard_set,
+    companions = functools.partial(serving.companions, dep=dep, layout=layout, shards=shard_set,
                                    switchers=switchers, worker_options=settings.workers,
                                    plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s,
-                                   ingresses=_ingress_companion(ingress, dep, ingress_settings, host, port, shutdown_timeout_s))
+                                   ingresses=serving.ingress_companion(ingress, dep, ingress_settings, host, port, shutdown_timeout_s))
     app, _, router = build_shard(deps[0], parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
     (app if router is None else router.app).fe.switcher = switchers[0]
-    click.echo(_serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, layout.by)
+    click.echo(serving.serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, layout.by)
                + f"; {launcher} launcher, workers up {time.perf_counter() - t0:.1f} s after start"
                + (f"; {ingress} ingress processes, the scheduler's own API on http://127.0.0.1:{sock.getsockname()[1]}/v2"
                   if ingress else ""))
@@ -329,231 +329,6 @@ def _choose_launcher(requested: str, ray_address: str | None, cluster, shards_fl
         raise UserError(f"--transport {transport} needs --launcher ray: the local launcher's edges go over the data path (TCP)",
                         fix="use --transport auto or tcp, or --launcher ray")
     return launcher, n_shards
-
-
-def _start_workers_and_links(dep, backend: str, backend_options: dict, transport: str, launcher: str = "ray",
-                             only: set[str] | None = None) -> tuple[dict, dict]:
-    """Start the plan's vGPU workers (those of ``only``, if given) with ``launcher`` and
-    connect them (``--transport``): (workers, edges). The local launcher's edges all go over
-    the data path's connections (no edges named). Workers whose links cannot be set up are
-    killed before the error goes on."""
-    from ppipe.runtime.launch.deploy import setup_transport
-    from ppipe.runtime.launch.launchers import start_function
-
-    workers = start_function(launcher)(dep, backend=backend, backend_options=backend_options, only=only)
-    if launcher == "local":
-        return workers, {}
-    try:
-        edges = setup_transport(dep, workers, transport)
-    except BaseException:
-        for h in workers.values():
-            h.kill()
-        raise
-    return workers, edges
-
-
-def _serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
-                    body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, backend_options, host, grpc_port,
-                    launcher: str = "ray"):
-    """What every frontend shard is built with: the runtime's, app's, HTTP server's,
-    workers' and gRPC frontend's settings, from ``ppipe serve``'s flags."""
-    from ppipe.runtime.launch.deploy import LinkOpener
-    from ppipe.runtime.launch.shards import ServeSettings
-
-    return ServeSettings(
-        runtime={"policy": policy, "scheduler_options": options, "dispatch_lead_us": dispatch_lead_ms * 1000.0,
-                 "data_secret": secrets.token_bytes(32),  # this server's: its data path's connections prove it
-                 "links": None if transport == "tcp" or launcher == "local" else LinkOpener(transport),
-                 "answer_budget_us": answer_budget_ms * 1000.0,
-                 "report_tolerance_us": None if report_tolerance_ms < 0 else report_tolerance_ms * 1000.0},
-        app={"token": token, "max_body_bytes": int(max_body_mb * 1024 * 1024), "body_timeout_s": body_timeout_s,
-             "decode_workers": decode_workers},
-        server={"header_timeout_s": header_timeout_s, "shutdown_timeout_s": shutdown_timeout_s},
-        workers={"backend": backend, "backend_options": backend_options, "launcher": launcher},
-        grpc={} if grpc_port is None else {"host": host, "port": grpc_port, "token": token,
-                                           "max_message_bytes": int(max_body_mb * 1024 * 1024)},
-    )
-
-
-class _Shards:
-    """The frontend shards but the first (the ``ppipe serve`` process is shard 0): local
-    processes under the local launcher (:mod:`ppipe.runtime.launch.local_shards`, started
-    here, so that they load while shard 0's workers do), Ray actors under Ray
-    (:mod:`ppipe.runtime.launch.shards`, started by :meth:`start`). Empty for one shard.
-    ``deps[i]``: shard i's deployment, whose plan holds its part (``parts[i]``: its models)."""
-
-    def __init__(self, launcher: str, deps: list, parts: list[list[str]], settings, owner: dict, host: str, port: int):
-        self.launcher, self.deps, self.parts, self.settings, self.owner = launcher, deps, parts, settings, owner
-        self.host, self.port = host, port
-        self.local: list = []  # LocalShard, by index - 1
-        self.actors: list = []
-        self.addresses: list = []
-        if launcher == "local" and len(parts) > 1:
-            from ppipe.runtime.launch.local_shards import launch_local_shards
-
-            self.local = launch_local_shards(deps, parts, settings, owner, host, port)
-
-    def first_vgpus(self) -> set[str] | None:
-        """The vGPUs whose workers this process starts: shard 0's under the local launcher
-        (each other shard starts its own), every one under Ray (the actors get handles)."""
-        if not self.local:
-            return None
-        from ppipe.runtime.control.shard_plan import sub_plan
-
-        return {p.vgpu_id for p in sub_plan(self.deps[0].plan, self.parts[0]).placement}
-
-    def start(self, workers: dict, edges: dict, shutdown) -> None:
-        """Wait for the other shards to serve (Ray's are started now, with shard 0's workers'
-        handles); their router addresses. On failure, ``shutdown()`` and re-raise."""
-        try:
-            if self.local:
-                from ppipe.runtime.launch.local_shards import wait_local_shards
-
-                self.addresses = wait_local_shards(self.local)
-            elif len(self.parts) > 1:
-                from ppipe.runtime.launch.shards import shard_addresses, start_shard_actors
-
-                self.actors = start_shard_actors(self.deps, self.parts, workers, edges, self.settings, self.owner, self.host, self.port)
-                self.addresses = shard_addresses(self.actors)
-        except BaseException:
-            shutdown()
-            raise
-
-    def handles(self) -> list:
-        """Each other shard's :class:`~ppipe.runtime.control.shard_control.ShardHandle`, by index - 1."""
-        if self.local:
-            return list(self.local)
-        from ppipe.runtime.launch.shards import RayShard
-
-        return [RayShard(a) for a in self.actors]
-
-    def exchange(self, router):
-        """Shard 0's companion that tells every shard the routers' addresses (and, for local
-        shards, restarts one that dies)."""
-        if self.local:
-            from ppipe.runtime.launch.local_shards import ShardSupervisor
-
-            return ShardSupervisor(router, self.local)
-        from ppipe.runtime.launch.shards import PeerExchange
-
-        return PeerExchange(router, self.handles(), self.addresses)
-
-    def stop(self, timeout_s: float) -> None:
-        """Stop every other shard: local ones drain within ``timeout_s`` (then are killed), actors are killed."""
-        if self.local:
-            from ppipe.runtime.launch.local_shards import stop_local_shards
-
-            stop_local_shards(self.local, timeout_s)
-        if self.actors:
-            from ppipe.runtime.launch.shards import kill_shard_actors
-
-            kill_shard_actors(self.actors)
-
-    def kill(self) -> None:
-        if self.local:
-            from ppipe.runtime.launch.local_shards import kill_local_shards
-
-            kill_local_shards(self.local)
-
-
-def _kill_all(shards: _Shards, workers: dict, switchers: list, shutdown_timeout_s: float) -> None:
-    """At shutdown: stop the other shards, kill the plan's workers and those the plan switchers started."""
-    shards.stop(shutdown_timeout_s + 5.0)
-    for h in [*workers.values(), *(h for sw in switchers for h in sw.started)]:
-        h.kill()
-
-
-INGRESS_SWITCH_REFUSAL = ("this server's ingress processes (--ingress) hold the plan's models and SLOs, and such a server "
-                          "does not switch plans live",
-                          "restart `ppipe serve` with the new plan, or serve without --ingress to switch plans live")
-
-
-def _check_ingress_flags(ingress: int, launcher: str, n_shards: int, replan: str) -> None:
-    """Refuse ``--ingress N`` where it is not built: under Ray, with several shards, with re-planning."""
-    if not ingress:
-        return
-    if launcher != "local":
-        raise UserError("--ingress runs its ingress processes on this machine, under the local launcher; ingresses on "
-                        "Ray's nodes are not built yet", fix="use --launcher local (no --ray-address, no ray_resource), or leave out --ingress")
-    if n_shards > 1:
-        raise UserError(f"--ingress serves the whole plan from one scheduler; it does not run with --shards {n_shards}",
-                        fix="leave out --shards (or --shards 1) with --ingress")
-    if replan == "auto":
-        raise UserError("--replan auto switches plans live, which a server with --ingress does not do",
-                        fix="leave --replan off with --ingress, or serve without --ingress")
-
-
-def _split_for_ingresses(settings, ingress: int, decode_workers: int | None):
-    """(the scheduler process's settings, the ingresses'): with ``--ingress N`` the scheduler
-    takes requests from ingresses only and serves no gRPC; each ingress gets the gRPC
-    frontend and, unless ``--decode-workers`` says, a JSON decode pool of its share of the
-    default. Without ingresses: (settings, None)."""
-    if not ingress:
-        return settings, None
-    from ppipe.runtime.ingress.bodies import default_decode_workers
-
-    scheduler = dataclasses.replace(settings, runtime={**settings.runtime, "accept_ingresses": True}, grpc={})
-    per_ingress = decode_workers if decode_workers is not None else max(1, default_decode_workers() // ingress)
-    return scheduler, dataclasses.replace(settings, app={**settings.app, "decode_workers": per_ingress})
-
-
-def _ingress_companion(ingress: int, dep, settings, host: str, port: int, shutdown_timeout_s: float):
-    """``f(runtime)``: the :class:`~ppipe.runtime.launch.local_ingresses.IngressSupervisor`
-    of ``--ingress N`` (None without)."""
-    if not ingress:
-        return None
-    from ppipe.runtime.launch.local_ingresses import IngressStart, IngressSupervisor
-
-    def start(index: int, scheduler_address: str) -> IngressStart:
-        return IngressStart(index, scheduler_address, dep, settings, host, port, INGRESS_SWITCH_REFUSAL)
-
-    return lambda rt: IngressSupervisor(rt, ingress, start, stop_timeout_s=shutdown_timeout_s + 5.0)
-
-
-def _companions(rt, router, *, dep, layout, shards: _Shards, switchers, worker_options, plan_file, replan_policy,
-                replan_time_limit_s, ingresses=None) -> list:
-    """The first shard's companions (``build_shard(companions=...)``): the peer exchange with
-    the other shards, SIGHUP plan reloads, with ``--replan auto`` the re-planning loop, and
-    with ``--ingress`` (``ingresses``: ``f(runtime)``) the ingress processes' supervisor.
-    It appends the server's plan switcher to ``switchers`` (one that refuses every switch
-    where the shards split the plan's servers, or where ingresses hold the plan)."""
-    from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload, SplitServersSwitcher
-    from ppipe.runtime.control.shard_plan import sub_plan
-
-    out = [] if router is None else [shards.exchange(router)]
-    if ingresses is not None:  # --ingress: ingress processes serve the port; the plan stays
-        from ppipe.runtime.control.switch import FixedPlan
-
-        switchers.append(FixedPlan(dep, *INGRESS_SWITCH_REFUSAL))
-        out.append(ingresses(rt))
-    elif router is None:  # one shard
-        switchers.append(PlanSwitcher(rt, dep, **worker_options))
-    else:
-        first = layout.parts[0]
-        mine = dataclasses.replace(dep, plan=sub_plan(layout.plans[0], first), profiles={m: dep.profiles[m] for m in first})
-        kind = SplitServersSwitcher if layout.by == "servers" else ShardedSwitcher
-        switchers.append(kind(PlanSwitcher(rt, mine, **worker_options), dep, layout.owner(), shards.handles(), router))
-    out.append(SighupReload(switchers[0], plan_file))  # ppipe apply and SIGHUP switch plans
-    if replan_policy is not None:
-        from ppipe.runtime.control.replan import ReplanLoop
-
-        out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
-    return out
-
-
-def _serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, by: str = "models") -> str:
-    """What ``ppipe serve`` prints once it serves: models, addresses, workers (every shard's:
-    one per vGPU of the plan), links, shards (by servers: a model on several shards is
-    named in each)."""
-    return (
-        f"serving {', '.join(m.name for m in dep.plan.models)} from {plan_file} on http://{host}:{port}/v2 "
-        + (f"and gRPC {host}:{grpc_port} " if grpc_port is not None else "")
-        + f"({len(dep.plan.placement)} vGPU workers, backend {backend}, policy {policy}, "
-        f"{sum(t == 'nccl' for t, _ in edges.values())} of {len(edges)} worker pairs over NCCL"
-        + (f", {sum(t.startswith('ring') for t, _ in edges.values())} through a staging ring" if transport == "ring" else "")
-        + (f"; {len(parts)} shards{' by servers' if by == 'servers' else ''}: " + ", ".join("+".join(ms) for ms in parts)
-           if len(parts) > 1 else "") + ")"
-    )
 
 
 def _replan_policy(dep, time_limit_s: float, min_interval_s: float, window_s: float, curvature_window_s: float):

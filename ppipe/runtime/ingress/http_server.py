@@ -59,7 +59,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 from typing import Any
 
@@ -72,6 +71,7 @@ from starlette.routing import Route
 
 from ppipe.errors import UserError
 from ppipe.runtime.ingress.bodies import BodyDecoder, default_decode_workers, read_body
+from ppipe.runtime.ingress.fast_path import ClientGone, InferFastPath, error_body
 from ppipe.runtime.ingress.images import ImagePool, default_image_workers
 from ppipe.runtime.ingress.model_io import check_infer_inputs, model_metadata
 from ppipe.runtime.ingress.protocol import HEADER_LENGTH, InferRequest, ProtocolError, brief, encode_infer_response
@@ -277,7 +277,7 @@ class Frontend:
 
     async def infer(self, request: Request) -> Response:
         """The starlette route of infer (the app normally answers infer on its fast path,
-        :class:`_InferFastPath`, with the same handler)."""
+        :class:`~ppipe.runtime.ingress.fast_path.InferFastPath`, with the same handler)."""
         h = request.headers
         status, body, headers = await self.handle_infer(
             request.path_params["name"], h.get("authorization"), h.get("content-length"), h.get(HEADER_LENGTH), request.stream()
@@ -294,13 +294,13 @@ class Frontend:
         (which name no served model) is counted in ``ppipe_requests_total``.
         """
         if not self._token_ok(authorization):
-            return _error_body(401, _UNAUTHORIZED)
+            return error_body(401, _UNAUTHORIZED)
         m = self.runtime.metrics
         if name not in self.models:
-            return _error_body(404, f"unknown model '{name}'; this server has: {', '.join(self.models)}")
+            return error_body(404, f"unknown model '{name}'; this server has: {', '.join(self.models)}")
         if not self.runtime.started:
             m.requests.labels(name, "503").inc()
-            return _error_body(503, "the server is starting; retry shortly")
+            return error_body(503, "the server is starting; retry shortly")
         t0 = asyncio.get_running_loop().time()
         arrival_us = self.runtime.clock.true_now_us()
         try:
@@ -310,7 +310,7 @@ class Frontend:
             except ProtocolError as exc:
                 m.requests.labels(name, str(exc.status)).inc()
                 extra = {"connection": "close"} if exc.status == 408 else {}  # the rest of the body may still come
-                return _error_body(exc.status, exc.message, **extra)
+                return error_body(exc.status, exc.message, **extra)
             if arr.shape[0] == 1:
                 results = [await self.runtime.infer(name, {in_name: arr[0]}, arrival_us=arrival_us)]
             else:
@@ -318,13 +318,13 @@ class Frontend:
         except DroppedError as exc:
             status = DROP_STATUS.get(exc.reason, 503)
             m.requests.labels(name, str(status)).inc()
-            return _error_body(status, str(exc), **{"ppipe-drop-reason": exc.reason})
-        except (_ClientGone, ClientDisconnect):
+            return error_body(status, str(exc), **{"ppipe-drop-reason": exc.reason})
+        except (ClientGone, ClientDisconnect):
             raise
         except Exception:  # a bug: never a traceback to the client, always counted; the log has it
             log.exception("infer of model '%s' failed", name)
             m.requests.labels(name, "500").inc()
-            return _error_body(500, "internal error in the server (its log has the details)")
+            return error_body(500, "internal error in the server (its log has the details)")
         outputs = {k: np.stack([r[k] for r in results]) for k in results[0]}
         if req.requested_outputs:
             outputs = {k: v for k, v in outputs.items() if k in req.requested_outputs}
@@ -390,74 +390,6 @@ class Frontend:
         return Response(render() if render else self.runtime.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-def _error_body(status: int, message: str, **headers: str) -> tuple[int, bytes, dict[str, str]]:
-    return status, json.dumps({"error": message}).encode(), {"content-type": "application/json", **headers}
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its request body was read."""
-
-
-class _InferFastPath:
-    """ASGI: ``POST /v2/models/{name}/infer`` straight to :meth:`Frontend.handle_infer`;
-    every other request goes to the starlette app.
-
-    Why: infer is the only hot endpoint, and starlette's per-request machinery (request
-    object, routing, two middlewares, response object) was a sizeable share of the
-    frontend's CPU per request at ~1,000 req/s on 2 cores. Same handler, same answers.
-    """
-
-    PREFIX, SUFFIX = "/v2/models/", "/infer"
-
-    def __init__(self, app, frontend: "Frontend"):
-        self.app, self.fe = app, frontend
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if (
-            scope["type"] == "http"
-            and scope["method"] == "POST"
-            and path.startswith(self.PREFIX)
-            and path.endswith(self.SUFFIX)
-            and "/" not in path[len(self.PREFIX) : -len(self.SUFFIX)]
-            and len(path) > len(self.PREFIX) + len(self.SUFFIX)
-        ):
-            await self._infer(path[len(self.PREFIX) : -len(self.SUFFIX)], scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
-
-    async def _infer(self, name: str, scope, receive, send) -> None:
-        want = {b"authorization": None, b"content-length": None, HEADER_LENGTH.encode(): None}
-        for k, v in scope["headers"]:
-            if k in want:
-                want[k] = v.decode("latin-1")
-
-        async def chunks():
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    raise _ClientGone()
-                yield msg.get("body", b"")
-                if not msg.get("more_body", False):
-                    return
-
-        try:
-            status, body, headers = await self.fe.handle_infer(
-                name, want[b"authorization"], want[b"content-length"], want[HEADER_LENGTH.encode()], chunks()
-            )
-        except _ClientGone:
-            return
-        except asyncio.CancelledError:
-            # uvicorn cancels the requests still running when the graceful shutdown's time
-            # is up: the client gets an answer that says so, not a silently closed connection
-            if name in self.fe.models:
-                self.fe.runtime.metrics.requests.labels(name, "503").inc()
-            status, body, headers = _error_body(503, "the server shut down before this request was answered; retry", connection="close")
-        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        raw.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": raw})
-        await send({"type": "http.response.body", "body": body})
-
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (no such path: 404, wrong method: 405) as ``{"error": ...}``;
     they name no model, so they need no token check."""
@@ -485,7 +417,7 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
     ``async start()`` and ``async stop()``, started after the runtime and stopped before it,
     on this same loop, because the runtime's scheduler may only be called from its loop.
 
-    Infer requests take a fast path around starlette (:class:`_InferFastPath`); the rest
+    Infer requests take a fast path around starlette (:class:`~ppipe.runtime.ingress.fast_path.InferFastPath`); the rest
     (health, metadata, metrics, lifespan) is a starlette app.
     """
     fe = Frontend(runtime, token=token, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, decode_workers=decode_workers)
@@ -523,4 +455,4 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.frontend = fe
-    return _InferFastPath(app, fe)
+    return InferFastPath(app, fe)
