@@ -21,6 +21,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
+from ppipe.runtime.client.httpclient import wait_until_ready
 from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
 from ppipe.runtime.launch.deploy import load_deployment
 from ppipe.runtime.launch.local_ingresses import PROCESS_NAME
@@ -46,19 +47,6 @@ def _serve(plan: str, port: int, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", plan, "--backend", "ort", "--port", str(port),
                              "--token", TOKEN, "--report-tolerance-ms", "-1", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("not ready in time")
 
 
 def _ingresses(server: psutil.Process) -> list[psutil.Process]:
@@ -105,7 +93,7 @@ def test_ingress_processes_answer_with_the_models_outputs_and_one_restarts_while
     grpc_port = free_port()
     proc = _serve(two_stage.plan_file, port, "--ingress", "2", "--grpc-port", str(grpc_port))
     try:
-        _wait_ready(url, proc)
+        wait_until_ready(url, proc, timeout_s=90)
         server = psutil.Process(proc.pid)
         ingresses = _ingresses(server)
         assert len(ingresses) == 2

@@ -50,6 +50,7 @@ from ppipe.spec.profile import ModelProfile
 
 log = logging.getLogger("ppipe.runtime")
 METRICS_EVERY_S = 1.0  # how often the ingress sends the scheduler its metrics
+HELLO_TIMEOUT_S = 30.0  # the scheduler answers a hello within this
 
 
 @dataclass
@@ -90,6 +91,7 @@ class IngressRuntime:
         self._arrivals: list[Arrival] = []
         self._withdrawn: list[int] = []
         self._ready: set[str] | None = None  # the models the scheduler said are ready (None: not heard yet)
+        self._heard: asyncio.Event | None = None  # set at the scheduler's first answer
         self._server_metrics: bytes | None = None  # the whole server's metrics, as the scheduler last sent them
         self._pushing: asyncio.Task | None = None
         self._trimming: asyncio.Task | None = None
@@ -97,12 +99,23 @@ class IngressRuntime:
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        """Bind the inbox and say hello to the scheduler (it answers with the models ready)."""
+        """Bind the inbox, say hello to the scheduler and wait for its answer (the models
+        ready), so that a frontend started on this ingress takes no request before it.
+
+        Raises:
+            TimeoutError: no answer within ``HELLO_TIMEOUT_S`` (the scheduler is not there).
+        """
         loop = asyncio.get_running_loop()
         self.clock = self._clock_factory(loop)
         self._inbox = Inbox(self._on_message, self.host, self.secret)
         self.address = self._inbox.address
+        self._heard = asyncio.Event()
         self._outbox.send(self.scheduler_address, pack(FromIngress(self.index, hello=self.address)))
+        try:
+            await asyncio.wait_for(self._heard.wait(), HELLO_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(f"ingress {self.index}: no answer from the scheduler at {self.scheduler_address} "
+                               f"within {HELLO_TIMEOUT_S:g} s") from None
         self._pushing = loop.create_task(self._push_metrics())
         tune_for_serving()  # the inputs it holds reuse the heap's pages; a burst's go back on a timer
         self._trimming = loop.create_task(trim_heap_periodically())
@@ -219,6 +232,7 @@ class IngressRuntime:
     def _told(self, m: ToIngress) -> None:
         if m.ready is not None:
             self._ready = set(m.ready)
+            self._heard.set()
         if m.metrics is not None:
             self._server_metrics = m.metrics
         for s in m.sends:

@@ -25,8 +25,10 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import struct
+import sys
 import time
 from typing import Any, Awaitable, Callable
 
@@ -182,6 +184,29 @@ def _name_process(name: str) -> None:
             fh.write(name[:15])
     except OSError:
         pass
+
+
+def serve_child(argv: list[str] | None, name: str, serve: Callable[[socket.socket, Any], Awaitable[None]],
+                loop_factory: Any = None) -> None:
+    """The body of a child process that ``ppipe serve`` starts with a socket pair (a frontend
+    shard, an ingress): ``argv[0]`` is the pair's fd; the first frame on it says what to
+    serve, and ``serve(sock, that)`` runs on a loop of ``loop_factory`` (asyncio's by
+    default). The process is named ``name``, ignores SIGINT (the server stops its children
+    itself, in order), and ends with ``os._exit`` so that no thread of it lingers."""
+    fd = int((sys.argv[1:] if argv is None else argv)[0])
+    _name_process(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    try:
+        start = _read_frame_blocking(sock)
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(sock, start))
+    except (EOFError, OSError):
+        pass  # the server is gone before it said what to serve
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _loop_factory() -> Any:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ppipe.errors import UserError
-from ppipe.runtime.launch.local import _frame, _loop_factory, _name_process, _portable, _read_frame_blocking, _rebuilt
+from ppipe.runtime.launch.local import _frame, _loop_factory, _portable, _read_frame_blocking, _rebuilt, serve_child
 
 log = logging.getLogger("ppipe.runtime")
 PROCESS_NAME = "ppipe-ingress"  # an ingress process's name in ps and top
@@ -80,21 +80,8 @@ class IngressStart:
 def main(argv: list[str] | None = None) -> None:
     """``python -m ppipe.runtime.launch.local_ingresses FD``: serve as the ingress that the
     frame on the socket ``FD`` describes, until the server stops it or is gone."""
-    fd = int((sys.argv[1:] if argv is None else argv)[0])
-    _name_process(PROCESS_NAME)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops its ingresses itself (SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # uvicorn takes it while serving, and re-raises it after: then ignored
-    sock = socket.socket(fileno=fd)
-    try:
-        start = _read_frame_blocking(sock)
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(sock, start))
-    except (EOFError, OSError):
-        pass  # the server is gone before it said what to serve
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # no thread of the frontend or the data path lingers
+    serve_child(argv, PROCESS_NAME, _serve, _loop_factory())
 
 
 def _build(start: IngressStart):
@@ -125,7 +112,8 @@ async def _serve(sock: socket.socket, start: IngressStart) -> None:
 
     try:
         rt, server = _build(start)
-        serving = asyncio.ensure_future(server.serve(sockets=[reuseport_socket(start.host, start.port)]))
+        # listened on by uvicorn once its start-up (the scheduler's answer) is done: no connection waits on it before
+        serving = asyncio.ensure_future(server.serve(sockets=[reuseport_socket(start.host, start.port, listen=False)]))
         await _until_ready(rt, server, serving, start.start_timeout_s)
     except BaseException as exc:
         if not isinstance(exc, UserError):

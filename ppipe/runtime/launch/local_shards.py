@@ -45,7 +45,7 @@ from typing import Any
 
 from ppipe.errors import UserError
 from ppipe.runtime.control.shard_control import Abort, Commit, LogArrivals, Prepare, SetOwner, SetPeers, ShardRequest
-from ppipe.runtime.launch.local import PairCalls, _frame, _name_process, _portable, _read_frame, _read_frame_blocking, _rebuilt
+from ppipe.runtime.launch.local import PairCalls, _frame, _portable, _read_frame, _read_frame_blocking, _rebuilt, serve_child
 from ppipe.runtime.launch.shards import PeerExchange
 
 log = logging.getLogger("ppipe.runtime")
@@ -86,20 +86,7 @@ class ShardStart:
 def main(argv: list[str] | None = None) -> None:
     """``python -m ppipe.runtime.launch.local_shards FD``: serve as the shard that the frame on
     the socket ``FD`` describes, until its server says stop or is gone."""
-    fd = int((sys.argv[1:] if argv is None else argv)[0])
-    _name_process(PROCESS_NAME)
-    # the server stops its shards itself, in order (SIGTERM); a stray SIGINT must not cut one
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock = socket.socket(fileno=fd)
-    try:
-        start = _read_frame_blocking(sock)
-        asyncio.run(_serve(sock, start))
-    except (EOFError, OSError):
-        pass  # the server is gone before it said what to serve
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # no thread of the frontend or the data path lingers
+    serve_child(argv, PROCESS_NAME, _serve)
 
 
 async def _serve(sock: socket.socket, start: ShardStart) -> None:

@@ -31,13 +31,16 @@ from ppipe.runtime.control.shard_plan import assign_shards, parse_shards, sub_pl
 from ppipe.runtime.ingress.shard_router import Routes, ShardRouter
 
 
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` that other shards may bind too (``SO_REUSEPORT``)."""
+def reuseport_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` that other shards may bind too (``SO_REUSEPORT``),
+    listening, or (``listen=False``) left for the server to listen on once it serves: until
+    then the kernel deals it no connection of the shared port."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
