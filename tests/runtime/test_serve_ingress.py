@@ -23,24 +23,14 @@ from click.testing import CliRunner
 
 from ppipe.runtime.client.httpclient import wait_until_ready
 from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
-from ppipe.runtime.launch.deploy import load_deployment
 from ppipe.runtime.launch.local_ingresses import PROCESS_NAME
-from ppipe.spec.cluster import load_cluster
 
-from .conftest import make_plan
 from .raynodes import free_port
+from .test_local_launcher import two_stage  # noqa: F401  (the fixture: tinynet's two stages, SLO 400 ms)
 from .tinynet import reference
 
 TOKEN = "s3cret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture(scope="module")
-def two_stage(tinynet, tmp_path_factory):
-    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)], slo_ms=400.0)
-    path = tmp_path_factory.mktemp("serve-ingress") / "plan.yaml"
-    plan.save(path)
-    return load_deployment(path)
 
 
 def _serve(plan: str, port: int, *flags: str) -> subprocess.Popen:

@@ -41,6 +41,15 @@ from ppipe.spec.profile import load_profile_ref
 log = logging.getLogger("ppipe.runtime")
 
 
+def plan_from_text(text: str, source: str = "request body") -> Plan:
+    """Parse and validate plan YAML (or JSON) text; errors name ``source`` and the field."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}", fix="send the plan.yaml that `ppipe plan` wrote") from None
+    return validate_data(Plan, data, source)
+
+
 class SwitchBusy(UserError):
     """Another plan switch is running."""
 
@@ -89,12 +98,7 @@ class PlanSwitcher:
 
     # ---- what a switch is asked with -----------------------------------------------------
     def plan_from_text(self, text: str, source: str = "request body") -> Plan:
-        """Parse and validate plan YAML (or JSON) text; errors name ``source`` and the field."""
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise UserError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}", fix="send the plan.yaml that `ppipe plan` wrote") from None
-        return validate_data(Plan, data, source)
+        return plan_from_text(text, source)
 
     def plan_from_file(self, path: str | Path) -> Plan:
         return load_plan(path)
@@ -408,7 +412,7 @@ class FixedPlan:
         self.started: list[Any] = []  # it starts no worker
 
     def plan_from_text(self, text: str, source: str = "request body") -> Plan:
-        return PlanSwitcher.plan_from_text(self, text, source)  # type: ignore[arg-type]  (it reads nothing of self)
+        return plan_from_text(text, source)
 
     def plan_from_file(self, path: str | Path) -> Plan:
         return load_plan(path)

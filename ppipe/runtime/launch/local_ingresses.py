@@ -129,20 +129,21 @@ async def _serve(sock: socket.socket, start: IngressStart) -> None:
 
 
 async def _until_ready(rt: Any, server: Any, serving: asyncio.Future, timeout_s: float) -> None:
-    """Wait until uvicorn serves and the scheduler has said which models are ready.
+    """Wait until uvicorn serves (its start-up has waited for the scheduler's answer:
+    :meth:`~ppipe.runtime.ingress.remote.IngressRuntime.start`).
 
     Raises:
-        UserError: uvicorn stopped while starting (its error is logged above), or no word
-            came from the scheduler within ``timeout_s``.
+        UserError: uvicorn stopped while starting (its error is logged above: a port taken,
+            no answer from the scheduler), or did not serve within ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
-    while not (server.started and rt.started):
+    while not server.started:
         if serving.done():
             serving.result()  # an exception of its own, if any
             raise UserError(f"ingress {rt.index} did not start: its HTTP or gRPC server stopped while starting",
-                            fix="see its error above (a port taken by another program?)")
+                            fix="see its error above (a port taken by another program, or no answer from the scheduler?)")
         if time.monotonic() > deadline:
-            raise UserError(f"ingress {rt.index} heard nothing from the scheduler at {rt.scheduler_address} within {timeout_s:.0f} s")
+            raise UserError(f"ingress {rt.index} did not serve within {timeout_s:.0f} s")
         await asyncio.sleep(READY_POLL_S)
 
 
