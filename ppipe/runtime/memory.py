@@ -3,8 +3,8 @@
 Why: a serving process allocates a buffer for each request's input (0.6 MB for ResNet-50,
 12.8 MB for atss) and each feature map, and frees it when the request moves on. glibc
 serves a block above its mmap threshold (128 KiB at first) by a fresh ``mmap``, whose
-pages fault in one by one as they are written (about 150 faults per 0.6 MB: on a VM, a
-cost of the order of the request's whole CPU), and returns it with ``munmap`` when freed.
+pages fault in one by one as they are written (a fault per 4 KiB page, dear on a VM), and
+returns it with ``munmap`` when freed.
 Its dynamic rule raises the threshold after such a free, but it also gives the heap's top
 back to the system whenever more than the trim threshold lies free there, so a process
 whose buffers come and go keeps faulting. :func:`keep_large_blocks_in_heap` fixes the
