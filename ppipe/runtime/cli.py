@@ -14,6 +14,7 @@ import time
 import click
 
 from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US
+from ppipe.dataplane.feedback import DEFAULT_REPORT_TOLERANCE_US
 from ppipe.errors import UserError
 from ppipe.runtime.launch import serving
 
@@ -24,7 +25,7 @@ from ppipe.runtime.launch import serving
 DEFAULT_WAKE_LEAD_MS = 2.0
 DEFAULT_DISPATCH_LEAD_MS = DEFAULT_DISPATCH_LEAD_US / 1e3
 DEFAULT_ANSWER_BUDGET_MS = DEFAULT_ANSWER_BUDGET_US / 1e3
-DEFAULT_REPORT_TOLERANCE_MS = 1.0  # Runtime(report_tolerance_us=...)
+DEFAULT_REPORT_TOLERANCE_MS = DEFAULT_REPORT_TOLERANCE_US / 1e3
 # Slow clients: the same values as the defaults of ppipe.runtime.ingress.http_transport (header,
 # shutdown) and ppipe.runtime.ingress.http_server (body) (a test checks), written out here so that
 # the CLI does not import the server (and the scheduler's host) to show its help.
@@ -135,8 +136,9 @@ class _NullClock:
               "the margin it needs. `ppipe simulate` applies the same budget (data-plane option answer_budget_us; no YAML field).")
 @click.option("--report-tolerance-ms", default=DEFAULT_REPORT_TOLERANCE_MS, show_default=True, type=float,
               help="A stage that starts and ends within this of its reservation sends no report of its own; its report "
-              "rides on with the batch's next one (fewer messages per batch). -1: every stage reports at once (runtime "
-              "option; no YAML field).")
+              "rides on with the batch's next one (fewer messages per batch), and the reservation policy is not fed it: "
+              "`ppipe simulate --report-tolerance-ms` runs the same rule. -1: every stage reports at once, and every "
+              "report is fed (no YAML field).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; use 0.0.0.0 to expose (with --token). On a loopback address the local Ray instance "
               "listens on loopback only, too.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US
+from ppipe.dataplane.feedback import DEFAULT_REPORT_TOLERANCE_US, EXACT_US
 from ppipe.errors import UserError
 
 
@@ -88,8 +89,12 @@ def _serving_margins(plan, profiles, spec, policy: str, lead_ms: float, budget_m
               help="The runtime's answer budget, as `ppipe serve` applies it (without its adaptive part): every batch is "
               "planned to end this long before the SLO.")
 @click.option("--feedback", type=click.Choice(["all", "changed", "none"]), default=None,
-              help="Which stages workers report to the scheduler: all (as the runtime), changed (only those that differ from the plan: "
-                   "the same result, faster), none. Default: changed for the reservation policy, all for the others.")
+              help="Which stages workers report to the scheduler: all, changed (only those further than --report-tolerance-ms from "
+                   "their reservation: what `ppipe serve` feeds the reservation policy), none. Default: changed for the reservation "
+                   "policy, all for the others.")
+@click.option("--report-tolerance-ms", type=float, default=DEFAULT_REPORT_TOLERANCE_US / 1e3, show_default=True,
+              help="With --feedback changed: a stage this close to its reservation sends no report, as `ppipe serve "
+                   "--report-tolerance-ms` (ppipe.dataplane.feedback). Matters only with --jitter-cv > 0.")
 @click.option("--rates-from", type=click.Path(dir_okay=False), default=None,
               help="Base rates (load 1.0) from this plan instead of PLAN.yaml (drive systems at the same rates).")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None, help="Write PNG figures into this folder.")
@@ -101,7 +106,7 @@ def _serving_margins(plan, profiles, spec, policy: str, lead_ms: float, budget_m
               "what a split for a rate beyond one scheduler core costs. Prints what the groups keep.")
 def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full_points, arrivals, period_s, replan,
              replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s, replan_curvature_window_s, trace_file, cv, duration_s, seed,
-             policy, jitter_cv, dispatch_lead_ms, answer_budget_ms, feedback, rates_from, plot_dir, records_out, json_out, schedulers) -> None:
+             policy, jitter_cv, dispatch_lead_ms, answer_budget_ms, feedback, report_tolerance_ms, rates_from, plot_dir, records_out, json_out, schedulers) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
     from ppipe.sim.simulator import SimConfig, default_feedback
@@ -136,8 +141,10 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
     setup = _replan_setup(plan, profiles, spec, replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s,
                           replan_curvature_window_s) if replan == "auto" else None
     margins = _serving_margins(plan, profiles, spec, policy, dispatch_lead_ms, answer_budget_ms)
+    if report_tolerance_ms < 0:
+        raise UserError(f"--report-tolerance-ms must be >= 0, got {report_tolerance_ms}", fix="e.g. --report-tolerance-ms 1")
     config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy, replan=setup,
-                       scheduler_options=margins)
+                       scheduler_options=margins, report_tolerance_us=max(report_tolerance_ms * 1e3, EXACT_US))
     base = rates or base_rates(plan)
     factory = _split_factory(plan, schedulers, policy, margins, replan) if schedulers != 1 else None
 

@@ -92,6 +92,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from ppipe.dataplane.api import Dispatch, Drop, DropReason, Request, StageReport, WakeAt
+from ppipe.dataplane.feedback import EXACT_US, ran_as_reserved
 from ppipe.errors import NotAvailableError, UserError
 from ppipe.sim.clock import Event, EventLoop, Priority
 from ppipe.sim.records import QUEUE, BatchRecord, RequestRecord, StageRun
@@ -105,7 +106,6 @@ SchedulerFactory = Callable[[Plan, dict, ClusterSpec, Any], Any]
 _MAX_WAKES_AT_ONE_INSTANT = 10_000
 FEEDBACK_MODES = ("all", "changed", "none")
 EXECUTION_MODES = ("auto", "events")
-_SAME_US = 1e-3  # 1 ns: below this, a reported time equals the planned one
 _STOP_CHECK_US = 250_000.0  # how often (simulated us) a run with stop_below checks whether it may stop
 _STOP_MIN_SHARE = 0.1  # ... and not before this share of the arrival window (module docstring, "Early stop")
 _EXACT_PRUNE_EVERY = 4096  # exact execution: forget ended batches once this many are listed
@@ -130,10 +130,14 @@ class SimConfig:
         seed: seed of the jitter stream (arrivals are seeded by the caller).
         jitter_cv: coefficient of variation of the multiplicative lognormal jitter on
             inference times (mean 1); 0 = every stage takes exactly its profiled latency.
-        feedback: which stages the workers report to the scheduler: ``"all"`` (as the
-            runtime does), ``"changed"`` (only stages whose actual start, end or transfer
-            differ from the plan by more than 1 ns -- a report equal to the plan carries no
-            information, and skipping it makes long runs faster), or ``"none"``.
+        feedback: which stages the workers report to the scheduler: ``"all"``,
+            ``"changed"`` (only stages whose actual start, end or transfer differ from the
+            plan by more than ``report_tolerance_us``: the rule ``ppipe serve`` feeds the
+            reservation policy by, :mod:`ppipe.dataplane.feedback`; skipping the others
+            also makes long runs faster), or ``"none"``.
+        report_tolerance_us: with ``"changed"``: how far from its reservation a stage may
+            run and still send no report. The default, 1 ns, reads every report that
+            differs at all; ``ppipe simulate`` uses ``ppipe serve``'s (1 ms).
         drain_s: how long after the window to keep running so that requests finish;
             ``None`` = 4 x the largest SLO + 1 s.
         failures: ``(time_s, vgpu_id)`` pairs: that vGPU dies at that time.
@@ -154,6 +158,7 @@ class SimConfig:
     seed: int = 0
     jitter_cv: float = 0.0
     feedback: str = "all"
+    report_tolerance_us: float = EXACT_US
     drain_s: float | None = None
     failures: tuple[tuple[float, str], ...] = ()
     policy: str = "reservation"
@@ -400,6 +405,7 @@ class Simulator:
         self.vgpus = vgpus_of_plan(plan, cluster)
         self.window_us = config.duration_s * 1e6
         self._feedback = config.feedback
+        self._report_tolerance_us = config.report_tolerance_us
         self._up_free: dict[str, float] = {}
         self._down_free: dict[str, float] = {}
         self._slo_us = {m.name: m.slo_ms * 1e3 for m in plan.models}
@@ -873,21 +879,8 @@ class Simulator:
         # the worker reports after it has passed the result on: a completed request is
         # answered, whatever the scheduler decides next
         fb = self._feedback
-        if fb == "changed":
-            # does the stage (or its transfer) differ from the plan by more than 1 ns?
-            # (`x > S or x < -S` is `abs(x) > S` without the builtin call)
-            ds = run.dispatch.stages[k]
-            ps = ds.start_us
-            a = st.start_us - ps
-            b = st.end_us - ps - ds.infer_us
-            if a > _SAME_US or a < -_SAME_US or b > _SAME_US or b < -_SAME_US:
-                report = True
-            elif st.transfer_start_us is None or ds.transfer_start_us is None:
-                report = st.transfer_start_us is not ds.transfer_start_us and ds.transfer_us > 0
-            else:
-                a = st.transfer_start_us - ds.transfer_start_us
-                b = st.transfer_end_us - ds.transfer_start_us - ds.transfer_us
-                report = a > _SAME_US or a < -_SAME_US or b > _SAME_US or b < -_SAME_US
+        if fb == "changed":  # the report tolerance (ppipe.dataplane.feedback)
+            report = not ran_as_reserved(st, run.dispatch.stages[k], self._report_tolerance_us)
         else:
             report = fb == "all"
         if report:

@@ -10,7 +10,7 @@ import pytest
 
 from ppipe.runtime.wire.datapath import DataPathFull, Inbox, Outbox, _Receiver, is_loopback_address
 from ppipe.runtime.wire.frames import WireError, pack, unpack
-from ppipe.runtime.wire.messages import EdgeRef, Reservation, StageLinks, StageMsg, StageReport, ran_as_reserved
+from ppipe.runtime.wire.messages import Reservation, StageMsg, StageReport
 from ppipe.runtime.workers.stage_server import StageResult, StageServer
 
 
@@ -170,16 +170,6 @@ def test_stages_that_ran_as_reserved_ride_on_to_the_next_report_and_late_ones_re
     }
     for b, m in messages.items():
         assert m[-1][2]["x"].tolist() == [10.0 * b + 6] * 2  # the outputs ride in the last report
-
-
-def test_ran_as_reserved_compares_start_end_and_a_reserved_transfer_within_the_tolerance():
-    rep = StageReport(1, 0, "v", 1000.0, 2000.0, 500.0, 900.0)
-    assert ran_as_reserved(rep, Reservation(None, 0.0, 1000.5, 1999.5), 1.0)  # no NIC reserved: the transfer is not compared
-    assert not ran_as_reserved(rep, Reservation(None, 0.0, 1002.0, 2000.0), 1.0)
-    assert not ran_as_reserved(rep, Reservation(None, 0.0, 1000.0, 1998.0), 1.0)
-    assert ran_as_reserved(rep, Reservation(500.0, 400.0, 1000.0, 2000.0), 1.0)
-    assert not ran_as_reserved(rep, Reservation(500.0, 300.0, 1000.0, 2000.0), 1.0)  # the transfer ended 100 us late
-    assert not ran_as_reserved(msgspec.structs.replace(rep, transfer_start_us=None), Reservation(500.0, 400.0, 1000.0, 2000.0), 1.0)
 
 
 def test_a_failing_stage_reports_its_error_and_forwards_nothing():

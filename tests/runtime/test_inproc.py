@@ -216,3 +216,31 @@ def test_serving_in_process_imports_no_ray(two_stage):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"code": 200, "ray": False}
+
+
+@pytest.mark.parametrize("factory, tolerance_us, fed_per_stage", [
+    ({}, 1e12, 0),  # the reservation policy: every stage within the tolerance, none fed
+    ({}, 0.0, 1),  # no stage runs to the nanosecond: every report fed
+    ({}, None, 1),  # no tolerance: every stage reports, every report fed
+    (FIFO, 1e12, 1),  # a policy that does not reserve every use reads every report
+])
+def test_the_scheduler_is_fed_only_the_reports_outside_the_tolerance(tinynet, tmp_path, factory, tolerance_us, fed_per_stage):
+    """The report tolerance (ppipe.dataplane.feedback): the host keeps every report for its
+    traces, and feeds the reservation policy only those of stages that ran further than the
+    tolerance from their reservations, as ``ppipe simulate``'s "changed" workers send them."""
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)], slo_ms=400.0)
+    plan.save(tmp_path / "plan.yaml")
+    dep = load_deployment(tmp_path / "plan.yaml")
+
+    async def main():
+        async with inproc_serve(dep, keep_traces=100, report_tolerance_us=tolerance_us, **factory) as s:
+            sched, fed = s.runtime.scheduler, []
+            report = sched.report
+            sched.report = lambda r: (fed.append(r), report(r))[1]
+            for _ in range(3):  # full batches of 4 (a lone request would wait for its last moment)
+                await asyncio.gather(*(s.runtime.infer("tinynet", {"input": np.zeros((3, 8, 8), np.float32)}) for _ in range(4)))
+            return fed, [t for t in s.runtime.traces if t.error is None]
+
+    fed, done = asyncio.run(asyncio.wait_for(main(), 60))
+    assert len(done) >= 3 and all([r.stage for r in t.reports] == [0, 1] for t in done)
+    assert len(fed) == fed_per_stage * 2 * len(done)

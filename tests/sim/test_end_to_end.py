@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ppipe.dataplane.feedback import EXACT_US
+from ppipe.dataplane.reservation import ReservationScheduler
 from ppipe.sim.simulator import SimConfig
 from ppipe.sim.sweep import run_point
 
@@ -61,6 +63,24 @@ def test_changed_only_feedback_gives_the_same_result_with_jitter(tiny):
     b = run_point(plan, profiles, cluster, 1.1, config=SimConfig(**cfg, feedback="changed"))
     assert a.overall.late > 0  # the jitter did move stages off their reservations
     assert [(r.outcome, r.completion_us, r.batch_ids) for r in a.records] == [(r.outcome, r.completion_us, r.batch_ids) for r in b.records]
+
+
+def test_the_workers_report_only_stages_outside_the_report_tolerance(tiny, monkeypatch):
+    """``report_tolerance_us`` (ppipe.dataplane.feedback, the rule ``ppipe serve`` feeds the
+    reservation policy by): the wider it is, the fewer jittered stages report."""
+    plan, profiles, cluster = tiny
+    fed = []
+    report = ReservationScheduler.report
+    monkeypatch.setattr(ReservationScheduler, "report", lambda self, r: (fed.append(r), report(self, r))[1])
+    counts = {}
+    for tol in (EXACT_US, 2000.0, 1e12):
+        fed.clear()
+        res = run_point(plan, profiles, cluster, 0.8,
+                        config=SimConfig(duration_s=1.0, jitter_cv=0.2, seed=3, feedback="changed", report_tolerance_us=tol))
+        counts[tol] = len(fed)
+        o = res.overall
+        assert o.unfinished == 0 and o.requests == o.ok + o.late + o.dropped
+    assert counts[EXACT_US] > counts[2000.0] > counts[1e12] == 0
 
 
 def test_failure_with_the_real_scheduler(tiny):

@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from ppipe.dataplane.api import Dispatch, DropReason, StageReport
+from ppipe.dataplane.feedback import ran_as_reserved, reads_every_report
 from ppipe.runtime.scheduler.inflight import BatchTrace, DroppedError, InFlight
 from ppipe.runtime.wire.datapath import DataPathFull
 from ppipe.runtime.wire.frames import WireError, pack, unpack
@@ -178,6 +179,9 @@ class BatchesMixin:
             transfer_start_us=None if rep.transfer_start_us is None else c.from_wall_us(rep.transfer_start_us),
             transfer_end_us=None if rep.transfer_end_us is None else c.from_wall_us(rep.transfer_end_us),
         )
+        tol = self.report_tolerance_us
+        if tol is not None and not reads_every_report(self.scheduler) and ran_as_reserved(sr, d.stages[k], tol):
+            return  # its times are the tables' already, up to the tolerance (ppipe.dataplane.feedback)
         self._apply(self.scheduler.report(sr))
 
 

@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from ppipe.dataplane.api import Decision, Dispatch, Drop, DropReason, Request, WakeAt
+from ppipe.dataplane.feedback import DEFAULT_REPORT_TOLERANCE_US
 from ppipe.dataplane.handover import SwitchingScheduler
 from ppipe.errors import UserError
 from ppipe.runtime.clock import WallClock
@@ -122,10 +123,10 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
             of its reservation sends no report of its own: its report rides on to the next
             report the batch sends (see :class:`~ppipe.runtime.workers.stage_server.StageServer`), so a
             batch that runs as reserved costs one report message, not one per stage. The
-            scheduler then learns of such small deviations when the batch's next report
-            comes, and a worker's death fails the batches whose reports it carried on
-            (the scheduler still holds their stages as running). None: every stage reports
-            at once.
+            reservation policy is fed only the reports outside the tolerance, the rule
+            ``ppipe simulate`` runs too (:mod:`ppipe.dataplane.feedback`); a worker's death
+            fails the batches whose reports it carried on (the host still holds their
+            stages as running). None: every stage reports at once, and every report is fed.
         answer_budget_us: the fixed part of the answer budget: the scheduler plans every batch
             to end this long before ``arrival + SLO``, the time its answer still needs (the
             last report reaching the frontend, the HTTP reply). Lateness (metrics, the
@@ -171,7 +172,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         edges: dict[tuple[str, str], Any] | None = None,
         dispatch_lead_us: float = 0.0,
         answer_budget_us: float = 0.0,
-        report_tolerance_us: float | None = 1000.0,
+        report_tolerance_us: float | None = DEFAULT_REPORT_TOLERANCE_US,
         links: Any = None,
         clock_factory: ClockFactory = WallClock,
         data_secret: bytes | None = None,

@@ -15,7 +15,7 @@ A batch's life on the data path:
 2. Worker k runs its partition and sends :class:`StageMsg` with ``stage=k+1`` and its fp16
    output to worker k+1 (unless the edge carries them), and a :class:`StageReport` to the
    host, or lets the report ride on in ``carried`` when the stage ran as reserved
-   (:func:`ran_as_reserved`).
+   (:func:`ppipe.dataplane.feedback.ran_as_reserved`).
 3. The last worker's :class:`StageReport` carries the model's outputs as its tensors.
 
 Times are wall-clock microseconds (the workers' and the host's clocks; the host converts
@@ -194,18 +194,3 @@ class ToIngress(msgspec.Struct, tag="down", **STRUCT):
 IngressInbox = ToIngress | Answer
 """What an ingress's inbox receives: the scheduler's :class:`ToIngress` and the last workers' :class:`Answer`."""
 
-
-def ran_as_reserved(report: StageReport, reserved: Reservation, tol_us: float) -> bool:
-    """Whether a stage's report lies within ``tol_us`` of its reservation.
-
-    Its start and end are compared with the reserved ones; where a NIC transfer is reserved,
-    the reported transfer's start and end with ``transfer_start_us`` and
-    ``transfer_start_us + transfer_us``.
-    """
-    if abs(report.start_us - reserved.start_us) > tol_us or abs(report.end_us - reserved.end_us) > tol_us:
-        return False
-    if reserved.transfer_start_us is None or not reserved.transfer_us:
-        return True
-    ts, te = report.transfer_start_us, report.transfer_end_us
-    return (ts is not None and te is not None and abs(ts - reserved.transfer_start_us) <= tol_us
-            and abs(te - reserved.transfer_start_us - reserved.transfer_us) <= tol_us)

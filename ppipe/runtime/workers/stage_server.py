@@ -9,7 +9,7 @@ The report (the stage's wall-clock stamps, with the model's outputs after the la
 or ``error`` when the stage failed) goes to the frontend at once, or rides on: with a
 ``tolerance_us`` in the message, a stage that ran as reserved -- start, end and NIC
 transfer each within the tolerance of its reservation
-(:func:`~ppipe.runtime.wire.messages.ran_as_reserved`) -- adds its report to the next
+(:func:`~ppipe.dataplane.feedback.ran_as_reserved`) -- adds its report to the next
 stage message's ``carried`` instead, and the next report that goes to the frontend (the
 last stage's, a late stage's or a failed one's, or the one before an NCCL edge) takes the
 list along. A stage's report tells the scheduler something only where reality left the
@@ -37,10 +37,11 @@ from typing import Any, Awaitable, Callable, Iterable
 import msgspec
 import numpy as np
 
+from ppipe.dataplane.feedback import ran_as_reserved
 from ppipe.runtime.clock import wall_us
 from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox, is_loopback_address, node_host
 from ppipe.runtime.wire.frames import WireError, pack, unpack
-from ppipe.runtime.wire.messages import Answer, StageMsg, StageReport, ran_as_reserved
+from ppipe.runtime.wire.messages import Answer, StageMsg, StageReport
 
 log = logging.getLogger("ppipe.runtime")
 
