@@ -4,15 +4,19 @@ Plans HC2-S for the three built-in models (``ppipe plan``'s default), then for e
 alone, and for all three together, at ``--load`` of each model's planned rate:
 
 * ``ppipe simulate``'s figures for that load (the runtime's margins applied, as by default);
-* ``ppipe serve``'s: emulated Ray workers with the profiled latencies and the real inputs
-  and feature maps (no byte cap), driven open loop by ``ppipe bench --binary`` over HTTP;
-  per stage, how late the reserved starts were, from the batches' traces.
+* ``ppipe serve``'s: emulated workers with the profiled latencies and the real inputs
+  and feature maps (no byte cap), driven open loop by ``ppipe bench --binary`` over HTTP.
+  By default the frontend runs in this process on Ray workers, and the script prints per
+  stage how late the reserved starts were, from the batches' traces. With ``--command``
+  it is the real command a user runs (``ppipe serve plan.yaml --backend emulated``, local
+  worker processes, ``--ingress N`` ingress processes), without the traces.
 
 Prints a host line, a table per run, and where the runtime's extra latency goes. What it
 leaves out: the GPUs (compute is emulated by sleeping), a network (every byte crosses
 loopback), and the client's own CPU on the same cores.
 
     python scripts/bench_default_plan.py [--load 0.1] [--duration-s 10] [--plan plan.yaml]
+                                         [--command [--ingress N]]
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import argparse
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serve import lateness, serve_in_process, stop  # noqa: E402  (a script next to this one)
+from bench_serve import lateness, serve_in_process, stop, stop_server  # noqa: E402  (a script next to this one)
 
 
 def host_line() -> str:
@@ -82,26 +87,54 @@ def drive(url: str, rates: dict[str, float], duration_s: float) -> dict[str, dic
     return {m: json.loads((out / f"{m}.json").read_text()) for m in rates}
 
 
+def serve_command(plan_file: str, ingress: int):
+    """``ppipe serve plan_file --backend emulated`` as a user starts it (local workers,
+    ``ingress`` ingress processes), ready; returns the process and its URL."""
+    import socket
+    import subprocess
+
+    from ppipe.runtime.client.httpclient import wait_until_ready
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ppipe.cli", "serve", plan_file, "--backend", "emulated", "--launcher", "local",
+                             "--port", str(port), "--ingress", str(ingress)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_ready(url, proc, timeout_s=120)
+    return proc, url
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", type=float, default=0.1, help="Share of each model's planned rate.")
     ap.add_argument("--duration-s", type=float, default=10.0)
     ap.add_argument("--plan", default=None, help="A plan.yaml (default: plan HC2-S with the built-in models).")
+    ap.add_argument("--command", action="store_true", help="Serve with the real `ppipe serve` command (local workers), not in this process.")
+    ap.add_argument("--ingress", type=int, default=0, help="With --command: ingress processes (`ppipe serve --ingress N`).")
     args = ap.parse_args()
     print(host_line())
     plan, profiles, cluster = default_plan(args.plan)
     planned = {m.name: m.throughput_rps for m in plan.models}
     runs = [{m: args.load * r} for m, r in planned.items()] + [{m: args.load * r for m, r in planned.items()}]
-    from ppipe.runtime.cli import init_ray
+    rt = None
+    if args.command:
+        if args.plan is None:
+            args.plan = str(Path(tempfile.mkdtemp()) / "plan.yaml")
+            plan.save(args.plan)
+        proc, url = serve_command(args.plan, args.ingress)
+        print(f"served by `ppipe serve {args.plan} --backend emulated --launcher local --ingress {args.ingress}`")
+    else:
+        from ppipe.runtime.cli import init_ray
 
-    init_ray(None, None, loopback_only=True)  # as `ppipe serve` starts its Ray
-    srv, workers, rt = serve_in_process(plan, profiles, cluster, keep_traces=10**6)
-    url = srv.url
+        init_ray(None, None, loopback_only=True)  # as `ppipe serve` starts its Ray
+        srv, workers, rt = serve_in_process(plan, profiles, cluster, keep_traces=10**6)
+        url = srv.url
     try:
         drive(url, {m: 5.0 for m in planned}, 2.0)  # warm-up: connections, first batches
         for rates in runs:
             sim = simulate(plan, profiles, cluster, rates, args.duration_s)
-            since = len(rt.traces)
+            since = len(rt.traces) if rt is not None else 0
             served = drive(url, rates, args.duration_s)
             label = "all three" if len(rates) > 1 else "alone"
             print(f"\n{label} at {args.load:g} of the planned rate")
@@ -110,10 +143,14 @@ def main() -> None:
                 sa, sp = sim[m]
                 print(f"{m:14} {rates[m]:7.1f} {100 * r['slo_attainment']:12.2f}% {r['p50_ms'] or float('nan'):7.2f} "
                       f"{r['p99_ms'] or float('nan'):7.2f} {100 * sa:10.2f}% {sp or float('nan'):7.2f}  {r['drops'] or '-'}")
-            late = lateness(rt, since)
-            print("  stage starts late vs reserved (ms): " + ", ".join(f"{k.replace('_start_late', '')} {v:.2f}" for k, v in late.items()))
+            if rt is not None:
+                late = lateness(rt, since)
+                print("  stage starts late vs reserved (ms): " + ", ".join(f"{k.replace('_start_late', '')} {v:.2f}" for k, v in late.items()))
     finally:
-        stop(srv, workers)
+        if rt is not None:
+            stop(srv, workers)
+        else:
+            stop_server(proc)
 
 
 if __name__ == "__main__":
