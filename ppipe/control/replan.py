@@ -515,6 +515,9 @@ def planner_replan(plan: Any, profiles: Mapping[str, Any], cluster: Any, *, time
     it; :class:`ReplanController` passes the plan it holds as served. The planner uses it
     where it plans by column generation (:mod:`ppipe.planner.colgen`: its configurations
     start the pricing, its pools are a start of the MILP); elsewhere it changes nothing.
+    The new plan's GPUs are then renamed to keep as many of ``warm_start``'s workers as
+    can stay (:func:`ppipe.planner.placement.keep_live_plan`), the renaming ``ppipe
+    serve``'s plan switches do: ``ppipe simulate --replan auto`` keeps the same vGPUs.
 
     Raises:
         UserError: ``plan`` was not made with the max-min objective (weights mean nothing to
@@ -532,12 +535,14 @@ def planner_replan(plan: Any, profiles: Mapping[str, Any], cluster: Any, *, time
 
     def replan(weights: dict[str, float], warm_start: Any = plan):
         from ppipe.planner.api import plan as make_plan
+        from ppipe.planner.placement import keep_live_plan
 
-        return make_plan(
+        new = make_plan(
             cluster, models, objective="max-min", planner=s.planner, formulation=s.formulation, gpu_rule=s.gpu_rule,
             configs_per_template=s.configs_per_template, batch_build=s.batch_build, slo_ms=slo,
             weights={m: weights[m] for m in slo}, margin=s.margin, max_partitions=s.max_partitions,
             time_limit_s=time_limit_s, gap=gap, headroom=headroom, warm_start=warm_start,
         )
+        return keep_live_plan(new, warm_start, cluster) if warm_start is not None else new
 
     return replan

@@ -29,7 +29,7 @@ from fractions import Fraction
 
 from ppipe.errors import InfeasibleError
 from ppipe.spec.cluster import ClusterSpec
-from ppipe.spec.plan import ModelPlan, VgpuPlacement
+from ppipe.spec.plan import ModelPlan, Plan, VgpuPlacement
 
 GPU_RULES = ("physical", "paper")
 
@@ -215,6 +215,21 @@ def keep_live(new: list[VgpuPlacement], new_models: list[ModelPlan], live: list[
     slot_of = _kept_slots(new_on, live_on, rename)
     return [r.model_copy(update={"server": rename[(r.server, r.gpu_index)][0], "gpu_index": rename[(r.server, r.gpu_index)][1],
                                  "slot": slot_of[(r.server, r.gpu_index, r.slot)]}) for r in new]
+
+
+def keep_live_plan(plan: Plan, live: Plan, cluster: ClusterSpec) -> Plan:
+    """``plan`` with its placement renamed by :func:`keep_live` to keep ``live``'s workers.
+
+    The rule a re-plan's switch follows wherever it runs: ``ppipe serve``'s plan switches
+    and :func:`ppipe.control.replan.planner_replan`, which ``ppipe simulate --replan auto``
+    runs too, so both keep the same vGPUs. A plan for another cluster, or without a
+    placement, comes back as it is (its switch is refused elsewhere, with its reason).
+    Renaming a plan :func:`keep_live` has renamed already changes nothing.
+    """
+    if not getattr(plan, "placement", None) or not getattr(live, "placement", None) or plan.cluster != live.cluster:
+        return plan
+    placement = keep_live(plan.placement, plan.models, live.placement, live.models, cluster)
+    return plan.model_copy(update={"placement": placement})
 
 
 def _kept_slots(new_on: dict, live_on: dict, rename: dict) -> dict[tuple[str, int, int], int]:

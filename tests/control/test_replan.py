@@ -427,3 +427,24 @@ def test_planner_replan_passes_the_warm_start_and_the_replan_gap(monkeypatch):
     replan({"a": 1.0}, warm_start=other)
     assert [kw["warm_start"] for kw in seen] == [served, other]
     assert all(kw["gap"] == REPLAN_GAP and kw["time_limit_s"] == 9.0 for kw in seen)
+
+
+def test_planner_replan_renames_the_new_plans_gpus_to_keep_the_served_plans_workers(monkeypatch):
+    """The renaming of plan switches (keep_live) is the re-plan's own: the simulator's
+    re-plans keep the vGPUs that ``ppipe serve``'s keep."""
+    from types import SimpleNamespace
+
+    import ppipe.planner.api as api
+    import ppipe.planner.placement as placement
+
+    monkeypatch.setattr(api, "plan", lambda *a, **kw: "new plan")
+    renamed = []
+    monkeypatch.setattr(placement, "keep_live_plan", lambda new, live, cluster: renamed.append((new, live, cluster)) or f"{new}, renamed")
+    settings = SimpleNamespace(objective="max-min", planner="ppipe", formulation="ppipe", gpu_rule="physical",
+                               configs_per_template="many", batch_build=True, margin=0.4, max_partitions=3, headroom_util=0.8)
+    served = SimpleNamespace(settings=settings, models=[SimpleNamespace(name="a", slo_ms=50.0)])
+    other = SimpleNamespace(settings=settings, models=served.models)
+    replan = planner_replan(served, {"a": "profile a"}, "cluster", time_limit_s=9.0)
+    assert replan({"a": 1.0}) == "new plan, renamed" and replan({"a": 1.0}, warm_start=other) == "new plan, renamed"
+    assert renamed == [("new plan", served, "cluster"), ("new plan", other, "cluster")]
+    assert replan({"a": 1.0}, warm_start=None) == "new plan"  # nothing served to keep

@@ -131,3 +131,4 @@ def test_keep_live_keeps_every_vgpu_that_can_stay():
     assert len(_where(fresh, new_models) & _where(live, live_models)) < len(stays)
     assert [(r.model, r.pipeline, r.partition, r.replica) for r in kept] == [(r.model, r.pipeline, r.partition, r.replica) for r in fresh]
     assert keep_live(live, live_models, live, live_models, cluster) == live  # nothing to move: unchanged
+    assert keep_live(kept, new_models, live, live_models, cluster) == kept  # renamed once, renamed for good

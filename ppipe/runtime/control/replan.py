@@ -12,8 +12,10 @@ runtime's clock:
   loop must not wait for;
 * a decision is applied like ``ppipe apply``: the new plan's workers start while the old
   plan serves, and the switch itself is one step on the loop
-  (:class:`ppipe.runtime.control.switch.PlanSwitcher`, which also renames the new plan's GPUs to
-  keep running workers). A switch that fails is logged and handed back to the controller
+  (:class:`ppipe.runtime.control.switch.PlanSwitcher`). The re-plan has renamed the new plan's
+  GPUs to keep the served plan's workers (:func:`ppipe.control.replan.planner_replan`, as in
+  the simulator); the switcher's own renaming, against the plan served when the switch
+  happens, changes nothing unless that plan has changed since. A switch that fails is logged and handed back to the controller
   (``refused``), which goes on from the plan actually served.
 """
 

@@ -156,13 +156,9 @@ class PlanSwitcher:
         return self._deployment(self._keeping_live(plan) if keep_live else plan, source)
 
     def _keeping_live(self, plan: Plan) -> Plan:
-        from ppipe.planner.placement import keep_live
+        from ppipe.planner.placement import keep_live_plan
 
-        live = self.dep.plan  # the whole plan served (the runtime's, or every shard's)
-        if plan.cluster != live.cluster or not plan.placement:
-            return plan  # refused by _deployment, with its reason
-        placement = keep_live(plan.placement, plan.models, live.placement, live.models, self.dep.cluster)
-        return plan.model_copy(update={"placement": placement})
+        return keep_live_plan(plan, self.dep.plan, self.dep.cluster)  # the whole plan served (the runtime's, or every shard's)
 
     def _served_ref(self, model: str) -> str | None:
         try:
