@@ -25,7 +25,6 @@ import argparse
 import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,7 +43,7 @@ def host_line() -> str:
 
 
 def default_plan(plan_file: str | None):
-    """The plan (``ppipe plan``'s default unless a file is given), its profiles and cluster."""
+    """The plan (``ppipe plan``'s default unless a file is given), its profiles, cluster and file."""
     from ppipe.runtime.launch.deploy import load_deployment
 
     if plan_file is None:
@@ -55,7 +54,7 @@ def default_plan(plan_file: str | None):
         plan_file = str(Path(tempfile.mkdtemp()) / "plan.yaml")
         make_plan().save(plan_file)
     dep = load_deployment(plan_file, None)
-    return dep.plan, dep.profiles, dep.cluster
+    return dep.plan, dep.profiles, dep.cluster, plan_file
 
 
 def simulate(plan, profiles, cluster, rates: dict[str, float], duration_s: float) -> dict[str, tuple[float, float | None]]:
@@ -114,16 +113,13 @@ def main() -> None:
     ap.add_argument("--ingress", type=int, default=0, help="With --command: ingress processes (`ppipe serve --ingress N`).")
     args = ap.parse_args()
     print(host_line())
-    plan, profiles, cluster = default_plan(args.plan)
+    plan, profiles, cluster, plan_file = default_plan(args.plan)
     planned = {m.name: m.throughput_rps for m in plan.models}
     runs = [{m: args.load * r} for m, r in planned.items()] + [{m: args.load * r for m, r in planned.items()}]
     rt = None
     if args.command:
-        if args.plan is None:
-            args.plan = str(Path(tempfile.mkdtemp()) / "plan.yaml")
-            plan.save(args.plan)
-        proc, url = serve_command(args.plan, args.ingress)
-        print(f"served by `ppipe serve {args.plan} --backend emulated --launcher local --ingress {args.ingress}`")
+        proc, url = serve_command(plan_file, args.ingress)
+        print(f"served by `ppipe serve {plan_file} --backend emulated --launcher local --ingress {args.ingress}`")
     else:
         from ppipe.runtime.cli import init_ray
 
