@@ -141,10 +141,43 @@ main()
 """
 
 
-def start_server(plan: Path, port: int, grpc_port: int, traced: Path | None = None) -> subprocess.Popen:
+# `ppipe serve` with allocator statistics (--heap-stats DIR): at each SIGUSR1, glibc's
+# malloc_info (XML per arena: heap size, free bytes) and pymalloc's own statistics into DIR
+_HEAP_STATS_SERVE = """
+import ctypes, itertools, os, pathlib, signal, sys
+out = pathlib.Path(sys.argv.pop(1))
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype = ctypes.c_void_p
+turn = itertools.count()
+def dump(*_):
+    k = next(turn)
+    f = libc.fopen(str(out / f"malloc{k}.xml").encode(), b"w")
+    libc.malloc_info(0, ctypes.c_void_p(f))
+    libc.fclose(ctypes.c_void_p(f))
+    with open(out / f"pymalloc{k}.txt", "w") as fh:  # it writes to the C stderr: fd 2, for the call
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(fh.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+signal.signal(signal.SIGUSR1, dump)
+sys.argv[0] = "ppipe"
+from ppipe.cli import main
+main()
+"""
+
+
+def start_server(plan: Path, port: int, grpc_port: int, traced: Path | None = None, heap_stats: Path | None = None) -> subprocess.Popen:
     from ppipe.runtime.client.httpclient import wait_until_ready
 
-    head = [sys.executable, "-c", _TRACED_SERVE, str(traced)] if traced else [sys.executable, "-m", "ppipe.cli"]
+    head = [sys.executable, "-m", "ppipe.cli"]
+    if traced:
+        head = [sys.executable, "-c", _TRACED_SERVE, str(traced)]
+    elif heap_stats:
+        head = [sys.executable, "-c", _HEAP_STATS_SERVE, str(heap_stats)]
     proc = subprocess.Popen([*head, "serve", str(plan), "--backend", "emulated", "--token", TOKEN,
                              "--port", str(port), "--grpc-port", str(grpc_port), "--replan", "auto",
                              "--replan-window-s", "30", "--replan-min-interval-s", "30"],
@@ -389,6 +422,24 @@ def sample_processes(server_pid: int, ports: tuple[int, ...]) -> dict[str, dict]
         if rss:
             out[name] = {"count": len(rss), "max_rss_mib": round(max(rss), 1), "max_fds": max(fds)}
     out["frontend"]["fd_kinds"] = fd_kinds(server)
+    out["frontend"]["rss_kinds_mib"] = rss_kinds(server_pid)
+    return out
+
+
+def rss_kinds(pid: int) -> dict[str, float]:
+    """The process's resident memory by kind (MiB): anonymous (heaps, buffers), file-backed
+    (code and libraries paged in), shared memory; from /proc/PID/smaps_rollup (empty where absent)."""
+    kinds = {"Anonymous:": "anon", "Rss:": "rss", "Shmem:": "shmem"}
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            key, _, rest = line.partition(" ")
+            if key in kinds:
+                out[kinds[key]] = round(int(rest.split()[0]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        return {}
+    if "rss" in out and "anon" in out:
+        out["file"] = round(out["rss"] - out["anon"] - out.get("shmem", 0.0), 1)
     return out
 
 
@@ -505,7 +556,8 @@ def answered_twice(records: list, server_ok: dict, server_drops: dict) -> int:
 
 
 # ---- the run --------------------------------------------------------------------------------------------
-async def soak(url: str, grpc: str, port: int, server_pid: int, minutes: float, seed: int, plans, base, faults, traced: bool = False):
+async def soak(url: str, grpc: str, port: int, server_pid: int, minutes: float, seed: int, plans, base, faults, traced: bool = False,
+               samples_every_s: float | None = None):
     """The load, the faults, the hostile clients and the process samples (each with a heap
     snapshot of the frontend where it is ``traced``), together."""
     ports = (port, int(grpc.rsplit(":", 1)[1]))
@@ -523,13 +575,16 @@ async def soak(url: str, grpc: str, port: int, server_pid: int, minutes: float, 
         if traced:
             os.kill(server_pid, signal.SIGUSR1)
 
+    times = [] if not samples_every_s else [WARM_S + k * samples_every_s for k in range(1, int((total - 3.0 - WARM_S) / samples_every_s) + 1)]
+    every = [sample(f"at {t:.0f} s", t) for t in times if t < total - 3.0]
+
     async def load_then_stop() -> None:
         await drive_load(url, grpc, t0, total, base, faults, records)
         stop.set()
 
     await asyncio.gather(load_then_stop(), run_faults(url, server_pid, t0, faults, plans, seed), hostile(url, grpc, stop, seed, hostile_out),
                          slow_and_idle(port, stop, idle_out), sample("after warm-up", WARM_S), sample("middle", total / 2),
-                         sample("end", total - 3.0))
+                         sample("end", total - 3.0), *every)
     return records, hostile_out, idle_out, samples
 
 
@@ -551,9 +606,32 @@ def print_report(fig: Figures, faults: list[Fault], base: dict, minutes: float) 
     print("processes (count, largest RSS MiB, most fds of one process less its clients' connections):")
     for when, groups in fig.processes.items():
         print(f"   {when:<14} " + "; ".join(f"{g} {v['count']}x {v['max_rss_mib']:.0f} MiB {v['max_fds']} fds" for g, v in groups.items()))
-        print(f"   {'':<14} the frontend's fds: {groups['frontend']['fd_kinds']}")
+        print(f"   {'':<14} the frontend's fds: {groups['frontend']['fd_kinds']}; its RSS by kind (MiB): "
+              f"{groups['frontend'].get('rss_kinds_mib', {})}")
     print(f"growth from after warm-up to the end: RSS {100 * fig.rss_growth:+.1f} %, fds {100 * fig.fd_growth:+.1f} % (target within 10 %)")
     print(f"processes left after SIGTERM: {fig.left_after_sigterm}")
+
+
+def print_allocator_stats(folder: Path) -> None:
+    """Per sample of --heap-stats, in order: glibc's heap (all arenas: its size, the free
+    bytes in it, the mmapped blocks) and pymalloc's arenas (allocated, and the bytes in
+    free pools and blocks), in MiB."""
+    import re
+    import xml.etree.ElementTree as ET
+
+    print("frontend allocators per sample (MiB): glibc heap / free in it / mmapped; pymalloc arenas / free in them")
+    for xml_file in sorted(folder.glob("malloc*.xml"), key=lambda f: int(f.stem[6:])):
+        k = int(xml_file.stem[6:])
+        root = ET.parse(xml_file).getroot()
+        total = {t.get("type"): int(t.get("size", 0)) for t in root.findall("total")}
+        system = {t.get("type"): int(t.get("size", 0)) for t in root.findall("system")}
+        free = total.get("fast", 0) + total.get("rest", 0)
+        py = (folder / f"pymalloc{k}.txt").read_text() if (folder / f"pymalloc{k}.txt").exists() else ""
+        arenas = re.search(r"# arenas allocated current\s*=\s*([\d,]+)", py)
+        py_free = sum(int(x.replace(",", "")) for x in re.findall(r"(?:# bytes in available blocks|unused pools \* \d+ bytes)\s*=\s*([\d,]+)", py))
+        n_arenas = int(arenas.group(1).replace(",", "")) if arenas else 0
+        print(f"   sample {k}: glibc {system.get('current', 0) / 2**20:.1f} / {free / 2**20:.1f} / {total.get('mmap', 0) / 2**20:.1f}; "
+              f"pymalloc {n_arenas} arenas / {py_free / 2**20:.1f}")
 
 
 def print_heap_growth(folder: Path, top: int = 15) -> None:
@@ -576,6 +654,10 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--heap-stats", type=Path, default=None, metavar="DIR",
+                    help="at each sample, the server writes glibc's malloc_info and pymalloc's statistics into DIR "
+                    "(a diagnosis of what holds the frontend's memory)")
+    ap.add_argument("--sample-every-s", type=float, default=None, help="also sample the processes every this many seconds")
     ap.add_argument("--tracemalloc", type=Path, default=None, metavar="DIR",
                     help="run the server under tracemalloc (slower: a diagnosis, not the targets' run), a snapshot of its "
                     "Python heap into DIR at each sample, and print what grew most from after warm-up to the end")
@@ -593,13 +675,15 @@ def main() -> int:
         slo_ms = min(m.slo_ms for m in load_plan(plan_a).models)
         port, grpc_port = free_port(), free_port()
         url, grpc = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-        if args.tracemalloc:
-            args.tracemalloc.mkdir(parents=True, exist_ok=True)
-        proc = start_server(plan_a, port, grpc_port, args.tracemalloc)
+        for folder in (args.tracemalloc, args.heap_stats):
+            if folder:
+                folder.mkdir(parents=True, exist_ok=True)
+        proc = start_server(plan_a, port, grpc_port, args.tracemalloc, args.heap_stats)
         try:
             records, hostile_out, idle_out, samples = asyncio.run(
-                soak(url, grpc, port, proc.pid, args.minutes, args.seed, (plan_a, plan_b), base, faults, bool(args.tracemalloc)))
-            if args.tracemalloc:
+                soak(url, grpc, port, proc.pid, args.minutes, args.seed, (plan_a, plan_b), base, faults,
+                     bool(args.tracemalloc or args.heap_stats), args.sample_every_s))
+            if args.tracemalloc or args.heap_stats:
                 time.sleep(10.0)  # the last snapshot is written
             counts = server_counts(url)
             status = httpx.get(url + "/v2/admin/plan", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).json()
@@ -610,6 +694,8 @@ def main() -> int:
     print_report(fig, faults, base, args.minutes)
     if args.tracemalloc:
         print_heap_growth(args.tracemalloc)
+    if args.heap_stats:
+        print_allocator_stats(args.heap_stats)
     if args.json_out:
         args.json_out.write_text(json.dumps(asdict(fig), indent=1))
     print(f"soak: sent {fig.sent}, answered once {fig.answered - fig.answered_twice}, unanswered {fig.unanswered}, "

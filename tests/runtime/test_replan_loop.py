@@ -87,3 +87,26 @@ def test_a_shift_is_replanned_and_applied_through_the_switcher():
 def test_a_refused_switch_leaves_the_controller_on_the_served_plan():
     loop, switcher, asked, old, new = _run(refuse=True)
     assert switcher.applied and loop.controller.plan is old and switcher.runtime.plan is old
+
+
+def test_the_planning_process_starts_and_imports_the_planner_with_the_server(tmp_path):
+    # The first re-plan must not wait for a process to spawn and import the planner (seconds
+    # on a small host), and the server's processes are all there after its warm-up.
+    from ppipe.planner.api import plan as make_plan
+    from ppipe.runtime.launch.deploy import load_deployment
+
+    make_plan(place=True).save(tmp_path / "plan.yaml")
+    dep = load_deployment(str(tmp_path / "plan.yaml"), None)
+    switcher = _Switcher(dep.plan, refuse=False)
+    switcher.dep = dep
+    loop = ReplanLoop(switcher, ReplanPolicy(window_s=60.0, bin_s=1.0, check_every_s=30.0))
+
+    async def main():
+        await loop.start()
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(loop.warmed), timeout=120)
+            return len(loop._pool._processes)
+        finally:
+            await loop.stop()
+
+    assert asyncio.run(main()) == 1

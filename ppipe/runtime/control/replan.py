@@ -37,6 +37,13 @@ def _replan_job(plan: Any, profiles: dict, cluster: Any, time_limit_s: float, we
     return planner_replan(plan, profiles, cluster, time_limit_s=time_limit_s)(weights)
 
 
+def _warm_up() -> None:
+    """In the planning process, at the server's start: the planner's imports, so that the
+    first re-plan pays neither the process's start nor them (seconds on a small host)."""
+    import ppipe.control.replan  # noqa: F401
+    import ppipe.planner.api  # noqa: F401
+
+
 class ReplanLoop:
     """Runs the re-plan controller for a serving runtime (a companion of the HTTP app).
 
@@ -61,6 +68,7 @@ class ReplanLoop:
         self.controller: Any = None
         self._injected_replan = replan
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self.warmed: concurrent.futures.Future | None = None  # the planning process's warm-up (None: no process)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -70,6 +78,7 @@ class ReplanLoop:
         await self.switcher.log_arrivals(True)
         if self._injected_replan is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            self.warmed = self._pool.submit(_warm_up)  # the process starts now, not at the first re-plan
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
