@@ -33,6 +33,12 @@ printed against the figures. ``--json-out`` writes the figures for a test.
 
     python scripts/soak.py --minutes 30
     python scripts/soak.py --minutes 2 --json-out soak.json
+    python scripts/soak.py --minutes 30 --heap-stats DIR --sample-every-s 120   # what holds the memory
+
+The frontend's RSS is also given by kind (anonymous, file-backed), and ``--heap-stats``
+adds per sample glibc's heap (its size, the free bytes in it) and pymalloc's arenas: after
+``malloc_trim`` the free bytes of the heap are not resident, so RSS growth with a steady
+heap in use is pages that a live block pins.
 """
 
 from __future__ import annotations
@@ -396,10 +402,31 @@ async def run_faults(url: str, server_pid: int, t0: float, faults: list[Fault], 
 
 
 # ---- processes, metrics -----------------------------------------------------------------------------------
+RSS_READS = 5  # reads of each process's RSS per sample ...
+RSS_READ_EVERY_S = 0.4  # ... this far apart: the least is what the process keeps
+
+
+def rss_floors_mib(procs, reads: int = RSS_READS, every_s: float = RSS_READ_EVERY_S) -> dict[int, float]:
+    """Per process (by pid), the least of ``reads`` RSS reads ``every_s`` apart (MiB): what
+    it keeps between its requests. One read also holds the bodies being parsed at that
+    instant (a JSON body of a 0.6 MB tensor is several MB), which moves a busy frontend's
+    RSS by up to 10 % from one read to the next; growth is what stays."""
+    least: dict[int, float] = {}
+    for k in range(reads):
+        if k:
+            time.sleep(every_s)
+        for p in procs:
+            try:
+                least[p.pid] = min(least.get(p.pid, float("inf")), p.memory_info().rss / 2**20)
+            except Exception:  # psutil.NoSuchProcess: gone between two reads
+                pass
+    return least
+
+
 def sample_processes(server_pid: int, ports: tuple[int, ...]) -> dict[str, dict]:
-    """Per role (the frontend, then its children by process name): count, largest RSS (MiB)
-    and most open fds of one process, less the connections of clients to ``ports`` (as many
-    as the load holds open at that moment, not the server's own)."""
+    """Per role (the frontend, then its children by process name): count, largest RSS floor
+    (MiB, :func:`rss_floors_mib`) and most open fds of one process, less the connections of
+    clients to ``ports`` (as many as the load holds open at that moment, not the server's own)."""
     import psutil
 
     server = psutil.Process(server_pid)
@@ -409,12 +436,15 @@ def sample_processes(server_pid: int, ports: tuple[int, ...]) -> dict[str, dict]
             groups.setdefault(p.name(), []).append(p)
         except psutil.NoSuchProcess:
             pass
+    floors = rss_floors_mib([p for procs in groups.values() for p in procs])
     out = {}
     for name, procs in groups.items():
         rss, fds = [], []
         for p in procs:
+            if p.pid not in floors:
+                continue  # gone before its first read
             try:
-                rss.append(p.memory_info().rss / 2**20)
+                rss.append(floors[p.pid])
                 clients = sum(1 for c in p.net_connections("tcp") if c.laddr and c.laddr.port in ports and c.raddr)
                 fds.append(p.num_fds() - clients)
             except psutil.NoSuchProcess:
@@ -603,7 +633,8 @@ def print_report(fig: Figures, faults: list[Fault], base: dict, minutes: float) 
     print(f"hostile: {fig.hostile} (not a 4xx: {fig.hostile_not_4xx})")
     print(f"slow uploads and idle connections: {fig.slow_and_idle}")
     print(f"on time outside the fault windows: {100 * fig.outside_faults_on_time:.2f} % of {fig.outside_faults_requests} (target >= 99 %)")
-    print("processes (count, largest RSS MiB, most fds of one process less its clients' connections):")
+    print(f"processes (count, largest RSS MiB: the least of {RSS_READS} reads in {(RSS_READS - 1) * RSS_READ_EVERY_S:g} s, "
+          "most fds of one process less its clients' connections):")
     for when, groups in fig.processes.items():
         print(f"   {when:<14} " + "; ".join(f"{g} {v['count']}x {v['max_rss_mib']:.0f} MiB {v['max_fds']} fds" for g, v in groups.items()))
         print(f"   {'':<14} the frontend's fds: {groups['frontend']['fd_kinds']}; its RSS by kind (MiB): "

@@ -158,8 +158,8 @@ PROVER_AFTER_POLLS = 8
 # bound's (the benchmarks' "proven within 0.1 %").
 FALLBACK_GAP = 1e-3
 # ... and, where that is not proven either, these with the cover bound alone (a check costs
-# it tens of ms; the price bound seconds): HC2-S with weights 1,1,2 stops at its limit with a
-# plan whose gap branch and bound gives as 8.6 %, the cover bound as under 3 %.
+# it tens of ms, the price bound seconds): where branch and bound's own bound stays near the
+# LP relaxation's, a plan that a time limit stops reports the tighter gap the cover bound proves.
 COVER_FALLBACK_GAPS = (1e-2, 3e-2, 1e-1)
 # Share of the time limit that the split search, or the distinct-type start, may take.
 START_SHARE = 0.25
@@ -385,9 +385,9 @@ def restricted_start(specs, configs, masks, cluster, milp, variables, solver, *,
     """The max-min optimum over the configurations ``masks`` keep (per model), as a start of
     the whole MILP (checked against its every row). Adds the solve's nodes and LP
     iterations to ``work``. A solve the clock stopped still leaves its plan, which then
-    says ``timed_out``; none where it found no plan. (No MIP start: on HC2-S with weights
-    1,1,2 the narrow restriction's plan as a start led HiGHS to 811 in 10 s, against 831 in
-    2 s without.)"""
+    says ``timed_out``; none where it found no plan. No MIP start: a narrower restriction's
+    plan as a start can lead HiGHS's search astray (docs/benchmarks.md, "Weighted plans of
+    the default case")."""
     rmilp, rv = build(specs, [subset(cs, u) for cs, u in zip(configs, masks)], cluster, gpu_rule=gpu_rule)
     MaxMinNormalized().apply(rmilp, rv)
     try:
@@ -562,10 +562,10 @@ def _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover
 
     Two restrictions, narrow first: the configurations the relaxation uses (on the default
     plan they hold the optimum, proven at once), then, where that is not proven, every
-    configuration of their templates, from the first plan. Why: under weights the
-    relaxation's few configurations miss the optimum by far (HC2-S, weights 1,1,2: 735
-    against 831), while the templates' hold plans HiGHS finds in seconds on the whole MILP
-    only after minutes (scripts/bench_planner.py ``--suite weights``)."""
+    configuration of their templates. Why: under unequal weights the relaxation's few
+    configurations can miss the optimum by far, while their templates' hold plans that
+    HiGHS on the whole MILP finds only after minutes, if at all (docs/benchmarks.md,
+    "Weighted plans of the default case")."""
     t0 = time.perf_counter()
     start, bound, work, used = lp_support_start(specs, configs, cluster, milp, variables, solver, gpu_rule="physical",
                                                 deadline=deadline, gap=gap)

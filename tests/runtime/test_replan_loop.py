@@ -89,9 +89,9 @@ def test_a_refused_switch_leaves_the_controller_on_the_served_plan():
     assert switcher.applied and loop.controller.plan is old and switcher.runtime.plan is old
 
 
-def test_the_planning_process_starts_and_imports_the_planner_with_the_server(tmp_path):
-    # The first re-plan must not wait for a process to spawn and import the planner (seconds
-    # on a small host), and the server's processes are all there after its warm-up.
+def test_the_planning_process_starts_and_plans_once_with_the_server(tmp_path):
+    # The first re-plan must not wait for a process to spawn and import the planner and its
+    # solvers, and the server's processes are at their working size after its warm-up.
     from ppipe.planner.api import plan as make_plan
     from ppipe.runtime.launch.deploy import load_deployment
 

@@ -37,11 +37,13 @@ def _replan_job(plan: Any, profiles: dict, cluster: Any, time_limit_s: float, we
     return planner_replan(plan, profiles, cluster, time_limit_s=time_limit_s)(weights)
 
 
-def _warm_up() -> None:
-    """In the planning process, at the server's start: the planner's imports, so that the
-    first re-plan pays neither the process's start nor them (seconds on a small host)."""
-    import ppipe.control.replan  # noqa: F401
-    import ppipe.planner.api  # noqa: F401
+def _warm_up(plan: Any, profiles: dict, cluster: Any, time_limit_s: float) -> None:
+    """In the planning process, at the server's start: one re-plan of the served plan at its
+    own weights (the result is dropped), so that the first real re-plan pays neither the
+    process's start nor the planner's and solvers' imports, and the process holds its
+    working memory from the start (most of what a first re-plan adds is the solvers'
+    libraries: docs/benchmarks.md, "Thirty minutes of faults")."""
+    _replan_job(plan, profiles, cluster, time_limit_s, {m.name: m.weight for m in plan.models})
 
 
 class ReplanLoop:
@@ -78,7 +80,8 @@ class ReplanLoop:
         await self.switcher.log_arrivals(True)
         if self._injected_replan is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-            self.warmed = self._pool.submit(_warm_up)  # the process starts now, not at the first re-plan
+            dep = self.switcher.dep  # the process starts now, not at the first re-plan
+            self.warmed = self._pool.submit(_warm_up, dep.plan, dep.profiles, dep.cluster, self.time_limit_s)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
