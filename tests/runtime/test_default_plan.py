@@ -151,7 +151,7 @@ def test_a_killed_worker_and_a_plan_switch_with_real_feature_maps_lose_no_reques
 
     base = load_deployment(default_plan)
     first = save_dilated(base.plan, base.profiles, base.cluster, DILATION, tmp_path / "first")
-    other = make_plan(weights=[1.0, 1.0, 2.0], time_limit_s=5.0)  # any plan of other weights serves
+    other = make_plan(weights=[1.0, 1.0, 2.0])
     second = save_dilated(other, base.profiles, base.cluster, DILATION, tmp_path / "second")
     dep = load_deployment(first)
     assert len(dep.plan.model("resnet50").pipelines[0].partitions) >= 2  # feature maps cross a hop
