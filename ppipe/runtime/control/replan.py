@@ -42,7 +42,7 @@ def _warm_up(plan: Any, profiles: dict, cluster: Any, time_limit_s: float) -> No
     own weights (the result is dropped), so that the first real re-plan pays neither the
     process's start nor the planner's and solvers' imports, and the process holds its
     working memory from the start (most of what a first re-plan adds is the solvers'
-    libraries: docs/benchmarks.md, "Thirty minutes of faults")."""
+    libraries: docs/benchmarks.md, "What holds the soak's memory")."""
     _replan_job(plan, profiles, cluster, time_limit_s, {m.name: m.weight for m in plan.models})
 
 
