@@ -23,6 +23,9 @@ caps them at :data:`SERVER_ARENAS`: fewer, fuller arenas hold fewer half-used pa
 (``scripts/soak.py --tracemalloc`` shows that what a soak adds is native memory, not
 Python objects; docs/benchmarks.md has the figures). :func:`tune_for_serving` does both.
 
+The garbage collector: :func:`freeze_startup_objects` takes what a process holds once it
+has started out of the collector's sight, so that no full collection walks it again.
+
 Elsewhere than glibc (musl, macOS) there is no ``mallopt`` or ``malloc_trim``: these do
 nothing, and :func:`trim_heap_periodically` says so once in the log.
 """
@@ -104,3 +107,24 @@ async def trim_heap_periodically(interval_s: float = TRIM_INTERVAL_S) -> None:
         secs = trim_heap()
         if secs > 0.005:
             log.debug("malloc_trim took %.1f ms", secs * 1e3)
+
+
+def freeze_startup_objects(collect: bool = True) -> None:
+    """Move every object alive now out of the garbage collector's sight (``gc.freeze``).
+
+    Why: a full (generation 2) collection walks every tracked object, and a serving
+    process holds hundreds of thousands after start-up (Ray, pydantic schemas, profiles,
+    the scheduler's tables). Walking them stops the event loop for tens of milliseconds,
+    which stalls every request in flight and misses SLOs of the same order. Frozen
+    start-up objects are never scanned again; what is allocated later is collected as usual.
+
+    ``collect=False`` freezes without collecting first: for a process forked from a fork
+    server, nearly everything it holds is the fork server's, and a collection writes to
+    the header of every object it walks, which copies each of their shared pages into the
+    child (the start-up garbage it would free is a few objects).
+    """
+    import gc
+
+    if collect:
+        gc.collect()
+    gc.freeze()

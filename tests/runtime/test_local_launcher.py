@@ -23,7 +23,8 @@ import pytest
 from ppipe.errors import UserError
 from ppipe.runtime.launch.deploy import load_deployment
 from ppipe.runtime.launch.handle import WorkerGone
-from ppipe.runtime.launch.local import PROCESS_NAME, start_local_workers
+from ppipe.runtime.launch import local
+from ppipe.runtime.launch.local import PRELOAD, PROCESS_NAME, start_local_workers
 from ppipe.spec.cluster import load_cluster
 
 from .conftest import make_plan
@@ -56,6 +57,23 @@ def test_each_worker_is_a_process_of_its_own_that_answers_the_handles_calls(two_
     finally:
         for h in workers.values():
             h.kill()
+
+
+def test_a_worker_process_imports_at_start_only_what_its_fork_server_preloaded():
+    """Each worker is forked from the fork server, so what the server has imported costs a
+    worker nothing; what the worker's own start imports beyond that, every worker pays
+    again (a plan switch starts dozens at once, on the cores that serve). Every module the
+    worker's start-up code imports is already in ``sys.modules`` after ``PRELOAD``."""
+    import ast
+    import inspect
+
+    starting = [local._worker_main, local._loop_factory, local._serve_host]
+    imported = sorted({node.module if isinstance(node, ast.ImportFrom) else alias.name
+                       for f in starting for node in ast.walk(ast.parse(inspect.getsource(f)))
+                       if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names})
+    probe = f"import sys; [__import__(m) for m in {PRELOAD!r}]; print([m for m in {imported!r} if m not in sys.modules])"
+    missing = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert imported and missing == "[]", f"imported by every worker at start, not preloaded: {missing}"
 
 
 def test_a_killed_worker_ends_its_lifeline_and_its_calls(two_stage):

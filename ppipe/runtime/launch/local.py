@@ -39,8 +39,9 @@ from ppipe.runtime.launch.handle import WorkerGone
 log = logging.getLogger("ppipe.runtime")
 HEADER = struct.Struct("!I")
 CALLS = frozenset({"open_data_path", "connect_peers", "drop_peer", "close_edges", "ping"})
-# imported once by the fork server, so that each worker's process starts with them loaded
-PRELOAD = ["ppipe.runtime.workers.worker", "ppipe.runtime.workers.backends", "ppipe.runtime.wire.datapath"]
+# imported once by the fork server, so that each worker's process starts with them loaded (uvloop where it is
+# installed: the fork server skips a module it cannot import)
+PRELOAD = ["ppipe.runtime.workers.worker", "ppipe.runtime.workers.backends", "ppipe.runtime.wire.datapath", "ppipe.runtime.memory", "uvloop"]
 PROCESS_NAME = "ppipe-vgpu"  # a worker process's name in ps and top (at most 15 characters)
 _context: Any = None
 
@@ -219,8 +220,7 @@ def _loop_factory() -> Any:
 
 
 async def _serve_host(sock: socket.socket, spec: Any, backend: str, backend_options: dict | None) -> None:
-    from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
-    from ppipe.runtime.scheduler.host import freeze_startup_objects
+    from ppipe.runtime.memory import freeze_startup_objects, trim_heap_periodically, tune_for_serving
     from ppipe.runtime.workers.worker import VgpuWorker
 
     reader, writer = await asyncio.open_connection(sock=sock)
@@ -230,7 +230,7 @@ async def _serve_host(sock: socket.socket, spec: Any, backend: str, backend_opti
         writer.write(_frame((0, False, _portable(exc))))
         await writer.drain()
         return
-    freeze_startup_objects()
+    freeze_startup_objects(collect=False)  # forked: its objects are the fork server's
     tune_for_serving()  # inputs and feature maps reuse the heap's pages; a burst's go back on a timer
     tasks: set[asyncio.Task] = {asyncio.ensure_future(trim_heap_periodically())}
     writer.write(_frame((0, True, await worker.ping())))

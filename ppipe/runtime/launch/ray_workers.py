@@ -98,7 +98,7 @@ class VgpuActor(VgpuWorker):
         import ray
 
         from ppipe.runtime.launch.deploy import worker_env
-        from ppipe.runtime.scheduler.host import freeze_startup_objects
+        from ppipe.runtime.memory import freeze_startup_objects
 
         pin_cuda_env(worker_env(spec, backend))
         undo_ray_niceness()

@@ -39,7 +39,7 @@ from ppipe.dataplane.feedback import DEFAULT_REPORT_TOLERANCE_US
 from ppipe.dataplane.handover import SwitchingScheduler
 from ppipe.errors import UserError
 from ppipe.runtime.clock import WallClock
-from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
+from ppipe.runtime.memory import freeze_startup_objects, trim_heap_periodically, tune_for_serving
 from ppipe.runtime.launch.handle import WorkerHandle
 from ppipe.runtime.scheduler.batches import BatchesMixin
 from ppipe.runtime.scheduler.budgets import ServiceBudgets
@@ -61,7 +61,7 @@ ClockFactory = Callable[[asyncio.AbstractEventLoop], Any]
 """``f(loop)``: the clock the host and its scheduler run on (a :class:`~ppipe.runtime.clock.WallClock`'s methods)."""
 
 __all__ = ["BatchTrace", "DroppedError", "PreparedSwitch", "Runtime", "check_switchable", "check_whole_paths",
-           "default_scheduler_factory", "freeze_startup_objects"]
+           "default_scheduler_factory"]
 
 
 def check_whole_paths(scheduler: Any, policy: str) -> None:
@@ -72,21 +72,6 @@ def check_whole_paths(scheduler: Any, policy: str) -> None:
             "which the runtime does not run",
             fix="serve with --policy reservation (the paper's) or reactive",
         )
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive now out of the garbage collector's sight (``gc.freeze``).
-
-    Why: a full (generation 2) collection walks every tracked object, and a serving
-    process holds hundreds of thousands after start-up (Ray, pydantic schemas, profiles,
-    the scheduler's tables). Walking them stops the event loop for tens of milliseconds,
-    which stalls every request in flight and misses SLOs of the same order. Frozen
-    start-up objects are never scanned again; what is allocated later is collected as usual.
-    """
-    import gc
-
-    gc.collect()
-    gc.freeze()
 
 
 def default_scheduler_factory(plan, profiles, cluster, clock, policy: str = "reservation", **options):
