@@ -157,6 +157,10 @@ PROVER_AFTER_POLLS = 8
 # ends at the time limit then reports the gap that was proven rather than branch and
 # bound's (the benchmarks' "proven within 0.1 %").
 FALLBACK_GAP = 1e-3
+# ... and, where that is not proven either, these with the cover bound alone (a check costs
+# it tens of ms, the price bound seconds): where branch and bound's own bound stays near the
+# LP relaxation's, a plan that a time limit stops reports the tighter gap the cover bound proves.
+COVER_FALLBACK_GAPS = (1e-2, 3e-2, 1e-1)
 # Share of the time limit that the split search, or the distinct-type start, may take.
 START_SHARE = 0.25
 # Share of the time left that the LP-support start (relaxation and restricted MILP) may
@@ -181,9 +185,10 @@ class Prover:
     is set and the solver stops: the wall clock ends the search, it never picks a plan.
 
     Given the solve's ``gap``, a level ``T = incumbent (1 + gap)`` that neither bound
-    refutes is followed, once, by ``incumbent (1 + FALLBACK_GAP)``: if that is refuted,
-    ``weak = (level, method)`` keeps it (no plan reaches ``level``) while the search goes
-    on for the requested gap.
+    refutes is followed, once, by ``incumbent (1 + FALLBACK_GAP)``, then where that is not
+    refuted either by the levels of ``COVER_FALLBACK_GAPS`` with the cover bound alone: the
+    first refuted is kept in ``weak = (level, method)`` (no plan reaches ``level``) while the
+    search goes on for the requested gap.
     """
 
     method = "cover bound"
@@ -224,10 +229,25 @@ class Prover:
         if self._refutes(T, max_rounds=1 if fallback else MAX_ITERATIONS):
             return True
         if fallback and not self.timed_out:
-            looser = T / (1.0 + self.gap) * (1.0 + FALLBACK_GAP)
-            if looser < upper_bound and self._refutes(looser):
-                self.weak = (looser, self.method)
+            self.weak = self._looser_refuted(T / (1.0 + self.gap), upper_bound)
         return False
+
+    def _looser_refuted(self, incumbent: float, upper_bound: float) -> tuple[float, str] | None:
+        """(The first level of the fallback ladder above ``incumbent`` that is refuted, its
+        method), or None; levels at or above ``upper_bound`` need no proof and end the ladder."""
+        looser = incumbent * (1.0 + FALLBACK_GAP)
+        if looser >= upper_bound:
+            return None
+        if self._refutes(looser):
+            return looser, self.method
+        for g in COVER_FALLBACK_GAPS:
+            looser = incumbent * (1.0 + g)
+            if looser >= upper_bound or self.bound is None:
+                return None
+            if self.bound.refutes(looser):
+                self.method = "cover bound"
+                return looser, self.method
+        return None
 
     def _refutes(self, T: float, max_rounds: int = MAX_ITERATIONS) -> bool:
         if self.bound is not None and self.bound.refutes(T):
@@ -335,9 +355,9 @@ def distinct_types_start(specs, configs, cluster, milp, variables, solver, *, gp
     return Start(x if is_feasible(milp, x) else None)
 
 
-def lp_support_start(specs, configs, cluster, milp, variables, solver, *, gpu_rule, deadline, gap) -> tuple[Start, float, dict]:
-    """(A MIP start, an upper bound on the optimum, the solves' work) from the LP relaxation
-    (max-min, several configurations per template).
+def lp_support_start(specs, configs, cluster, milp, variables, solver, *, gpu_rule, deadline, gap) -> tuple[Start, float, dict, list]:
+    """(A MIP start, an upper bound on the optimum, the solves' work, the configurations
+    used) from the LP relaxation (max-min, several configurations per template).
 
     The start is the optimum over the configurations that the relaxation's solution uses
     (a few per model): a restriction of the same MILP, so its plan is one of the MILP's,
@@ -346,26 +366,46 @@ def lp_support_start(specs, configs, cluster, milp, variables, solver, *, gpu_ru
     after its root heuristics; with a start and a bound, the prover can end the solve at
     once. No start (and an infinite bound) where either solve ends otherwise; one that the
     time limit stopped says so (``timed_out``). ``work``: nodes and LP iterations in all.
+    The last item is, per model, the mask of the configurations used (None where the
+    relaxation did not end optimal).
     """
     relaxed = solver.relaxation(milp, time_limit_s=time_left(deadline))
     work = dict(nodes=0, lp_iterations=max(relaxed.lp_iterations, 0))
     if relaxed.status != "optimal":
-        return Start(timed_out=relaxed.status == "time_limit"), math.inf, work
+        return Start(timed_out=relaxed.status == "time_limit"), math.inf, work, None
     used = [(relaxed.x[np.maximum(g, 0)] * (g >= 0) > 1e-9).any(axis=1) for g in variables.g]
     if not all(u.any() for u in used):
-        return Start(), relaxed.objective, work
-    rmilp, rv = build(specs, [subset(cs, u) for cs, u in zip(configs, used)], cluster, gpu_rule=gpu_rule)
+        return Start(), relaxed.objective, work, used
+    start = restricted_start(specs, configs, used, cluster, milp, variables, solver, gpu_rule=gpu_rule,
+                             deadline=deadline, gap=gap, work=work)
+    return start, relaxed.objective, work, used
+
+
+def restricted_start(specs, configs, masks, cluster, milp, variables, solver, *, gpu_rule, deadline, gap, work: dict) -> Start:
+    """The max-min optimum over the configurations ``masks`` keep (per model), as a start of
+    the whole MILP (checked against its every row). Adds the solve's nodes and LP
+    iterations to ``work``. A solve the clock stopped still leaves its plan, which then
+    says ``timed_out``; none where it found no plan. No MIP start: a narrower restriction's
+    plan as a start can lead HiGHS's search astray (docs/benchmarks.md, "Weighted plans of
+    the default case")."""
+    rmilp, rv = build(specs, [subset(cs, u) for cs, u in zip(configs, masks)], cluster, gpu_rule=gpu_rule)
     MaxMinNormalized().apply(rmilp, rv)
     try:
         res = solver.solve(rmilp, time_limit_s=time_left(deadline), gap=gap)
     except SolverTimeLimitError:
-        return Start(timed_out=True), relaxed.objective, work
-    work = dict(nodes=max(res.nodes, 0), lp_iterations=work["lp_iterations"] + max(res.lp_iterations, 0))
+        return Start(timed_out=True)
+    work["nodes"] += max(res.nodes, 0)
+    work["lp_iterations"] += max(res.lp_iterations, 0)
     if res.x is None:
-        return Start(timed_out=res.status == "time_limit"), relaxed.objective, work
-    # A solve the clock stopped still leaves a plan: the start, which then says time_limit.
+        return Start(timed_out=res.status == "time_limit")
     x = solution_vector(extract(res.x, rv, specs), variables, milp.num_cols)
-    return Start(x if is_feasible(milp, x) else None, timed_out=res.status == "time_limit"), relaxed.objective, work
+    return Start(x if is_feasible(milp, x) else None, timed_out=res.status == "time_limit")
+
+
+def template_masks(configs: list[ConfigSet], used: list[np.ndarray]) -> list[np.ndarray]:
+    """Per model, every configuration of the templates (GPU types and partitions) that the
+    ``used`` configurations belong to: the wider restriction of :func:`_lp_support_attempt`."""
+    return [np.isin(cs.template, np.unique(cs.template[u])) for cs, u in zip(configs, used)]
 
 
 def is_feasible(milp, x: np.ndarray, tol: float = 1e-6) -> bool:
@@ -516,24 +556,49 @@ def wants_column_generation(choice: bool | None, objective, gpu_rule: str, one_c
 
 
 def _lp_support_attempt(milp, variables, specs, configs, cluster, solver, prover, *, deadline, gap) -> tuple[Start, SolveResult | None]:
-    """(The start of :func:`lp_support_start`, with the relaxation's bound, and the solve's
-    result where that bound or ``prover`` proves the start optimal within ``gap``, else None)."""
+    """(The best start of :func:`lp_support_start` and its template-wide widening, with the
+    relaxation's bound, and the solve's result where that bound or ``prover`` proves it
+    optimal within ``gap``, else None).
+
+    Two restrictions, narrow first: the configurations the relaxation uses (on the default
+    plan they hold the optimum, proven at once), then, where that is not proven, every
+    configuration of their templates. Why: under unequal weights the relaxation's few
+    configurations can miss the optimum by far, while their templates' hold plans that
+    HiGHS on the whole MILP finds only after minutes, if at all (docs/benchmarks.md,
+    "Weighted plans of the default case")."""
     t0 = time.perf_counter()
-    start, bound, work = lp_support_start(specs, configs, cluster, milp, variables, solver, gpu_rule="physical",
-                                          deadline=deadline, gap=gap)
+    start, bound, work, used = lp_support_start(specs, configs, cluster, milp, variables, solver, gpu_rule="physical",
+                                                deadline=deadline, gap=gap)
     start = replace(start, bound=bound)
+    ended = _proven(start, variables, solver, prover, gap, work, t0)
+    if ended is not None or used is None or start.x is None:
+        return start, ended
+    wide = template_masks(configs, used)
+    if all(w.sum() == u.sum() for w, u in zip(wide, used)):
+        return start, None
+    wider = restricted_start(specs, configs, wide, cluster, milp, variables, solver, gpu_rule="physical",
+                             deadline=deadline, gap=gap, work=work)
+    if wider.x is None or float(wider.x[variables.extra["z"]]) <= float(start.x[variables.extra["z"]]):
+        return replace(start, timed_out=start.timed_out or wider.timed_out), None
+    start = replace(wider, bound=bound)
+    return start, _proven(start, variables, solver, prover, gap, work, t0)
+
+
+def _proven(start: Start, variables, solver, prover, gap: float, work: dict, t0: float) -> SolveResult | None:
+    """The start as the solve's result where the relaxation's bound or ``prover`` proves it
+    optimal within ``gap``, else None."""
     z = 0.0 if start.x is None else float(start.x[variables.extra["z"]])
     if z <= 0:
-        return start, None
-    if bound <= z * (1.0 + gap):
-        proven_gap, method = max(0.0, bound / z - 1.0), "LP bound"
-    elif prover(z * (1.0 + gap), bound, fallback=False):
+        return None
+    if start.bound <= z * (1.0 + gap):
+        proven_gap, method = max(0.0, start.bound / z - 1.0), "LP bound"
+    elif prover(z * (1.0 + gap), start.bound, fallback=False):
         proven_gap, method = gap, prover.method
     else:
-        return start, None
+        return None
     status = "time_limit" if start.timed_out else "optimal"  # a stopped solve's plan: the clock chose it
-    return start, SolveResult(solver.name, status, start.x, z, proven_gap, time.perf_counter() - t0,
-                              method="LP-support incumbent + " + method, **work)
+    return SolveResult(solver.name, status, start.x, z, proven_gap, time.perf_counter() - t0,
+                       method="LP-support incumbent + " + method, **work)
 
 
 def _has_prover(gpu_rule: str, start: Start) -> bool:

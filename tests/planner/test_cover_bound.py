@@ -207,6 +207,20 @@ def test_prover_keeps_the_looser_level_it_proves_and_answers_no(monkeypatch):
     assert not tight(inc * (1 + 1e-4), inc * (1 + 5e-4)) and tight.weak is None
 
 
+@pytest.mark.parametrize("refuted_from, kept", [(2e-2, 3e-2), (5e-2, 1e-1), (0.2, None)])
+def test_prover_climbs_the_cover_bounds_ladder_to_the_first_level_it_refutes(monkeypatch, refuted_from, kept):
+    cl = cluster({"A": 2, "B": 2}, LEVELS)
+    inc = 1000.0
+    monkeypatch.setattr(_RefutesFrom, "level", inc * (1 + refuted_from))
+    monkeypatch.setattr(core, "CoverBound", _RefutesFrom)
+    prover = core.Prover([], [], cl, gap=1e-4)
+    assert not prover(inc * (1 + 1e-4), inc * 2)
+    assert prover.weak == (None if kept is None else (pytest.approx(inc * (1 + kept)), "cover bound"))
+    # A level at or above HiGHS's own bound needs no proof: the ladder stops below it.
+    capped = core.Prover([], [], cl, gap=1e-4)
+    assert not capped(inc * (1 + 1e-4), inc * (1 + 2e-2)) and capped.weak is None
+
+
 def test_a_plan_stopped_by_its_time_limit_reports_the_gap_a_looser_proof_gives(monkeypatch):
     from dataclasses import replace
 

@@ -67,9 +67,9 @@ def test_the_planner_solves_with_the_options_of_its_gpu_rule(monkeypatch):
     cl = cluster({"A": 2, "B": 2}, LEVELS)
     specs = [ModelSpec(profile=profile(f"m{i}", lat, [200_000, 100_000], LEVELS), slo_ms=30.0) for i, lat in enumerate((LAT_1, LAT_2))]
     # Physical packing: the MILP over the LP relaxation's configurations, then (unless a
-    # bound proves that plan) the whole MILP, both with RENS.
+    # bound proves that plan) over their templates' and the whole MILP, all with RENS.
     _solve(HighsSolver(), specs, cl, gpu_rule="physical", one=False)
-    assert seen in ([True], [True, True])
+    assert seen in ([True], [True, True], [True, True, True])
     # The paper's rule, several models: the MILP first (the price bound's subproblem solves,
     # asked from inside it, come after), without RENS.
     seen.clear()
