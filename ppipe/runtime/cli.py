@@ -171,7 +171,7 @@ class _NullClock:
               help="N > 0: N ingress processes on --port (and --grpc-port) hold the clients' connections and tensors (read, "
               "authenticate, validate, decode, answer), and this process only schedules: it sees each request's metadata, "
               "and the tensors go from an ingress to the first worker and from the last worker back. Local launcher, one "
-              "shard; no plan switches. 0: this process does it all.")
+              "shard; plan switches (ppipe apply on the port, SIGHUP, --replan auto) are made here. 0: this process does it all.")
 @click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="auto: watch each model's arrival rate, re-plan when the mix shifts (a model past 90 % of its capacity and a "
               "new plan >= 10 % better) and switch plans live (ppipe.control.replan; needs a max-min plan).")
@@ -209,7 +209,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
     n_shards = 1 if ingress and shards == "auto" else parse_shards(shards, dep.plan, os.cpu_count() or 1, by=shard_by)
     launcher, n_shards = _choose_launcher(launcher, ray_address, dep.cluster, shards, n_shards, transport)
-    serving.check_ingress_flags(ingress, launcher, n_shards, replan)
+    serving.check_ingress_flags(ingress, launcher, n_shards)
     layout = shard_layout(dep.plan, n_shards, shard_by)  # a split the plan does not take well is refused here
     if layout.by == "servers" and replan == "auto":
         raise UserError("--replan auto cannot run with --shard-by servers: a server whose shards split the plan's servers "
@@ -247,7 +247,8 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     companions = functools.partial(serving.companions, dep=dep, layout=layout, shards=shard_set,
                                    switchers=switchers, worker_options=settings.workers,
                                    plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s,
-                                   ingresses=serving.ingress_companion(ingress, dep, ingress_settings, host, port, shutdown_timeout_s))
+                                   ingresses=serving.ingress_companion(ingress, dep, ingress_settings, host, port, shutdown_timeout_s,
+                                                                      f"http://127.0.0.1:{sock.getsockname()[1]}"))
     app, _, router = build_shard(deps[0], parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
     (app if router is None else router.app).fe.switcher = switchers[0]
     click.echo(serving.serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, layout.by)

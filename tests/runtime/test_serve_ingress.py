@@ -2,8 +2,10 @@
 
 tinynet's two stages on the ``ort`` backend (every answer checked against the whole model),
 served by the real command under the local launcher: the answers, which process served
-them, metrics of every process on any ingress, a killed ingress restarted while the other
-serves on, plan switches refused with the reason, and nothing left after SIGTERM.
+them, metrics of every process on any ingress, a plan switch asked of the ingresses'
+port under load (every request answered once, every ingress serving the new plan, and one
+restarted after the switch too), a killed ingress restarted while the other serves on, and
+nothing left after SIGTERM.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from ppipe.runtime.client.httpclient import wait_until_ready
 from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
 from ppipe.runtime.launch.local_ingresses import PROCESS_NAME
 
+from ppipe.spec.cluster import load_cluster
+
+from .conftest import make_plan
 from .raynodes import free_port
 from .test_local_launcher import two_stage  # noqa: F401  (the fixture: tinynet's two stages, SLO 400 ms)
 from .tinynet import reference
@@ -76,7 +81,31 @@ def _served_by(metrics: str) -> dict[str, float]:
     return out
 
 
-def test_ingress_processes_answer_with_the_models_outputs_and_one_restarts_while_the_other_serves(two_stage):
+def _slos_seen(url: str, n: int = 8) -> set[float]:
+    """The SLO tinynet's metadata gives on ``n`` fresh connections (dealt to any ingress)."""
+    seen = set()
+    for _ in range(n):
+        with httpx.Client(timeout=10) as c:
+            seen.add(c.get(f"{url}/v2/models/tinynet", headers=AUTH).json()["parameters"]["slo_ms"])
+    return seen
+
+
+def _switch_under_load(url: str, new_plan: Path, xs: list[np.ndarray]):
+    """``ppipe apply new_plan`` through the ingresses' port while requests of ``xs`` keep
+    coming; returns (the apply's result, every request's (code, out))."""
+    from ppipe.cli import main
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(_infer, url, x) for x in xs]
+        time.sleep(0.3)
+        applied = CliRunner().invoke(main, ["apply", str(new_plan), "--url", url, "--token", TOKEN])
+        answers += [pool.submit(_infer, url, x) for x in xs]
+        return applied, [a.result() for a in answers]
+
+
+def test_ingress_processes_answer_with_the_models_outputs_and_one_restarts_while_the_other_serves(two_stage, tmp_path):
+    new_plan = tmp_path / "one-stage.yaml"  # the same model, one partition, a new SLO
+    make_plan(two_stage.profiles["tinynet"], load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)], slo_ms=300.0).save(new_plan)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     directory = two_stage.profiles["tinynet"].directory
@@ -103,10 +132,17 @@ def test_ingress_processes_answer_with_the_models_outputs_and_one_restarts_while
         assert set(served) <= {"ingress-0", "ingress-1"} and sum(served.values()) == len(xs) + 1, served  # + gRPC's
         assert 'process="scheduler"' in metrics and "ppipe_batch_size" in metrics
 
-        refused = httpx.post(f"{url}/v2/admin/plan", content=Path(two_stage.plan_file).read_text(), headers=AUTH, timeout=10)
-        assert refused.status_code == 409 and "--ingress" in refused.json()["error"], refused.text
+        assert _slos_seen(url) == {400.0}
+        no_token = httpx.post(f"{url}/v2/admin/plan", content=new_plan.read_text(), timeout=10)
+        assert no_token.status_code == 401, no_token.text  # refused by the ingress itself
+        applied, answers = _switch_under_load(url, new_plan, xs)
+        assert applied.exit_code == 0 and "1 started" in applied.output, applied.output
+        for x, (code, out) in zip(xs + xs, answers):
+            assert code == 200, out
+            np.testing.assert_allclose(out, reference(directory, x), rtol=2e-2, atol=2e-2)
         status = httpx.get(f"{url}/v2/admin/plan", headers=AUTH, timeout=5).json()
-        assert status["models"] == ["tinynet"] and status["switches"] == []
+        assert status["models"] == ["tinynet"] and len(status["switches"]) == 1 and status["vgpus"] == 1, status
+        assert _slos_seen(url) == {300.0}  # both ingresses serve the new plan
 
         victim = ingresses[0]
         victim.kill()
@@ -122,6 +158,7 @@ def test_ingress_processes_answer_with_the_models_outputs_and_one_restarts_while
             raise AssertionError("the killed ingress was not restarted")
         with ThreadPoolExecutor(4) as pool:
             assert all(code == 200 for code, _ in pool.map(lambda x: _infer(url, x), xs[:8]))
+        assert _slos_seen(url, 12) == {300.0}  # the restarted ingress too: the scheduler told it at its hello
     finally:
         children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
         proc.send_signal(signal.SIGTERM)
@@ -134,7 +171,6 @@ def test_ingress_processes_answer_with_the_models_outputs_and_one_restarts_while
 @pytest.mark.parametrize("flags, says", [
     (["--launcher", "ray"], "local launcher"),
     (["--shards", "2"], "--shards 2"),
-    (["--replan", "auto"], "--replan auto"),
 ])
 def test_what_ingress_processes_do_not_serve_with_is_refused_before_anything_starts(two_stage, flags, says):
     from ppipe.cli import main

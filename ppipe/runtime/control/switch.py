@@ -396,27 +396,6 @@ class SplitServersSwitcher(ShardedSwitcher):
                             fix="restart `ppipe serve` with the new plan, or serve with --shard-by models to switch plans live")
 
 
-class FixedPlan:
-    """The plan switcher of a server that does not switch plans live (``ppipe serve
-    --ingress N``, whose ingress processes hold the plan's models and SLOs): every switch is
-    refused (:class:`SwitchRefused`, a 409 with ``why`` and ``fix``) and the plan serves on;
-    ``GET /v2/admin/plan`` answers as on any server."""
-
-    def __init__(self, dep: Any, why: str, fix: str):
-        self.dep, self.why, self.fix = dep, why, fix
-        self.records: list[dict[str, Any]] = []
-        self.started: list[Any] = []  # it starts no worker
-
-    def plan_from_text(self, text: str, source: str = "request body") -> Plan:
-        return plan_from_text(text, source)
-
-    def plan_from_file(self, path: str | Path) -> Plan:
-        return load_plan(path)
-
-    async def apply(self, plan: Plan, source: str, keep_live: bool = True) -> dict[str, Any]:
-        raise SwitchRefused(f"{source}: {self.why}; the plan it serves keeps serving", fix=self.fix)
-
-
 class SighupReload:
     """On SIGHUP, re-read the plan file ``ppipe serve`` was started with and switch to it.
 

@@ -13,7 +13,9 @@ Endpoints::
     GET  /v2/admin/plan             the plan served and the switches made     (token needed, always)
     POST /v2/admin/plan             switch to the plan.yaml in the body       (token needed, always;
                                     ``ppipe apply``; ``?as_placed=1``: keep its placement as
-                                    written; see ppipe.runtime.control.switch)
+                                    written; see ppipe.runtime.control.switch; on an ingress
+                                    process, both are passed to the scheduler's own API:
+                                    ppipe.runtime.ingress.admin_proxy)
 
 **Readiness.** A server is ready while at least one of its models is ready (can serve a
 request), so a load balancer keeps a server that lost the node of one model but still
@@ -125,6 +127,7 @@ class Frontend:
         if hasattr(runtime, "on_switch"):
             runtime.on_switch.append(self.refresh_models)
         self.switcher: Any = None  # a PlanSwitcher where this server may switch plans
+        self.admin_proxy: Any = None  # an AdminProxy on an ingress process: the scheduler switches plans
 
     def refresh_models(self) -> None:
         """Take the models of the runtime's plan (at start, and after each plan switch)."""
@@ -340,7 +343,7 @@ class Frontend:
                                "(or send the server SIGHUP to re-read its plan file)")
         if not self._authorized(request):
             return _error(401, _UNAUTHORIZED)
-        if self.switcher is None:
+        if self.switcher is None and self.admin_proxy is None:
             return _error(409, "this server cannot switch plans: its app was built without a plan switcher (`ppipe serve` builds one)")
         return None
 
@@ -349,6 +352,8 @@ class Frontend:
         refusal = self._admin_refusal(request)
         if refusal is not None:
             return refusal
+        if self.admin_proxy is not None:
+            return await self._forward_admin(request, b"")
         plan = self.switcher.dep.plan  # the whole plan served (on a server of shards, every shard's part)
         return JSONResponse({"cluster": plan.cluster, "models": [m.name for m in plan.models], "vgpus": len(plan.placement),
                              "switches": self.switcher.records})
@@ -364,6 +369,8 @@ class Frontend:
             body = await self._body(request.headers.get("content-length"), request.stream())
         except ProtocolError as exc:
             return _error(exc.status, exc.message)
+        if self.admin_proxy is not None:
+            return await self._forward_admin(request, body)
         try:
             text = body.decode("utf-8")
             plan = self.switcher.plan_from_text(text, "request body")
@@ -382,6 +389,12 @@ class Frontend:
             return _error(503, f"the plan switch failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                                "the old plan keeps serving")
         return JSONResponse(record)
+
+    async def _forward_admin(self, request: Request, body: bytes) -> Response:
+        """The scheduler's answer to this admin request (:class:`~ppipe.runtime.ingress.admin_proxy.AdminProxy`)."""
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        status, data = await self.admin_proxy.forward(request.method, path, body, request.headers.get("authorization"))
+        return Response(data, status_code=status, media_type="application/json")
 
     async def metrics(self, request: Request) -> Response:
         if not self._authorized(request):

@@ -23,6 +23,11 @@ Metrics: the ingress sends its own Prometheus text to the scheduler every second
 answers ``/metrics`` with the whole server's that the scheduler sends back (every
 process's samples, each labelled with its ``process``; until the first comes, its own).
 
+Plan switches happen in the scheduler: it sends the plan it serves (its models, SLOs and
+manifests) at the hello and after each switch, and the ingress takes it before anything
+else of that message (its ``plan`` and ``profiles`` replaced, its ``on_switch`` hooks run:
+the frontends' model lists). Requests it holds then are the scheduler's to move or refuse.
+
 Times: the arrival is sent on the wall clock (the scheduler converts it to its timeline);
 ``clock`` is a :class:`~ppipe.runtime.clock.WallClock`, injected as the host's is.
 """
@@ -44,9 +49,9 @@ from ppipe.runtime.scheduler.inflight import DroppedError
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox
 from ppipe.runtime.wire.frames import WireError, pack, unpack
-from ppipe.runtime.wire.messages import Answer, Arrival, FromIngress, IngressInbox, SendInputs, ToIngress
+from ppipe.runtime.wire.messages import Answer, Arrival, FromIngress, IngressInbox, SendInputs, ServedPlan, ToIngress
 from ppipe.spec.plan import Plan
-from ppipe.spec.profile import ModelProfile
+from ppipe.spec.profile import ModelManifest, ModelProfile
 
 log = logging.getLogger("ppipe.runtime")
 METRICS_EVERY_S = 1.0  # how often the ingress sends the scheduler its metrics
@@ -230,6 +235,8 @@ class IngressRuntime:
         self._told(m)
 
     def _told(self, m: ToIngress) -> None:
+        if m.plan is not None:
+            self._take_plan(m.plan)
         if m.ready is not None:
             self._ready = set(m.ready)
             self._heard.set()
@@ -240,6 +247,22 @@ class IngressRuntime:
         for r in m.refusals:
             for rid in r.rids:
                 self._refuse(rid, r.reason, r.detail)
+
+    def _take_plan(self, served: ServedPlan) -> None:
+        """Serve the plan the scheduler serves: its models and SLOs, and its models' manifests
+        (a model's profile here is its manifest alone; the latencies are the scheduler's)."""
+        try:
+            plan = Plan.model_validate_json(served.plan_json)
+            manifests = {name: ModelManifest.model_validate_json(text) for name, text in served.manifests_json.items()}
+        except ValueError as exc:
+            log.error("ingress %d: the scheduler sent a plan it cannot read; it serves the one it had: %s", self.index, exc)
+            return
+        old = self.profiles
+        self.plan = plan
+        self.profiles = {name: old[name] if name in old and old[name].manifest == man else ModelProfile(man, {})
+                         for name, man in manifests.items()}
+        for hook in self.on_switch:
+            hook()
 
     def _send_inputs(self, s: SendInputs) -> None:
         """Send stage 0 of a batch these requests' rows, stacked in order (one request: a view)."""

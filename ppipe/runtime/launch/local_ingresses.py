@@ -22,9 +22,13 @@ clients' connections died with it) and starts it again. SIGTERM of ``ppipe serve
 the ingresses first (each drains its requests while the scheduler and the workers still
 serve them), then the scheduler.
 
-Not built here: ingresses on other nodes (Ray actors per node), and plan switches (the
-ingresses hold the plan's models and SLOs: :class:`~ppipe.runtime.control.switch.FixedPlan`
-refuses every switch with the reason).
+Plan switches are the scheduler's (``ppipe apply``, SIGHUP, ``--replan auto``): an ingress
+passes ``/v2/admin/plan`` to the scheduler's own API on loopback
+(:mod:`ppipe.runtime.ingress.admin_proxy`), and the scheduler tells every ingress the plan it
+serves at its hello and after each switch, so that one restarted after a switch serves the
+new plan too.
+
+Not built here: ingresses on other nodes (Ray actors per node).
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class IngressStart:
         settings: the server's :class:`~ppipe.runtime.launch.shards.ServeSettings` (the
             ingress takes ``app``, ``server``, ``grpc`` and the data-path secret of ``runtime``).
         host, port: the shared address it binds (``SO_REUSEPORT``).
-        switch_refusal: (why, fix) of :class:`~ppipe.runtime.control.switch.FixedPlan`.
+        admin_url: the scheduler's own HTTP API (``http://127.0.0.1:PORT``), where the ingress
+            passes its admin requests (plan switches).
         start_timeout_s: it must serve, and have heard from the scheduler, within this.
     """
 
@@ -72,7 +77,7 @@ class IngressStart:
     settings: Any
     host: str
     port: int
-    switch_refusal: tuple[str, str]
+    admin_url: str
     start_timeout_s: float = 60.0
 
 
@@ -88,7 +93,7 @@ def _build(start: IngressStart):
     """The ingress's runtime, app and uvicorn server (nothing runs yet)."""
     import uvicorn
 
-    from ppipe.runtime.control.switch import FixedPlan
+    from ppipe.runtime.ingress.admin_proxy import AdminProxy
     from ppipe.runtime.ingress.http_server import create_app
     from ppipe.runtime.ingress.http_transport import uvicorn_config
     from ppipe.runtime.ingress.remote import IngressRuntime
@@ -102,7 +107,7 @@ def _build(start: IngressStart):
 
         companions.append(GrpcServer(rt, shared_port=True, **settings.grpc))
     app = create_app(rt, companions=companions, **settings.app)
-    app.fe.switcher = FixedPlan(start.dep, *start.switch_refusal)
+    app.fe.admin_proxy = AdminProxy(start.admin_url)
     server = uvicorn.Server(uvicorn_config(app, start.host, start.port, **settings.server))
     return rt, server
 

@@ -143,13 +143,8 @@ def kill_all(shards: ShardSet, workers: dict, switchers: list, shutdown_timeout_
         h.kill()
 
 
-INGRESS_SWITCH_REFUSAL = ("this server's ingress processes (--ingress) hold the plan's models and SLOs, and such a server "
-                          "does not switch plans live",
-                          "restart `ppipe serve` with the new plan, or serve without --ingress to switch plans live")
-
-
-def check_ingress_flags(ingress: int, launcher: str, n_shards: int, replan: str) -> None:
-    """Refuse ``--ingress N`` where it is not built: under Ray, with several shards, with re-planning."""
+def check_ingress_flags(ingress: int, launcher: str, n_shards: int) -> None:
+    """Refuse ``--ingress N`` where it is not built: under Ray, with several shards."""
     if not ingress:
         return
     if launcher != "local":
@@ -158,9 +153,6 @@ def check_ingress_flags(ingress: int, launcher: str, n_shards: int, replan: str)
     if n_shards > 1:
         raise UserError(f"--ingress serves the whole plan from one scheduler; it does not run with --shards {n_shards}",
                         fix="leave out --shards (or --shards 1) with --ingress")
-    if replan == "auto":
-        raise UserError("--replan auto switches plans live, which a server with --ingress does not do",
-                        fix="leave --replan off with --ingress, or serve without --ingress")
 
 
 def split_for_ingresses(settings, ingress: int, decode_workers: int | None):
@@ -177,15 +169,16 @@ def split_for_ingresses(settings, ingress: int, decode_workers: int | None):
     return scheduler, dataclasses.replace(settings, app={**settings.app, "decode_workers": per_ingress})
 
 
-def ingress_companion(ingress: int, dep, settings, host: str, port: int, shutdown_timeout_s: float):
+def ingress_companion(ingress: int, dep, settings, host: str, port: int, shutdown_timeout_s: float, admin_url: str):
     """``f(runtime)``: the :class:`~ppipe.runtime.launch.local_ingresses.IngressSupervisor`
-    of ``--ingress N`` (None without)."""
+    of ``--ingress N`` (None without); ``admin_url``: the scheduler's own API, where the
+    ingresses pass plan switches."""
     if not ingress:
         return None
     from ppipe.runtime.launch.local_ingresses import IngressStart, IngressSupervisor
 
     def start(index: int, scheduler_address: str) -> IngressStart:
-        return IngressStart(index, scheduler_address, dep, settings, host, port, INGRESS_SWITCH_REFUSAL)
+        return IngressStart(index, scheduler_address, dep, settings, host, port, admin_url)
 
     return lambda rt: IngressSupervisor(rt, ingress, start, stop_timeout_s=shutdown_timeout_s + 5.0)
 
@@ -196,17 +189,14 @@ def companions(rt, router, *, dep, layout, shards: ShardSet, switchers, worker_o
     the other shards, SIGHUP plan reloads, with ``--replan auto`` the re-planning loop, and
     with ``--ingress`` (``ingresses``: ``f(runtime)``) the ingress processes' supervisor.
     It appends the server's plan switcher to ``switchers`` (one that refuses every switch
-    where the shards split the plan's servers, or where ingresses hold the plan)."""
+    where the shards split the plan's servers)."""
     from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload, SplitServersSwitcher
     from ppipe.runtime.control.shard_plan import sub_plan
 
     out = [] if router is None else [shards.exchange(router)]
-    if ingresses is not None:  # --ingress: ingress processes serve the port; the plan stays
-        from ppipe.runtime.control.switch import FixedPlan
-
-        switchers.append(FixedPlan(dep, *INGRESS_SWITCH_REFUSAL))
+    if ingresses is not None:  # --ingress: ingress processes serve the port, and pass plan switches here
         out.append(ingresses(rt))
-    elif router is None:  # one shard
+    if router is None:  # one shard
         switchers.append(PlanSwitcher(rt, dep, **worker_options))
     else:
         first = layout.parts[0]

@@ -15,7 +15,11 @@ connections and their tensors. The scheduler's host sees only what it decides on
 - a request's error (a drop, a failed batch, a timeout, a shutdown) is told to its ingress
   as a :class:`~ppipe.runtime.wire.messages.Refusal`; a request served needs no word from
   here (the last worker answered its ingress);
-- which models are ready is told at an ingress's hello and whenever it changes;
+- which models are ready is told at an ingress's hello and whenever it changes, and the
+  plan served (:class:`~ppipe.runtime.wire.messages.ServedPlan`: its models, SLOs and
+  manifests, which the ingress validates and times its requests by) at the hello and after
+  each plan switch, so that an ingress started before a switch, or restarted after one,
+  serves the plan the scheduler serves;
 - metrics: each ingress sends its Prometheus text every second; the host answers every
   second with the whole server's (:meth:`IngressesMixin.render_metrics`: its own and every
   ingress's, each sample labelled ``process="scheduler"`` or ``"ingress-i"``), so that a
@@ -25,7 +29,8 @@ connections and their tensors. The scheduler's host sees only what it decides on
 What the scheduler's host says to one ingress in one tick goes as one
 :class:`~ppipe.runtime.wire.messages.ToIngress` message, sent when the loop has run what is
 ready (``call_soon``). The rest of the host is unchanged: the same scheduler, reports,
-timeouts, failures and plan switches; every request still gets exactly one answer, here
+timeouts, failures and plan switches (requests held by ingresses are moved to the new plan's
+pools as any others); every request still gets exactly one answer, here
 its ingress's (the first of an answer and a refusal that cross wins there).
 """
 
@@ -43,7 +48,7 @@ from ppipe.runtime.scheduler.inflight import DroppedError, Pending
 from ppipe.runtime.scheduler.metrics import merge_metrics
 from ppipe.runtime.wire.datapath import DataPathFull, Inbox
 from ppipe.runtime.wire.frames import WireError, pack, unpack
-from ppipe.runtime.wire.messages import AnswerTo, Arrival, FromIngress, Refusal, SendInputs, StageMsg, ToIngress
+from ppipe.runtime.wire.messages import AnswerTo, Arrival, FromIngress, Refusal, SendInputs, ServedPlan, StageMsg, ToIngress
 
 log = logging.getLogger("ppipe.runtime")
 
@@ -67,6 +72,7 @@ class _Down:
     refusals: list[Refusal] = field(default_factory=list)
     ready: tuple[str, ...] | None = None
     metrics: bytes | None = None
+    plan: ServedPlan | None = None
 
 
 class IngressesMixin:
@@ -85,6 +91,8 @@ class IngressesMixin:
         self._down: dict[int, _Down] = {}
         self._told_ready: tuple[str, ...] | None = None
         self._ingress_metrics: dict[int, bytes] = {}  # ingress -> the last metrics text it sent
+        self._served: tuple[object, ServedPlan] | None = None  # (the plan, what the ingresses are told of it)
+        self.on_switch.append(self._tell_plan)
 
     def _open_ingress_inbox(self, host: str) -> asyncio.Task:
         """Listen for ingress processes; returns the task that keeps them told of readiness."""
@@ -106,7 +114,8 @@ class IngressesMixin:
             return
         if m.hello is not None:
             self._ingress_addrs[m.ingress] = m.hello
-            self._tell(m.ingress).ready = self._ready_models()
+            down = self._tell(m.ingress)
+            down.plan, down.ready = self._served_plan(), self._ready_models()
         elif m.ingress not in self._ingress_addrs:
             self.refuse("ingress-unknown", f"ingress {m.ingress} sent requests before its hello")
             return
@@ -190,9 +199,26 @@ class IngressesMixin:
             if addr is None:
                 continue
             try:
-                self._outbox.send(addr, pack(ToIngress(tuple(down.sends), tuple(down.refusals), down.ready, down.metrics)))
+                self._outbox.send(addr, pack(ToIngress(tuple(down.sends), tuple(down.refusals), down.ready, down.metrics, down.plan)))
             except DataPathFull:
                 log.error("ingress %d stopped reading; %d sends and %d refusals to it are lost", ingress, len(down.sends), len(down.refusals))
+
+    def _served_plan(self) -> ServedPlan:
+        """The plan served now, as the ingresses are told it (made once per plan)."""
+        if self._served is None or self._served[0] is not self.plan:
+            manifests = {m.name: self.profiles[m.name].manifest.model_dump_json().encode() for m in self.plan.models}
+            self._served = (self.plan, ServedPlan(self.plan.model_dump_json().encode(), manifests))
+        return self._served[1]
+
+    def _tell_plan(self) -> None:
+        """After a plan switch: tell every ingress the new plan and the models ready in it."""
+        if not self._ingress_addrs:
+            return
+        plan, ready = self._served_plan(), self._ready_models()
+        self._told_ready = ready
+        for ingress in self._ingress_addrs:
+            down = self._tell(ingress)
+            down.plan, down.ready = plan, ready
 
     def _ready_models(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.plan.models if self.model_ready(m.name))

@@ -179,16 +179,28 @@ class Refusal(msgspec.Struct, **STRUCT):
     detail: str = ""
 
 
+class ServedPlan(msgspec.Struct, **STRUCT):
+    """The plan a server serves, as its ingresses need it: the plan (its JSON) and each of its
+    models' manifest (their JSON: inputs, outputs, preprocess), which the ingresses validate
+    requests against. Sent at an ingress's hello and after each plan switch."""
+
+    plan_json: bytes
+    manifests_json: dict[str, bytes]
+
+
 class ToIngress(msgspec.Struct, tag="down", **STRUCT):
     """What the scheduler tells an ingress in one loop tick: inputs to send, requests refused,
     and (when it changed) the models ready now. ``metrics``: the whole server's Prometheus
     text (the scheduler's and every ingress's, each sample labelled with its ``process``),
-    sent every second, which the ingress's ``/metrics`` answers with."""
+    sent every second, which the ingress's ``/metrics`` answers with. ``plan``: the plan
+    served, at the ingress's hello and after each switch (the ingress takes it before it
+    reads ``ready``)."""
 
     sends: tuple[SendInputs, ...] = ()
     refusals: tuple[Refusal, ...] = ()
     ready: tuple[str, ...] | None = None
     metrics: bytes | None = None
+    plan: ServedPlan | None = None
 
 
 IngressInbox = ToIngress | Answer
