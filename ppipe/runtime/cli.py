@@ -170,8 +170,10 @@ class _NullClock:
 @click.option("--ingress", "ingress", default=0, show_default=True, type=click.IntRange(min=0),
               help="N > 0: N ingress processes on --port (and --grpc-port) hold the clients' connections and tensors (read, "
               "authenticate, validate, decode, answer), and this process only schedules: it sees each request's metadata, "
-              "and the tensors go from an ingress to the first worker and from the last worker back. Local launcher, one "
-              "shard; plan switches (ppipe apply on the port, SIGHUP, --replan auto) are made here. 0: this process does it all.")
+              "and the tensors go from an ingress to the first worker and from the last worker back. Local launcher; with "
+              "--shards K, K scheduler processes (each its models, or its servers with --shard-by servers), and the ingresses send "
+              "each request to its model's. Plan switches (ppipe apply on the port, SIGHUP, --replan auto) are made by the "
+              "schedulers. 0: this process does it all.")
 @click.option("--replan", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="auto: watch each model's arrival rate, re-plan when the mix shifts (a model past 90 % of its capacity and a "
               "new plan >= 10 % better) and switch plans live (ppipe.control.replan; needs a max-min plan).")
@@ -250,7 +252,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
                                    ingresses=serving.ingress_companion(ingress, dep, ingress_settings, host, port, shutdown_timeout_s,
                                                                       f"http://127.0.0.1:{sock.getsockname()[1]}"))
     app, _, router = build_shard(deps[0], parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
-    (app if router is None else router.app).fe.switcher = switchers[0]
+    (router.app if hasattr(router, "app") else app).fe.switcher = switchers[0]  # (with ingresses, no router: the shard's own app)
     click.echo(serving.serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, layout.by)
                + f"; {launcher} launcher, workers up {time.perf_counter() - t0:.1f} s after start"
                + (f"; {ingress} ingress processes, the scheduler's own API on http://127.0.0.1:{sock.getsockname()[1]}/v2"

@@ -170,10 +170,163 @@ def test_ingress_processes_answer_with_the_models_outputs_and_one_restarts_while
 
 @pytest.mark.parametrize("flags, says", [
     (["--launcher", "ray"], "local launcher"),
-    (["--shards", "2"], "--shards 2"),
 ])
 def test_what_ingress_processes_do_not_serve_with_is_refused_before_anything_starts(two_stage, flags, says):
     from ppipe.cli import main
 
     r = CliRunner().invoke(main, ["serve", two_stage.plan_file, "--backend", "emulated", "--ingress", "2", *flags])
     assert r.exit_code == 2 and says in r.output, r.output
+
+
+def _post(url: str, model: str, x: np.ndarray) -> tuple[int, str]:
+    body, headers = encode_infer_request({"input": x}, binary=True)
+    with httpx.Client(timeout=30) as c:
+        r = c.post(f"{url}/v2/models/{model}/infer", content=body, headers={**headers, **AUTH})
+    return r.status_code, "" if r.status_code == 200 else r.json()["error"]
+
+
+def _shards(server: psutil.Process) -> list[psutil.Process]:
+    return [p for p in server.children() if "ppipe.runtime.launch.local_shards" in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+def test_ingresses_send_each_models_requests_to_its_own_scheduler_and_a_dead_one_is_refused_until_it_is_back(tmp_path):
+    """``--ingress 2 --shards 2``: models a and b, each scheduled by its own process (shard 0
+    is the server's, shard 1 a process of its own); two ingress processes hold the port and
+    send each request to its model's scheduler. Every answer is the model's; the merged
+    /metrics has every process, both schedulers'; ``ppipe apply`` of new SLOs through the
+    port switches both schedulers, and every ingress serves both models' new SLO; SIGKILL of shard 1: a is served
+    throughout, b is refused 503 ``shard-down`` (never a hang) until the restarted shard
+    schedules it, and every ingress then sends b there."""
+    plan = _two_models_on_two_cpus(tmp_path)
+    plan.save(tmp_path / "plan.yaml")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(str(tmp_path / "plan.yaml"), port, "--ingress", "2", "--shards", "2")
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(0, 1, (1 + i % 2, 3, 8, 8)).astype(np.float32) for i in range(8)]
+    try:
+        wait_until_ready(url, proc, timeout_s=90)
+        server = psutil.Process(proc.pid)
+        assert len(_ingresses(server)) == 2
+        (victim,) = _shards(server)
+        for m in ("a", "b"):
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda x: _infer_model(url, m, x), xs))
+            for x, (code, out) in zip(xs, answers):
+                assert code == 200, out
+                np.testing.assert_allclose(out, reference(tmp_path / m, x), rtol=2e-2, atol=2e-2)
+        time.sleep(2.5)  # every process's metrics reach scheduler 0, and the merge comes back
+        metrics = httpx.get(f"{url}/metrics", headers=AUTH, timeout=5).text
+        batches = {p: _count(metrics, "ppipe_batch_size_count", p) for p in ("scheduler", "scheduler-1")}
+        assert batches["scheduler"] > 0 and batches["scheduler-1"] > 0, batches  # a's batches there, b's here
+
+        from ppipe.cli import main
+
+        slower = plan.model_copy(update={"models": [m.model_copy(update={"slo_ms": 300.0}) for m in plan.models]})
+        slower.save(tmp_path / "slower.yaml")
+        applied = CliRunner().invoke(main, ["apply", str(tmp_path / "slower.yaml"), "--url", url, "--token", TOKEN])
+        assert applied.exit_code == 0, applied.output
+        for m in ("a", "b"):
+            seen = set()
+            for _ in range(8):
+                with httpx.Client(timeout=10) as c:
+                    seen.add(c.get(f"{url}/v2/models/{m}", headers=AUTH).json()["parameters"]["slo_ms"])
+            assert seen == {300.0}, (m, seen)
+
+        victim.kill()
+        victim.wait(timeout=30)
+        answers = {"a": [], "b": []}
+        for _ in range(400):  # b is back once the new shard schedules it (seconds); a bound, not a time
+            for m in ("a", "b"):
+                answers[m].append(_post(url, m, xs[0]))
+            if answers["b"][-1][0] == 200 and len(answers["b"]) > 1:
+                break
+        (restarted,) = _shards(server)
+        assert restarted.pid != victim.pid
+        assert all(_post(url, "b", x)[0] == 200 for x in xs)  # on fresh connections: both ingresses know the new shard
+    finally:
+        out = _stop(proc)
+    refused = [(code, why) for code, why in answers["b"] if code != 200]
+    assert refused and all(code == 503 and "scheduler 1 of this server" in why for code, why in refused), refused
+    assert sum(code == 200 for code, _ in answers["a"]) >= len(answers["a"]) - 2, answers["a"]
+    assert "2 ingress processes" in out and "Traceback" not in out, out[-3000:]
+
+
+TWO_CPUS = """
+version: 1
+name: two-cpus
+bandwidth_efficiency: 1.0
+gpu_types:
+- {name: cpu, vgpu_levels: [1, 2]}
+servers:
+- {name: h, gpu_type: cpu, gpus_per_server: 2, count: 1, nic_bandwidth_gbps: 10}
+"""
+
+
+def _two_models_on_two_cpus(tmp_path):
+    """Models a and b (tinynet profiles), one partition each, on the two CPU 'GPUs' of one
+    server (the cluster TWO_CPUS, saved as cluster.yaml beside the plan)."""
+    from ppipe.planner.placement import place
+
+    from .tinynet import write_tinynet
+
+    (tmp_path / "cluster.yaml").write_text(TWO_CPUS)
+    cluster = load_cluster(tmp_path / "cluster.yaml")
+    models = [make_plan(write_tinynet(tmp_path / m, name=m), cluster, [(0, 2, "cpu", 1, 1)]).models[0] for m in ("a", "b")]
+    plan = make_plan(write_tinynet(tmp_path / "a", name="a"), cluster, [(0, 2, "cpu", 1, 1)])
+    return plan.model_copy(update={"models": models, "placement": place(models, cluster), "cluster_file": "cluster.yaml"})
+
+
+def _infer_model(url: str, model: str, x: np.ndarray) -> tuple[int, np.ndarray | str]:
+    body, headers = encode_infer_request({"input": x}, binary=True)
+    with httpx.Client(timeout=30) as c:
+        r = c.post(f"{url}/v2/models/{model}/infer", content=body, headers={**headers, **AUTH})
+    if r.status_code != 200:
+        return r.status_code, r.text
+    return 200, decode_infer_response(r.content, r.headers.get("inference-header-content-length"))["logits"]
+
+
+def _count(metrics: str, name: str, process: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(name) and f'process="{process}"' in line)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    time.sleep(0.5)
+    left = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [(p.pid, p.cmdline()) for p in left]
+    return out
+
+
+@pytest.mark.slow
+def test_ingresses_deal_a_models_requests_over_the_schedulers_of_its_servers(tmp_path):
+    """``--ingress 2 --shards 2 --shard-by servers``: model a's two servers, each scheduled by
+    its own process; the ingresses deal a's requests over both by capacity (both schedulers
+    run batches), and every answer is the model's."""
+    from .test_shards import _split_plan
+
+    plan, _ = _split_plan(tmp_path)
+    plan.save(tmp_path / "plan.yaml")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(str(tmp_path / "plan.yaml"), port, "--ingress", "2", "--shards", "2", "--shard-by", "servers")
+    rng = np.random.default_rng(2)
+    xs = [rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32) for _ in range(16)]
+    try:
+        wait_until_ready(url, proc, timeout_s=90)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda x: _infer_model(url, "a", x), xs))
+        time.sleep(2.5)
+        metrics = httpx.get(f"{url}/metrics", headers=AUTH, timeout=5).text
+    finally:
+        out = _stop(proc)
+    for x, (code, got) in zip(xs, answers):
+        assert code == 200, got
+        np.testing.assert_allclose(got, reference(tmp_path / "a", x), rtol=2e-2, atol=2e-2)
+    batches = {p: _count(metrics, "ppipe_batch_size_count", p) for p in ("scheduler", "scheduler-1")}
+    assert batches["scheduler"] > 0 and batches["scheduler-1"] > 0, batches
+    assert "2 shards by servers" in out and "2 ingress processes" in out, out[-3000:]

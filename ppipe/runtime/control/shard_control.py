@@ -2,7 +2,8 @@
 
 A server of several frontend shards switches plans from shard 0
 (:class:`ppipe.runtime.control.switch.ShardedSwitcher`), which asks every shard to prepare,
-commit, abort, lift an embargo, log or hand over its arrivals, and follow new model owners;
+commit, abort, lift an embargo, log or hand over its arrivals, and follow new model owners
+(and, where ingress processes take the requests, forget an ingress that died);
 and shard 0 tells every shard where the others' routers are (:class:`SetPeers`, at start
 and whenever a shard's process is replaced). Each request is a message below, sent through
 a :class:`ShardHandle`: the other shards' handles cross a process
@@ -79,7 +80,22 @@ class SetPeers:
     addresses: tuple[str | None, ...]
 
 
-ShardRequest = Union[Prepare, Commit, Abort, Lift, LogArrivals, TakeArrivals, SetOwner, SetPeers]
+@dataclass(frozen=True)
+class IngressGone:
+    """Ingress process ``index`` is gone (``--ingress N --shards K``: shard 0's supervisor saw
+    it die): answer its requests ``ingress-gone`` and fail the batches waiting for its rows
+    (:meth:`ppipe.runtime.scheduler.ingresses.IngressesMixin.ingress_gone`)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """The shard's Prometheus text (``--ingress N --shards K``: shard 0 merges every
+    scheduler's into the server's ``/metrics``)."""
+
+
+ShardRequest = Union[Prepare, Commit, Abort, Lift, LogArrivals, TakeArrivals, SetOwner, SetPeers, IngressGone, Scrape]
 
 
 class ShardHandle(Protocol):
@@ -119,4 +135,9 @@ class ShardControl:
                 if self.router is not None:
                     self.router.set_peers(list(addresses))
                 return None
+            case IngressGone(index):
+                sw.runtime.ingress_gone(index)
+                return None
+            case Scrape():
+                return sw.runtime.render_metrics()
         raise TypeError(f"not a shard request: {request!r}")

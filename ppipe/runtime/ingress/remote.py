@@ -23,6 +23,15 @@ Metrics: the ingress sends its own Prometheus text to the scheduler every second
 answers ``/metrics`` with the whole server's that the scheduler sends back (every
 process's samples, each labelled with its ``process``; until the first comes, its own).
 
+Several schedulers (``ppipe serve --ingress N --shards K``): each arrival goes to the
+scheduler of its model (where several schedule it, the next turn of a deal weighted by their
+capacity: :class:`~ppipe.runtime.ingress.shard_router.Routes`, as a shard's router deals);
+the ingress says hello to every scheduler and keeps each one's plan and ready models, and
+serves their union. Scheduler 0 tells it the schedulers' inboxes and the owner table; a
+scheduler that goes down has its requests here answered ``shard-down`` at once (its process
+held their place in its queue), and the models only it schedules are refused ``shard-down``
+until it is back; a new inbox for it gets a hello.
+
 Plan switches happen in the scheduler: it sends the plan it serves (its models, SLOs and
 manifests) at the hello and after each switch, and the ingress takes it before anything
 else of that message (its ``plan`` and ``profiles`` replaced, its ``on_switch`` hooks run:
@@ -44,6 +53,7 @@ import msgspec
 import numpy as np
 
 from ppipe.runtime.clock import WallClock
+from ppipe.runtime.ingress.shard_router import Routes
 from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
 from ppipe.runtime.scheduler.inflight import DroppedError
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
@@ -65,6 +75,20 @@ class _Held:
     future: asyncio.Future
     inputs: dict[str, np.ndarray] | None
     timer: Any = None
+    scheduler: int = 0  # the scheduler it was sent to
+
+
+@dataclass
+class _Scheduler:
+    """What this ingress knows of one scheduler: its inbox (``""`` while it is down), and
+    (once it answered the hello) the models ready there and the plan it serves (its part of
+    the server's; kept while it is down or restarting, so that its models are refused
+    ``shard-down``, not unknown)."""
+
+    address: str
+    ready: set[str] | None = None
+    plan: Plan | None = None
+    manifests: dict[str, ModelManifest] | None = None
 
 
 class IngressRuntime:
@@ -93,10 +117,12 @@ class IngressRuntime:
         self._outbox = Outbox(secret)
         self._held: dict[int, _Held] = {}
         self._ids = itertools.count()
-        self._arrivals: list[Arrival] = []
-        self._withdrawn: list[int] = []
-        self._ready: set[str] | None = None  # the models the scheduler said are ready (None: not heard yet)
-        self._heard: asyncio.Event | None = None  # set at the scheduler's first answer
+        self._arrivals: dict[int, list[Arrival]] = {}  # this tick's, by scheduler
+        self._withdrawn: dict[int, list[int]] = {}
+        self._flush_armed = False
+        self._schedulers: list[_Scheduler | None] = [_Scheduler(scheduler_address)]  # by shard (None: down)
+        self._routes: Routes | None = None  # which scheduler each model's requests go to (None: scheduler 0)
+        self._heard: asyncio.Event | None = None  # set once every scheduler up has answered the hello
         self._server_metrics: bytes | None = None  # the whole server's metrics, as the scheduler last sent them
         self._pushing: asyncio.Task | None = None
         self._trimming: asyncio.Task | None = None
@@ -115,7 +141,7 @@ class IngressRuntime:
         self._inbox = Inbox(self._on_message, self.host, self.secret)
         self.address = self._inbox.address
         self._heard = asyncio.Event()
-        self._outbox.send(self.scheduler_address, pack(FromIngress(self.index, hello=self.address)))
+        self._hello(self.scheduler_address)
         try:
             await asyncio.wait_for(self._heard.wait(), HELLO_TIMEOUT_S)
         except TimeoutError:
@@ -135,12 +161,15 @@ class IngressRuntime:
             self._inbox.close()
         self._outbox.close()
 
+    def _hello(self, address: str) -> None:
+        self._outbox.send(address, pack(FromIngress(self.index, hello=self.address)))
+
     @property
     def started(self) -> bool:
-        return self._ready is not None
+        return self._heard is not None and self._heard.is_set()
 
     def model_ready(self, model: str) -> bool:
-        return self._ready is not None and model in self._ready
+        return any(s is not None and s.ready is not None and model in s.ready for s in self._schedulers)
 
     def render_metrics(self) -> bytes:
         """The whole server's metrics as the scheduler last sent them (until then, this ingress's own)."""
@@ -175,7 +204,9 @@ class IngressRuntime:
         try:
             return [await f for f in futures]
         except DroppedError:
-            self._withdrawn.extend(r for r in rids if r in self._held)
+            for r in rids:
+                if r in self._held:
+                    self._withdrawn.setdefault(self._held[r].scheduler, []).append(r)
             self._arm_flush()
             raise
         finally:
@@ -188,15 +219,28 @@ class IngressRuntime:
         mp = next((m for m in self.plan.models if m.name == model), None)
         if mp is None:
             raise DroppedError("unknown-model", f"the plan serves {', '.join(m.name for m in self.plan.models)}")
+        j = self._scheduler_of(model)
         rid = next(self._ids)
         loop = asyncio.get_running_loop()
-        held = self._held[rid] = _Held(loop.create_future(), inputs)
+        held = self._held[rid] = _Held(loop.create_future(), inputs, scheduler=j)
         timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
         held.timer = loop.call_later(timeout_s, self._refuse, rid, "timeout", f"no answer within {timeout_s:.1f} s")
         now = self.clock.true_now_us() if arrival_us is None else arrival_us
-        self._arrivals.append(Arrival(rid, model, self.clock.to_wall_us(now)))
+        self._arrivals.setdefault(j, []).append(Arrival(rid, model, self.clock.to_wall_us(now)))
         self._arm_flush()
         return rid
+
+    def _scheduler_of(self, model: str) -> int:
+        """The scheduler the next request of ``model`` goes to.
+
+        Raises:
+            DroppedError: ``shard-down``: that scheduler is down (restarting or stopping).
+        """
+        j = 0 if self._routes is None else self._routes.get(model, 0)
+        if j >= len(self._schedulers) or self._schedulers[j] is None or not self._schedulers[j].address:
+            raise DroppedError("shard-down", f"scheduler {j} of this server, which schedules {model}, is down "
+                                             "(restarting or stopping): retry shortly")
+        return j
 
     def _let_go(self, rid: int) -> None:
         held = self._held.pop(rid, None)
@@ -204,20 +248,25 @@ class IngressRuntime:
             held.timer.cancel()
 
     def _arm_flush(self) -> None:
-        if len(self._arrivals) + len(self._withdrawn) == 1:
+        if not self._flush_armed:
+            self._flush_armed = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        """Send this tick's arrivals and withdrawals to the scheduler in one message."""
-        if not (self._arrivals or self._withdrawn):
-            return
-        message = FromIngress(self.index, tuple(self._arrivals), tuple(self._withdrawn))
-        self._arrivals, self._withdrawn = [], []
-        try:
-            self._outbox.send(self.scheduler_address, pack(message))
-        except DataPathFull as exc:
-            for a in message.arrivals:
-                self._refuse(a.rid, "worker-failed", f"the scheduler cannot be reached: {exc}")
+        """Send this tick's arrivals and withdrawals to each scheduler in one message."""
+        self._flush_armed = False
+        arrivals, withdrawn = self._arrivals, self._withdrawn
+        self._arrivals, self._withdrawn = {}, {}
+        for j in {*arrivals, *withdrawn}:
+            message = FromIngress(self.index, tuple(arrivals.get(j, ())), tuple(withdrawn.get(j, ())))
+            s = self._schedulers[j] if j < len(self._schedulers) else None
+            try:
+                if s is None or not s.address:
+                    raise DataPathFull(f"scheduler {j} is down")
+                self._outbox.send(s.address, pack(message))
+            except DataPathFull as exc:
+                for a in message.arrivals:
+                    self._refuse(a.rid, "worker-failed", f"the scheduler cannot be reached: {exc}")
 
     # ---- from the scheduler and the workers -------------------------------------------------
     def _on_message(self, message: memoryview | bytes) -> None:
@@ -235,12 +284,17 @@ class IngressRuntime:
         self._told(m)
 
     def _told(self, m: ToIngress) -> None:
-        if m.plan is not None:
-            self._take_plan(m.plan)
-        if m.ready is not None:
-            self._ready = set(m.ready)
-            self._heard.set()
-        if m.metrics is not None:
+        if m.schedulers is not None and m.origin == 0:
+            self._take_directory(m.schedulers, m.owner or {})
+        s = self._schedulers[m.origin] if m.origin < len(self._schedulers) else None
+        if s is not None and s.address:
+            if m.plan is not None:
+                self._take_plan(s, m.plan)
+            if m.ready is not None:
+                s.ready = set(m.ready)
+                if all(x is None or not x.address or x.ready is not None for x in self._schedulers):
+                    self._heard.set()
+        if m.metrics is not None and m.origin == 0:
             self._server_metrics = m.metrics
         for s in m.sends:
             self._send_inputs(s)
@@ -248,17 +302,54 @@ class IngressRuntime:
             for rid in r.rids:
                 self._refuse(rid, r.reason, r.detail)
 
-    def _take_plan(self, served: ServedPlan) -> None:
-        """Serve the plan the scheduler serves: its models and SLOs, and its models' manifests
-        (a model's profile here is its manifest alone; the latencies are the scheduler's)."""
+    def _take_directory(self, addresses: tuple[str, ...], owner: dict) -> None:
+        """Scheduler 0's word on the schedulers (inboxes by shard, "" down) and who schedules
+        each model. A scheduler gone or at a new inbox has its requests here refused at
+        once (nothing there will answer them); a new inbox gets a hello."""
+        self._schedulers += [None] * (len(addresses) - len(self._schedulers))
+        for j, address in enumerate(addresses):
+            known = self._schedulers[j]
+            if j == 0 or (known is not None and known.address == address):
+                continue
+            if known is not None:
+                for rid in [r for r, h in self._held.items() if h.scheduler == j]:
+                    self._refuse(rid, "shard-down", f"scheduler {j} of this server went away while it held the request: retry")
+            # its part of the plan stays served (refused shard-down) until it answers anew
+            self._schedulers[j] = _Scheduler(address, ready=None if address else set(), plan=known.plan if known else None,
+                                             manifests=known.manifests if known else None)
+            if address:
+                self._hello(address)
+        self._routes = Routes(owner, -1)
+        self._merge_plans()
+
+    def _take_plan(self, s: _Scheduler, served: ServedPlan) -> None:
+        """Take the plan scheduler ``s`` serves: its models and SLOs, and its models'
+        manifests; the ingress serves the union of its schedulers' (:meth:`_merge_plans`)."""
         try:
-            plan = Plan.model_validate_json(served.plan_json)
-            manifests = {name: ModelManifest.model_validate_json(text) for name, text in served.manifests_json.items()}
+            s.plan = Plan.model_validate_json(served.plan_json)
+            s.manifests = {name: ModelManifest.model_validate_json(text) for name, text in served.manifests_json.items()}
         except ValueError as exc:
-            log.error("ingress %d: the scheduler sent a plan it cannot read; it serves the one it had: %s", self.index, exc)
+            log.error("ingress %d: a scheduler sent a plan it cannot read; it serves the one it had: %s", self.index, exc)
             return
+        self._merge_plans()
+
+    def _merge_plans(self) -> None:
+        """Serve the union of the schedulers' plans (a model's entry from the first that has it;
+        its profile here is its manifest alone: the latencies are the schedulers'), then run
+        the ``on_switch`` hooks (the frontends' model lists)."""
+        known = [s for s in self._schedulers if s is not None and s.plan is not None]
+        if not known:
+            return
+        models, manifests, placement = {}, {}, []
+        for s in known:
+            for m in s.plan.models:
+                models.setdefault(m.name, m)
+            for name, man in s.manifests.items():
+                manifests.setdefault(name, man)
+            placement += s.plan.placement
+        first = known[0].plan
+        self.plan = first if len(known) == 1 else first.model_copy(update={"models": list(models.values()), "placement": placement})
         old = self.profiles
-        self.plan = plan
         self.profiles = {name: old[name] if name in old and old[name].manifest == man else ModelProfile(man, {})
                          for name, man in manifests.items()}
         for hook in self.on_switch:

@@ -28,6 +28,11 @@ passes ``/v2/admin/plan`` to the scheduler's own API on loopback
 serves at its hello and after each switch, so that one restarted after a switch serves the
 new plan too.
 
+With ``--shards K`` every shard's host takes ingresses (each schedules its own models, or
+servers); each ingress learns the schedulers from shard 0 at its hello
+(:class:`~ppipe.runtime.scheduler.ingresses.IngressDirectory`), and an ingress that dies is
+forgotten by every shard (the supervisor's ``on_gone``).
+
 Not built here: ingresses on other nodes (Ray actors per node).
 """
 
@@ -239,10 +244,13 @@ class IngressSupervisor:
         count: how many ingress processes.
         start: ``start(index, scheduler_address)``: ingress ``index``'s :class:`IngressStart`.
         stop_timeout_s: at shutdown, an ingress that has not drained within this is killed.
+        on_gone: ``await on_gone(index)`` after ingress ``index`` died and this runtime
+            forgot it: the other schedulers' turn (``--shards``), or None.
     """
 
-    def __init__(self, runtime: Any, count: int, start: Any, stop_timeout_s: float = 10.0):
+    def __init__(self, runtime: Any, count: int, start: Any, stop_timeout_s: float = 10.0, on_gone: Any = None):
         self.runtime, self.count, self._start, self.stop_timeout_s = runtime, count, start, stop_timeout_s
+        self.on_gone = on_gone
         self.ingresses: list[LocalIngress] = []
         self.restarts = 0
         self._watching: list[asyncio.Task] = []
@@ -273,6 +281,8 @@ class IngressSupervisor:
             code = await ing.lifeline()
             log.error("%s is gone (exit code %s); its requests are answered ingress-gone, and it is restarted", ing.describe(), code)
             self.runtime.ingress_gone(index)
+            if self.on_gone is not None:
+                await self.on_gone(index)
             ing.kill()  # what its group still holds (the JSON decode pool)
             while True:
                 await asyncio.sleep(RESTART_DELAYS_S[min(tries, len(RESTART_DELAYS_S) - 1)])

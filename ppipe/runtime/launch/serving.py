@@ -6,10 +6,14 @@ and checks the flags and composes these."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import secrets
 
 from ppipe.errors import UserError
+
+log = logging.getLogger("ppipe.runtime")
 
 def start_workers_and_links(dep, backend: str, backend_options: dict, transport: str, launcher: str = "ray",
                              only: set[str] | None = None) -> tuple[dict, dict]:
@@ -118,6 +122,16 @@ class ShardSet:
 
         return PeerExchange(router, self.handles(), self.addresses)
 
+    async def ingress_gone(self, index: int) -> None:
+        """Tell every other shard that ingress ``index`` is gone (``--ingress N --shards K``);
+        a shard that does not hear it fails that ingress's batches by their report grace."""
+        from ppipe.runtime.control.shard_control import IngressGone
+
+        results = await asyncio.gather(*(h.call(IngressGone(index)) for h in self.handles()), return_exceptions=True)
+        for i, r in enumerate(results, 1):
+            if isinstance(r, BaseException):
+                log.warning("shard %d did not hear that ingress %d is gone: %s", i, index, r)
+
     def stop(self, timeout_s: float) -> None:
         """Stop every other shard: local ones drain within ``timeout_s`` (then are killed), actors are killed."""
         if self.local:
@@ -144,15 +158,12 @@ def kill_all(shards: ShardSet, workers: dict, switchers: list, shutdown_timeout_
 
 
 def check_ingress_flags(ingress: int, launcher: str, n_shards: int) -> None:
-    """Refuse ``--ingress N`` where it is not built: under Ray, with several shards."""
+    """Refuse ``--ingress N`` where it is not built: under Ray."""
     if not ingress:
         return
     if launcher != "local":
         raise UserError("--ingress runs its ingress processes on this machine, under the local launcher; ingresses on "
                         "Ray's nodes are not built yet", fix="use --launcher local (no --ray-address, no ray_resource), or leave out --ingress")
-    if n_shards > 1:
-        raise UserError(f"--ingress serves the whole plan from one scheduler; it does not run with --shards {n_shards}",
-                        fix="leave out --shards (or --shards 1) with --ingress")
 
 
 def split_for_ingresses(settings, ingress: int, decode_workers: int | None):
@@ -180,7 +191,7 @@ def ingress_companion(ingress: int, dep, settings, host: str, port: int, shutdow
     def start(index: int, scheduler_address: str) -> IngressStart:
         return IngressStart(index, scheduler_address, dep, settings, host, port, admin_url)
 
-    return lambda rt: IngressSupervisor(rt, ingress, start, stop_timeout_s=shutdown_timeout_s + 5.0)
+    return lambda rt, on_gone=None: IngressSupervisor(rt, ingress, start, stop_timeout_s=shutdown_timeout_s + 5.0, on_gone=on_gone)
 
 
 def companions(rt, router, *, dep, layout, shards: ShardSet, switchers, worker_options, plan_file, replan_policy,
@@ -195,7 +206,11 @@ def companions(rt, router, *, dep, layout, shards: ShardSet, switchers, worker_o
 
     out = [] if router is None else [shards.exchange(router)]
     if ingresses is not None:  # --ingress: ingress processes serve the port, and pass plan switches here
-        out.append(ingresses(rt))
+        out.append(ingresses(rt, on_gone=shards.ingress_gone if router is not None else None))
+        if router is not None:  # several schedulers: the server's /metrics has every one's
+            from ppipe.runtime.launch.shards import ShardMetrics
+
+            out.append(ShardMetrics(rt, shards.handles()))
     if router is None:  # one shard
         switchers.append(PlanSwitcher(rt, dep, **worker_options))
     else:

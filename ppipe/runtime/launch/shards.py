@@ -75,8 +75,11 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
                 on_shutdown: Callable[[], None] | None = None):
     """One shard's runtime and app: ``dep``'s plan (the whole plan, or the shard's servers'
     sub-plan) restricted to ``models``, their workers and edges; returns ``(asgi_app,
-    runtime, router)`` (``router`` None for a single shard). ``owner``: where each model's
-    requests go (:class:`~ppipe.runtime.ingress.shard_router.Routes`).
+    runtime, router)`` (``router`` None for a single shard; where ingress processes take
+    the requests, ``settings.runtime["accept_ingresses"]``, an
+    :class:`~ppipe.runtime.scheduler.ingresses.IngressDirectory` in its place and the
+    shard's own app). ``owner``: where each model's requests go
+    (:class:`~ppipe.runtime.ingress.shard_router.Routes`).
 
     ``companions(runtime, router)`` gives more companions of the shard's app (the peer
     exchange, plan switches), started after the router on the app's loop; the gRPC
@@ -99,6 +102,12 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
     rt = Runtime(plan, {m: dep.profiles[m] for m in models}, dep.cluster, {v: h for v, h in workers.items() if v in mine},
                  edges={e: t for e, t in edges.items() if e[0] in mine}, respawn=respawn, **settings.runtime)
     several = len(Routes(owner, index).shards()) > 1
+    if several and settings.runtime.get("accept_ingresses"):  # ingress processes deal the requests: no router
+        from ppipe.runtime.scheduler.ingresses import IngressDirectory
+
+        directory = IngressDirectory(rt, index, owner)
+        extra = list(companions(rt, directory)) if companions else []
+        return create_app(rt, companions=extra, on_shutdown=on_shutdown, **settings.app), rt, directory
     router = ShardRouter(None, index, owner, settings.runtime.get("data_secret")) if several else None
     extra = list(companions(rt, router)) if companions else []
     if settings.grpc:
@@ -137,7 +146,9 @@ class ShardServer:
         app, rt, self.router = build_shard(*self._args)
         mine = replace(dep, plan=sub_plan(dep.plan, models), profiles={m: dep.profiles[m] for m in models})
         self._control = ShardControl(PlanSwitcher(rt, mine, **settings.workers), self.router)
-        self.server = BackgroundServer(app, sockets=[reuseport_socket(self.host, self.port)], **settings.server)
+        # where ingress processes hold the port, a shard's own API listens on loopback only
+        sock = socket.create_server(("127.0.0.1", 0)) if settings.runtime.get("accept_ingresses") else reuseport_socket(self.host, self.port)
+        self.server = BackgroundServer(app, sockets=[sock], **settings.server)
         await asyncio.get_running_loop().run_in_executor(None, self.server.__enter__)
         return self.router.address
 
@@ -216,6 +227,38 @@ class RayShard:
 
     async def call(self, request: ShardRequest) -> Any:
         return await self.actor.control.remote(request)
+
+
+class ShardMetrics:
+    """A companion of shard 0's app where ingresses take the requests of several schedulers
+    (``--ingress N --shards K``): every ``every_s`` it asks each other shard for its metrics
+    (:class:`~ppipe.runtime.control.shard_control.Scrape`) and keeps the last answer in the
+    runtime's ``shard_metrics``, which the server's ``/metrics`` merges; a shard that does not
+    answer (down, restarting) is left out until it does."""
+
+    def __init__(self, runtime: Any, shards: list[ShardHandle], every_s: float = 1.0):
+        self.runtime, self.shards, self.every_s = runtime, list(shards), every_s
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._scrape())
+
+    async def _scrape(self) -> None:
+        from ppipe.runtime.control.shard_control import Scrape
+
+        while True:
+            texts = await asyncio.gather(*(asyncio.wait_for(s.call(Scrape()), self.every_s * 2) for s in self.shards),
+                                         return_exceptions=True)
+            for j, text in enumerate(texts, 1):
+                if isinstance(text, bytes):
+                    self.runtime.shard_metrics[j] = text
+                else:
+                    self.runtime.shard_metrics.pop(j, None)
+            await asyncio.sleep(self.every_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 class PeerExchange:

@@ -26,6 +26,13 @@ connections and their tensors. The scheduler's host sees only what it decides on
   scrape that reaches any ingress of the shared port sees every process, at most a second
   or two old.
 
+On a server of several schedulers (``ppipe serve --ingress N --shards K``) every shard's
+host takes ingresses, each for its own models (or servers), and every ingress says hello to
+each of them. Shard 0's host is also the ingresses' directory (:class:`IngressDirectory`,
+which stands where a shard's router stands on a server without ingresses): it tells them
+every scheduler's inbox and which schedules each model, at their hello and whenever a shard
+goes down, comes back, or a plan switch gives a model an owner.
+
 What the scheduler's host says to one ingress in one tick goes as one
 :class:`~ppipe.runtime.wire.messages.ToIngress` message, sent when the loop has run what is
 ready (``call_soon``). The rest of the host is unchanged: the same scheduler, reports,
@@ -39,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import numbers
 from dataclasses import dataclass, field
 
 import msgspec
@@ -73,6 +81,62 @@ class _Down:
     ready: tuple[str, ...] | None = None
     metrics: bytes | None = None
     plan: ServedPlan | None = None
+    directory: tuple[tuple[str, ...], dict] | None = None  # (schedulers, owner table): shard 0's
+
+
+def owner_table(owner) -> dict[str, tuple[tuple[int, float], ...]]:
+    """``owner`` (model -> its shard, or [(shard, weight)]) as model -> ((shard, weight), ...),
+    shards of weight 0 left out (the table of :class:`~ppipe.runtime.ingress.shard_router.Routes`)."""
+    table = {}
+    for model, where in owner.items():
+        entries = ((int(where), 1.0),) if isinstance(where, numbers.Integral) else tuple(
+            (int(k), float(w)) for k, w in where if w > 0)
+        if entries:
+            table[model] = entries
+    return table
+
+
+class IngressDirectory:
+    """A shard's stand-in for its router where ingresses take the requests (``--ingress N
+    --shards K``): the same three things a shard's router is told and asked
+    (:class:`~ppipe.runtime.control.shard_control.ShardControl`,
+    :class:`~ppipe.runtime.launch.shards.PeerExchange`), kept for the ingresses instead.
+    ``address`` is the runtime's ingress inbox; ``set_peers`` (every shard's address) and
+    ``owner`` (who schedules each model) are told to the ingresses by shard 0's host.
+
+    Args:
+        runtime: the shard's :class:`~ppipe.runtime.scheduler.host.Runtime` (``accept_ingresses``).
+        index: the shard's number (its messages to the ingresses carry it as ``origin``).
+        owner: model -> its shard, or [(shard, weight)] where several schedule it.
+    """
+
+    def __init__(self, runtime, index: int, owner):
+        self.runtime, self.index = runtime, index
+        runtime.shard_index = index
+        self._owner = owner_table(owner)
+        self._peers: tuple[str, ...] | None = None
+
+    @property
+    def address(self) -> str | None:
+        return self.runtime.ingress_address
+
+    @property
+    def owner(self) -> dict[str, tuple[tuple[int, float], ...]]:
+        return self._owner
+
+    @owner.setter
+    def owner(self, owner) -> None:
+        self._owner = owner_table(owner)
+        self._tell()
+
+    def set_peers(self, addresses) -> None:
+        """Every shard's ingress inbox by index (None: that shard is down)."""
+        self._peers = tuple(a or "" for a in addresses)
+        self._tell()
+
+    def _tell(self) -> None:
+        if self.index == 0 and self._peers is not None:
+            self.runtime.tell_directory(self._peers, self._owner)
 
 
 class IngressesMixin:
@@ -91,7 +155,10 @@ class IngressesMixin:
         self._down: dict[int, _Down] = {}
         self._told_ready: tuple[str, ...] | None = None
         self._ingress_metrics: dict[int, bytes] = {}  # ingress -> the last metrics text it sent
+        self.shard_metrics: dict[int, bytes] = {}  # shard 0 of several schedulers: shard -> its last metrics text
         self._served: tuple[object, ServedPlan] | None = None  # (the plan, what the ingresses are told of it)
+        self.shard_index = 0  # this host's shard (its messages' origin)
+        self._directory: tuple[tuple[str, ...], dict] | None = None  # shard 0's: (schedulers, owner table)
         self.on_switch.append(self._tell_plan)
 
     def _open_ingress_inbox(self, host: str) -> asyncio.Task:
@@ -115,7 +182,7 @@ class IngressesMixin:
         if m.hello is not None:
             self._ingress_addrs[m.ingress] = m.hello
             down = self._tell(m.ingress)
-            down.plan, down.ready = self._served_plan(), self._ready_models()
+            down.plan, down.ready, down.directory = self._served_plan(), self._ready_models(), self._directory
         elif m.ingress not in self._ingress_addrs:
             self.refuse("ingress-unknown", f"ingress {m.ingress} sent requests before its hello")
             return
@@ -199,7 +266,9 @@ class IngressesMixin:
             if addr is None:
                 continue
             try:
-                self._outbox.send(addr, pack(ToIngress(tuple(down.sends), tuple(down.refusals), down.ready, down.metrics, down.plan)))
+                schedulers, owner = down.directory or (None, None)
+                self._outbox.send(addr, pack(ToIngress(tuple(down.sends), tuple(down.refusals), down.ready, down.metrics, down.plan,
+                                                       self.shard_index, schedulers, owner)))
             except DataPathFull:
                 log.error("ingress %d stopped reading; %d sends and %d refusals to it are lost", ingress, len(down.sends), len(down.refusals))
 
@@ -209,6 +278,12 @@ class IngressesMixin:
             manifests = {m.name: self.profiles[m.name].manifest.model_dump_json().encode() for m in self.plan.models}
             self._served = (self.plan, ServedPlan(self.plan.model_dump_json().encode(), manifests))
         return self._served[1]
+
+    def tell_directory(self, schedulers: tuple[str, ...], owner: dict) -> None:
+        """Shard 0: every ingress learns the schedulers' inboxes and the owner table."""
+        self._directory = (schedulers, owner)
+        for ingress in self._ingress_addrs:
+            self._tell(ingress).directory = self._directory
 
     def _tell_plan(self) -> None:
         """After a plan switch: tell every ingress the new plan and the models ready in it."""
@@ -234,17 +309,19 @@ class IngressesMixin:
                 self._told_ready = ready
                 for ingress in self._ingress_addrs:
                     self._tell(ingress).ready = ready
-            if tick % ticks_per_metrics == 0 and self._ingress_addrs:
+            if tick % ticks_per_metrics == 0 and self._ingress_addrs and self.shard_index == 0:  # shard 0's merge is the server's
                 text = self.render_metrics()
                 for ingress in self._ingress_addrs:
                     self._tell(ingress).metrics = text
 
     def render_metrics(self) -> bytes:
-        """This host's Prometheus text, with the last that each ingress sent (where any did):
-        every sample labelled with its ``process``."""
+        """This host's Prometheus text, with the last that each ingress and (shard 0 of several
+        schedulers) each other scheduler sent, where any did: every sample labelled with its
+        ``process`` (``scheduler``, ``scheduler-j``, ``ingress-i``)."""
         own = self.metrics.render()
-        if not self._ingress_metrics:
+        if not (self._ingress_metrics or self.shard_metrics):
             return own
-        ingresses = sorted(self._ingress_metrics)
-        return merge_metrics([own, *(self._ingress_metrics[i] for i in ingresses)],
-                             ["scheduler", *(f"ingress-{i}" for i in ingresses)], label="process")
+        shards, ingresses = sorted(self.shard_metrics), sorted(self._ingress_metrics)
+        texts = [own, *(self.shard_metrics[j] for j in shards), *(self._ingress_metrics[i] for i in ingresses)]
+        names = ["scheduler", *(f"scheduler-{j}" for j in shards), *(f"ingress-{i}" for i in ingresses)]
+        return merge_metrics(texts, names, label="process")

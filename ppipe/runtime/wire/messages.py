@@ -194,13 +194,22 @@ class ToIngress(msgspec.Struct, tag="down", **STRUCT):
     text (the scheduler's and every ingress's, each sample labelled with its ``process``),
     sent every second, which the ingress's ``/metrics`` answers with. ``plan``: the plan
     served, at the ingress's hello and after each switch (the ingress takes it before it
-    reads ``ready``)."""
+    reads ``ready``).
+
+    On a server of several schedulers (``--ingress N --shards K``): ``origin`` is the
+    sender's shard, whose ``plan`` and ``ready`` these are; shard 0 also tells the
+    ``schedulers`` (every shard's ingress inbox by index, ``""`` for one that is down) and
+    the ``owner`` table (model -> ``(shard, weight)`` pairs) at the hello and whenever they
+    change."""
 
     sends: tuple[SendInputs, ...] = ()
     refusals: tuple[Refusal, ...] = ()
     ready: tuple[str, ...] | None = None
     metrics: bytes | None = None
     plan: ServedPlan | None = None
+    origin: int = 0
+    schedulers: tuple[str, ...] | None = None
+    owner: dict[str, tuple[tuple[int, float], ...]] | None = None
 
 
 IngressInbox = ToIngress | Answer
