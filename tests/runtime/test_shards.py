@@ -521,6 +521,30 @@ def test_a_shard_answers_each_plan_switch_request_with_its_own_handler():
     asyncio.run(ShardControl(Switcher(), None).call(SetOwner({"a": 0})))  # a shard without a router: nothing to tell
 
 
+def test_a_shard_of_ingress_schedulers_forgets_a_dead_ingress_and_gives_its_metrics_and_shard_0_tells_the_directory():
+    """``--ingress N --shards K``: IngressGone and Scrape go to the shard's runtime; the
+    IngressDirectory stands where a router stands, and only shard 0's tells the ingresses."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ppipe.runtime.control.shard_control import IngressGone, Scrape, SetOwner, SetPeers, ShardControl
+    from ppipe.runtime.scheduler.ingresses import IngressDirectory
+
+    told, gone = [], []
+    runtime = SimpleNamespace(ingress_gone=gone.append, render_metrics=lambda: b"m 1\n", ingress_address="tcp://s:1",
+                              tell_directory=lambda *a: told.append(a))
+    control = ShardControl(SimpleNamespace(runtime=runtime), IngressDirectory(runtime, 0, {"a": 0, "b": [(0, 1.0), (1, 0.0)]}))
+    assert asyncio.run(control.call(IngressGone(3))) is None and gone == [3]
+    assert asyncio.run(control.call(Scrape())) == b"m 1\n"
+    assert control.router.address == "tcp://s:1" and runtime.shard_index == 0
+    asyncio.run(control.call(SetPeers(("tcp://s:1", None))))
+    asyncio.run(control.call(SetOwner({"a": 1})))
+    assert told == [(("tcp://s:1", ""), {"a": ((0, 1.0),), "b": ((0, 1.0),)}), (("tcp://s:1", ""), {"a": ((1, 1.0),)})]
+    other = SimpleNamespace(ingress_address="tcp://s:2", tell_directory=lambda *a: told.append(("shard 1", a)))
+    ShardControl(SimpleNamespace(runtime=other), IngressDirectory(other, 1, {"a": 0})).router.set_peers(["tcp://s:1", "tcp://s:2"])
+    assert len(told) == 2 and other.shard_index == 1  # shard 1 tells nobody: shard 0 is the ingresses' directory
+
+
 def test_a_server_of_shards_is_ready_once_every_shard_has_started_and_then_while_one_is():
     from ppipe.runtime.ingress.shard_router import merge_readiness
 
