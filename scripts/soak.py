@@ -38,6 +38,7 @@ printed against the figures. ``--json-out`` writes the figures for a test.
     python scripts/soak.py --minutes 2 --json-out soak.json
     python scripts/soak.py --minutes 30 --heap-stats DIR --sample-every-s 120   # what holds the memory
     python scripts/soak.py --minutes 5 --ingress 2   # the same through two ingress processes
+    python scripts/soak.py --minutes 5 --ingress 2 --shards 2   # ... and a scheduler process per model
 
 The frontend's RSS is also given by kind (anonymous, file-backed), and ``--heap-stats``
 adds per sample glibc's heap (its size, the free bytes in it) and pymalloc's arenas: after
@@ -183,7 +184,7 @@ main()
 
 
 def start_server(plan: Path, port: int, grpc_port: int, traced: Path | None = None, heap_stats: Path | None = None,
-                 ingress: int = 0) -> subprocess.Popen:
+                 ingress: int = 0, shards: int = 1) -> subprocess.Popen:
     from ppipe.runtime.client.httpclient import wait_until_ready
 
     head = [sys.executable, "-m", "ppipe.cli"]
@@ -193,7 +194,8 @@ def start_server(plan: Path, port: int, grpc_port: int, traced: Path | None = No
         head = [sys.executable, "-c", _HEAP_STATS_SERVE, str(heap_stats)]
     proc = subprocess.Popen([*head, "serve", str(plan), "--backend", "emulated", "--token", TOKEN,
                              "--port", str(port), "--grpc-port", str(grpc_port), "--replan", "auto",
-                             "--replan-window-s", "30", "--replan-min-interval-s", "30", "--ingress", str(ingress)],
+                             "--replan-window-s", "30", "--replan-min-interval-s", "30", "--ingress", str(ingress),
+                             "--shards", str(shards)],
                             stdout=subprocess.DEVNULL, stderr=open(plan.parent / "serve.log", "w"))
     wait_until_ready(f"http://127.0.0.1:{port}", proc, timeout_s=120)
     return proc
@@ -706,6 +708,8 @@ def main() -> int:
     ap.add_argument("--ingress", type=int, default=0, metavar="N",
                     help="serve with N ingress processes (`ppipe serve --ingress N`): the clients, plan switches and "
                     "hostile requests reach them, and the server's process only schedules")
+    ap.add_argument("--shards", type=int, default=1, metavar="K",
+                    help="K frontend shards (`ppipe serve --shards K`); with --ingress, K scheduler processes")
     ap.add_argument("--tracemalloc", type=Path, default=None, metavar="DIR",
                     help="run the server under tracemalloc (slower: a diagnosis, not the targets' run), a snapshot of its "
                     "Python heap into DIR at each sample, and print what grew most from after warm-up to the end")
@@ -726,7 +730,7 @@ def main() -> int:
         for folder in (args.tracemalloc, args.heap_stats):
             if folder:
                 folder.mkdir(parents=True, exist_ok=True)
-        proc = start_server(plan_a, port, grpc_port, args.tracemalloc, args.heap_stats, args.ingress)
+        proc = start_server(plan_a, port, grpc_port, args.tracemalloc, args.heap_stats, args.ingress, args.shards)
         try:
             records, hostile_out, idle_out, samples = asyncio.run(
                 soak(url, grpc, port, proc.pid, args.minutes, args.seed, (plan_a, plan_b), base, faults,
