@@ -28,6 +28,18 @@ def test_serve_rejects_a_plan_for_another_cluster(tmp_path, tinynet):
     assert "plan is for cluster 'local-cpu'" in r.output and "--cluster" in r.output
 
 
+def test_serve_rejects_a_placement_on_a_gpu_the_cluster_lacks(tmp_path, tinynet):
+    from ppipe.spec.cluster import load_cluster
+    from .conftest import make_plan
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 2, "cpu", 1, 1)])  # local-cpu: one GPU on its one server
+    moved = plan.model_copy(update={"placement": [plan.placement[0].model_copy(update={"gpu_index": 1})]})
+    moved.save(tmp_path / "plan.yaml")
+    r = CliRunner().invoke(main, ["serve", str(tmp_path / "plan.yaml"), "--backend", "emulated"])
+    assert r.exit_code == 2, r.output
+    assert "placement[0].gpu_index 1: server 'localhost-0' of cluster 'local-cpu' has 1 GPU(s)" in r.output and "plan.yaml" in r.output
+
+
 def test_serve_rejects_an_unknown_policy_before_starting_ray(tmp_path, tinynet):
     from ppipe.spec.cluster import load_cluster
     from .conftest import make_plan

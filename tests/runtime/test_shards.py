@@ -21,14 +21,19 @@ from .tinynet import write_tinynet
 def _two_model_plan(tmp_path, split_a, split_b, servers=2, gpus_per_server=2):
     """Models a and b (tinynet profiles) on `servers` CPU servers; split_x: the partitions
     [(first, last, gpu, vgpu, count)] of model x's one pipeline, placed by the planner's placer."""
+    import yaml
+
     base = load_cluster("local-cpu")
-    cluster = base.model_copy(update={"servers": [base.servers[0].model_copy(update={"count": servers, "gpus_per_server": gpus_per_server})]})
+    cluster = base.model_copy(update={"name": "cpus", "servers": [base.servers[0].model_copy(
+        update={"count": servers, "gpus_per_server": gpus_per_server})]})
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(cluster.model_dump(mode="json"), sort_keys=False))
+    cluster = load_cluster(tmp_path / "cluster.yaml")  # the plan's own cluster file: `ppipe serve` checks its GPUs
     models = []
     for name, split in (("a", split_a), ("b", split_b)):
         prof = write_tinynet(tmp_path / name, name=name)
         models.append(make_plan(prof, cluster, split).models[0])
     plan = make_plan(write_tinynet(tmp_path / "a2", name="a"), cluster, split_a)
-    return plan.model_copy(update={"models": models, "placement": place(models, cluster)}), cluster
+    return plan.model_copy(update={"models": models, "placement": place(models, cluster), "cluster_file": "cluster.yaml"}), cluster
 
 
 ONE = [(0, 2, "cpu", 1, 1)]  # one partition: no transfer, no NIC

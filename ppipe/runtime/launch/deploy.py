@@ -124,7 +124,8 @@ def worker_specs(dep: Deployment) -> list[WorkerSpec]:
             fix="re-run `ppipe plan`, which writes 'placement'",
             file=file,
         )
-    servers = {name for name, _ in dep.cluster.server_names()}
+    gpus_of = {name: group.gpus_per_server for name, group in dep.cluster.server_names()}
+    servers = set(gpus_of)
     specs: list[WorkerSpec] = []
     seen: dict[str, str] = {}
     for k, p in enumerate(plan.placement):
@@ -142,6 +143,12 @@ def worker_specs(dep: Deployment) -> list[WorkerSpec]:
             raise UserError(
                 f"{where}.server '{p.server}' is not a server of cluster '{dep.cluster.name}' ({', '.join(sorted(servers))})",
                 fix="serve with the cluster file the plan was made for (--cluster)",
+                file=file,
+            )
+        if p.gpu_index >= gpus_of[p.server]:
+            raise UserError(
+                f"{where}.gpu_index {p.gpu_index}: server '{p.server}' of cluster '{dep.cluster.name}' has {gpus_of[p.server]} GPU(s)",
+                fix="serve with the cluster file the plan was made for (--cluster), or re-run `ppipe plan` for this cluster",
                 file=file,
             )
         if p.vgpu_id in seen:
