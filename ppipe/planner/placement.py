@@ -222,11 +222,15 @@ def keep_live_plan(plan: Plan, live: Plan, cluster: ClusterSpec) -> Plan:
 
     The rule a re-plan's switch follows wherever it runs: ``ppipe serve``'s plan switches
     and :func:`ppipe.control.replan.planner_replan`, which ``ppipe simulate --replan auto``
-    runs too, so both keep the same vGPUs. A plan for another cluster, or without a
-    placement, comes back as it is (its switch is refused elsewhere, with its reason).
-    Renaming a plan :func:`keep_live` has renamed already changes nothing.
+    runs too, so both keep the same vGPUs. A plan for another cluster, without a
+    placement, or placed on GPUs the cluster lacks comes back as it is (its switch is
+    refused elsewhere, with its reason). Renaming a plan :func:`keep_live` has renamed
+    already changes nothing.
     """
     if not getattr(plan, "placement", None) or not getattr(live, "placement", None) or plan.cluster != live.cluster:
+        return plan
+    gpus = {name: group.gpus_per_server for name, group in cluster.server_names()}
+    if any(p.gpu_index >= gpus.get(p.server, 0) for p in plan.placement):
         return plan
     placement = keep_live(plan.placement, plan.models, live.placement, live.models, cluster)
     return plan.model_copy(update={"placement": placement})

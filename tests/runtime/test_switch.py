@@ -252,6 +252,8 @@ def test_admin_endpoint_refusals(tinynet, tmp_path):
         garbage = httpx.post(srv.url + "/v2/admin/plan", content=b"models: [oops", headers=auth)
         schema = httpx.post(srv.url + "/v2/admin/plan", content=b"models: []", headers=auth)
         cluster_ = httpx.post(srv.url + "/v2/admin/plan", content=yaml_of(other), headers=auth)
+        off_cluster = httpx.post(srv.url + "/v2/admin/plan", content=yaml_of(new_plan.model_copy(update={"placement": [
+            p.model_copy(update={"gpu_index": 7}) for p in new_plan.placement]})), headers=auth)
         status = httpx.get(srv.url + "/v2/admin/plan", headers=auth)
     assert no_token.status_code == 403 and "--token" in no_token.json()["error"]
     assert no_switcher.status_code == 409 and "without a plan switcher" in no_switcher.json()["error"]
@@ -259,6 +261,7 @@ def test_admin_endpoint_refusals(tinynet, tmp_path):
     assert garbage.status_code == 400 and "not valid YAML" in garbage.json()["error"]
     assert schema.status_code == 400 and "request body" in schema.json()["error"]
     assert cluster_.status_code == 400 and "is for cluster 'HC1-S'" in cluster_.json()["error"]
+    assert off_cluster.status_code == 400 and ".gpu_index 7: server" in off_cluster.json()["error"], off_cluster.text
     assert status.status_code == 200 and status.json()["switches"] == [] and status.json()["models"] == ["tinynet"]
 
 
