@@ -50,12 +50,7 @@ def _ingresses(server: psutil.Process) -> list[psutil.Process]:
 
 def _infer(url: str, x: np.ndarray) -> tuple[int, np.ndarray | str]:
     """One request of ``x``'s samples on a connection of its own (so the kernel deals it to any ingress)."""
-    body, headers = encode_infer_request({"input": x}, binary=True)
-    with httpx.Client(timeout=20) as c:
-        r = c.post(f"{url}/v2/models/tinynet/infer", content=body, headers={**headers, **AUTH})
-    if r.status_code != 200:
-        return r.status_code, r.text
-    return 200, decode_infer_response(r.content, r.headers.get("inference-header-content-length"))["logits"]
+    return _infer_model(url, "tinynet", x)
 
 
 def _check_grpc(port: int, x: np.ndarray, directory) -> None:
@@ -279,6 +274,7 @@ def _two_models_on_two_cpus(tmp_path):
 
 
 def _infer_model(url: str, model: str, x: np.ndarray) -> tuple[int, np.ndarray | str]:
+    """One request of ``x``'s samples for ``model`` on a connection of its own: (200, its logits) or (status, body)."""
     body, headers = encode_infer_request({"input": x}, binary=True)
     with httpx.Client(timeout=30) as c:
         r = c.post(f"{url}/v2/models/{model}/infer", content=body, headers={**headers, **AUTH})
