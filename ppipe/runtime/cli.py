@@ -162,7 +162,8 @@ class _NullClock:
               "Default: a quarter of the CPUs, 1 to 4 (no YAML field).")
 @click.option("--shards", "shards", default="auto", show_default=True,
               help="Frontend processes on the port, each scheduling its own part of the plan (--shard-by): a count, or auto "
-              "(as many as the plan's planned rate needs, at most the cores but one). No YAML field.")
+              "(as many as the plan's planned rate needs, at most the cores but one). With --ingress N, scheduler processes "
+              "behind the ingresses (auto: sized by a scheduler's cost per request, on the cores the ingresses leave). No YAML field.")
 @click.option("--shard-by", "shard_by", type=click.Choice(["models", "servers"]), default="models", show_default=True,
               help="What each shard gets: whole models (groups of models that share no NIC), or a group of the plan's servers "
               "and every model's vGPUs there, so that one model's requests are spread over several shards by their "
@@ -209,7 +210,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     backend = _backend_for(backend, dep.plan)
     options = _scheduler_options(max_queue, wake_lead_ms)
     _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
-    n_shards = 1 if ingress and shards == "auto" else parse_shards(shards, dep.plan, os.cpu_count() or 1, by=shard_by)
+    n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1, by=shard_by, ingress=ingress)
     launcher, n_shards = _choose_launcher(launcher, ray_address, dep.cluster, shards, n_shards, transport)
     serving.check_ingress_flags(ingress, launcher, n_shards)
     layout = shard_layout(dep.plan, n_shards, shard_by)  # a split the plan does not take well is refused here

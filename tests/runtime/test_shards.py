@@ -72,6 +72,9 @@ def test_auto_shards_follow_the_planned_rate_the_components_and_the_cores(tmp_pa
     assert auto_shards(slow, cores=16) == 1  # one process carries 20 req/s
     assert auto_shards(fast, cores=16) == 2  # 10,000 req/s needs many, but there are two components
     assert auto_shards(fast, cores=2) == 1  # one core stays for the workers
+    busy = plan.model_copy(update={"models": [m.model_copy(update={"throughput_rps": 300.0}) for m in plan.models]})
+    assert parse_shards("auto", busy, 16) == 2 and parse_shards("auto", busy, 16, ingress=4) == 1  # a scheduler alone is cheaper
+    assert parse_shards("auto", fast, 16, ingress=4) == 2 and parse_shards("auto", fast, 4, ingress=3) == 1  # cores the ingresses leave
     assert parse_shards("3", plan, 2) == 3 and parse_shards("auto", slow, 16) == 1
     with pytest.raises(UserError, match="--shards must be 'auto' or a count >= 1, got 'x'"):
         parse_shards("x", plan, 2)

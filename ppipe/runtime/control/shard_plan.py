@@ -37,6 +37,9 @@ from ppipe.spec.plan import Plan
 # Frontend CPU per request used to size the default shard count (scripts/bench_serve.py
 # measures it; a shard is sized to stay below TARGET_BUSY of its core at the planned rate).
 FRONTEND_CPU_S_PER_REQUEST = 1.5e-3
+# ... and of a scheduler behind ingress processes (``--ingress N``), which decides on metadata
+# only (scripts/bench_scheduler_host.py --ingress K: 0.3-0.5 ms per request on a 2-core host)
+SCHEDULER_CPU_S_PER_REQUEST = 0.5e-3
 TARGET_BUSY = 0.7
 
 SHARD_BY = ("models", "servers")  # --shard-by
@@ -98,12 +101,13 @@ def assign_shards(plan: Plan, n: int) -> list[list[str]]:
     return sorted(shards, key=lambda s: order.index(s[0]))
 
 
-def auto_shards(plan: Plan, cores: int) -> int:
-    """The default shard count: what the planned rate needs at ``FRONTEND_CPU_S_PER_REQUEST``
-    (each shard at most ``TARGET_BUSY`` busy), no more than the NIC components, and no more
-    than the cores but one (the workers, and Ray's daemons where Ray runs, need CPU too)."""
+def auto_shards(plan: Plan, cores: int, cost_s: float = FRONTEND_CPU_S_PER_REQUEST) -> int:
+    """The default shard count: what the planned rate needs at ``cost_s`` of CPU per request
+    (``FRONTEND_CPU_S_PER_REQUEST``, or a scheduler's behind ingresses; each shard at most
+    ``TARGET_BUSY`` busy), no more than the NIC components, and no more than the cores but
+    one (the workers, and Ray's daemons where Ray runs, need CPU too)."""
     rate = sum(m.throughput_rps for m in plan.models)
-    need = math.ceil(rate * FRONTEND_CPU_S_PER_REQUEST / TARGET_BUSY)
+    need = math.ceil(rate * cost_s / TARGET_BUSY)
     return max(1, min(need, len(nic_components(plan)), cores - 1))
 
 
@@ -183,12 +187,14 @@ def incoming_resources(old: Plan, old_owner: dict[str, int], new: Plan, new_owne
     return out
 
 
-def parse_shards(value: str, plan: Plan, cores: int, by: str = "models") -> int:
+def parse_shards(value: str, plan: Plan, cores: int, by: str = "models", ingress: int = 0) -> int:
     """``--shards``: ``auto`` (:func:`auto_shards`, or :func:`auto_split_shards` with
     ``by="servers"``) or a count >= 1 (capped by the plan's NIC components when it is packed
-    by models)."""
+    by models). With ``ingress`` processes (``--ingress N``) a shard is a scheduler only:
+    ``auto`` sizes it at ``SCHEDULER_CPU_S_PER_REQUEST``, on the cores the ingresses leave."""
     if value == "auto":
-        return auto_split_shards(plan, cores) if by == "servers" else auto_shards(plan, cores)
+        cost, cores = (SCHEDULER_CPU_S_PER_REQUEST, cores - ingress) if ingress else (FRONTEND_CPU_S_PER_REQUEST, cores)
+        return auto_split_shards(plan, cores, cost) if by == "servers" else auto_shards(plan, cores, cost)
     try:
         n = int(value)
     except ValueError:
@@ -321,12 +327,12 @@ def shard_layout(plan: Plan, n: int, by: str = "models") -> ShardLayout:
     return split_layout(plan, n) if by == "servers" else model_layout(plan, n)
 
 
-def auto_split_shards(plan: Plan, cores: int) -> int:
+def auto_split_shards(plan: Plan, cores: int, cost_s: float = FRONTEND_CPU_S_PER_REQUEST) -> int:
     """``--shards auto --shard-by servers``: what the planned rate needs (as :func:`auto_shards`),
     at most the servers the plan uses and the cores but one, lowered until the split is one
     :func:`split_layout` takes."""
     rate = sum(m.throughput_rps for m in plan.models)
-    need = math.ceil(rate * FRONTEND_CPU_S_PER_REQUEST / TARGET_BUSY)
+    need = math.ceil(rate * cost_s / TARGET_BUSY)
     n = max(1, min(need, len({p.server for p in plan.placement}), cores - 1))
     while n > 1:
         try:
