@@ -328,8 +328,10 @@ def test_ingresses_deal_a_models_requests_over_the_schedulers_of_its_servers(tmp
             answers = list(pool.map(infer, xs))
         time.sleep(2.5)
         metrics = httpx.get(f"{url}/metrics", headers=AUTH, timeout=5).text
+        meta = httpx.get(f"{url}/v2/models/a", headers=AUTH, timeout=5).json()["parameters"]
     finally:
         out = _stop(proc)
+    assert meta["planned_throughput_rps"] == pytest.approx(plan.model("a").throughput_rps), meta  # both halves of a
     for x, (code, got) in zip(xs, answers):
         assert code == 200, got
         np.testing.assert_allclose(got, reference(tmp_path / "a", x), rtol=2e-2, atol=2e-2)

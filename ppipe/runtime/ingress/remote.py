@@ -334,16 +334,19 @@ class IngressRuntime:
         self._merge_plans()
 
     def _merge_plans(self) -> None:
-        """Serve the union of the schedulers' plans (a model's entry from the first that has it;
-        its profile here is its manifest alone: the latencies are the schedulers'), then run
-        the ``on_switch`` hooks (the frontends' model lists)."""
+        """Serve the union of the schedulers' plans (a model that several schedule: its
+        pipelines and planned rate over all of them; its profile here is its manifest alone:
+        the latencies are the schedulers'), then run the ``on_switch`` hooks (the frontends'
+        model lists)."""
         known = [s for s in self._schedulers if s is not None and s.plan is not None]
         if not known:
             return
         models, manifests, placement = {}, {}, []
         for s in known:
             for m in s.plan.models:
-                models.setdefault(m.name, m)
+                have = models.get(m.name)  # a model several schedulers share: its pipelines and rate are all of theirs
+                models[m.name] = m if have is None else have.model_copy(update={
+                    "pipelines": [*have.pipelines, *m.pipelines], "throughput_rps": have.throughput_rps + m.throughput_rps})
             for name, man in s.manifests.items():
                 manifests.setdefault(name, man)
             placement += s.plan.placement
