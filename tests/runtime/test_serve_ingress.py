@@ -240,6 +240,15 @@ def test_ingresses_send_each_models_requests_to_its_own_scheduler_and_a_dead_one
         (restarted,) = _shards(server)
         assert restarted.pid != victim.pid
         assert all(_post(url, "b", x)[0] == 200 for x in xs)  # on fresh connections: both ingresses know the new shard
+
+        dead = _ingresses(server)[0]
+        dead.kill()  # every scheduler forgets it (shard 1 told by shard 0); the other ingress serves both models meanwhile
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (len(_ingresses(server)) == 2 and dead.pid not in {p.pid for p in _ingresses(server)}):
+            assert all(_post(url, m, xs[0])[0] == 200 for m in ("a", "b"))
+            time.sleep(0.2)
+        assert dead.pid not in {p.pid for p in _ingresses(server)} and len(_ingresses(server)) == 2
+        assert all(_post(url, m, x)[0] == 200 for m in ("a", "b") for x in xs)
     finally:
         out = _stop(proc)
     refused = [(code, why) for code, why in answers["b"] if code != 200]
