@@ -9,6 +9,7 @@ these tests assert the invariants only.
 from __future__ import annotations
 
 import os
+import time
 
 import httpx
 import pytest
@@ -57,8 +58,12 @@ def two_machines(tmp_path_factory):
 def test_readme_steps_work_with_token_auth_and_place_workers_by_ray_resource(two_machines):
     nodes, serve, refused, no_auth = two_machines
     assert refused.returncode != 0 and "RAY_AUTH_MODE" in refused.stdout + refused.stderr
-    status = nodes.ray("status")
-    assert status.returncode == 0 and "p4-0" in status.stdout and "l4-0" in status.stdout, status.stderr[-2000:]
+    for _ in range(15):  # the autoscaler's summary, which `ray status` prints, follows a joined node within seconds
+        status = nodes.ray("status")
+        if status.returncode != 0 or ("p4-0" in status.stdout and "l4-0" in status.stdout):
+            break
+        time.sleep(2.0)
+    assert status.returncode == 0 and "p4-0" in status.stdout and "l4-0" in status.stdout, status.stdout[-2000:] + status.stderr[-2000:]
     assert nodes.ray("status", env=no_auth).returncode != 0  # `ray status` needs the token too
 
     state = nodes.state()
