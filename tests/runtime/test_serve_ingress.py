@@ -45,7 +45,14 @@ def _serve(plan: str, port: int, *flags: str) -> subprocess.Popen:
 
 
 def _ingresses(server: psutil.Process) -> list[psutil.Process]:
-    return [p for p in server.children(recursive=True) if p.name() == PROCESS_NAME]
+    out = []
+    for p in server.children(recursive=True):
+        try:
+            if p.name() == PROCESS_NAME:
+                out.append(p)
+        except psutil.NoSuchProcess:  # a process of a killed ingress's group that ended meanwhile
+            pass
+    return out
 
 
 def _infer(url: str, x: np.ndarray) -> tuple[int, np.ndarray | str]:
@@ -181,7 +188,14 @@ def _post(url: str, model: str, x: np.ndarray) -> tuple[int, str]:
 
 
 def _shards(server: psutil.Process) -> list[psutil.Process]:
-    return [p for p in server.children() if "ppipe.runtime.launch.local_shards" in " ".join(p.cmdline())]
+    out = []
+    for p in server.children():
+        try:
+            if "ppipe.runtime.launch.local_shards" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 @pytest.mark.slow
