@@ -257,14 +257,15 @@ def test_ingresses_send_each_models_requests_to_its_own_scheduler_and_a_dead_one
 
         dead = _ingresses(server)[0]
         dead.kill()  # every scheduler forgets it (shard 1 told by shard 0); the other ingress serves both models meanwhile
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (len(_ingresses(server)) == 2 and dead.pid not in {p.pid for p in _ingresses(server)}):
             assert all(_post(url, m, xs[0])[0] == 200 for m in ("a", "b"))
             time.sleep(0.2)
-        assert dead.pid not in {p.pid for p in _ingresses(server)} and len(_ingresses(server)) == 2
-        assert all(_post(url, m, x)[0] == 200 for m in ("a", "b") for x in xs)
+        back = dead.pid not in {p.pid for p in _ingresses(server)} and len(_ingresses(server)) == 2
+        served_after = back and all(_post(url, m, x)[0] == 200 for m in ("a", "b") for x in xs)
     finally:
         out = _stop(proc)
+    assert back and served_after, out[-4000:]
     refused = [(code, why) for code, why in answers["b"] if code != 200]
     assert refused and all(code == 503 and "scheduler 1 of this server" in why for code, why in refused), refused
     assert sum(code == 200 for code, _ in answers["a"]) >= len(answers["a"]) - 2, answers["a"]

@@ -58,6 +58,7 @@ log = logging.getLogger("ppipe.runtime")
 PROCESS_NAME = "ppipe-ingress"  # an ingress process's name in ps and top
 RESTART_DELAYS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # between tries to restart an ingress; the last repeats
 READY_POLL_S = 0.01
+ON_GONE_TIMEOUT_S = 10.0  # the other schedulers hear of a dead ingress within this, or its restart goes on
 
 
 @dataclass(frozen=True)
@@ -281,8 +282,12 @@ class IngressSupervisor:
             code = await ing.lifeline()
             log.error("%s is gone (exit code %s); its requests are answered ingress-gone, and it is restarted", ing.describe(), code)
             self.runtime.ingress_gone(index)
-            if self.on_gone is not None:
-                await self.on_gone(index)
+            if self.on_gone is not None:  # before the restart: the new ingress's hello must not be forgotten with it
+                try:
+                    await asyncio.wait_for(self.on_gone(index), ON_GONE_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    log.warning("the other schedulers did not hear within %.0f s that ingress %d is gone; restarting it anyway "
+                                "(they fail its batches by their report grace)", ON_GONE_TIMEOUT_S, index)
             ing.kill()  # what its group still holds (the JSON decode pool)
             while True:
                 await asyncio.sleep(RESTART_DELAYS_S[min(tries, len(RESTART_DELAYS_S) - 1)])
