@@ -31,6 +31,7 @@ Pure logic, no I/O.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Mapping, Sequence
 
 from ppipe.dataplane.api import Clock, Decision, Dispatch, Request, StageReport
@@ -194,6 +195,19 @@ def group_capacity(plan: Plan) -> dict[str, float]:
     """Per model: the requests per second its pipelines in ``plan`` carry (each pipeline's
     slowest pool)."""
     return {m.name: sum(min(part.throughput_rps for part in p.partitions) for p in m.pipelines) for m in plan.models}
+
+
+def owner_table(owner: Mapping[str, Any]) -> dict[str, tuple[tuple[int, float], ...]]:
+    """Where each model's arrivals go, ``owner`` (model -> its group, or [(group, weight)]
+    where several take it), as model -> ((group, weight), ...), groups of weight 0 left out
+    and models left with none dropped: the table a :class:`Dealer` per model deals by."""
+    table = {}
+    for model, where in owner.items():
+        entries = ((int(where), 1.0),) if isinstance(where, numbers.Integral) else tuple(
+            (int(k), float(w)) for k, w in where if w > 0)
+        if entries:
+            table[model] = entries
+    return table
 
 
 class Dealer:

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import orjson
 
-from ppipe.dataplane.split import Dealer
+from ppipe.dataplane.split import Dealer, owner_table
 from ppipe.runtime.scheduler.metrics import merge_metrics  # noqa: F401 (the router's scrape merges with it; tests import it from here)
 from ppipe.runtime.wire.frames import WireError, pack, unpack
 from ppipe.runtime.wire.shard_messages import (
@@ -68,12 +68,7 @@ class Routes:
 
     def __init__(self, table: Mapping[str, int | Sequence[tuple[int, float]]], index: int):
         self.index = index
-        self.table: dict[str, tuple[tuple[int, float], ...]] = {}
-        for model, where in table.items():
-            entries = ((int(where), 1.0),) if isinstance(where, (int, np.integer)) else tuple(
-                (int(k), float(w)) for k, w in where if w > 0)
-            if entries:
-                self.table[model] = entries
+        self.table: dict[str, tuple[tuple[int, float], ...]] = owner_table(table)
         self._dealers = {m: Dealer([w for _, w in e]) for m, e in self.table.items() if len(e) > 1}
 
     def get(self, model: str, default: Any = None) -> Any:

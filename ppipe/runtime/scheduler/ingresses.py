@@ -46,12 +46,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import numbers
 from dataclasses import dataclass, field
 
 import msgspec
 
 from ppipe.dataplane.api import Dispatch
+from ppipe.dataplane.split import owner_table
 from ppipe.runtime.scheduler.inflight import DroppedError, Pending
 from ppipe.runtime.scheduler.metrics import merge_metrics
 from ppipe.runtime.wire.datapath import DataPathFull, Inbox
@@ -82,18 +82,6 @@ class _Down:
     metrics: bytes | None = None
     plan: ServedPlan | None = None
     directory: tuple[tuple[str, ...], dict] | None = None  # (schedulers, owner table): shard 0's
-
-
-def owner_table(owner) -> dict[str, tuple[tuple[int, float], ...]]:
-    """``owner`` (model -> its shard, or [(shard, weight)]) as model -> ((shard, weight), ...),
-    shards of weight 0 left out (the table of :class:`~ppipe.runtime.ingress.shard_router.Routes`)."""
-    table = {}
-    for model, where in owner.items():
-        entries = ((int(where), 1.0),) if isinstance(where, numbers.Integral) else tuple(
-            (int(k), float(w)) for k, w in where if w > 0)
-        if entries:
-            table[model] = entries
-    return table
 
 
 class IngressDirectory:
