@@ -46,7 +46,7 @@ def _serve(plan: str, port: int, *flags: str) -> subprocess.Popen:
 
 def _ingresses(server: psutil.Process) -> list[psutil.Process]:
     out = []
-    for p in server.children(recursive=True):
+    for p in server.children():  # the server starts them; their own children (a decode pool) may carry the name too
         try:
             if p.name() == PROCESS_NAME:
                 out.append(p)
@@ -262,10 +262,10 @@ def test_ingresses_send_each_models_requests_to_its_own_scheduler_and_a_dead_one
             assert all(_post(url, m, xs[0])[0] == 200 for m in ("a", "b"))
             time.sleep(0.2)
         back = dead.pid not in {p.pid for p in _ingresses(server)} and len(_ingresses(server)) == 2
-        served_after = back and all(_post(url, m, x)[0] == 200 for m in ("a", "b") for x in xs)
+        after = [_post(url, m, x) for m in ("a", "b") for x in xs] if back else []
     finally:
         out = _stop(proc)
-    assert back and served_after, out[-4000:]
+    assert back and all(code == 200 for code, _ in after), ([a for a in after if a[0] != 200], out[-4000:])
     refused = [(code, why) for code, why in answers["b"] if code != 200]
     assert refused and all(code == 503 and "scheduler 1 of this server" in why for code, why in refused), refused
     assert sum(code == 200 for code, _ in answers["a"]) >= len(answers["a"]) - 2, answers["a"]
