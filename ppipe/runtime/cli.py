@@ -171,7 +171,8 @@ class _NullClock:
 @click.option("--ingress", "ingress", default=0, show_default=True, type=click.IntRange(min=0),
               help="N > 0: N ingress processes on --port (and --grpc-port) hold the clients' connections and tensors (read, "
               "authenticate, validate, decode, answer), and this process only schedules: it sees each request's metadata, "
-              "and the tensors go from an ingress to the first worker and from the last worker back. Local launcher; with "
+              "and the tensors go from an ingress to the first worker and from the last worker back. Under Ray, N on every "
+              "alive node (a Ray actor per node starts them), one scheduler; under the local launcher, with "
               "--shards K, K scheduler processes (each its models, or its servers with --shard-by servers), and the ingresses send "
               "each request to its model's. Plan switches (ppipe apply on the port, SIGHUP, --replan auto) are made by the "
               "schedulers. 0: this process does it all.")
@@ -212,7 +213,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1, by=shard_by, ingress=ingress)
     launcher, n_shards = _choose_launcher(launcher, ray_address, dep.cluster, shards, n_shards, transport)
-    serving.check_ingress_flags(ingress, launcher, n_shards)
+    n_shards = serving.check_ingress_flags(ingress, launcher, shards, n_shards)
     layout = shard_layout(dep.plan, n_shards, shard_by)  # a split the plan does not take well is refused here
     if layout.by == "servers" and replan == "auto":
         raise UserError("--replan auto cannot run with --shard-by servers: a server whose shards split the plan's servers "
@@ -237,7 +238,9 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     deps = [dep if p is dep.plan else dataclasses.replace(dep, plan=p) for p in layout.plans]  # each shard's plan holds its part
     if len(parts) > 1:
         click.echo(f"{len(parts)} shards by {layout.by}:\n  " + "\n  ".join(layout.describe()), err=True)
-    sock = reuseport_socket(host, port) if not ingress else socket.create_server(("127.0.0.1", 0))  # ingresses: admin on loopback
+    # with ingresses the port is theirs, and the scheduler's own API listens where they reach it
+    sock = reuseport_socket(host, port) if not ingress else socket.create_server((serving.admin_host(ingress, launcher), 0))
+    admin_url = "http://%s:%d" % sock.getsockname()[:2]
     shard_set = serving.ShardSet(launcher, deps, parts, settings, owner, host, port)  # the other shards start while shard 0's workers load
     try:
         workers, edges = serving.start_workers_and_links(dep, backend, opts, transport, launcher, only=shard_set.first_vgpus())
@@ -251,13 +254,13 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
                                    switchers=switchers, worker_options=settings.workers,
                                    plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s,
                                    ingresses=serving.ingress_companion(ingress, dep, ingress_settings, host, port, shutdown_timeout_s,
-                                                                      f"http://127.0.0.1:{sock.getsockname()[1]}"))
+                                                                      admin_url, launcher))
     app, _, router = build_shard(deps[0], parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)
     (router.app if hasattr(router, "app") else app).fe.switcher = switchers[0]  # (with ingresses, no router: the shard's own app)
     click.echo(serving.serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, layout.by)
                + f"; {launcher} launcher, workers up {time.perf_counter() - t0:.1f} s after start"
-               + (f"; {ingress} ingress processes, the scheduler's own API on http://127.0.0.1:{sock.getsockname()[1]}/v2"
-                  if ingress else ""))
+               + (f"; {ingress} ingress processes{' on every Ray node' if launcher == 'ray' else ''}, "
+                  f"the scheduler's own API on {admin_url}/v2" if ingress else ""))
     uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
 
 

@@ -241,14 +241,15 @@ def write_two_model_plan(directory: Path) -> tuple[Path, Path]:
 
 
 class Serve:
-    """``ppipe serve PLAN --ray-address auto --backend emulated`` as a subprocess of ``nodes``'s environment."""
+    """``ppipe serve PLAN --ray-address auto --backend emulated [EXTRA...]`` as a subprocess of ``nodes``'s environment."""
 
-    def __init__(self, nodes: LocalRayNodes, plan: Path, log_dir: Path):
+    def __init__(self, nodes: LocalRayNodes, plan: Path, log_dir: Path, extra: tuple[str, ...] = ()):
+        self.plan, self.log_dir = plan, log_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.stdout, self.stderr = log_dir / "serve.out", log_dir / "serve.err"
         cmd = [sys.executable, "-c", "from ppipe.cli import main; main()", "serve", str(plan), "--ray-address", "auto",
-               "--backend", "emulated", "--port", str(self.port), "--shards", "1"]
+               "--backend", "emulated", "--port", str(self.port), "--shards", "1", *extra]
         self._logs = [open(self.stdout, "w"), open(self.stderr, "w")]  # closed by stop()
         self.proc = subprocess.Popen(cmd, env=nodes.env, stdout=self._logs[0], stderr=self._logs[1],
                                      cwd=str(REPO), start_new_session=True)

@@ -128,3 +128,75 @@ def test_a_lost_node_fails_its_model_fast_and_serves_it_again_once_back(two_mach
     assert "Unhandled error" not in log and "Traceback" not in log, log[-5000:]
     assert log.count("data path: cannot connect") <= 1, log[-5000:]  # the worker before it: once, not per batch
     assert serve.proc.poll() is None  # never restarted
+
+
+def _ingress_pids(nodes, name: str) -> list[int]:
+    import psutil
+
+    out = []
+    for pid in nodes.pids(name):
+        try:
+            if psutil.Process(pid).name() == "ppipe-ingress":
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _served_by(text: str, process: str) -> float:
+    """Requests answered 200 by ``process`` in a merged /metrics text."""
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("ppipe_requests_total{") and f'process="{process}"' in line and 'code="200"' in line)
+
+
+def test_ingresses_on_every_ray_node_serve_the_port_and_one_killed_comes_back(two_machines):
+    """``--ingress 1`` under Ray: an ingress on each node (its agent actor there), both on
+    the server's port; requests on fresh connections are answered by both; SIGKILL of the
+    second node's ingress: the head's serves meanwhile, and a new one starts on that node;
+    SIGTERM of the server leaves no ingress process on either node."""
+    import numpy as np
+
+    from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
+
+    nodes, serve, _, _ = two_machines
+    serve.stop()  # its workers hold the nodes' vGPU resources
+    ing = Serve(nodes, serve.plan, serve.log_dir, extra=("--ingress", "1"))
+    body, headers = encode_infer_request({"input": np.zeros((1, 3, 8, 8), np.float32)}, binary=True)
+
+    def served(n: int) -> list[int]:
+        codes = []
+        for i in range(n):
+            with httpx.Client(base_url=ing.url, timeout=30) as c:  # a fresh connection each: the kernel deals them
+                r = c.post(f"/v2/models/{'ab'[i % 2]}/infer", content=body, headers=headers)
+                codes.append(r.status_code)
+                if r.status_code == 200:
+                    assert decode_infer_response(r.content, r.headers.get("inference-header-content-length"))["logits"].shape == (1, 5)
+        return codes
+
+    try:
+        ing.wait_ready()
+        state = nodes.state()
+        agents = {a["node"] for a in state["actors"] if a["name"].startswith("ppipe-ingress-") and a["state"] == "ALIVE"}
+        assert agents == {nodes.node_offering("l4-0", state), nodes.node_offering("p4-0", state)}, state["actors"]
+        (victim,) = _ingress_pids(nodes, "p4")
+        assert len(_ingress_pids(nodes, "head")) == 1
+        assert served(40) == [200] * 40
+        time.sleep(2.5)  # every ingress's metrics reach the scheduler, and the merge comes back
+        text = httpx.get(ing.url + "/metrics", timeout=10).text
+        assert _served_by(text, "ingress-0") > 0 and _served_by(text, "ingress-1") > 0, text[-3000:]
+
+        os.kill(victim, 9)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and _ingress_pids(nodes, "p4") in ([], [victim]):
+            assert set(served(2)) == {200}  # the head's ingress takes every connection meanwhile
+            time.sleep(0.2)
+        back = _ingress_pids(nodes, "p4")
+        assert len(back) == 1 and back != [victim], ing.log()[-4000:]
+        assert served(20) == [200] * 20
+    finally:
+        ing.stop()
+    time.sleep(1.0)
+    assert _ingress_pids(nodes, "p4") == [] and _ingress_pids(nodes, "head") == []
+    log = ing.log()
+    assert "ingress processes on every Ray node" in ing.stdout.read_text() and "Traceback" not in log, log[-4000:]
+    assert log.count("is gone (exit code") == 1, log[-4000:]

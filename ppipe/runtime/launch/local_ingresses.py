@@ -33,7 +33,8 @@ servers); each ingress learns the schedulers from shard 0 at its hello
 (:class:`~ppipe.runtime.scheduler.ingresses.IngressDirectory`), and an ingress that dies is
 forgotten by every shard (the supervisor's ``on_gone``).
 
-Not built here: ingresses on other nodes (Ray actors per node).
+Under Ray, ingresses run on every node (:mod:`ppipe.runtime.launch.ray_ingresses`), each
+one such a process that a Ray actor of its node starts; the supervisor is the same.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from typing import Any
 
 from ppipe.errors import UserError
 from ppipe.runtime.launch.local import _frame, _loop_factory, _portable, _read_frame_blocking, _rebuilt, serve_child
+from ppipe.runtime.wire.datapath import LOOPBACK
 
 log = logging.getLogger("ppipe.runtime")
 PROCESS_NAME = "ppipe-ingress"  # an ingress process's name in ps and top
@@ -75,6 +77,7 @@ class IngressStart:
         admin_url: the scheduler's own HTTP API (``http://127.0.0.1:PORT``), where the ingress
             passes its admin requests (plan switches).
         start_timeout_s: it must serve, and have heard from the scheduler, within this.
+        data_host: the address its inbox binds (workers and the scheduler reach it there).
     """
 
     index: int
@@ -85,6 +88,7 @@ class IngressStart:
     port: int
     admin_url: str
     start_timeout_s: float = 60.0
+    data_host: str = LOOPBACK
 
 
 # ---- the ingress's process ------------------------------------------------------------------------------------
@@ -106,7 +110,7 @@ def _build(start: IngressStart):
 
     settings = start.settings
     rt = IngressRuntime(start.index, start.scheduler_address, start.dep.plan, start.dep.profiles,
-                        secret=settings.runtime.get("data_secret"))
+                        secret=settings.runtime.get("data_secret"), host=start.data_host)
     companions = []
     if settings.grpc:
         from ppipe.runtime.ingress.grpc_server import GrpcServer
@@ -229,6 +233,16 @@ class LocalIngress:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
 
+    def wait_exit(self, timeout_s: float) -> None:
+        """Wait (blocking) up to ``timeout_s`` for the process to exit."""
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+
+    def again(self) -> "LocalIngress":
+        """A fresh handle for the same ingress (not launched)."""
+        return LocalIngress(self.spec)
+
     def kill(self) -> None:
         """SIGKILL its process group (its JSON decode pool too; no wait)."""
         if self.proc is not None:
@@ -242,17 +256,18 @@ class IngressSupervisor:
 
     Args:
         runtime: the :class:`~ppipe.runtime.scheduler.host.Runtime` (``accept_ingresses``).
-        count: how many ingress processes.
-        start: ``start(index, scheduler_address)``: ingress ``index``'s :class:`IngressStart`.
+        ingresses: ``ingresses(scheduler_address)``: the ingresses to start, not launched
+            (:class:`LocalIngress`, or :class:`~ppipe.runtime.launch.ray_ingresses.RayIngress`
+            under Ray), ingress ``i`` at index ``i``.
         stop_timeout_s: at shutdown, an ingress that has not drained within this is killed.
         on_gone: ``await on_gone(index)`` after ingress ``index`` died and this runtime
             forgot it: the other schedulers' turn (``--shards``), or None.
     """
 
-    def __init__(self, runtime: Any, count: int, start: Any, stop_timeout_s: float = 10.0, on_gone: Any = None):
-        self.runtime, self.count, self._start, self.stop_timeout_s = runtime, count, start, stop_timeout_s
+    def __init__(self, runtime: Any, ingresses: Any, stop_timeout_s: float = 10.0, on_gone: Any = None):
+        self.runtime, self._make, self.stop_timeout_s = runtime, ingresses, stop_timeout_s
         self.on_gone = on_gone
-        self.ingresses: list[LocalIngress] = []
+        self.ingresses: list[Any] = []
         self.restarts = 0
         self._watching: list[asyncio.Task] = []
 
@@ -262,7 +277,7 @@ class IngressSupervisor:
         Raises:
             UserError: one did not start (the others are killed).
         """
-        self.ingresses = [LocalIngress(self._start(i, self.runtime.ingress_address)) for i in range(self.count)]
+        self.ingresses = self._make(self.runtime.ingress_address)
         try:
             for ing in self.ingresses:
                 ing.launch()
@@ -272,7 +287,7 @@ class IngressSupervisor:
             for ing in self.ingresses:
                 ing.kill()
             raise
-        self._watching = [asyncio.ensure_future(self._watch(i)) for i in range(self.count)]
+        self._watching = [asyncio.ensure_future(self._watch(i)) for i in range(len(self.ingresses))]
 
     async def _watch(self, index: int) -> None:
         """While serving: when ingress ``index`` dies, fail what it held and start it again."""
@@ -281,7 +296,10 @@ class IngressSupervisor:
             ing = self.ingresses[index]
             code = await ing.lifeline()
             log.error("%s is gone (exit code %s); its requests are answered ingress-gone, and it is restarted", ing.describe(), code)
-            self.runtime.ingress_gone(index)
+            try:
+                self.runtime.ingress_gone(index)
+            except Exception:  # a bug: said, and the ingress is restarted all the same
+                log.exception("the scheduler could not forget %s", ing.describe())
             if self.on_gone is not None:  # before the restart: the new ingress's hello must not be forgotten with it
                 try:
                     await asyncio.wait_for(self.on_gone(index), ON_GONE_TIMEOUT_S)
@@ -292,7 +310,7 @@ class IngressSupervisor:
             while True:
                 await asyncio.sleep(RESTART_DELAYS_S[min(tries, len(RESTART_DELAYS_S) - 1)])
                 tries += 1
-                fresh = LocalIngress(ing.spec)
+                fresh = ing.again()
                 try:
                     fresh.launch()
                     await asyncio.to_thread(fresh.wait_started)
@@ -313,9 +331,7 @@ class IngressSupervisor:
             ing.terminate()
         deadline = time.monotonic() + self.stop_timeout_s
         for ing in self.ingresses:
-            if ing.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    await asyncio.to_thread(ing.proc.wait, max(0.0, deadline - time.monotonic()))
+            await asyncio.to_thread(ing.wait_exit, max(0.0, deadline - time.monotonic()))
             ing.kill()
 
 

@@ -157,13 +157,23 @@ def kill_all(shards: ShardSet, workers: dict, switchers: list, shutdown_timeout_
         h.kill()
 
 
-def check_ingress_flags(ingress: int, launcher: str, n_shards: int) -> None:
-    """Refuse ``--ingress N`` where it is not built: under Ray."""
-    if not ingress:
-        return
-    if launcher != "local":
-        raise UserError("--ingress runs its ingress processes on this machine, under the local launcher; ingresses on "
-                        "Ray's nodes are not built yet", fix="use --launcher local (no --ray-address, no ray_resource), or leave out --ingress")
+def check_ingress_flags(ingress: int, launcher: str, shards_flag: str, n_shards: int) -> int:
+    """The shard count with ``--ingress N``: under Ray, one scheduler (``--shards auto`` is
+    1 there); ``--shards K > 1`` with ingresses on Ray's nodes is refused (not built)."""
+    if not ingress or launcher != "ray" or n_shards == 1:
+        return n_shards
+    if shards_flag == "auto":
+        return 1
+    raise UserError(f"--ingress with --shards {n_shards} runs under the local launcher only; under Ray the ingresses of "
+                    "every node send to one scheduler", fix="use --shards 1 (or auto) with --launcher ray, or --launcher local")
+
+
+def admin_host(ingress: int, launcher: str) -> str:
+    """Where the scheduler's own HTTP API listens with ``--ingress N``: loopback, unless
+    ingresses on other Ray nodes pass their plan switches to it (this node's Ray address)."""
+    from ppipe.runtime.wire.datapath import LOOPBACK, node_host
+
+    return node_host() if ingress and launcher == "ray" else LOOPBACK
 
 
 def split_for_ingresses(settings, ingress: int, decode_workers: int | None):
@@ -180,18 +190,30 @@ def split_for_ingresses(settings, ingress: int, decode_workers: int | None):
     return scheduler, dataclasses.replace(settings, app={**settings.app, "decode_workers": per_ingress})
 
 
-def ingress_companion(ingress: int, dep, settings, host: str, port: int, shutdown_timeout_s: float, admin_url: str):
+def ingress_companion(ingress: int, dep, settings, host: str, port: int, shutdown_timeout_s: float, admin_url: str,
+                      launcher: str = "local"):
     """``f(runtime)``: the :class:`~ppipe.runtime.launch.local_ingresses.IngressSupervisor`
-    of ``--ingress N`` (None without); ``admin_url``: the scheduler's own API, where the
-    ingresses pass plan switches."""
+    of ``--ingress N`` (None without): N ingress processes here, or under Ray N on every
+    alive node; ``admin_url``: the scheduler's own API, where the ingresses pass plan
+    switches."""
     if not ingress:
         return None
-    from ppipe.runtime.launch.local_ingresses import IngressStart, IngressSupervisor
+    from ppipe.runtime.launch.local_ingresses import IngressStart, IngressSupervisor, LocalIngress
+    from ppipe.runtime.wire.datapath import node_host
 
-    def start(index: int, scheduler_address: str) -> IngressStart:
-        return IngressStart(index, scheduler_address, dep, settings, host, port, admin_url)
+    data_host = node_host()  # loopback unless Ray has nodes on other hosts (then each ingress binds its node's address)
 
-    return lambda rt, on_gone=None: IngressSupervisor(rt, ingress, start, stop_timeout_s=shutdown_timeout_s + 5.0, on_gone=on_gone)
+    def start(scheduler_address: str):
+        return lambda index: IngressStart(index, scheduler_address, dep, settings, host, port, admin_url, data_host=data_host)
+
+    def ingresses(scheduler_address: str) -> list:
+        if launcher == "ray":
+            from ppipe.runtime.launch.ray_ingresses import ray_ingresses
+
+            return ray_ingresses(ingress, start(scheduler_address))
+        return [LocalIngress(start(scheduler_address)(i)) for i in range(ingress)]
+
+    return lambda rt, on_gone=None: IngressSupervisor(rt, ingresses, stop_timeout_s=shutdown_timeout_s + 5.0, on_gone=on_gone)
 
 
 def companions(rt, router, *, dep, layout, shards: ShardSet, switchers, worker_options, plan_file, replan_policy,
