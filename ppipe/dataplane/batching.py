@@ -85,6 +85,7 @@ from ppipe.dataplane.api import (
     uplink,
     vgpu_resource,
 )
+from ppipe.dataplane.failure import failure_cut
 from ppipe.dataplane.options import SchedulerOptions
 from ppipe.dataplane.tables import EPS_US, ReservationTable
 from ppipe.dataplane.topology import Pipeline, Topology, VGpu
@@ -432,11 +433,12 @@ class BatchingScheduler:
 
         The vGPU leaves its pool at once; a pool left empty disables its pipeline; a model
         with no live pipeline drops its queue (and later arrivals) with ``NO_PIPELINE``.
-        An in-flight batch is lost (its requests dropped with ``WORKER_FAILED``) when the
-        failed vGPU holds a stage that has not been reported done, or holds the stage just
-        before the first unreported one (its feature map may not have left the dead worker
-        yet). Its reservations from that stage on are released; those of earlier stages,
-        on live workers that may still run them, are kept until their end.
+        An in-flight batch is lost (its requests dropped with ``WORKER_FAILED``) where the
+        failure cut (:func:`~ppipe.dataplane.failure.failure_cut`) of its reported stages
+        says so: the failed vGPU holds a stage that has not been reported done, or holds
+        the stage just before the first unreported one (its feature map may not have left
+        the dead worker yet). Its reservations from the cut on are released; those of
+        earlier stages, on live workers that may still run them, are kept until their end.
         """
         now = self.clock.now_us()
         g = self.topology.vgpus.get(vgpu_id)
@@ -455,13 +457,7 @@ class BatchingScheduler:
         out: list[Decision] = []
         for bid in list(self.inflight):
             rec = self.inflight[bid]
-            first_open = next((i for i, done in enumerate(rec.reported) if not done), None)
-            if first_open is None:
-                continue
-            if first_open > 0 and rec.hops[first_open - 1].vgpu is g:
-                cut = first_open  # its output may not have left the dead worker
-            else:
-                cut = next((j for j in range(first_open, len(rec.hops)) if rec.hops[j].vgpu is g), None)
+            cut = failure_cut([h.vgpu.id for h in rec.hops], rec.reported, vgpu_id)
             if cut is not None:
                 for r in rec.live:
                     out.append(self._drop(r, DropReason.WORKER_FAILED, f"vGPU {vgpu_id} failed"))

@@ -49,6 +49,17 @@ def _serving_margins(plan, profiles, spec, policy: str, lead_ms: float, budget_m
 
 
 
+def _decode_setup(decode_ms: float, workers: int):
+    """``--decode-ms`` and ``--decode-workers``: the run's decode stage (None: no decoding)."""
+    from ppipe.sim.decoding import DecodeSetup
+
+    if decode_ms < 0:
+        raise UserError(f"--decode-ms must be >= 0, got {decode_ms}", fix="use 0 (no decoding) or a decode's time, e.g. 5")
+    if workers < 1:
+        raise UserError(f"--decode-workers must be >= 1, got {workers}", fix="e.g. --decode-workers 2")
+    return DecodeSetup(decode_ms * 1e3, workers) if decode_ms > 0 else None
+
+
 @click.command("simulate")
 @click.argument("plan_file", metavar="PLAN.yaml", type=click.Path(dir_okay=False))
 @click.option("--cluster", default=None, help="Cluster YAML or built-in name (overrides plan.yaml 'cluster_file' / 'cluster').")
@@ -104,9 +115,14 @@ def _serving_margins(plan, profiles, spec, policy: str, lead_ms: float, budget_m
 @click.option("--schedulers", type=int, default=1, show_default=True,
               help="Decide the plan with this many schedulers, each over a disjoint group of its servers (ppipe.dataplane.split): "
               "what a split for a rate beyond one scheduler core costs. Prints what the groups keep.")
+@click.option("--decode-ms", type=float, default=0.0, show_default=True,
+              help="Each request's decode before the scheduler (a JSON body, encoded images), on a pool of --decode-workers, "
+              "admitted by the decode rule `ppipe serve`'s ingresses apply (ppipe.dataplane.decode). 0: none (binary tensors).")
+@click.option("--decode-workers", type=int, default=1, show_default=True, help="Workers of the decode pool (--decode-ms).")
 def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full_points, arrivals, period_s, replan,
              replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s, replan_curvature_window_s, trace_file, cv, duration_s, seed,
-             policy, jitter_cv, dispatch_lead_ms, answer_budget_ms, feedback, report_tolerance_ms, rates_from, plot_dir, records_out, json_out, schedulers) -> None:
+             policy, jitter_cv, dispatch_lead_ms, answer_budget_ms, feedback, report_tolerance_ms, rates_from, plot_dir, records_out, json_out, schedulers,
+             decode_ms, decode_workers) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
     from ppipe.sim.simulator import SimConfig, default_feedback
@@ -144,7 +160,8 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
     if report_tolerance_ms < 0:
         raise UserError(f"--report-tolerance-ms must be >= 0, got {report_tolerance_ms}", fix="e.g. --report-tolerance-ms 1")
     config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy, replan=setup,
-                       scheduler_options=margins, report_tolerance_us=max(report_tolerance_ms * 1e3, EXACT_US))
+                       scheduler_options=margins, report_tolerance_us=max(report_tolerance_ms * 1e3, EXACT_US),
+                       decode=_decode_setup(decode_ms, decode_workers))
     base = rates or base_rates(plan)
     factory = _split_factory(plan, schedulers, policy, margins, replan) if schedulers != 1 else None
 

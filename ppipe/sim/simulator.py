@@ -4,7 +4,9 @@ The scheduler (``ppipe.dataplane``, the same object ``ppipe serve`` runs) only *
 returns decisions. This module models what really happens when those decisions are
 carried out, and feeds the truth back:
 
-* **Arrivals** reach the frontend and are ``submit``-ted (deadline = arrival + SLO).
+* **Arrivals** reach the frontend and are ``submit``-ted (deadline = arrival + SLO); with
+  ``SimConfig.decode`` they are decoded first on a pool, admitted by the data plane's decode
+  rule (:mod:`ppipe.sim.decoding`), and submitted once decoded.
 * **A dispatched batch** runs stage by stage. A stage becomes *eligible* at
   ``max(planned start, its input arrived)``; its vGPU runs eligible stages one at a time in
   the order they became eligible (FIFO), so a stage starts at
@@ -95,6 +97,7 @@ from ppipe.dataplane.api import Dispatch, Drop, DropReason, Request, StageReport
 from ppipe.dataplane.feedback import EXACT_US, ran_as_reserved
 from ppipe.errors import NotAvailableError, UserError
 from ppipe.sim.clock import Event, EventLoop, Priority
+from ppipe.sim.decoding import DECODE_WHERE, DecodeSetup, DecodeStage
 from ppipe.sim.records import QUEUE, BatchRecord, RequestRecord, StageRun
 from ppipe.spec.cluster import ClusterSpec
 from ppipe.spec.plan import Plan
@@ -152,6 +155,9 @@ class SimConfig:
             execution"): ``"auto"`` writes a batch's stage times from its plan when nothing
             can make them differ, and simulates every transfer and stage as events
             otherwise; ``"events"`` always simulates them as events. Same records either way.
+        replan: re-planning during the run (module docstring, "Re-planning"); None: off.
+        decode: decoding before the scheduler, admitted by the data plane's rule
+            (:mod:`ppipe.sim.decoding`); None: requests reach the scheduler as they arrive.
     """
 
     duration_s: float = 30.0
@@ -167,6 +173,7 @@ class SimConfig:
     stop_overall: bool = False
     execution: str = "auto"
     replan: "ReplanSetup | None" = None
+    decode: "DecodeSetup | None" = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +224,21 @@ class _BatchRun:
 
 
 # ---- events (one class per kind; each handler returns its follow-ups) -------------------
+
+
+class DecodedEvent(Event):
+    """Request number ``index`` is decoded (``SimConfig.decode``): it reaches the scheduler."""
+
+    __slots__ = ("sim", "index")
+    priority = Priority.ARRIVAL
+
+    def __init__(self, time_us: float, sim: "Simulator", index: int):
+        self.time_us = time_us
+        self.sim = sim
+        self.index = index
+
+    def handle(self):
+        return self.sim.on_decoded(self.index)
 
 
 class ArrivalEvent(Event):
@@ -418,6 +440,7 @@ class Simulator:
         self.retired_vgpus: dict[str, VgpuState] = {}  # states of vGPUs a switch replaced, keyed "<id>@<switch>"
         self.switch_log: list[dict] = []
         self.controller = self._controller(config.replan) if config.replan is not None else None
+        self.decoding = DecodeStage(config.decode, plan, self.profiles, cluster, config.scheduler_options) if config.decode else None
         # Exact execution (module docstring): nothing can make a stage differ from its plan.
         self.exact = (
             config.execution == "auto"
@@ -729,12 +752,7 @@ class Simulator:
         model = self._arr_model[i]
         rec = RequestRecord(i, model, t, t + self._slo_us[model])
         self.records[i] = rec
-        req = Request(i, model, t, rec.deadline_us)
-        t0 = time.perf_counter()  # (self._call inlined: one call per request)
-        decisions = self.scheduler.submit(req)
-        self.scheduler_s += time.perf_counter() - t0
-        self.scheduler_calls += 1
-        out = self.apply(decisions)
+        out = self._submit(rec) if self.decoding is None else self._decode(rec)
         if i + 1 < len(arr):
             out.append(ArrivalEvent(arr[i + 1], self, i + 1))
         ctl = self.controller
@@ -745,6 +763,31 @@ class Simulator:
                 if d is not None:
                     out.append(SwitchEvent(t + self.config.replan.load_delay_s * 1e6, self, d))
         return out
+
+    def _submit(self, rec: RequestRecord) -> list[Event]:
+        t0 = time.perf_counter()  # (self._call inlined: one call per request)
+        decisions = self.scheduler.submit(Request(rec.id, rec.model, rec.arrival_us, rec.deadline_us))
+        self.scheduler_s += time.perf_counter() - t0
+        self.scheduler_calls += 1
+        return self.apply(decisions)
+
+    def _decode(self, rec: RequestRecord) -> list[Event]:
+        """Decode admission (:mod:`ppipe.sim.decoding`): queue the request's decode, or drop it."""
+        end, why = self.decoding.admit(rec.model, rec.arrival_us, self.clock.now_us())
+        if end is None:
+            self._drop(rec.id, DropReason.DEADLINE_UNREACHABLE, why)
+            rec.drop_where = DECODE_WHERE
+            return []
+        return [DecodedEvent(end, self, rec.id)]
+
+    def on_decoded(self, i: int) -> list[Event]:
+        rec = self.records[i]
+        late = self.decoding.late_by_us(rec.model, rec.arrival_us, self.clock.now_us())
+        if late is not None:
+            self._drop(i, DropReason.DEADLINE_UNREACHABLE, f"decoding ended {late / 1e3:.1f} ms too late for the SLO")
+            rec.drop_where = DECODE_WHERE
+            return []
+        return self._submit(rec)
 
     def on_wake(self, t: float) -> list[Event]:
         self._pending_wakes.discard(t)

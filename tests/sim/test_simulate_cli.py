@@ -143,3 +143,13 @@ def test_schedulers_split_the_servers_and_say_what_they_keep(plan_dir):
     for bad, match in ((0, "--schedulers must be >= 1"), (len(servers) + 1, f"cannot split a plan on {len(servers)} servers")):
         r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--schedulers", bad)
         assert r.exit_code == 2 and match in r.output, r.output
+
+
+def test_decode_ms_decodes_before_the_scheduler_and_drops_what_cannot_decode_in_time(plan_dir):
+    r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--decode-ms", 0.2, "--decode-workers", 2)
+    assert r.exit_code == 0 and "where: decode" not in r.output, r.output  # a pool that keeps up drops nothing
+    r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--decode-ms", 3)  # past the SLO's decode share
+    assert r.exit_code == 0 and "deadline-unreachable" in r.output and "where: decode:" in r.output, r.output
+    for bad in (["--decode-ms", -1], ["--decode-ms", 1, "--decode-workers", 0]):
+        r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, *bad)
+        assert r.exit_code == 2 and "must be >=" in r.output, r.output

@@ -77,6 +77,7 @@ from ppipe.runtime.ingress.fast_path import ClientGone, InferFastPath, error_bod
 from ppipe.runtime.ingress.images import ImagePool, default_image_workers
 from ppipe.runtime.ingress.model_io import check_infer_inputs, model_metadata
 from ppipe.runtime.ingress.protocol import HEADER_LENGTH, InferRequest, ProtocolError, brief, encode_infer_response
+from ppipe.dataplane.decode import decode_slack_us, latest_end_us, refusal
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,6 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0  # headers read -> whole body read (a 64 MB body at ~20 Mbit/s)
 
 _UNAUTHORIZED = "missing or wrong bearer token (Authorization: Bearer <token>)"
-
-DECODE_SHARE_OF_SLACK = 0.5
-"""A pool decode must be expected to end within this share of the model's slack (SLO less its
-fastest pipeline and the answer budget), else the request is dropped before decoding: under
-JSON overload, the decode queue then stays short enough that what it admits is served."""
 
 DROP_STATUS = {"timeout": 504, "worker-error": 500, "unknown-model": 404}
 
@@ -134,15 +130,12 @@ class Frontend:
         plan = self.runtime.plan
         self.models.clear()
         self.models.update({m.name: m for m in plan.models})
-        # the latest a JSON decode may end, from arrival: the SLO less the fastest pipeline
-        # and the runtime's margins (later, no schedule can meet the deadline)
+        # each model's decode slack (ppipe.dataplane.decode): the slack its plan leaves less the
+        # runtime's margins; a runtime without budgets (an ingress process) has its plan's slack
         budgets = getattr(self.runtime, "budgets", None)
-        margins = budgets.margins if budgets is not None else {}
-        self._decode_slack_us = {
-            m.name: (margins[m.name].slack_us - margins[m.name].reserved_us) if m.name in margins
-            else m.slo_ms * 1e3 - min((p.latency_us for p in m.pipelines), default=0.0)
-            for m in plan.models
-        }
+        slack = decode_slack_us(budgets.margins if budgets is not None else {})
+        self._decode_slack_us = {m.name: slack.get(m.name, m.slo_ms * 1e3 - min((p.latency_us for p in m.pipelines), default=0.0))
+                                 for m in plan.models}
 
     # ---- helpers ----------------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -184,9 +177,7 @@ class Frontend:
 
     async def _decode_in_pool(self, name: str, body: bytes, header_length: str | None, arrival_us: float):
         dec, man = self.decoder, self.runtime.profiles[name].manifest
-        # the decode must leave the pipeline at least half of the slack: a request decoded at
-        # the last moment would find the pipeline's queue (and the estimate's error) in its way
-        latest_us = arrival_us + DECODE_SHARE_OF_SLACK * self._decode_slack_us[name]
+        latest_us = latest_end_us(arrival_us, self._decode_slack_us[name])  # decode admission (ppipe.dataplane.decode)
         try:
             self._admit(latest_us, dec.expected_end_s(len(body)),
                         f"decoding this {len(body)}-byte JSON body", f"{dec.queued} JSON bodies are decoding ahead of it; "
@@ -212,7 +203,7 @@ class Frontend:
         if arr.dtype != object:
             return arr
         man, images = self.runtime.profiles[name].manifest, self.images
-        latest_us = arrival_us + DECODE_SHARE_OF_SLACK * self._decode_slack_us[name]
+        latest_us = latest_end_us(arrival_us, self._decode_slack_us[name])
         nbytes = sum(len(b) for b in arr)
         try:
             self._admit(latest_us, images.expected_end_s(nbytes), f"decoding these {len(arr)} image(s) of {nbytes} bytes",
@@ -227,13 +218,13 @@ class Frontend:
 
     def _admit(self, latest_us: float, expected_s: float, what: str, ahead: str) -> None:
         """Raise deadline-unreachable when work expected to take ``expected_s`` from now would end after ``latest_us``."""
-        end_us = self.runtime.clock.true_now_us() + expected_s * 1e6
-        if end_us > latest_us:
-            raise DroppedError("deadline-unreachable", f"{what} would end {(end_us - latest_us) / 1e3:.0f} ms too late for the SLO ({ahead})")
+        late_us = refusal(self.runtime.clock.true_now_us() + expected_s * 1e6, latest_us)
+        if late_us is not None:
+            raise DroppedError("deadline-unreachable", f"{what} would end {late_us / 1e3:.0f} ms too late for the SLO ({ahead})")
 
     def _check_late(self, latest_us: float, what: str) -> None:
-        late_us = self.runtime.clock.true_now_us() - latest_us
-        if late_us > 0:
+        late_us = refusal(self.runtime.clock.true_now_us(), latest_us)
+        if late_us is not None:
             raise DroppedError("deadline-unreachable", f"{what} ended {late_us / 1e3:.0f} ms too late for the SLO")
 
     # ---- endpoints -----------------------------------------------------------------------

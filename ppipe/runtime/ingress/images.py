@@ -35,6 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ppipe.dataplane.decode import expected_end_us
 from ppipe.runtime.ingress.protocol import ProtocolError
 from ppipe.runtime.scheduler.host import DroppedError
 from ppipe.spec.profile import ImagePreprocess, TensorSpec
@@ -194,7 +195,7 @@ class ImagePool:
 
     def expected_end_s(self, nbytes: int) -> float:
         """Seconds from now until images of ``nbytes`` submitted now would be ready."""
-        return (self.queued_bytes / self.workers + nbytes) * self.s_per_byte
+        return expected_end_us(0.0, self.queued_bytes * self.s_per_byte, self.workers, nbytes * self.s_per_byte)  # (in s)
 
     async def prepare(self, blobs: Sequence[bytes], pre: ImagePreprocess, spec: TensorSpec) -> np.ndarray:
         """:func:`prepare_images` on a thread of the pool.

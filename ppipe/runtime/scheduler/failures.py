@@ -1,13 +1,14 @@
 """Failures the scheduler's host handles: workers that die, reports that stop coming.
 
 - A worker is gone when its handle's ``lifeline`` call ends (:class:`~ppipe.runtime.launch.handle.WorkerGone`).
-  Its vGPU is given to ``scheduler.mark_failed`` once, the batches in flight that still
-  need it are answered ``worker-failed``, and its live NCCL peers are told to abort their
-  edges with it (a receive from it would never complete). A worker of an earlier plan
+  Its vGPU is given to ``scheduler.mark_failed`` once, the batches in flight that the
+  data plane's failure cut loses (:mod:`ppipe.dataplane.failure`) are answered
+  ``worker-failed``, and its live NCCL peers are told to abort their edges with it (a
+  receive from it would never complete). A worker of an earlier plan
   that dies while finishing that plan's batches fails only those batches.
 - A dispatched batch whose reports stop coming (a connection between two workers broke
   and took its message with it) is answered ``worker-failed`` once it is ``report_grace_s``
-  (at least the model's SLO) past its planned end.
+  (at least the model's SLO) past its planned end (the data plane's report deadline).
 - With a ``respawn`` function, a failed vGPU's worker is re-created until it is up, then
   handed back to the scheduler (``mark_recovered``).
 """
@@ -19,6 +20,7 @@ import logging
 from typing import Any
 
 from ppipe.dataplane.api import DropReason
+from ppipe.dataplane.failure import failure_cut, report_deadline_us
 from ppipe.runtime.launch.handle import WorkerGone, WorkerHandle
 from ppipe.runtime.scheduler.calls import call_unawaited
 
@@ -64,12 +66,13 @@ class FailuresMixin:
                 call_unawaited(self.workers[other].drop_peer(vgpu_id, [gen]), f"{other}.drop_peer({vgpu_id})")
 
     def _fail_batches_through(self, vgpu_id: str, since: int, until: float) -> None:
-        """Answer ``worker-failed`` to the batches numbered in ``[since, until)`` that still
-        need ``vgpu_id``; forget its stages of those that are past it."""
+        """Answer ``worker-failed`` to the batches numbered in ``[since, until)`` that the
+        failure cut of ``vgpu_id`` loses (:func:`~ppipe.dataplane.failure.failure_cut`, on
+        the stages this host knows done); forget its stages of those that go on."""
         for batch in list(self._inflight.values()):
             if not since <= batch.d.batch_id < until:
                 continue
-            if vgpu_id in batch.route[batch.next_stage :]:
+            if failure_cut(batch.route, [j < batch.next_stage for j in range(len(batch.route))], vgpu_id) is not None:
                 self._fail(batch, DropReason.WORKER_FAILED.value, f"vGPU {vgpu_id} failed while running the batch")
             else:  # its stage ran (a later stage has reported): its own report may never come
                 batch.unreported -= {j for j, v in enumerate(batch.route) if v == vgpu_id}
@@ -107,7 +110,7 @@ class FailuresMixin:
                 slo_us.update({m.name: m.slo_ms * 1e3 for m in self.plan.models})
             for batch in list(self._inflight.values()):
                 d = batch.d
-                if now > d.stages[-1].end_us + max(self.report_grace_s * 1e6, slo_us.get(d.model, 0.0)):
+                if now > report_deadline_us(d.stages[-1].end_us, self.report_grace_s * 1e6, slo_us.get(d.model, 0.0)):
                     if len(batch.route) - 1 not in batch.unreported:  # answered; an earlier stage's report is lost
                         del self._inflight[d.batch_id]
                         continue
