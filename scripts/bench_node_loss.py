@@ -12,7 +12,12 @@ Prints the requests sent, answered and by status in each phase (before the kill,
 the loss, while the node returns, after), when ``b`` turned unready, the readiness and the
 capacity gauge during the loss, and the recovery time (node back -> ``b`` ready again).
 
-    python scripts/bench_node_loss.py [--rate 10] [--phase-s 3] [--json-out FILE]
+    python scripts/bench_node_loss.py [--rate 10] [--phase-s 3] [--ingress N] [--json-out FILE]
+
+With ``--ingress N``, ``ppipe serve --ingress N`` puts N ingress processes on each node; the
+load reaches them on the shared port, and the script also prints when the second node has
+its ingresses again after its return (the supervisor finds the node by its address and
+resources: it comes back with a new id).
 
 The test with the same scenario (tests/runtime/test_multinode.py) asserts the invariants;
 this script is where the times are. Needs only the ``ray`` CLI of this Python's venv; the
@@ -38,6 +43,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=10.0, help="requests per second to each model")
     ap.add_argument("--phase-s", type=float, default=3.0, help="seconds of load before the kill, after the model turned unready, and after it is back")
+    ap.add_argument("--ingress", type=int, default=0, help="ppipe serve --ingress N: N ingress processes on every node")
     ap.add_argument("--json-out", default=None, help="also write the figures (without the per-request answers) as JSON here")
     args = ap.parse_args()
     import ray
@@ -51,23 +57,51 @@ def main() -> int:
                 print(f"ray start of the second node failed: {r.stderr[-2000:]}", file=sys.stderr)
                 return 1
             plan, _ = write_two_model_plan(root)
-            serve = Serve(nodes, plan, root)
+            serve = Serve(nodes, plan, root, extra=("--ingress", str(args.ingress)) if args.ingress else ())
             try:
                 serve.wait_ready()
                 res = run_node_loss(nodes, serve, "p4", {"p4": 1, "p4-0": 1}, lost_model="b", models=["a", "b"],
                                     rate=args.rate, phase_s=args.phase_s)
+                if args.ingress:
+                    res["ingresses_back"] = _ingresses_back(nodes, "p4", args.ingress)
             finally:
                 serve.stop()
-            log = [line for line in serve.log().splitlines() if any(w in line for w in ("vGPU", "server p4", "data path", "Unhandled"))]
+            words = ("vGPU", "server p4", "data path", "Unhandled", "ingress")
+            log = [line for line in serve.log().splitlines() if any(w in line for w in words)]
     print(f"Ray {ray.__version__}, token auth on; 2 nodes on 127.0.0.1; ppipe serve --backend emulated; "
           f"{args.rate:g} req/s to each of a (head) and b (head -> second node)")
     print_node_loss(res)
+    if args.ingress:
+        n, waited = res["ingresses_back"]
+        print(f"ingress processes on the second node after its return: {n} of {args.ingress} "
+              f"({waited:.1f} s after b was ready again and the last phase of load)")
     print("ppipe serve's log lines about it:")
     for line in log:
         print("  " + line)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({k: v for k, v in res.items() if k != "answers"}, indent=2))
     return 0
+
+
+def _ingresses_back(nodes, name: str, want: int, timeout_s: float = 120.0) -> tuple[int, float]:
+    """Wait until node ``name`` runs ``want`` ingress processes: (how many it runs, seconds waited)."""
+    import time
+
+    import psutil
+
+    def count() -> int:
+        n = 0
+        for pid in nodes.pids(name):
+            try:
+                n += psutil.Process(pid).name() == "ppipe-ingress"
+            except psutil.NoSuchProcess:
+                pass
+        return n
+
+    t0 = time.monotonic()
+    while count() < want and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.5)
+    return count(), time.monotonic() - t0
 
 
 if __name__ == "__main__":

@@ -351,11 +351,17 @@ class Load:
 
 
 def metric(text: str, name: str, **labels: str) -> float | None:
-    """The value of sample ``name{labels}`` in a Prometheus text exposition (None: absent)."""
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    """The value of the first sample ``name`` whose labels include ``labels`` in a Prometheus
+    text exposition (None: absent); other labels (a merged server's ``process``) may be there."""
+    import re
+
     for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.split()[-1])
+        m = re.match(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$", line)
+        if m is None or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            return float(m.group(3))
     return None
 
 
