@@ -172,7 +172,7 @@ class _NullClock:
               help="N > 0: N ingress processes on --port (and --grpc-port) hold the clients' connections and tensors (read, "
               "authenticate, validate, decode, answer), and this process only schedules: it sees each request's metadata, "
               "and the tensors go from an ingress to the first worker and from the last worker back. Under Ray, N on every "
-              "alive node (a Ray actor per node starts them), one scheduler; under the local launcher, with "
+              "alive node (a Ray actor per node starts them). With "
               "--shards K, K scheduler processes (each its models, or its servers with --shard-by servers), and the ingresses send "
               "each request to its model's. Plan switches (ppipe apply on the port, SIGHUP, --replan auto) are made by the "
               "schedulers. 0: this process does it all.")
@@ -213,7 +213,6 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     _check_plan_serves(dep, policy, options, dispatch_lead_ms, answer_budget_ms)
     n_shards = parse_shards(shards, dep.plan, os.cpu_count() or 1, by=shard_by, ingress=ingress)
     launcher, n_shards = _choose_launcher(launcher, ray_address, dep.cluster, shards, n_shards, transport)
-    n_shards = serving.check_ingress_flags(ingress, launcher, shards, n_shards)
     layout = shard_layout(dep.plan, n_shards, shard_by)  # a split the plan does not take well is refused here
     if layout.by == "servers" and replan == "auto":
         raise UserError("--replan auto cannot run with --shard-by servers: a server whose shards split the plan's servers "

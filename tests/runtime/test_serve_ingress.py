@@ -170,16 +170,6 @@ def test_ingress_processes_answer_with_the_models_outputs_and_one_restarts_while
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--launcher", "ray", "--shards", "2"], "local launcher only"),
-])
-def test_what_ingress_processes_do_not_serve_with_is_refused_before_anything_starts(two_stage, flags, says):
-    from ppipe.cli import main
-
-    r = CliRunner().invoke(main, ["serve", two_stage.plan_file, "--backend", "emulated", "--ingress", "2", *flags])
-    assert r.exit_code == 2 and says in r.output, r.output
-
-
 def _post(url: str, model: str, x: np.ndarray) -> tuple[int, str]:
     body, headers = encode_infer_request({"input": x}, binary=True)
     with httpx.Client(timeout=30) as c:
@@ -364,3 +354,54 @@ def test_ingresses_deal_a_models_requests_over_the_schedulers_of_its_servers(tmp
     batches = {p: _count(metrics, "ppipe_batch_size_count", p) for p in ("scheduler", "scheduler-1")}
     assert batches["scheduler"] > 0 and batches["scheduler-1"] > 0, batches
     assert "2 shards by servers" in out and "2 ingress processes" in out, out[-3000:]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_under_ray_ingresses_send_each_models_requests_to_its_own_scheduler_actor(tmp_path):
+    """``--launcher ray --ingress 1 --shards 2``: an ingress on the (one) Ray node, shard 1 a
+    Ray actor. Every answer is the model's, both schedulers run batches (the merged
+    /metrics), ``ppipe apply`` through the port switches both, and SIGTERM leaves no ingress."""
+    plan = _two_models_on_two_cpus(tmp_path)
+    plan.save(tmp_path / "plan.yaml")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(str(tmp_path / "plan.yaml"), port, "--launcher", "ray", "--num-cpus", "2", "--ingress", "1", "--shards", "2")
+    rng = np.random.default_rng(2)
+    xs = [rng.normal(0, 1, (1 + i % 2, 3, 8, 8)).astype(np.float32) for i in range(6)]
+    ingresses = []
+    try:
+        wait_until_ready(url, proc, timeout_s=120)
+        ingresses = [p for p in psutil.Process(proc.pid).children(recursive=True) if _named(p, PROCESS_NAME)]
+        for m in ("a", "b"):
+            for x in xs:
+                code, out = _infer_model(url, m, x)
+                assert code == 200, out
+                np.testing.assert_allclose(out, reference(tmp_path / m, x), rtol=2e-2, atol=2e-2)
+        time.sleep(2.5)  # every process's metrics reach scheduler 0, and the merge comes back
+        metrics = httpx.get(f"{url}/metrics", headers=AUTH, timeout=5).text
+        assert _count(metrics, "ppipe_batch_size_count", "scheduler") > 0 and _count(metrics, "ppipe_batch_size_count", "scheduler-1") > 0
+
+        from ppipe.cli import main
+
+        slower = plan.model_copy(update={"models": [m.model_copy(update={"slo_ms": 300.0}) for m in plan.models]})
+        slower.save(tmp_path / "slower.yaml")
+        applied = CliRunner().invoke(main, ["apply", str(tmp_path / "slower.yaml"), "--url", url, "--token", TOKEN])
+        assert applied.exit_code == 0, applied.output
+        for m in ("a", "b"):
+            assert httpx.get(f"{url}/v2/models/{m}", headers=AUTH, timeout=10).json()["parameters"]["slo_ms"] == 300.0
+            assert _infer_model(url, m, xs[0])[0] == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    assert len(ingresses) == 1, out[-3000:]
+    time.sleep(1.0)
+    assert not [p for p in ingresses if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert "1 ingress processes on every Ray node" in out and "2 shards" in out and "Traceback" not in out, out[-3000:]
+
+
+def _named(p: psutil.Process, name: str) -> bool:
+    try:
+        return p.name() == name
+    except psutil.NoSuchProcess:
+        return False

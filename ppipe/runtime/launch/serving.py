@@ -157,17 +157,6 @@ def kill_all(shards: ShardSet, workers: dict, switchers: list, shutdown_timeout_
         h.kill()
 
 
-def check_ingress_flags(ingress: int, launcher: str, shards_flag: str, n_shards: int) -> int:
-    """The shard count with ``--ingress N``: under Ray, one scheduler (``--shards auto`` is
-    1 there); ``--shards K > 1`` with ingresses on Ray's nodes is refused (not built)."""
-    if not ingress or launcher != "ray" or n_shards == 1:
-        return n_shards
-    if shards_flag == "auto":
-        return 1
-    raise UserError(f"--ingress with --shards {n_shards} runs under the local launcher only; under Ray the ingresses of "
-                    "every node send to one scheduler", fix="use --shards 1 (or auto) with --launcher ray, or --launcher local")
-
-
 def admin_host(ingress: int, launcher: str) -> str:
     """Where the scheduler's own HTTP API listens with ``--ingress N``: loopback, unless
     ingresses on other Ray nodes pass their plan switches to it (this node's Ray address)."""
