@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import itertools
 import logging
@@ -158,13 +159,11 @@ class RayIngress:
         Raises:
             UserError: no alive node is that machine (it was lost and is not back).
         """
-        import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.node = self._current_node()
-        agent_class = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(IngressAgent)
-        self._agent = agent_class.options(name=f"ppipe-ingress-{self.spec.index}-{next(_incarnations)}",
-                                          scheduling_strategy=NodeAffinitySchedulingStrategy(self.node.node_id, soft=False)).remote()
+        self._agent = agent_class().options(name=f"ppipe-ingress-{self.spec.index}-{next(_incarnations)}",
+                                            scheduling_strategy=NodeAffinitySchedulingStrategy(self.node.node_id, soft=False)).remote()
         self._started = self._agent.start.remote(self.spec)
 
     def _current_node(self) -> RayNode:
@@ -189,13 +188,13 @@ class RayIngress:
         try:
             ok, value = ray.get(self._started, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            self.kill()
+            self._abandon()
             raise UserError(f"{self.describe()} did not start within {timeout_s:.0f} s") from None
         except ray.exceptions.RayError as exc:
-            self.kill()
+            self._abandon()
             raise UserError(f"{self.describe()} did not start: {_first_line(exc)}") from None
         if not ok:
-            self.kill()
+            self._abandon()
             raise UserError(f"{self.describe()} did not start: {value}", fix="see its error above")
         self.address = value
         return value
@@ -231,9 +230,24 @@ class RayIngress:
         if self._agent is not None:
             self._agent.kill.remote()
 
+    def _abandon(self) -> None:
+        """``ray.kill`` the agent: one still waiting for its node (gone) is never placed, and
+        an ingress it started stops with its pair."""
+        from ppipe.runtime.launch.refs import kill_quietly
+
+        kill_quietly(self._agent)
+
     def again(self) -> "RayIngress":
         """A fresh handle for the same ingress on the same machine (not launched)."""
         return RayIngress(self.spec, self.node)
+
+
+@functools.cache
+def agent_class() -> Any:
+    """:class:`IngressAgent` as a Ray actor class (made once per process)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(IngressAgent)
 
 
 def ray_ingresses(per_node: int, start: Any) -> list[RayIngress]:
