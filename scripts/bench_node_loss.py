@@ -87,16 +87,8 @@ def _ingresses_back(nodes, name: str, want: int, timeout_s: float = 120.0) -> tu
     """Wait until node ``name`` runs ``want`` ingress processes: (how many it runs, seconds waited)."""
     import time
 
-    import psutil
-
     def count() -> int:
-        n = 0
-        for pid in nodes.pids(name):
-            try:
-                n += psutil.Process(pid).name() == "ppipe-ingress"
-            except psutil.NoSuchProcess:
-                pass
-        return n
+        return len(nodes.pids_named(name, "ppipe-ingress"))
 
     t0 = time.monotonic()
     while count() < want and time.monotonic() - t0 < timeout_s:

@@ -44,10 +44,10 @@ def latest_end_us(arrival_us: float, slack_us: float) -> float:
     return arrival_us + DECODE_SHARE_OF_SLACK * slack_us
 
 
-def expected_end_us(now_us: float, queued_us: float, workers: int, cost_us: float) -> float:
-    """``e``: when a decode of cost ``cost_us`` submitted now to a pool of ``workers`` that
-    holds ``queued_us`` of work is expected to end."""
-    return now_us + queued_us / max(1, workers) + cost_us
+def expected_end(now: float, queued: float, workers: int, cost: float) -> float:
+    """``e``: when a decode of cost ``cost`` submitted at ``now`` to a pool of ``workers``
+    that holds ``queued`` of work is expected to end (all four in one unit of time)."""
+    return now + queued / max(1, workers) + cost
 
 
 def refusal(expected_us: float, latest_us: float) -> float | None:
@@ -70,7 +70,7 @@ class DecodePool:
         return sum(f - now_us for f in self._free_us if f > now_us)
 
     def expected_end_us(self, now_us: float, cost_us: float) -> float:
-        return expected_end_us(now_us, self.queued_us(now_us), self.workers, cost_us)
+        return expected_end(now_us, self.queued_us(now_us), self.workers, cost_us)
 
     def submit(self, now_us: float, cost_us: float) -> float:
         """Queue a decode of ``cost_us``; returns when it ends."""

@@ -145,6 +145,19 @@ class LocalRayNodes:
                 todo.extend(kids.get(p, []))
         return sorted(p for p in out if _alive(p))
 
+    def pids_named(self, name: str, process_name: str) -> list[int]:
+        """The node's processes named ``process_name`` (``ps``'s name, e.g. ``ppipe-ingress``)."""
+        import psutil
+
+        out = []
+        for pid in self.pids(name):
+            try:
+                if psutil.Process(pid).name() == process_name:
+                    out.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
     def kill_node(self, name: str, wait_s: float = 10.0) -> list[int]:
         """SIGKILL every process of node ``name`` (a machine that loses power); returns their pids."""
         pids = self.pids(name)

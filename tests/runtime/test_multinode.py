@@ -131,16 +131,7 @@ def test_a_lost_node_fails_its_model_fast_and_serves_it_again_once_back(two_mach
 
 
 def _ingress_pids(nodes, name: str) -> list[int]:
-    import psutil
-
-    out = []
-    for pid in nodes.pids(name):
-        try:
-            if psutil.Process(pid).name() == "ppipe-ingress":
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    return nodes.pids_named(name, "ppipe-ingress")
 
 
 def _served_by(text: str, process: str) -> float:

@@ -45,14 +45,8 @@ def _serve(plan: str, port: int, *flags: str) -> subprocess.Popen:
 
 
 def _ingresses(server: psutil.Process) -> list[psutil.Process]:
-    out = []
-    for p in server.children():  # the server starts them; their own children (a decode pool) may carry the name too
-        try:
-            if p.name() == PROCESS_NAME:
-                out.append(p)
-        except psutil.NoSuchProcess:  # a process of a killed ingress's group that ended meanwhile
-            pass
-    return out
+    # the server starts them; their own children (a decode pool) may carry the name too
+    return [p for p in server.children() if _named(p, PROCESS_NAME)]
 
 
 def _infer(url: str, x: np.ndarray) -> tuple[int, np.ndarray | str]:
@@ -403,5 +397,5 @@ def test_under_ray_ingresses_send_each_models_requests_to_its_own_scheduler_acto
 def _named(p: psutil.Process, name: str) -> bool:
     try:
         return p.name() == name
-    except psutil.NoSuchProcess:
+    except psutil.NoSuchProcess:  # a process of a killed ingress's group that ended meanwhile
         return False

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppipe.dataplane.decode import DECODE_SHARE_OF_SLACK, DecodePool, expected_end_us, latest_end_us, refusal
+from ppipe.dataplane.decode import DECODE_SHARE_OF_SLACK, DecodePool, expected_end, latest_end_us, refusal
 from ppipe.sim.arrivals import make_arrivals
 from ppipe.sim.decoding import DECODE_WHERE, DecodeSetup, DecodeStage
 from ppipe.sim.simulator import SimConfig, simulate
@@ -22,7 +22,7 @@ def _run(tiny, rate, decode=None, dur=2.0):
 
 def test_the_rule():
     assert latest_end_us(1000.0, 8000.0) == 1000.0 + DECODE_SHARE_OF_SLACK * 8000.0
-    assert expected_end_us(100.0, 3000.0, 3, 50.0) == 100.0 + 1000.0 + 50.0
+    assert expected_end(100.0, 3000.0, 3, 50.0) == 100.0 + 1000.0 + 50.0
     assert refusal(5000.0, 5000.0) is None and refusal(5001.0, 5000.0) == pytest.approx(1.0)
 
 

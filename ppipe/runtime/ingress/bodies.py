@@ -21,7 +21,7 @@ import contextlib
 import multiprocessing
 import os
 
-from ppipe.dataplane.decode import expected_end_us
+from ppipe.dataplane.decode import expected_end
 from ppipe.runtime.ingress.protocol import InferRequest, ProtocolError, decode_job, parse_infer_request
 from ppipe.runtime.memory import trim_heap
 from ppipe.runtime.scheduler.host import DroppedError
@@ -178,7 +178,7 @@ class BodyDecoder:
 
     def expected_end_s(self, nbytes: int) -> float:
         """Seconds from now until a pool decode of ``nbytes`` submitted now would end."""
-        return expected_end_us(0.0, self.queued_bytes * self.s_per_byte, self.workers, nbytes * self.s_per_byte)  # (in s)
+        return expected_end(0.0, self.queued_bytes * self.s_per_byte, self.workers, nbytes * self.s_per_byte)
 
     async def start(self) -> None:
         """Start the pool's processes now (each imports numpy: ~1 s), not on the first request."""

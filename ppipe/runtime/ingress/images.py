@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ppipe.dataplane.decode import expected_end_us
+from ppipe.dataplane.decode import expected_end
 from ppipe.runtime.ingress.protocol import ProtocolError
 from ppipe.runtime.scheduler.host import DroppedError
 from ppipe.spec.profile import ImagePreprocess, TensorSpec
@@ -195,7 +195,7 @@ class ImagePool:
 
     def expected_end_s(self, nbytes: int) -> float:
         """Seconds from now until images of ``nbytes`` submitted now would be ready."""
-        return expected_end_us(0.0, self.queued_bytes * self.s_per_byte, self.workers, nbytes * self.s_per_byte)  # (in s)
+        return expected_end(0.0, self.queued_bytes * self.s_per_byte, self.workers, nbytes * self.s_per_byte)
 
     async def prepare(self, blobs: Sequence[bytes], pre: ImagePreprocess, spec: TensorSpec) -> np.ndarray:
         """:func:`prepare_images` on a thread of the pool.
