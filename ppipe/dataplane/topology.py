@@ -86,7 +86,11 @@ class Pool:
     of ``(busy_until, vgpu_id)``: :meth:`longest_idle` returns the vGPU whose reservations
     end first, the candidate probe tries before scanning the pool. Entries are repaired
     when they reach the top (a reservation made the vGPU busier), and :meth:`touch` adds a
-    fresh entry when a table may have become *less* busy (feedback, release).
+    fresh entry when a table may have become *less* busy (feedback, release). The key of
+    each vGPU's newest entry (pushed or repaired) is kept: it is at most the vGPU's
+    ``busy_until`` (the table only grew since, or it was touched again), so that entry alone
+    keeps the vGPU's place; a stale entry that reaches the top while the newest one already
+    holds the current key is a duplicate and is dropped, not repaired into a second copy.
 
     A second lazy min-heap, the *gap heap*, holds a lower bound on when each vGPU can next
     start any batch: ``(h, vgpu_id, table_version)`` with ``h <= table.earliest(t, l)`` (to
@@ -103,7 +107,7 @@ class Pool:
 
     __slots__ = (
         "index", "first_block", "last_block", "gpu", "level", "vgpus", "infer_us", "out_bits", "servers",
-        "max_bw_gbps", "heap", "by_id", "gap_heap", "gap_min_us", "gap_tau", "gap_unknown",
+        "max_bw_gbps", "heap", "heap_newest", "by_id", "gap_heap", "gap_min_us", "gap_tau", "gap_unknown",
     )
 
     def __init__(self, index: int, first_block: int, last_block: int, gpu: str, level: int):
@@ -118,6 +122,7 @@ class Pool:
         self.servers: frozenset[str] = frozenset()
         self.max_bw_gbps = 0.0
         self.heap: list[tuple[float, str]] = []
+        self.heap_newest: dict[str, float] = {}  # vGPU id -> key of its newest heap entry
         self.by_id: dict[str, VGpu] = {}
         self.gap_heap: list[tuple[float, str, int]] = []
         self.gap_min_us = 0.0  # shortest inference of the pool (0: no gap heap)
@@ -131,6 +136,7 @@ class Pool:
         self.by_id = {g.id: g for g in self.vgpus}
         self.heap = [(g.table.busy_until(), g.id) for g in self.vgpus]
         heapq.heapify(self.heap)
+        self.heap_newest = {vid: bu for bu, vid in self.heap}
         self.gap_min_us = min(self.infer_us.values(), default=0.0)
         # -inf: unknown; the first scan_set computes every entry
         self.gap_heap = [(_NEG_INF, g.id, -1) for g in self.vgpus]
@@ -266,7 +272,9 @@ class Pool:
 
     def touch(self, g: VGpu) -> None:
         """Note that ``g``'s table changed in a way that may make it free earlier."""
-        heapq.heappush(self.heap, (g.table.busy_until(), g.id))
+        bu = g.table.busy_until()
+        heapq.heappush(self.heap, (bu, g.id))
+        self.heap_newest[g.id] = bu
         if len(self.heap) > 4 * len(self.vgpus) + 16:
             self.refresh()
 
@@ -282,7 +290,11 @@ class Pool:
             ends = g.table.ends
             cur = ends[-1] if ends else _NEG_INF
             if bu != cur:
-                heapq.heapreplace(heap, (cur, vid))
+                if self.heap_newest.get(vid) == cur:
+                    heapq.heappop(heap)  # its newest entry holds the current key already
+                else:
+                    heapq.heapreplace(heap, (cur, vid))
+                    self.heap_newest[vid] = cur
                 continue
             return g
         return None
