@@ -20,6 +20,9 @@ themselves; this process is then the scheduler alone, deciding on the requests' 
 (``Runtime(accept_ingresses=True)``), and its whole CPU is the scheduler's per request (the
 drivers' cost is the ingresses'). The ingresses' CPU per request is printed beside it.
 
+With ``--profile FILE`` the measured rates (not the warm-up) are run under cProfile in this
+process, which slows them: read the profile for where the time goes, not its rows for figures.
+
 The issue's target is 60 us of CPU per request at >= 2,000 req/s; on a 2-core host the
 workers (another ~0.1-0.6 ms per stage) share the cores, so the highest rates here are the
 host's, not the scheduler's: read the CPU per request at the rates that hold 99 %.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
 import sys
@@ -158,12 +162,31 @@ def start_ingresses(k: int, rt, rates: list[float], duration_s: float, seed: int
     return procs
 
 
+@contextlib.contextmanager
+def profiled(path: str | None):
+    """cProfile the block into ``path`` (nothing when None); it slows what it profiles, so its rows are not figures."""
+    if path is None:
+        yield
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        prof.dump_stats(path)
+        print(f"profile written to {path} (read it with: python -m pstats {path})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="250,500,1000", help="offered rates, req/s")
     ap.add_argument("--duration-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ingress", type=int, default=0, help="K ingress processes hold the tensors; this process only decides")
+    ap.add_argument("--profile", metavar="FILE", help="cProfile this process over the measured rates (after warm-up) into FILE")
     args = ap.parse_args()
     from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
     from ppipe.runtime.launch.deploy import Deployment
@@ -189,7 +212,8 @@ def main() -> int:
                 if args.ingress:
                     return await run_with_ingresses()
                 await measure(rt, [100.0], 2.0, args.seed)  # connections, first batches
-                return await measure(rt, rates, args.duration_s, args.seed)
+                with profiled(args.profile):
+                    return await measure(rt, rates, args.duration_s, args.seed)
             finally:
                 await rt.stop()
 
@@ -200,7 +224,8 @@ def main() -> int:
                 for _, conn in procs:
                     assert await loop.run_in_executor(None, conn.recv) == "ready"
                 await measure_with_ingresses(rt, procs, [100.0])  # connections, first batches (a full duration)
-                return await measure_with_ingresses(rt, procs, rates)
+                with profiled(args.profile):
+                    return await measure_with_ingresses(rt, procs, rates)
             finally:
                 for p, _ in procs:
                     p.join(10)

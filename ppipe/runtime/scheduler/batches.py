@@ -41,10 +41,11 @@ class BatchesMixin:
             self._mark_dispatched(r)
         self.metrics.bound(self.metrics.batch, d.model).observe(d.batch)
         route = [s.vgpu_id for s in d.stages]
-        trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us(),
-                           reserved_us=[(s.start_us, s.start_us + s.infer_us) for s in d.stages],
-                           arrivals_us=[r.arrival_us for r in d.requests])
+        trace = None
         if self.keep_traces:
+            trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us(),
+                               reserved_us=[(s.start_us, s.start_us + s.infer_us) for s in d.stages],
+                               arrivals_us=[r.arrival_us for r in d.requests])
             self.traces.append(trace)
             del self.traces[: -self.keep_traces]
         batch = InFlight(d, trace, route)
@@ -71,10 +72,11 @@ class BatchesMixin:
         )
         links = self._links(route)
         addrs = tuple(self.addresses[v] for v in route)
+        answers = self._answers_to(d) if self.accept_ingresses else ()
         message = StageMsg(d.batch_id, 0, tuple(route), addrs, d.batch, timing, links, self.report_tolerance_us,
-                           self.clock.wall_now_us())
+                           self.clock.wall_now_us(), answers=answers)
         if self.accept_ingresses:
-            message = self._send_remote_inputs(d, message)
+            self._send_remote_inputs(d, message)
         else:
             self._outbox.send(addrs[0], pack(message, _stacked_inputs(d)))
         for j in range(1, len(route)):
@@ -116,10 +118,10 @@ class BatchesMixin:
             log.warning("dropped a malformed report: %s", exc)
             return
         for earlier in rep.carried:
-            self._take_report(earlier, {})
+            self._take_report(earlier, {}, carried=True)
         self._take_report(rep, outputs)
 
-    def _take_report(self, rep: StageReportMsg, outputs: dict[str, np.ndarray]) -> None:
+    def _take_report(self, rep: StageReportMsg, outputs: dict[str, np.ndarray], carried: bool = False) -> None:
         batch = self._inflight.get(rep.batch_id)
         if batch is None:  # a batch already failed (a worker on its route died)
             return
@@ -139,9 +141,9 @@ class BatchesMixin:
             return
         batch.unreported.discard(k)
         batch.next_stage = max(batch.next_stage, k + 1)
-        if self.keep_traces:  # in stage order, whatever order the reports came in
+        if batch.trace is not None:  # in stage order, whatever order the reports came in
             insort(batch.trace.reports, msgspec.structs.replace(rep, carried=()), key=lambda r: r.stage)
-        self._report(batch.d, k, rep)
+        self._report(batch.d, k, rep, carried)
         if k == len(batch.route) - 1:
             self._answer_was_late(batch.d.model, self.clock.true_now_us() - batch.d.stages[-1].end_us)
             for i, r in enumerate(batch.d.requests):
@@ -162,14 +164,20 @@ class BatchesMixin:
         scheduler has dropped already (it drops a dead vGPU's batches itself) keeps that
         answer, and each request's drop is counted once."""
         self._inflight.pop(batch.d.batch_id, None)
-        batch.trace.error = f"{reason}: {detail}"
+        if batch.trace is not None:
+            batch.trace.error = f"{reason}: {detail}"
         for r in batch.d.requests:
             if self._answer_error(r.id, DroppedError(reason, detail)) and reason == DropReason.WORKER_FAILED.value:
                 self.metrics.drops.labels(batch.d.model, reason).inc()
 
-    def _report(self, d: Dispatch, k: int, rep: StageReportMsg) -> None:
+    def _report(self, d: Dispatch, k: int, rep: StageReportMsg, carried: bool = False) -> None:
+        """Count the stage's busy time; feed the scheduler the report unless the stage ran as
+        reserved (a ``carried`` report did: its worker rode it on by the same tolerance)."""
         c = self.clock
         self.metrics.bound(self.metrics.busy, rep.vgpu_id).inc(max(0.0, rep.end_us - rep.start_us) / 1e6)
+        tol = self.report_tolerance_us
+        if carried and tol is not None and not reads_every_report(self.scheduler):
+            return
         sr = StageReport(
             batch_id=d.batch_id,
             partition=d.stages[k].partition,
@@ -179,7 +187,6 @@ class BatchesMixin:
             transfer_start_us=None if rep.transfer_start_us is None else c.from_wall_us(rep.transfer_start_us),
             transfer_end_us=None if rep.transfer_end_us is None else c.from_wall_us(rep.transfer_end_us),
         )
-        tol = self.report_tolerance_us
         if tol is not None and not reads_every_report(self.scheduler) and ran_as_reserved(sr, d.stages[k], tol):
             return  # its times are the tables' already, up to the tolerance (ppipe.dataplane.feedback)
         self._apply(self.scheduler.report(sr))

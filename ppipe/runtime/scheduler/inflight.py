@@ -56,7 +56,7 @@ class InFlight:
     """A dispatched batch until its last report or its failure."""
 
     d: Dispatch
-    trace: BatchTrace
+    trace: BatchTrace | None  # None where the runtime keeps no traces
     route: list[str]
     next_stage: int = 0  # every stage before it has ended (its report, or a later stage's, arrived)
     unreported: set[int] = field(default_factory=set)

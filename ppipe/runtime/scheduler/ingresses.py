@@ -216,12 +216,12 @@ class IngressesMixin:
         self._withdraw(subs)
 
     # ---- to the ingresses -----------------------------------------------------------------
-    def _send_remote_inputs(self, d: Dispatch, message: StageMsg) -> StageMsg:
-        """Tell each ingress with rows in batch ``d`` to send them; returns the batch's stage
-        message with its ``answers``.
+    def _answers_to(self, d: Dispatch) -> tuple[AnswerTo, ...]:
+        """Where the rows of batch ``d`` are answered: one :class:`AnswerTo` per ingress that
+        holds some of them, in the order of their first row (rows of one ingress are kept together).
 
         Raises:
-            DataPathFull: an ingress of the batch has gone (nothing was told).
+            DataPathFull: an ingress of the batch has gone.
         """
         groups: dict[int, list[int]] = {}
         for r in d.requests:
@@ -233,10 +233,14 @@ class IngressesMixin:
                 raise DataPathFull(f"ingress {ingress}, which holds inputs of batch {d.batch_id}, has gone")
             answers.append(AnswerTo(addr, offset, tuple(rids)))
             offset += len(rids)
-        message = msgspec.structs.replace(message, answers=tuple(answers))
-        for ingress, to in zip(groups, answers):
+        return tuple(answers)
+
+    def _send_remote_inputs(self, d: Dispatch, message: StageMsg) -> None:
+        """Tell each ingress with rows in batch ``d`` to send them: its part of ``message``
+        (the batch's stage message with its :meth:`_answers_to`)."""
+        ingresses = dict.fromkeys(r.payload.ingress for r in d.requests)
+        for ingress, to in zip(ingresses, message.answers):
             self._tell(ingress).sends.append(SendInputs(msgspec.structs.replace(message, part=(to.offset, len(to.rids))), to.rids))
-        return message
 
     def _tell(self, ingress: int) -> _Down:
         """What ingress ``ingress`` is told this tick (the tick's flush is armed with the first)."""
