@@ -88,7 +88,9 @@ class ServiceBudgets:
     def answer_was_late(self, model: str, late_us: float) -> dict[str, float] | None:
         """Record one batch's answer lateness; returns the new per-model answer budgets when
         the model's moved by more than ``CHANGE_US`` (else None)."""
-        window = self._lateness.setdefault(model, np.zeros(WINDOW))
+        window = self._lateness.get(model)
+        if window is None:
+            window = self._lateness[model] = np.zeros(WINDOW)
         seen = self._seen[model] = self._seen.get(model, 0) + 1
         window[(seen - 1) % WINDOW] = late_us
         if seen % EVERY:
