@@ -174,7 +174,8 @@ class BatchesMixin:
         """Count the stage's busy time; feed the scheduler the report unless the stage ran as
         reserved (a ``carried`` report did: its worker rode it on by the same tolerance)."""
         c = self.clock
-        self.metrics.bound(self.metrics.busy, rep.vgpu_id).inc(max(0.0, rep.end_us - rep.start_us) / 1e6)
+        busy = self.metrics.busy_s
+        busy[rep.vgpu_id] = busy.get(rep.vgpu_id, 0.0) + max(0.0, rep.end_us - rep.start_us) / 1e6
         tol = self.report_tolerance_us
         if carried and tol is not None and not reads_every_report(self.scheduler):
             return

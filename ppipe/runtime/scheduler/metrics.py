@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Container, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -28,7 +28,10 @@ class RuntimeMetrics:
         )
         self.batch = Histogram("ppipe_batch_size", "Size of dispatched batches.", ["model"], buckets=BATCH_BUCKETS, registry=r)
         self.queue = Gauge("ppipe_queue_length", "Requests submitted and not yet dispatched or dropped.", ["model"], registry=r)
-        self.busy = Counter("ppipe_vgpu_busy_seconds", "Time each vGPU spent running batches (worker reports).", ["vgpu"], registry=r)
+        # ppipe_vgpu_busy_seconds: seconds per vGPU, added by every stage report (several per
+        # request), read at each scrape (_BusyCollector): a dict's float, not a locked child
+        self.busy_s: dict[str, float] = {}
+        r.register(_BusyCollector(self.busy_s))
         self.failed = Gauge("ppipe_vgpu_failed", "1 for each vGPU marked failed.", ["vgpu"], registry=r)
         self.late = Counter("ppipe_late", "Served requests that finished after their deadline.", ["model"], registry=r)
         self.refused = Counter("ppipe_datapath_refused", "Data-path connections and reports refused, by reason.", ["reason"], registry=r)
@@ -126,6 +129,25 @@ def capacity_alive_ratio(plan: Any, model: str, failed: Container[str]) -> float
             cap = min(cap, part.throughput_rps * share) if share < 1.0 else cap
         alive += cap
     return alive / planned if planned > 0 else 1.0
+
+
+class _BusyCollector:
+    """``ppipe_vgpu_busy_seconds_total{vgpu}`` from :attr:`RuntimeMetrics.busy_s`."""
+
+    def __init__(self, busy_s: dict[str, float]) -> None:
+        self.busy_s = busy_s
+
+    def describe(self):
+        return [CounterMetricFamily("ppipe_vgpu_busy_seconds", BUSY_HELP, labels=["vgpu"])]
+
+    def collect(self):
+        c = CounterMetricFamily("ppipe_vgpu_busy_seconds", BUSY_HELP, labels=["vgpu"])
+        for vgpu, seconds in sorted(self.busy_s.items()):
+            c.add_metric([vgpu], seconds)
+        yield c
+
+
+BUSY_HELP = "Time each vGPU spent running batches (worker reports)."
 
 
 class _CapacityCollector:
