@@ -145,7 +145,10 @@ class BatchesMixin:
             insort(batch.trace.reports, msgspec.structs.replace(rep, carried=()), key=lambda r: r.stage)
         self._report(batch.d, k, rep, carried)
         if k == len(batch.route) - 1:
-            self._answer_was_late(batch.d.model, self.clock.true_now_us() - batch.d.stages[-1].end_us)
+            now = self.clock.true_now_us()
+            if batch.trace is not None:
+                batch.trace.answered_us = now
+            self._answer_was_late(batch.d.model, now - batch.d.stages[-1].end_us)
             for i, r in enumerate(batch.d.requests):
                 self._answer(r.id, {n: a[i] for n, a in outputs.items()})
         if not batch.unreported:

@@ -48,6 +48,7 @@ class BatchTrace:
     reports: list[StageReportMsg] = field(default_factory=list)  # in stage order
     reserved_us: list[tuple[float, float]] = field(default_factory=list)  # per stage: reserved (start, end), scheduler time
     arrivals_us: list[float] = field(default_factory=list)  # its requests' arrivals (true timeline)
+    answered_us: float | None = None  # when the last stage's report was taken (true timeline)
     error: str | None = None
 
 
