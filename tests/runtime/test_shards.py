@@ -4,6 +4,7 @@ shards, and `ppipe serve --shards 2` under the local launcher (one test under Ra
 from __future__ import annotations
 
 import functools
+import time
 
 import httpx
 import numpy as np
@@ -406,10 +407,14 @@ def test_ppipe_serve_with_two_shards_answers_every_model_on_one_port_and_restart
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ppipe_serve_with_two_ray_shards_answers_every_model_on_one_port(tmp_path):
+def test_ppipe_serve_with_two_ray_shards_answers_every_model_on_one_port_and_restarts_a_shard_actor_that_dies(tmp_path):
     """Under Ray (--launcher ray), the second shard is a Ray actor given shard 0's worker
-    handles: both models answer on one port, and SIGINT stops the server cleanly."""
+    handles: both models answer on one port. SIGKILL of the actor's process: a is served
+    throughout, b gets 200 or an explicit 503 until a new actor, with workers of its own,
+    serves b again; the log says what happened, and SIGINT stops the server cleanly."""
     import signal
+
+    import psutil
 
     plan, _ = _two_model_plan(tmp_path, ONE, ONE, servers=1)
     plan.save(tmp_path / "plan.yaml")
@@ -417,6 +422,20 @@ def test_ppipe_serve_with_two_ray_shards_answers_every_model_on_one_port(tmp_pat
     proc = _serve_two_shards(tmp_path, port, "--launcher", "ray", "--num-cpus", "2")
     url = f"http://127.0.0.1:{port}"
     request = {"inputs": [{"name": "input", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}]}
+
+    def actors(name: str) -> list:
+        return [p for p in psutil.process_iter(["cmdline"]) if name in " ".join(p.info["cmdline"] or [])]
+
+    def shard_actors() -> list:
+        return actors("_RayShardServer")
+
+    def worker_count_settles_at(n: int) -> int:
+        for _ in range(100):  # a killed actor's process ends within moments; a bound, not a time
+            if len(actors("VgpuActor")) == n:
+                break
+            time.sleep(0.1)
+        return len(actors("VgpuActor"))
+
     try:
         codes = {}
         for m in ("a", "b"):
@@ -426,11 +445,31 @@ def test_ppipe_serve_with_two_ray_shards_answers_every_model_on_one_port(tmp_pat
                     if r.status_code != 503:
                         break
                 codes.setdefault(m, []).append(r.status_code)
+        (victim,) = shard_actors()
+        workers_before = len(actors("VgpuActor"))
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=30)
+        answers = {"a": [], "b": []}
+        for _ in range(600):  # b is back once the new actor and its workers serve; a bound, not a time
+            for m in ("a", "b"):
+                r = httpx.post(f"{url}/v2/models/{m}/infer", json=request, timeout=30)
+                answers[m].append((r.status_code, r.json().get("error", "")))
+            if answers["b"][-1][0] == 200 and any(code != 200 for code, _ in answers["b"]):
+                break
+        restarted = shard_actors()
+        workers_after = worker_count_settles_at(workers_before)  # the ones it was given are killed, its own replace them
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert codes == {"a": [200] * 4, "b": [200] * 4}, out[-3000:]
     assert "2 shards: a, b" in out and "ray launcher" in out
+    assert [p.pid for p in restarted] != [victim.pid] and len(restarted) == 1, out[-3000:]
+    assert workers_before == 2 and workers_after == workers_before
+    assert answers["b"][-1][0] == 200, (answers["b"][-3:], out[-3000:])
+    refused = [(code, why) for code, why in answers["b"] if code != 200]
+    assert refused and all(code == 503 and why for code, why in refused), refused  # explicit, with the reason
+    assert sum(code == 200 for code, _ in answers["a"]) >= len(answers["a"]) - 2, answers["a"]  # a: its shard never stopped
+    assert "shard 1 (b; Ray actor 1) is gone" in out and "restarting it" in out and "shard 1 (b; Ray actor 2) is back" in out, out[-3000:]
     assert "Traceback" not in out
 
 
@@ -603,18 +642,23 @@ def test_a_request_waiting_for_a_shard_that_goes_down_is_answered_503_and_so_is_
     assert grpc[0] == "UNAVAILABLE" and "shard 1 of this server is down" in grpc[1]
 
 
-def test_a_local_shard_restarts_with_the_part_its_last_committed_switch_gave_it():
-    """LocalShard keeps what the shard serves as requests through it are answered: a
-    prepared part only once committed (an aborted one never), the owners, the arrival log."""
+@pytest.mark.parametrize("kind", ["local", "ray"])
+def test_a_shard_restarts_with_the_part_its_last_committed_switch_gave_it(kind):
+    """A shard's handle (a local process's, a Ray actor's) keeps what the shard serves as
+    requests through it are answered: a prepared part only once committed (an aborted one
+    never), the owners, the arrival log."""
     from types import SimpleNamespace
 
     from ppipe.runtime.control.shard_control import Abort, Commit, LogArrivals, Prepare, SetOwner
-    from ppipe.runtime.launch.local_shards import LocalShard, ShardStart
+    from ppipe.runtime.launch.local_shards import LocalShard
+    from ppipe.runtime.launch.ray_shards import RayShard
+    from ppipe.runtime.launch.shards import ShardStart
 
     def part(*models):
         return SimpleNamespace(plan=SimpleNamespace(models=[SimpleNamespace(name=m) for m in models]))
 
-    shard = LocalShard(ShardStart(1, part("b"), ["b"], None, {"a": 0, "b": 1}, "127.0.0.1", 1))
+    start = ShardStart(1, part("b"), ["b"], None, {"a": 0, "b": 1}, "127.0.0.1", 1)
+    shard = LocalShard(start) if kind == "local" else RayShard(start, {}, {})
     shard._note(Prepare(part("b", "x")))
     shard._note(Abort())
     shard._note(Commit({}))  # a commit with nothing prepared (this shard did not switch) changes nothing

@@ -8,7 +8,7 @@ and shard 0 tells every shard where the others' routers are (:class:`SetPeers`, 
 and whenever a shard's process is replaced). Each request is a message below, sent through
 a :class:`ShardHandle`: the other shards' handles cross a process
 (:class:`ppipe.runtime.launch.local_shards.LocalShard` over a private socket pair,
-:class:`ppipe.runtime.launch.shards.RayShard` as a Ray actor call), shard 0's is this
+:class:`ppipe.runtime.launch.ray_shards.RayShard` as a Ray actor call), shard 0's is this
 process's :class:`ShardControl`. Every shard answers with its :class:`ShardControl`, which
 dispatches on the message's type to that shard's
 :class:`~ppipe.runtime.control.switch.PlanSwitcher` and router, so a shard runs only these
@@ -20,7 +20,7 @@ a :class:`~ppipe.runtime.launch.deploy.Deployment` as it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, Union
 
 
@@ -102,6 +102,33 @@ class ShardHandle(Protocol):
     """One shard, as the switch sees it: ``await call(request)`` is that shard's answer."""
 
     async def call(self, request: ShardRequest) -> Any: ...
+
+
+class ServedPart:
+    """What a shard serves, kept by shard 0's handle on it as the requests through it are
+    answered, so that a shard that dies is started again as it last served: a
+    :class:`Prepare`'s deployment once its :class:`Commit` succeeds (never an aborted
+    one), the owners of :class:`SetOwner`, the arrival log of :class:`LogArrivals`.
+
+    ``spec``: the shard's start (:class:`~ppipe.runtime.launch.shards.ShardStart`: its
+    ``dep``, ``models``, ``owner`` and ``log_arrivals`` are replaced here)."""
+
+    spec: Any
+    _prepared: Any = None
+
+    def _note(self, request: ShardRequest) -> None:
+        match request:
+            case Prepare(deployment):
+                self._prepared = deployment
+            case Commit() if self._prepared is not None:
+                dep, self._prepared = self._prepared, None
+                self.spec = replace(self.spec, dep=dep, models=[m.name for m in dep.plan.models])
+            case Abort():
+                self._prepared = None
+            case SetOwner(owner):
+                self.spec = replace(self.spec, owner=dict(owner))
+            case LogArrivals(on):
+                self.spec = replace(self.spec, log_arrivals=on)
 
 
 class ShardControl:

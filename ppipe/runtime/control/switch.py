@@ -229,7 +229,7 @@ class ShardedSwitcher(PlanSwitcher):
         local: shard 0's :class:`PlanSwitcher` (its runtime is this process's).
         dep: the whole deployment served (every shard's models).
         owner: model -> the shard that serves it.
-        others: the other shards' handles (:class:`ppipe.runtime.launch.shards.RayShard` or
+        others: the other shards' handles (:class:`ppipe.runtime.launch.ray_shards.RayShard` or
             :class:`ppipe.runtime.launch.local_shards.LocalShard`), by index - 1.
         router: shard 0's :class:`ppipe.runtime.ingress.shard_router.ShardRouter` (its owner map follows the switches).
 

@@ -18,7 +18,7 @@ that stopped it); then each frame is ``(id, request)``, a typed request of
 
 The pair is also the shard's lifeline. A shard whose server is gone (killed, crashed) sees
 it end and stops, and with it its workers, whose pairs end in turn. A shard that dies is
-restarted by shard 0's :class:`ShardSupervisor`, as a worker is: meanwhile every router
+restarted by shard 0's :class:`~ppipe.runtime.launch.shards.ShardSupervisor`, as a worker is: meanwhile every router
 has it down (``None`` among its peers), so its models' requests get an explicit 503 at
 once and those waiting for it get one too (nothing waits for an answer that cannot come);
 once it is back, with the models, plan part and owners its :class:`LocalShard` last saw
@@ -31,7 +31,6 @@ kills what is left of each group.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import signal
@@ -40,46 +39,15 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
 from typing import Any
 
 from ppipe.errors import UserError
-from ppipe.runtime.control.shard_control import Abort, Commit, LogArrivals, Prepare, SetOwner, SetPeers, ShardRequest
+from ppipe.runtime.control.shard_control import LogArrivals, ServedPart, ShardRequest
 from ppipe.runtime.launch.local import PairCalls, _frame, _portable, _read_frame, _read_frame_blocking, _rebuilt, serve_child
-from ppipe.runtime.launch.shards import PeerExchange
+from ppipe.runtime.launch.shards import ShardStart
 
 log = logging.getLogger("ppipe.runtime")
 PROCESS_NAME = "ppipe-shard"  # a shard process's name in ps and top
-RESTART_DELAYS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # between tries to restart a shard; the last repeats
-
-
-@dataclass(frozen=True)
-class ShardStart:
-    """What shard ``index`` is started with: the first frame on its pair.
-
-    Attributes:
-        index: the shard's number (> 0).
-        dep: a :class:`~ppipe.runtime.launch.deploy.Deployment` that holds its models (the
-            whole one at first, or its servers' sub-plan with ``--shard-by servers``; the
-            shard's part after a plan switch).
-        models: the models it serves.
-        settings: every shard's :class:`~ppipe.runtime.launch.shards.ServeSettings`.
-        owner: model -> the shard that serves it, or [(shard, weight)] where several do
-            (every model's; :class:`~ppipe.runtime.ingress.shard_router.Routes`).
-        host, port: the shared address it binds (``SO_REUSEPORT``).
-        log_arrivals: start with the re-plan loop's arrival log on.
-        start_timeout_s: its workers must have loaded their blocks within this.
-    """
-
-    index: int
-    dep: Any
-    models: list[str]
-    settings: Any
-    owner: dict[str, Any]
-    host: str
-    port: int
-    log_arrivals: bool = False
-    start_timeout_s: float = 300.0
 
 
 # ---- the shard's process -----------------------------------------------------------------------------------
@@ -158,14 +126,14 @@ async def _answer(writer: asyncio.StreamWriter, server: Any, call_id: int, reque
 
 
 # ---- the server's side -------------------------------------------------------------------------------------
-class LocalShard:
+class LocalShard(ServedPart):
     """A :class:`~ppipe.runtime.control.shard_control.ShardHandle` on a shard process of
     this machine, and what starts it again.
 
     Requests are answered in any order (each frame carries its id). The handle keeps what
-    the shard serves as the requests through it commit it (a :class:`Prepare`'s
-    deployment once its :class:`Commit` succeeds, :class:`SetOwner`, :class:`LogArrivals`),
-    so that :meth:`restart` starts the shard that was serving.
+    the shard serves as the requests through it commit it
+    (:class:`~ppipe.runtime.control.shard_control.ServedPart`), so that :meth:`restart`
+    starts the shard that was serving.
     """
 
     def __init__(self, start: ShardStart):
@@ -244,21 +212,6 @@ class LocalShard:
         answer = await self._calls.call(request)
         self._note(request)
         return answer
-
-    def _note(self, request: ShardRequest) -> None:
-        """What a request the shard answered changes of what it serves (for :meth:`restart`)."""
-        match request:
-            case Prepare(deployment):
-                self._prepared = deployment
-            case Commit() if self._prepared is not None:
-                dep, self._prepared = self._prepared, None
-                self.spec = replace(self.spec, dep=dep, models=[m.name for m in dep.plan.models])
-            case Abort():
-                self._prepared = None
-            case SetOwner(owner):
-                self.spec = replace(self.spec, owner=dict(owner))
-            case LogArrivals(on):
-                self.spec = replace(self.spec, log_arrivals=on)
 
     async def lifeline(self) -> None:
         """Returns once the shard's process is gone (:attr:`why_gone` says how)."""
@@ -376,67 +329,6 @@ def stop_local_shards(shards: list[LocalShard], timeout_s: float) -> None:
             log.warning("%s did not stop within %.0f s: killed", s.describe(), timeout_s)
         _kill_group(s.proc)
         s.proc.wait()
-
-
-class ShardSupervisor(PeerExchange):
-    """A companion of shard 0's app under the local launcher: tells every shard where the
-    routers are (:class:`~ppipe.runtime.launch.shards.PeerExchange`), watches each shard's
-    lifeline and restarts a shard that dies (meanwhile it is down in every router); at
-    stop, tells the shards that shard 0 is down and asks them to stop (SIGTERM)."""
-
-    def __init__(self, router: Any, shards: list[LocalShard]):
-        super().__init__(router, shards, [s.address for s in shards])
-        self._watching: list[asyncio.Task] = []
-        self._stopping = False
-        self.restarts = 0  # shards restarted so far
-
-    async def start(self) -> None:
-        await super().start()
-        self._watching = [asyncio.ensure_future(self._watch(i, s)) for i, s in enumerate(self.shards, 1)]
-
-    async def _watch(self, index: int, shard: LocalShard) -> None:
-        while True:
-            await shard.lifeline()
-            if self._stopping:
-                return
-            log.error("%s; its models' requests are answered 503 until it is back; restarting it", shard.why_gone)
-            self.addresses[index - 1] = None
-            await self._tell()
-            shard.reset()
-            for attempt in itertools.count():
-                try:
-                    self.addresses[index - 1] = await asyncio.to_thread(shard.restart)
-                    break
-                except Exception as exc:
-                    delay = RESTART_DELAYS_S[min(attempt, len(RESTART_DELAYS_S) - 1)]
-                    log.error("shard %d did not restart (%s); trying again in %.1f s", index, exc, delay)
-                    await asyncio.sleep(delay)
-                    if self._stopping:
-                        return
-            shard.up()
-            self.restarts += 1
-            await self._tell()
-            log.warning("%s is back: restarted", shard.describe())
-
-    async def _tell(self) -> None:
-        """Every router learns the addresses; a shard that fails to hear it is its watcher's to restart."""
-        try:
-            await self.tell_peers()
-        except Exception as exc:
-            log.warning("a shard did not hear the new router addresses: %s", exc)
-
-    async def stop(self) -> None:
-        self._stopping = True
-        for t in self._watching:
-            t.cancel()
-        down = (None, *self.addresses)  # requests the shards pass to shard 0 fail at once from now on
-        try:
-            await asyncio.wait_for(asyncio.gather(*(s.call(SetPeers(down)) for s, a in zip(self.shards, self.addresses)
-                                                    if a is not None), return_exceptions=True), timeout=5.0)
-        except asyncio.TimeoutError:
-            pass
-        for s in self.shards:
-            s.terminate()
 
 
 if __name__ == "__main__":

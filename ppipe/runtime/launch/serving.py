@@ -63,14 +63,14 @@ class ShardSet:
     """The frontend shards but the first (the ``ppipe serve`` process is shard 0): local
     processes under the local launcher (:mod:`ppipe.runtime.launch.local_shards`, started
     here, so that they load while shard 0's workers do), Ray actors under Ray
-    (:mod:`ppipe.runtime.launch.shards`, started by :meth:`start`). Empty for one shard.
+    (:mod:`ppipe.runtime.launch.ray_shards`, started by :meth:`start`). Empty for one shard.
     ``deps[i]``: shard i's deployment, whose plan holds its part (``parts[i]``: its models)."""
 
     def __init__(self, launcher: str, deps: list, parts: list[list[str]], settings, owner: dict, host: str, port: int):
         self.launcher, self.deps, self.parts, self.settings, self.owner = launcher, deps, parts, settings, owner
         self.host, self.port = host, port
         self.local: list = []  # LocalShard, by index - 1
-        self.actors: list = []
+        self.ray: list = []  # RayShard, by index - 1
         self.addresses: list = []
         if launcher == "local" and len(parts) > 1:
             from ppipe.runtime.launch.local_shards import launch_local_shards
@@ -95,32 +95,24 @@ class ShardSet:
 
                 self.addresses = wait_local_shards(self.local)
             elif len(self.parts) > 1:
-                from ppipe.runtime.launch.shards import shard_addresses, start_shard_actors
+                from ppipe.runtime.launch.ray_shards import start_ray_shards
 
-                self.actors = start_shard_actors(self.deps, self.parts, workers, edges, self.settings, self.owner, self.host, self.port)
-                self.addresses = shard_addresses(self.actors)
+                self.ray = start_ray_shards(self.deps, self.parts, workers, edges, self.settings, self.owner, self.host, self.port)
+                self.addresses = [s.address for s in self.ray]
         except BaseException:
             shutdown()
             raise
 
     def handles(self) -> list:
         """Each other shard's :class:`~ppipe.runtime.control.shard_control.ShardHandle`, by index - 1."""
-        if self.local:
-            return list(self.local)
-        from ppipe.runtime.launch.shards import RayShard
-
-        return [RayShard(a) for a in self.actors]
+        return list(self.local or self.ray)
 
     def exchange(self, router):
-        """Shard 0's companion that tells every shard the routers' addresses (and, for local
-        shards, restarts one that dies)."""
-        if self.local:
-            from ppipe.runtime.launch.local_shards import ShardSupervisor
+        """Shard 0's companion that tells every shard the routers' addresses and restarts a
+        shard that dies (:class:`~ppipe.runtime.launch.shards.ShardSupervisor`)."""
+        from ppipe.runtime.launch.shards import ShardSupervisor
 
-            return ShardSupervisor(router, self.local)
-        from ppipe.runtime.launch.shards import PeerExchange
-
-        return PeerExchange(router, self.handles(), self.addresses)
+        return ShardSupervisor(router, self.handles())
 
     async def ingress_gone(self, index: int) -> None:
         """Tell every other shard that ingress ``index`` is gone (``--ingress N --shards K``);
@@ -138,10 +130,8 @@ class ShardSet:
             from ppipe.runtime.launch.local_shards import stop_local_shards
 
             stop_local_shards(self.local, timeout_s)
-        if self.actors:
-            from ppipe.runtime.launch.shards import kill_shard_actors
-
-            kill_shard_actors(self.actors)
+        for s in self.ray:
+            s.terminate()
 
     def kill(self) -> None:
         if self.local:

@@ -12,23 +12,30 @@ part (:func:`build_shard`), and its router passes the requests it deals to other
 there (:class:`ppipe.runtime.ingress.shard_router.ShardRouter`).
 
 What runs the other shards follows the launcher: local processes under the local launcher
-(:mod:`ppipe.runtime.launch.local_shards`: each shard starts its own workers, and one that
-dies is restarted), Ray actors on this node under Ray (below: the actor, and
-:class:`RayShard`, the handle through which shard 0's plan switches reach one). Either
-way shard 0 tells every shard where the others' routers are (:class:`PeerExchange`) with
-the typed requests of :mod:`ppipe.runtime.control.shard_control`.
+(:mod:`ppipe.runtime.launch.local_shards`: each shard starts its own workers), Ray actors
+on this node under Ray (:mod:`ppipe.runtime.launch.ray_shards`: given shard 0's workers at
+first). Either way shard 0 holds a handle on each (what it was started with,
+:class:`ShardStart`, and what it serves since), tells every shard where the others'
+routers are (:class:`PeerExchange`) with the typed requests of
+:mod:`ppipe.runtime.control.shard_control`, and restarts a shard that dies
+(:class:`ShardSupervisor`) as it last served.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from ppipe.runtime.control.shard_control import SetPeers, ShardControl, ShardHandle, ShardRequest
 from ppipe.runtime.control.shard_plan import assign_shards, parse_shards, sub_plan  # noqa: F401 (ppipe.runtime.cli imports the first two from here)
 from ppipe.runtime.ingress.shard_router import Routes, ShardRouter
+
+log = logging.getLogger("ppipe.runtime")
+RESTART_DELAYS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # between tries to restart a shard; the last repeats
 
 
 def reuseport_socket(host: str, port: int, listen: bool = True) -> socket.socket:
@@ -125,9 +132,11 @@ def build_shard(dep: Any, models: list[str], workers: dict[str, Any], edges: dic
 class ShardServer:
     """Shard ``index`` (> 0) of ``ppipe serve --shards``, in a process of its own (a local
     process or a Ray actor): its runtime and app served by uvicorn on its own thread and
-    loop, on the shared port; shard 0's requests answered by :meth:`control`."""
+    loop, on the shared port; shard 0's requests answered by :meth:`control`. ``workers``
+    None: it starts its part's workers itself (:meth:`_start_workers`), as a restarted Ray
+    shard does."""
 
-    def __init__(self, index: int, dep: Any, models: list[str], workers: dict[str, Any], edges: dict, settings: ServeSettings,
+    def __init__(self, index: int, dep: Any, models: list[str], workers: dict[str, Any] | None, edges: dict, settings: ServeSettings,
                  owner: dict[str, Any], host: str, port: int):
         self.index, self.host, self.port = index, host, port
         self._args = (dep, models, workers, edges, settings, index, owner)
@@ -143,6 +152,9 @@ class ShardServer:
         from ppipe.runtime.control.switch import PlanSwitcher
 
         dep, models, settings = self._args[0], self._args[1], self._args[4]
+        if self._args[2] is None:  # a restarted shard starts its part's workers itself
+            workers, edges = await asyncio.to_thread(self._start_workers)
+            self._args = (dep, models, workers, edges, *self._args[4:])
         app, rt, self.router = build_shard(*self._args)
         mine = replace(dep, plan=sub_plan(dep.plan, models), profiles={m: dep.profiles[m] for m in models})
         self._control = ShardControl(PlanSwitcher(rt, mine, **settings.workers), self.router)
@@ -151,6 +163,17 @@ class ShardServer:
         self.server = BackgroundServer(app, sockets=[sock], **settings.server)
         await asyncio.get_running_loop().run_in_executor(None, self.server.__enter__)
         return self.router.address
+
+    def _start_workers(self) -> tuple[dict[str, Any], dict]:
+        """The workers of this shard's part and their links, started by this process (the
+        settings' launcher and transport): ``(workers, edges)``."""
+        from ppipe.runtime.launch.serving import start_workers_and_links
+
+        dep, models, settings = self._args[0], self._args[1], self._args[4]
+        options, links = settings.workers, settings.runtime.get("links")
+        mine = {p.vgpu_id for p in sub_plan(dep.plan, models).placement}
+        return start_workers_and_links(dep, options.get("backend", "ort"), options.get("backend_options") or {},
+                                       "tcp" if links is None else links.requested, options.get("launcher", "ray"), only=mine)
 
     # shard 0's requests (peers, plan switches: ppipe.runtime.control.switch.ShardedSwitcher), run on its loop
     async def _on_loop(self, coro) -> Any:
@@ -164,69 +187,6 @@ class ShardServer:
     async def stop(self) -> None:
         if self.server is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.server.__exit__, None, None, None)
-
-
-def here_strategy():
-    """Ray scheduling on this process's node (shards share its port)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-
-
-class _RayShardServer(ShardServer):
-    """A :class:`ShardServer` as Ray starts it: at the driver's priority, not Ray's worker niceness."""
-
-    def __init__(self, *args: Any):
-        from ppipe.runtime.workers.worker import undo_ray_niceness
-
-        undo_ray_niceness()  # on every request's path, like the workers
-        super().__init__(*args)
-
-
-def shard_actor_class():
-    """:class:`ShardServer` as a Ray actor class."""
-    import ray
-
-    return ray.remote(num_cpus=0, max_concurrency=16)(_RayShardServer)
-
-
-def start_shard_actors(deps: list[Any], parts: list[list[str]], workers: dict[str, Any], edges: dict, settings: ServeSettings,
-                       owner: dict[str, Any], host: str, port: int) -> list[Any]:
-    """Start the frontend shards but the first (the calling process is shard 0) as Ray actors
-    on this node; ``deps[i]``: shard i's deployment (its plan holds its part)."""
-    return [shard_actor_class().options(scheduling_strategy=here_strategy()).remote(i, deps[i], ms, workers, edges, settings, owner,
-                                                                                    host, port)
-            for i, ms in enumerate(parts) if i > 0]
-
-
-def shard_addresses(actors: list[Any], timeout_s: float = 300.0) -> list[str]:
-    """Wait for the shard actors to start; each one's router address."""
-    if not actors:
-        return []
-    import ray
-
-    return ray.get([a.start.remote() for a in actors], timeout=timeout_s)
-
-
-def kill_shard_actors(actors: list[Any]) -> None:
-    if not actors:
-        return
-    import ray
-
-    for a in actors:
-        ray.kill(a)
-
-
-class RayShard:
-    """A :class:`~ppipe.runtime.control.shard_control.ShardHandle` of a :class:`ShardServer`
-    actor: plan-switch requests go to its :meth:`ShardServer.control`."""
-
-    def __init__(self, actor: Any):
-        self.actor = actor
-
-    async def call(self, request: ShardRequest) -> Any:
-        return await self.actor.control.remote(request)
 
 
 class ShardMetrics:
@@ -291,3 +251,120 @@ class PeerExchange:
 
     async def stop(self) -> None:
         return None
+
+
+@dataclass(frozen=True)
+class ShardStart:
+    """What shard ``index`` is started with: the first frame on its pair.
+
+    Attributes:
+        index: the shard's number (> 0).
+        dep: a :class:`~ppipe.runtime.launch.deploy.Deployment` that holds its models (the
+            whole one at first, or its servers' sub-plan with ``--shard-by servers``; the
+            shard's part after a plan switch).
+        models: the models it serves.
+        settings: every shard's :class:`~ppipe.runtime.launch.shards.ServeSettings`.
+        owner: model -> the shard that serves it, or [(shard, weight)] where several do
+            (every model's; :class:`~ppipe.runtime.ingress.shard_router.Routes`).
+        host, port: the shared address it binds (``SO_REUSEPORT``).
+        log_arrivals: start with the re-plan loop's arrival log on.
+        start_timeout_s: its workers must have loaded their blocks within this.
+    """
+
+    index: int
+    dep: Any
+    models: list[str]
+    settings: Any
+    owner: dict[str, Any]
+    host: str
+    port: int
+    log_arrivals: bool = False
+    start_timeout_s: float = 300.0
+
+
+class RestartableShard(ShardHandle, Protocol):
+    """A shard that :class:`ShardSupervisor` restarts: ``lifeline()`` returns once it is
+    gone (``why_gone`` says how; its requests then fail at once, ConnectionError), ``reset()``
+    forgets the gone one, ``restart()`` (blocking) starts it again as it last served and
+    returns its router address, ``up()`` lets requests reach it again, ``terminate()`` asks
+    it to stop."""
+
+    address: str | None
+    why_gone: str | None
+
+    def describe(self) -> str: ...
+
+    async def lifeline(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def restart(self) -> str: ...
+
+    def up(self) -> None: ...
+
+    def terminate(self) -> None: ...
+
+
+class ShardSupervisor(PeerExchange):
+    """A companion of shard 0's app: tells every shard where the routers are
+    (:class:`PeerExchange`), watches each shard's lifeline and restarts a shard that dies
+    (meanwhile it is down in every router); at stop, tells the shards that shard 0 is down
+    and asks them to stop.
+
+    ``shards``: :class:`RestartableShard` handles (a local process's
+    :class:`~ppipe.runtime.launch.local_shards.LocalShard`, a Ray actor's
+    :class:`~ppipe.runtime.launch.ray_shards.RayShard`)."""
+
+    def __init__(self, router: Any, shards: list["RestartableShard"]):
+        super().__init__(router, shards, [s.address for s in shards])
+        self._watching: list[asyncio.Task] = []
+        self._stopping = False
+        self.restarts = 0  # shards restarted so far
+
+    async def start(self) -> None:
+        await super().start()
+        self._watching = [asyncio.ensure_future(self._watch(i, s)) for i, s in enumerate(self.shards, 1)]
+
+    async def _watch(self, index: int, shard: "RestartableShard") -> None:
+        while True:
+            await shard.lifeline()
+            if self._stopping:
+                return
+            log.error("%s; its models' requests are answered 503 until it is back; restarting it", shard.why_gone)
+            self.addresses[index - 1] = None
+            await self._tell()
+            shard.reset()
+            for attempt in itertools.count():
+                try:
+                    self.addresses[index - 1] = await asyncio.to_thread(shard.restart)
+                    break
+                except Exception as exc:
+                    delay = RESTART_DELAYS_S[min(attempt, len(RESTART_DELAYS_S) - 1)]
+                    log.error("shard %d did not restart (%s); trying again in %.1f s", index, exc, delay)
+                    await asyncio.sleep(delay)
+                    if self._stopping:
+                        return
+            shard.up()
+            self.restarts += 1
+            await self._tell()
+            log.warning("%s is back: restarted", shard.describe())
+
+    async def _tell(self) -> None:
+        """Every router learns the addresses; a shard that fails to hear it is its watcher's to restart."""
+        try:
+            await self.tell_peers()
+        except Exception as exc:
+            log.warning("a shard did not hear the new router addresses: %s", exc)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for t in self._watching:
+            t.cancel()
+        down = (None, *self.addresses)  # requests the shards pass to shard 0 fail at once from now on
+        try:
+            await asyncio.wait_for(asyncio.gather(*(s.call(SetPeers(down)) for s, a in zip(self.shards, self.addresses)
+                                                    if a is not None), return_exceptions=True), timeout=5.0)
+        except asyncio.TimeoutError:
+            pass
+        for s in self.shards:
+            s.terminate()
