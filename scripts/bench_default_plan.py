@@ -6,14 +6,17 @@ alone, and for all three together, at ``--load`` of each model's planned rate:
 * ``ppipe simulate``'s figures for that load (the runtime's margins applied, as by default);
 * ``ppipe serve``'s: emulated workers with the profiled latencies and the real inputs
   and feature maps (no byte cap), driven open loop by ``ppipe bench --binary`` over HTTP.
-  By default the frontend runs in this process on Ray workers, and the script prints per
-  stage how late the reserved starts were, from the batches' traces. With ``--command``
-  it is the real command a user runs (``ppipe serve plan.yaml --backend emulated``, local
-  worker processes, ``--ingress N`` ingress processes), without the traces.
+  By default the frontend runs in this process on Ray workers, and the script prints
+  where each model's time went at the scheduler, from the batches' traces
+  (:func:`latency_parts`). With ``--command`` it is the real command a user runs (``ppipe
+  serve plan.yaml --backend emulated``, local worker processes, ``--ingress N`` ingress
+  processes), without the traces.
 
-Prints a host line, a table per run, and where the runtime's extra latency goes. What it
-leaves out: the GPUs (compute is emulated by sleeping), a network (every byte crosses
-loopback), and the client's own CPU on the same cores.
+Prints a host line and a table per run: on time at the client, and ``at server``, the
+share the server held within the SLO (from arrival to answer, its ``Server-Timing``
+header); the rest of the client's latency is its own lag, the HTTP hops and the reply.
+What it leaves out: the GPUs (compute is emulated by sleeping), a network (every byte
+crosses loopback), and the client's own CPU on the same cores.
 
     python scripts/bench_default_plan.py [--load 0.1] [--duration-s 10] [--plan plan.yaml]
                                          [--command [--ingress N]]
@@ -106,6 +109,12 @@ def serve_command(plan_file: str, ingress: int):
     return proc, url
 
 
+def _at_server(r: dict) -> str:
+    """The share of the sent requests that the server held within the SLO (its Server-Timing)."""
+    held = r.get("server_on_time")
+    return "-" if held is None or not r["sent"] else f"{100 * held / r['sent']:.2f}%"
+
+
 def latency_parts(rt, since: int) -> tuple[dict[str, dict[str, tuple[float, float]]], dict[str, list[float]]]:
     """Per model, where its served requests' time went, from the batches' traces, as
     (p50, p95) ms over its requests: ``queue`` (arrival at the scheduler to the dispatch),
@@ -168,11 +177,11 @@ def main() -> None:
             served = drive(url, rates, args.duration_s)
             label = "all three" if len(rates) > 1 else "alone"
             print(f"\n{label} at {args.load:g} of the planned rate")
-            print(f"{'model':14} {'rate':>7} {'serve on time':>13} {'p50 ms':>7} {'p99 ms':>7} {'sim on time':>11} {'sim p50':>7} {'lag p99':>7}  drops")
+            print(f"{'model':14} {'rate':>7} {'serve on time':>13} {'p50 ms':>7} {'p99 ms':>7} {'at server':>9} {'srv p50':>7} {'sim on time':>11} {'sim p50':>7} {'lag p99':>7}  drops")
             for m, r in served.items():
                 sa, sp = sim[m]
                 print(f"{m:14} {rates[m]:7.1f} {100 * r['slo_attainment']:12.2f}% {r['p50_ms'] or float('nan'):7.2f} "
-                      f"{r['p99_ms'] or float('nan'):7.2f} {100 * sa:10.2f}% {sp or float('nan'):7.2f} {r['client_lag_p99_ms'] or float('nan'):7.2f}  {r['drops'] or '-'}")
+                      f"{r['p99_ms'] or float('nan'):7.2f} {_at_server(r):>9} {r.get('server_p50_ms') or float('nan'):7.2f} {100 * sa:10.2f}% {sp or float('nan'):7.2f} {r['client_lag_p99_ms'] or float('nan'):7.2f}  {r['drops'] or '-'}")
             if rt is not None:
                 print("  where the time went at the scheduler (traces):")
                 print_parts(*latency_parts(rt, since), {m.name: m.slo_ms for m in plan.models})

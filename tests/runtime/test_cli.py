@@ -85,7 +85,19 @@ def test_bench_against_a_running_server(tinynet, tmp_path):
     res = json.loads(out.read_text())
     assert res["sent"] > 20 and res["ok"] + sum(res["drops"].values()) + sum(res["errors"].values()) == res["sent"]
     assert res["slo_attainment"] > 0.5 and res["p50_ms"] > 0
+    # the server's own time per request (its Server-Timing header): within the client's, each 200 counted
+    assert 0 < res["server_p50_ms"] <= res["p50_ms"] and res["server_p99_ms"] <= res["p99_ms"]
+    assert res["on_time"] <= res["server_on_time"] <= res["ok"]
+    assert "at the server" in r.output and "held within the SLO" in r.output
     assert denied.exit_code == 2 and "HTTP 401" in denied.output
+
+
+@pytest.mark.parametrize("header, ms", [("ppipe;dur=12.5", 12.5), ("db;dur=3, ppipe;desc=\"x\";dur=0.25", 0.25),
+                                        ("ppipe", None), ("ppipe;dur=fast", None), (None, None), ("other;dur=1", None)])
+def test_bench_reads_the_servers_time_from_its_server_timing_header(header, ms):
+    from ppipe.runtime.client.bench import server_timing_ms
+
+    assert server_timing_ms(header) == ms
 
 
 def test_serve_refuses_a_policy_that_dispatches_partial_paths(tmp_path, tinynet):

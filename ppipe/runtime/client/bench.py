@@ -52,6 +52,9 @@ class BenchResult:
     drops: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     client_lag_p99_ms: float | None = None
+    server_p50_ms: float | None = None  # the server's own time per 200 (its Server-Timing header), where it says
+    server_p99_ms: float | None = None
+    server_on_time: int | None = None  # 200s the server held within the SLO (None: it sent no timing)
 
     def as_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(asdict(self), default=lambda o: o.item() if hasattr(o, "item") else str(o)))
@@ -308,6 +311,7 @@ class _Tally:
     def __init__(self, slo_ms: float, records: list | None):
         self.slo_ms, self.records = slo_ms, records
         self.lat_ms: list[float] = []
+        self.server_ms: list[float] = []  # what the 200s' Server-Timing headers say
         self.lag_ms: list[float] = []
         self.codes: dict[str, int] = {}
         self.drops: dict[str, int] = {}
@@ -328,6 +332,9 @@ class _Tally:
             self.ok += 1
             self.lat_ms.append(dt_ms)
             self.on_time += int(dt_ms <= self.slo_ms)
+            held = server_timing_ms(hdrs.get("server-timing"))
+            if held is not None:
+                self.server_ms.append(held)
             key = "200"
         elif hdrs.get("ppipe-drop-reason"):
             key = hdrs["ppipe-drop-reason"]
@@ -355,7 +362,26 @@ class _Tally:
             drops=self.drops,
             errors=self.codes,
             client_lag_p99_ms=_percentile(self.lag_ms, 99),
+            server_p50_ms=_percentile(self.server_ms, 50),
+            server_p99_ms=_percentile(self.server_ms, 99),
+            server_on_time=sum(x <= self.slo_ms for x in self.server_ms) if self.server_ms else None,
         )
+
+
+def server_timing_ms(value: str | None) -> float | None:
+    """The ``dur`` of the ``ppipe`` metric of a ``Server-Timing`` header (ms), or None."""
+    for metric in (value or "").split(","):
+        name, _, params = metric.strip().partition(";")
+        if name.strip() != "ppipe":
+            continue
+        for param in params.split(";"):
+            key, _, x = param.strip().partition("=")
+            if key.strip() == "dur":
+                try:
+                    return float(x)
+                except ValueError:
+                    return None
+    return None
 
 
 async def _send_open_loop(times_us: np.ndarray, sender: _Sender, tally: _Tally) -> None:
@@ -400,6 +426,10 @@ def format_table(res: BenchResult) -> str:
         ("other errors", ", ".join(f"{k}: {v}" for k, v in sorted(res.errors.items())) or "0"),
         ("client lag p99", f"{f(res.client_lag_p99_ms)} ms"),
     ]
+    if res.server_on_time is not None:
+        share = 100 * res.server_on_time / res.sent if res.sent else 0.0
+        rows.append(("at the server", f"{share:.2f} % held within the SLO; p50 / p99 {f(res.server_p50_ms)} / "
+                                      f"{f(res.server_p99_ms)} ms (its Server-Timing: arrival to answer)"))
     table = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))
     table.add_column(no_wrap=True)
     table.add_column()
