@@ -572,7 +572,7 @@ class BatchingScheduler:
                 continue
             # Step 3: drop, wait or dispatch.
             if chosen is None:
-                out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"pipeline {p.index}: even batch {p.batches[-1]} finishes too late"))
+                self._at_risk_or_drop(best, step1, now, budget, out)
                 continue
             if len(q) < chosen.batch:
                 now_r: ProbeResult | None = None
@@ -612,6 +612,33 @@ class BatchingScheduler:
                 break
             self._dispatch(chosen, [q.popleft()] if chosen.batch == 1 else [q.popleft() for _ in range(chosen.batch)], out)
         return out
+
+    def _at_risk_or_drop(self, best: ProbeResult, step1: list, now: float, budget: float, out: list[Decision]) -> None:
+        """Step 3 for a head that no batch serves within the answer budget: dispatch it in
+        the batch :meth:`_at_risk` finds within the drop budget, or drop it."""
+        model = best.pipeline.model
+        q, drop_budget = self.queues[model], self.options.drop_budget(model)
+        risky = None if drop_budget >= budget else self._at_risk(best, step1, q[0].deadline_us - drop_budget, now, len(q))
+        if risky is None:
+            p = best.pipeline
+            out.append(self._drop(q.popleft(), DropReason.DEADLINE_UNREACHABLE, f"pipeline {p.index}: even batch {p.batches[-1]} finishes too late"))
+            return
+        self._dispatch(risky, [q.popleft() for _ in range(risky.batch)], out)
+
+    def _at_risk(self, best: ProbeResult, step1: list, due_us: float, now: float, queued: int) -> ProbeResult | None:
+        """A head that no batch serves within the answer budget, served within the smaller
+        drop budget (:attr:`SchedulerOptions.drop_budget_us`, ``due_us`` its last end): the
+        largest batch of at most ``queued`` requests finishing by ``due_us``, on the first
+        pipeline that has one, least waiting first (None: the head is hopeless)."""
+        others = [r if isinstance(r, ProbeResult) else self.probe(r, r.batches[0], now)
+                  for r in step1 if r is not best] if self.options.try_other_pipelines else []
+        for r in [best, *sorted(others, key=lambda r: (r.wait, r.pipeline.index))]:
+            for bs in r.pipeline.batches:
+                if bs <= queued:
+                    x = r if bs == r.batch else self.probe(r.pipeline, bs, now)
+                    if x.finish <= due_us + EPS_US:
+                        return x
+        return None
 
     def _largest_fitting(self, first: ProbeResult, deadline_us: float, now: float, reuse: bool) -> ProbeResult | None:
         """Step 2 on ``first.pipeline``: the first usable batch, largest first, finishing by the deadline."""

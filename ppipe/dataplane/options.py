@@ -105,6 +105,15 @@ class SchedulerOptions(BaseModel):
             after the batch's last stage ends (the last report, the reply). The batcher
             plans for the deadline ``arrival + SLO - budget``; lateness is still judged at
             ``arrival + SLO``. Default 0 (the paper).
+        drop_budget_us: per model (a mapping) or for all, the answer budget of the drop
+            test, at most ``answer_budget_us`` (None: that budget). A head that no batch
+            serves by ``arrival + SLO - answer budget`` but one does by ``arrival + SLO -
+            drop budget`` is dispatched at once in the largest such batch of the queued
+            requests instead of dropped: the answer budget plans (which batch, how long to
+            wait), the drop budget decides what is hopeless. `ppipe serve` sets the answer
+            budget from a high percentile of how late answers come and the drop budget
+            from their median, so a request that would more likely than not be answered in
+            time is served. Default None (the paper's one test).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -131,6 +140,8 @@ class SchedulerOptions(BaseModel):
     input_transfer_lead: bool = Field(default=False, description="Add the input's transfer to the first pool to the dispatch lead.")
     answer_budget_us: float | Mapping[str, float] = Field(
         default=0.0, description="Time an answer needs after the last stage, us (per model name, or one for all).")
+    drop_budget_us: float | Mapping[str, float] | None = Field(
+        default=None, description="The answer budget of the drop test, us, at most answer_budget_us (None: that budget).")
 
     @field_validator("max_queue")
     @classmethod
@@ -141,10 +152,10 @@ class SchedulerOptions(BaseModel):
                 raise ValueError(f"max_queue must be a positive integer per model, got {b!r}")
         return v
 
-    @field_validator("answer_budget_us")
+    @field_validator("answer_budget_us", "drop_budget_us")
     @classmethod
-    def _non_negative_margins(cls, v: float | Mapping[str, float], info) -> float | Mapping[str, float]:
-        for m in v.values() if isinstance(v, Mapping) else [v]:
+    def _non_negative_margins(cls, v: float | Mapping[str, float] | None, info) -> float | Mapping[str, float] | None:
+        for m in v.values() if isinstance(v, Mapping) else ([] if v is None else [v]):
             if not m >= 0:
                 raise ValueError(f"{info.field_name} must be >= 0 us per model, got {m!r}")
         return v
@@ -153,6 +164,13 @@ class SchedulerOptions(BaseModel):
         """The model's answer budget (0 for a model a mapping does not name)."""
         v = self.answer_budget_us
         return float(v.get(model, 0.0)) if isinstance(v, Mapping) else float(v)
+
+    def drop_budget(self, model: str) -> float:
+        """The model's drop budget: at most its answer budget (:attr:`drop_budget_us`)."""
+        budget, v = self.budget_us(model), self.drop_budget_us
+        if v is None:
+            return budget
+        return min(budget, float(v.get(model, budget)) if isinstance(v, Mapping) else float(v))
 
     def queue_bound(self, model: str) -> int | None:
         if self.max_queue is None:

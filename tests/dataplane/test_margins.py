@@ -41,6 +41,25 @@ def test_the_answer_budget_ends_batches_early_but_is_no_deadline_of_the_request(
     assert isinstance(d, Drop) and d.reason is DropReason.DEADLINE_UNREACHABLE
 
 
+def test_a_head_within_the_drop_budget_is_served_at_once_and_only_one_beyond_it_is_dropped():
+    """The answer budget leaves the path no time, the smaller drop budget does: the request is
+    dispatched (a batch of what is queued, at once), not dropped; beyond the drop budget too,
+    it is dropped; and a drop budget above the answer budget changes nothing."""
+    tight = SLO_US - PATH_US + 1.0  # no path ends by the deadline less this
+    s, _ = fig5_world(batch=4, answer_budget_us=tight, drop_budget_us=SLO_US - PATH_US - 1.0)
+    (d,) = _submit(s)
+    assert isinstance(d, Dispatch) and d.batch == 1 and d.requests[0].deadline_us == SLO_US
+    assert d.stages[-1].start_us + d.stages[-1].infer_us == pytest.approx(PATH_US)
+    for drop_budget in (tight + 1.0, 2 * SLO_US):
+        s, _ = fig5_world(batch=4, answer_budget_us=tight, drop_budget_us=drop_budget)
+        (d,) = _submit(s)
+        assert isinstance(d, Drop) and d.reason is DropReason.DEADLINE_UNREACHABLE
+    assert SchedulerOptions(answer_budget_us=500.0, drop_budget_us={"m": 900.0}).drop_budget("m") == 500.0  # never above
+    assert SchedulerOptions(answer_budget_us=500.0, drop_budget_us={"m": 200.0}).drop_budget("other") == 500.0
+    with pytest.raises(ValueError, match="drop_budget_us must be >= 0"):
+        SchedulerOptions(drop_budget_us=-1.0)
+
+
 def test_a_waiting_batch_wakes_on_the_clocks_timeline_and_leaves_at_its_last_moment():
     lead, budget = 800.0, 300.0
     s, clock = fig5_world(batch=4, dispatch_lead_us=lead, answer_budget_us=budget)

@@ -28,12 +28,13 @@ def test_the_adaptive_budget_follows_lateness_and_is_capped_so_the_model_stays_s
     changed = None
     for _ in range(2 * EVERY):
         changed = b.answer_was_late("m", 800.0) or changed
-    assert changed == {"m": pytest.approx(2300.0)}  # A_0 + the 95th percentile of the lateness
+    # A_0 + the 95th percentile of the lateness; the drop test's, A_0 + its median (the same here)
+    assert changed == {"answer_budget_us": {"m": pytest.approx(2300.0)}, "drop_budget_us": {"m": pytest.approx(2300.0)}}
     with caplog.at_level(logging.WARNING, logger="ppipe.runtime"):
         for _ in range(2 * WINDOW):
             changed = b.answer_was_late("m", 50_000.0) or changed  # far later than the slack allows
     cap = 0.5 * (6000.0 - 3500.0)  # half of what the slack leaves over the fixed margins
-    assert changed == {"m": pytest.approx(1500.0 + cap)}
+    assert changed["answer_budget_us"] == {"m": pytest.approx(1500.0 + cap)} == changed["drop_budget_us"]
     assert b.answer_was_late("other", 50_000.0) is None  # a model's lateness is its own
     assert b.margins["m"].reserved_us + cap < b.margins["m"].slack_us  # still reachable
     assert sum("the budget stays at" in r.getMessage() for r in caplog.records) == 1  # said once
@@ -41,6 +42,23 @@ def test_the_adaptive_budget_follows_lateness_and_is_capped_so_the_model_stays_s
     assert reg.get_sample_value("ppipe_model_slack_ms", {"model": "m"}) == pytest.approx(6.0)
     with pytest.raises(ValueError, match=">= 0"):
         ServiceBudgets(-1.0, 0.0)
+
+
+def test_the_drop_budget_follows_the_median_lateness_and_the_answer_budget_its_tail():
+    """Answers that come 0-2 ms late, evenly: the batches are planned for the tail (A_0 + p95),
+    but only a request that would be late at the median lateness is hopeless (A_0 + p50)."""
+    import numpy as np
+
+    b = ServiceBudgets(1500.0, 1500.0)
+    margins = _margins(slack_us=12_000.0)  # room: neither part reaches its cap
+    b.adopt(margins)
+    assert b.options(margins)["drop_budget_us"] == {"m": 1500.0}
+    changed = None
+    for late in np.tile(np.linspace(0.0, 2000.0, EVERY), WINDOW // EVERY):
+        changed = b.answer_was_late("m", float(late)) or changed
+    assert changed["answer_budget_us"]["m"] == pytest.approx(1500.0 + 1900.0, abs=70.0)
+    assert changed["drop_budget_us"]["m"] == pytest.approx(1500.0 + 1000.0, abs=70.0)
+    assert b.options(margins)["drop_budget_us"] == changed["drop_budget_us"]
 
 
 def test_sleep_until_ends_at_its_time_not_a_timer_tick_later():

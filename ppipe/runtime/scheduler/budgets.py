@@ -14,6 +14,10 @@ holds their values while serving:
   (:func:`~ppipe.dataplane.margins.adaptive_cap_us`): lateness that the plan's slack
   cannot absorb makes answers late, but can never make the model unreachable. When the
   cap binds, the server logs it once per model.
+* the drop budget, ``A_0 + min(d_m, cap_m)`` with ``d_m`` the median of the same lateness
+  (the data plane's ``drop_budget_us``): the answer budget plans the batches, but a request
+  is dropped as unreachable only when its answer would come late at the median lateness,
+  that is, when it would more likely be late than not; the others are served.
 
 ``ppipe_model_reserved_slack_ms{model}`` shows ``L_m + A_m`` as it is, next to
 ``ppipe_model_slack_ms{model}``, the slack ``S_m`` the plan leaves.
@@ -56,8 +60,10 @@ class ServiceBudgets:
         self._lateness: dict[str, np.ndarray] = {}  # per model, its last WINDOW batches' answer lateness
         self._seen: dict[str, int] = {}
         self.late_us: dict[str, float] = {}  # per model, the adaptive part a before its cap
+        self.typical_us: dict[str, float] = {}  # per model, the median lateness d before its cap
         self._capped: set[str] = set()  # models whose cap bound (logged once each)
         self._applied: dict[str, float] = {}  # the answer budget per model in the scheduler's options
+        self._applied_drop: dict[str, float] = {}  # ... and the drop budget
         self._gauges = None if registry is None else (
             Gauge("ppipe_model_reserved_slack_ms", "Time the runtime takes off the model's SLO outside the reserved path "
                   "(dispatch lead with the input's transfer, plus the answer budget).", ["model"], registry=registry),
@@ -76,18 +82,24 @@ class ServiceBudgets:
         return margins
 
     def options(self, margins: Mapping[str, ModelMargins]) -> dict:
-        """The scheduler options for these margins, the adaptive part of the budget included."""
-        return {**serving_options(self.lead_us, self.budget_us), "answer_budget_us": {m: self._budget(x) for m, x in margins.items()}}
+        """The scheduler options for these margins, the adaptive parts of the budgets included."""
+        return {**serving_options(self.lead_us, self.budget_us), **self._budgets(margins)}
+
+    def _budgets(self, margins: Mapping[str, ModelMargins]) -> dict[str, dict[str, float]]:
+        return {"answer_budget_us": {m: self._budget(x) for m, x in margins.items()},
+                "drop_budget_us": {m: self._drop_budget(x) for m, x in margins.items()}}
 
     def adopt(self, margins: Mapping[str, ModelMargins]) -> None:
         """Make these the served plan's margins (at start, and when a plan switch commits)."""
         self.margins = dict(margins)
         self._applied = {m: self._budget(x) for m, x in margins.items()}
+        self._applied_drop = {m: self._drop_budget(x) for m, x in margins.items()}
         self._publish()
 
-    def answer_was_late(self, model: str, late_us: float) -> dict[str, float] | None:
-        """Record one batch's answer lateness; returns the new per-model answer budgets when
-        the model's moved by more than ``CHANGE_US`` (else None)."""
+    def answer_was_late(self, model: str, late_us: float) -> dict[str, dict[str, float]] | None:
+        """Record one batch's answer lateness; returns the scheduler options to update, the
+        per-model answer and drop budgets, when the model's moved by more than ``CHANGE_US``
+        (else None)."""
         window = self._lateness.get(model)
         if window is None:
             window = self._lateness[model] = np.zeros(WINDOW)
@@ -95,14 +107,17 @@ class ServiceBudgets:
         window[(seen - 1) % WINDOW] = late_us
         if seen % EVERY:
             return None
-        self.late_us[model] = max(0.0, float(np.percentile(window[: min(seen, WINDOW)], 95)))
+        typical, late = np.percentile(window[: min(seen, WINDOW)], [50, 95])
+        self.typical_us[model], self.late_us[model] = max(0.0, float(typical)), max(0.0, float(late))
         x = self.margins.get(model)
-        budget = None if x is None else self._budget(x)
-        if budget is None or abs(budget - self._applied.get(model, 0.0)) <= CHANGE_US:
+        if x is None:
             return None
-        self._applied[model] = budget
+        budget, drop = self._budget(x), self._drop_budget(x)
+        if abs(budget - self._applied.get(model, 0.0)) <= CHANGE_US and abs(drop - self._applied_drop.get(model, 0.0)) <= CHANGE_US:
+            return None
+        self._applied[model], self._applied_drop[model] = budget, drop
         self._publish()
-        return dict(self._applied)
+        return {"answer_budget_us": dict(self._applied), "drop_budget_us": dict(self._applied_drop)}
 
     def _budget(self, x: ModelMargins) -> float:
         """``A_0 + min(a, cap_m)``, logging once per model when the cap binds."""
@@ -114,6 +129,11 @@ class ServiceBudgets:
                         "the answer budget; the budget stays at %.1f ms so that the model is still served (its answers "
                         "may be late)", x.model, late / 1e3, cap / 1e3, (x.budget_us + cap) / 1e3)
         return x.budget_us + min(late, cap)
+
+    def _drop_budget(self, x: ModelMargins) -> float:
+        """``A_0 + min(d, cap_m)``: the drop test's budget (never above :meth:`_budget`)."""
+        cap = min(adaptive_cap_us(x), 0.25 * x.slo_us)
+        return x.budget_us + min(self.typical_us.get(x.model, 0.0), self.late_us.get(x.model, 0.0), cap)
 
     def _publish(self) -> None:
         if self._gauges is None:

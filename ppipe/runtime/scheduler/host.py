@@ -433,13 +433,13 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
             self._current_scheduler().options = opts.model_copy(update={"wake_lead_us": lead})
 
     def _answer_was_late(self, model: str, late_us: float) -> None:
-        """Keep the answer budget above how late batches end here (:class:`ServiceBudgets`):
-        when a model's budget moves, the current scheduler gets the new budgets."""
+        """Keep the answer and drop budgets above how late batches end here (:class:`ServiceBudgets`):
+        when a model's budgets move, the current scheduler gets the new ones."""
         budgets = self.budgets.answer_was_late(model, late_us)
         sched = self._current_scheduler()
         opts = getattr(sched, "options", None)
         if budgets is not None and opts is not None and hasattr(opts, "answer_budget_us"):
-            sched.options = opts.model_copy(update={"answer_budget_us": budgets})
+            sched.options = opts.model_copy(update=budgets)
 
     def _current_scheduler(self) -> Any:
         return self.scheduler.current if isinstance(self.scheduler, SwitchingScheduler) else self.scheduler
