@@ -208,6 +208,8 @@ def test_bench_drives_the_grpc_frontend(served):
         res = asyncio.run(run_bench(g.rest_url, "tinynet", rate_rps=50, duration_s=0.4, token=TOKEN, grpc=f"127.0.0.1:{g.port}",
                                     slo_ms=10_000, binary=binary))
         assert res.sent > 5 and res.ok == res.sent and not res.errors and not res.drops
+        # the server's own time, from the answers' trailing metadata (as REST's Server-Timing header)
+        assert res.server_on_time == res.ok and 0 < res.server_p50_ms <= res.p50_ms
     res = asyncio.run(run_bench(g.rest_url, "tinynet", rate_rps=50, duration_s=0.2, token=TOKEN, grpc=f"127.0.0.1:{g.port}",
                                 slo_ms=10_000, binary=True, input_shape=[3, 8, 7]))
     assert res.ok == 0 and res.errors == {"gRPC INVALID_ARGUMENT": res.sent}

@@ -3,6 +3,7 @@ shards, and `ppipe serve --shards 2` under the local launcher (one test under Ra
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 
@@ -234,13 +235,26 @@ def test_a_shard_passes_grpc_calls_for_other_models_to_their_owner(tmp_path):
         wrong_shape = refusal(lambda: infer(client, "b", shape=(1, 3, 8, 9)))
         no_token = refusal(lambda: infer(client, "b", headers={}))
         unknown = refusal(lambda: client.get_model_metadata("zzz", headers=auth))
+        passed = asyncio.run(_grpc_call_with_trailing(f"127.0.0.1:{r0.grpc_server.port}", "b"))
         metrics = httpx.get(srv0.url + "/metrics", headers=auth, timeout=30).text
     assert all(np.all(y == 6.0) for y in outs.values())  # the fake one-stage pipeline: 3 * 2
     assert meta_b.name == "b" and ready == (True, True)
     assert wrong_shape[0] == "StatusCode.INVALID_ARGUMENT" and "shape" in wrong_shape[1]
     assert no_token[0] == "StatusCode.UNAUTHENTICATED"
     assert unknown[0] == "StatusCode.NOT_FOUND"
-    assert 'ppipe_requests_total{code="200",model="b"} 1.0' in metrics and 'ppipe_requests_total{code="400",model="b"} 1.0' in metrics
+    assert 'ppipe_requests_total{code="200",model="b"} 2.0' in metrics and 'ppipe_requests_total{code="400",model="b"} 1.0' in metrics
+    assert passed[0] == 200 and passed[1]["server-timing"].startswith("ppipe;dur=")  # the owner's timing comes back
+
+
+async def _grpc_call_with_trailing(address: str, model: str) -> tuple:
+    """One ModelInfer through ``ppipe bench``'s gRPC client: (status, trailing metadata)."""
+    from ppipe.runtime.client.bench import GrpcInferClient, encode_grpc_request
+
+    client = GrpcInferClient(address, token="t0k")
+    try:
+        return await client.infer(encode_grpc_request(model, {"input": np.full((1, 3, 8, 8), 3.0, np.float32)}, raw=True))
+    finally:
+        await client.aclose()
 
 
 def test_serve_refuses_bad_shard_counts_before_starting_ray(tmp_path):

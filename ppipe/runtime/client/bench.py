@@ -168,14 +168,15 @@ class GrpcInferClient:
         self.timeout_s = timeout_s
 
     async def infer(self, body: bytes) -> tuple[int | str, dict[str, str]]:
-        """One call; returns (200, {}) or (the gRPC status name, its trailing metadata)."""
+        """One call; returns (200 or the gRPC status name, its trailing metadata)."""
         import grpc
 
+        call = self.call(body, metadata=self.metadata, timeout=self.timeout_s)
         try:
-            await self.call(body, metadata=self.metadata, timeout=self.timeout_s)
+            await call
         except grpc.aio.AioRpcError as exc:
             return exc.code().name, {k: v for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)}
-        return 200, {}
+        return 200, {k: v for k, v in (await call.trailing_metadata() or ()) if isinstance(v, str)}
 
     async def aclose(self) -> None:
         await self.channel.close()

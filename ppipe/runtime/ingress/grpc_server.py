@@ -53,6 +53,7 @@ from ppipe.runtime.ingress.model_io import check_infer_inputs
 log = logging.getLogger(__name__)
 
 DROP_HEADER = "ppipe-drop-reason"
+SERVER_TIMING = "server-timing"  # trailing metadata of an answered ModelInfer: how long the server held it
 
 # REST status -> gRPC status, for the errors both frontends share
 STATUS_CODE = {
@@ -224,6 +225,8 @@ class GrpcFrontend:
                                                                     list(context.invocation_metadata() or ()))
         if code is not None:
             await context.abort(grpc.StatusCode[code], message, trailing_metadata=tuple(tuple(t) for t in trailing))
+        if trailing:
+            context.set_trailing_metadata(tuple(tuple(t) for t in trailing))
         return pb.METHODS[rpc][2].FromString(body)
 
     async def serve_passed(self, rpc: str, body: bytes, metadata: list) -> tuple[str | None, str, list, bytes]:
@@ -234,7 +237,7 @@ class GrpcFrontend:
             response = await self._rpc(rpc)(pb.METHODS[rpc][1].FromString(body), ctx)
         except _Aborted as exc:
             return exc.code.name, exc.message, list(exc.trailing), b""
-        return None, "", [], response.SerializeToString()
+        return None, "", list(ctx.trailing), response.SerializeToString()
 
     def _rpc(self, rpc: str):
         return {"ServerLive": self.server_live, "ServerReady": self.server_ready, "ModelReady": self.model_ready,
@@ -328,7 +331,9 @@ class GrpcFrontend:
             m.requests.labels(name, "500").inc()
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in the server (its log has the details)")
         m.bound(m.requests, name, "200").inc()
-        m.bound(m.latency, name).observe(time.perf_counter() - t0)
+        held_s = time.perf_counter() - t0
+        m.bound(m.latency, name).observe(held_s)
+        context.set_trailing_metadata(((SERVER_TIMING, f"ppipe;dur={held_s * 1e3:.3f}"),))  # as REST's Server-Timing
         return resp
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -352,10 +357,15 @@ class _Aborted(Exception):
 
 class _PassedContext:
     """The part of ``grpc.aio.ServicerContext`` the RPCs use, for an RPC another shard passed:
-    its caller's metadata, and ``abort`` as an exception the owner sends back."""
+    its caller's metadata, ``abort`` as an exception the owner sends back, and the trailing
+    metadata of an answer."""
 
     def __init__(self, metadata: list):
         self._metadata = tuple((k, v) for k, v in metadata)
+        self.trailing: tuple = ()
+
+    def set_trailing_metadata(self, trailing) -> None:
+        self.trailing = tuple(tuple(t) for t in trailing)
 
     def invocation_metadata(self):
         return self._metadata
