@@ -49,7 +49,8 @@ def test_the_drop_budget_follows_the_median_lateness_and_the_answer_budget_its_t
     but only a request that would be late at the median lateness is hopeless (A_0 + p50)."""
     import numpy as np
 
-    b = ServiceBudgets(1500.0, 1500.0)
+    reg = CollectorRegistry()
+    b = ServiceBudgets(1500.0, 1500.0, reg)
     margins = _margins(slack_us=12_000.0)  # room: neither part reaches its cap
     b.adopt(margins)
     assert b.options(margins)["drop_budget_us"] == {"m": 1500.0}
@@ -59,6 +60,7 @@ def test_the_drop_budget_follows_the_median_lateness_and_the_answer_budget_its_t
     assert changed["answer_budget_us"]["m"] == pytest.approx(1500.0 + 1900.0, abs=70.0)
     assert changed["drop_budget_us"]["m"] == pytest.approx(1500.0 + 1000.0, abs=70.0)
     assert b.options(margins)["drop_budget_us"] == changed["drop_budget_us"]
+    assert reg.get_sample_value("ppipe_model_drop_budget_ms", {"model": "m"}) == pytest.approx(changed["drop_budget_us"]["m"] / 1e3)
 
 
 def test_sleep_until_ends_at_its_time_not_a_timer_tick_later():

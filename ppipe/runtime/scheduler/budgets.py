@@ -20,7 +20,8 @@ holds their values while serving:
   that is, when it would more likely be late than not; the others are served.
 
 ``ppipe_model_reserved_slack_ms{model}`` shows ``L_m + A_m`` as it is, next to
-``ppipe_model_slack_ms{model}``, the slack ``S_m`` the plan leaves.
+``ppipe_model_slack_ms{model}``, the slack ``S_m`` the plan leaves, and
+``ppipe_model_drop_budget_ms{model}``, the drop budget.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class ServiceBudgets:
             Gauge("ppipe_model_reserved_slack_ms", "Time the runtime takes off the model's SLO outside the reserved path "
                   "(dispatch lead with the input's transfer, plus the answer budget).", ["model"], registry=registry),
             Gauge("ppipe_model_slack_ms", "The model's SLO less its fastest unloaded path in the plan.", ["model"], registry=registry),
+            Gauge("ppipe_model_drop_budget_ms", "The answer budget of the drop test: a request is dropped as unreachable "
+                  "only when its answer would come after its deadline less this.", ["model"], registry=registry),
         )
 
     @property
@@ -138,7 +141,8 @@ class ServiceBudgets:
     def _publish(self) -> None:
         if self._gauges is None:
             return
-        reserved, slack = self._gauges
+        reserved, slack, drop = self._gauges
         for m, x in self.margins.items():
             reserved.labels(m).set((x.lead_us + self._applied.get(m, x.budget_us)) / 1e3)
             slack.labels(m).set(x.slack_us / 1e3)
+            drop.labels(m).set(self._applied_drop.get(m, x.budget_us) / 1e3)
