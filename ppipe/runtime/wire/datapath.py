@@ -273,6 +273,7 @@ class Inbox:
 
 WRITE_CHUNK_BYTES = 1024 * 1024  # the most one write hands the transport
 COALESCE_BYTES = 128 * 1024  # pieces under this size are small: a transport that joins gets runs of them joined
+HEAD_START_BYTES = COALESCE_BYTES  # of a large piece, what a write that starts with small pieces (a header) takes
 
 
 class _Sender(asyncio.Protocol):
@@ -296,6 +297,12 @@ class _Sender(asyncio.Protocol):
     run of small pieces joined (a header and its small tensors: one system call) or one
     slice of a large piece: each time the socket fills up, at most ``WRITE_CHUNK_BYTES``
     are copied, and nothing when it takes the write whole.
+
+    A write that gathers small pieces (a message's header) takes only ``HEAD_START_BYTES``
+    of the large piece after them: one ``writev`` of a whole megabyte over loopback returns
+    before the receiver reads a byte of it, whereas after a short first write the receiver
+    copies those bytes out on its core while this one writes the rest, so the two copies
+    of a message overlap instead of following each other.
 
     Either way the queued views refer to the senders' arrays: an array must not change
     once sent (stage outputs and batch inputs are fresh arrays).
@@ -398,8 +405,8 @@ class _Sender(asyncio.Protocol):
     def _next_write(self) -> list[memoryview | bytes]:
         """Take the pieces of the next write off the queue: a run of small pieces (under
         ``COALESCE_BYTES``, at most ``WRITE_CHUNK_BYTES`` in all), then, for a transport that
-        gathers, or alone, for one that joins, the next ``WRITE_CHUNK_BYTES`` of a larger
-        piece (cut at multiples of that size from the piece's start)."""
+        gathers, the first ``HEAD_START_BYTES`` of a larger piece; or, alone, the next
+        ``WRITE_CHUNK_BYTES`` of a larger piece."""
         queue, unit, small = self.queue, [], 0
         while queue:
             piece = queue[0]
@@ -411,8 +418,9 @@ class _Sender(asyncio.Protocol):
                 continue
             if unit and not self.gathers:
                 break
-            if len(piece) > WRITE_CHUNK_BYTES:
-                queue[0], piece = piece[WRITE_CHUNK_BYTES:], piece[:WRITE_CHUNK_BYTES]
+            cut = HEAD_START_BYTES if unit else WRITE_CHUNK_BYTES  # after a header: a short first write
+            if len(piece) > cut:
+                queue[0], piece = piece[cut:], piece[:cut]
             else:
                 queue.popleft()
             unit.append(piece)
