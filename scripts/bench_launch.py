@@ -10,7 +10,8 @@ and prints:
 * **idle CPU**: cores used by the server's whole process tree (the server, its workers,
   and for Ray its daemons, which run outside the server's tree: every process of this
   host is counted, less the script itself) over ``--idle-s`` seconds once ready, with no
-  request;
+  request; printed in all, and split into the server's tree and the rest of the host
+  (Ray's daemons, and whatever else this host runs: a VM's agent, kernel threads);
 * the processes it runs.
 
 Plans: the README's first one (``ppipe plan local-cpu resnet50 --slo-ms 1500``, onnxruntime
@@ -84,15 +85,17 @@ def ready() -> bool:
         conn.close()
 
 
-def idle_cores(idle_s: float) -> float:
-    """Cores the host's processes (this script's aside) use over ``idle_s`` seconds.
-    A process that starts or ends in the window counts only for its part in both ends."""
+def idle_cores(idle_s: float, tree: set[int] = frozenset()) -> tuple[float, float]:
+    """Cores the host's processes (this script's aside) use over ``idle_s`` seconds: the
+    processes of ``tree`` (pids), and all the others. A process that starts or ends in
+    the window counts only where it is seen at both ends."""
     me = {os.getpid()}
     before = {p.pid: p for p in psutil.process_iter()}
     a = {pid: _cpu(p) for pid, p in before.items() if pid not in me}
     time.sleep(idle_s)
     b = {pid: _cpu(p) for pid, p in before.items() if pid not in me}
-    return sum(b[k] - a[k] for k in a if a[k] is not None and b.get(k) is not None) / idle_s
+    used = {k: b[k] - a[k] for k in a if a[k] is not None and b.get(k) is not None}
+    return sum(v for k, v in used.items() if k in tree) / idle_s, sum(v for k, v in used.items() if k not in tree) / idle_s
 
 
 def _cpu(p: psutil.Process) -> float | None:
@@ -121,12 +124,14 @@ def measure(plan: Path, launcher: str, backend: str, repeat: int, idle_s: float)
         readies.append(ready)
         if i == repeat - 1:
             time.sleep(1.0)  # the start's last work (first collections, Ray's registrations) settles
-            idle = idle_cores(idle_s)
-            procs = len(psutil.Process(proc.pid).children(recursive=True)) + 1
+            tree = {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))}
+            idle = idle_cores(idle_s, tree)
+            procs = len(tree)
         stop(proc)
     rest = readies[1:] or readies
     print(f"  --launcher {launcher:5}  ready {statistics.median(rest):5.2f} s (median of {len(rest)}; first start {readies[0]:.2f} s)"
-          f"   idle {idle:.3f} cores over {idle_s:g} s   {procs} processes in the server's tree")
+          f"   idle {sum(idle):.3f} cores over {idle_s:g} s (the server's tree {idle[0]:.3f}, the rest of the host {idle[1]:.3f})"
+          f"   {procs} processes in the server's tree")
 
 
 def main() -> None:
