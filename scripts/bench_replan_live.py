@@ -155,7 +155,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         plan, _ = make_plans(args.models.split(","), tmp)  # a.yaml: the max-min plan for equal weights
-        print(f"plan (equal weights): " + ", ".join(f"{m.name} {m.throughput_rps:.0f} req/s" for m in plan.models) + f"; {len(plan.placement)} vGPUs")
+        print("plan (equal weights): " + ", ".join(f"{m.name} {m.throughput_rps:.0f} req/s" for m in plan.models) + f"; {len(plan.placement)} vGPUs")
         traces = write_traces(plan, args.peak, args.duration_s, args.period_s or args.duration_s, args.seed, tmp)
         for name in args.runs.split(","):
             out[name] = run(name, tmp, traces, args.duration_s, args.port, args.window_s, args.min_interval_s, args.seed)

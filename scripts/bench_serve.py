@@ -439,7 +439,7 @@ def http_floor(duration_s: float, seed: int, rates: list[float]) -> dict:
             "uvicorn.Server(uvicorn_config(bench_serve.null_app, '127.0.0.1', int(sys.argv[3]))).run()")
     proc = subprocess.Popen([sys.executable, "-c", code, str(REPO / "scripts"), str(REPO), str(port)])
     url = f"http://127.0.0.1:{port}"
-    print(f"\n== HTTP floor: uvicorn as `ppipe serve` runs it, a null app, its own process; JSON requests of 16 floats")
+    print("\n== HTTP floor: uvicorn as `ppipe serve` runs it, a null app, its own process; JSON requests of 16 floats")
     out = {}
     try:
         for _ in range(100):

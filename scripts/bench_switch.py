@@ -33,7 +33,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -152,7 +151,7 @@ def scenario(mode: str, tmp: Path, a, b, load: float, duration_s: float, seed: i
 
 def report(name: str, r: dict) -> None:
     print(f"\n== scenario {name}")
-    print(f"   offered: " + ", ".join(f"{m} {v:.0f} req/s" for m, v in r["rates"].items()))
+    print("   offered: " + ", ".join(f"{m} {v:.0f} req/s" for m, v in r["rates"].items()))
     if r["killed"]:
         print(f"   killed at the command: {r['killed']} (a plan-A worker plan B does not keep)")
     if r["apply_output"]:

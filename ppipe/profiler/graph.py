@@ -292,7 +292,6 @@ def np_dtype_name(elem_type: int) -> str:
 def analyze(model) -> GraphInfo:
     """Classify nodes, collect per-sample shapes and list the valid cut points."""
     g = model.graph
-    inits = {i.name for i in g.initializer}
     inp = g.input[0]
     input_name = inp.name
     shapes: dict[str, list[int]] = {}

@@ -47,7 +47,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterable, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, model_validator
 
 from ppipe.errors import SpecError
 from ppipe.spec.base import SCHEMA_VERSION, StrictModel, dump_yaml, load_yaml_model

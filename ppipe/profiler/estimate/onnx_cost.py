@@ -205,7 +205,6 @@ def _flops(n, shapes, numel, acts_in, outs) -> float:
         w = shapes.get(n.input[1]) or []
         if len(w) < 3:
             return 2.0 * numel(outs[0])
-        group = _attr(n, "group", 1) or 1
         k = float(np.prod(w[2:], dtype=float))
         if op == "Conv":  # w: (Cout, Cin/group, k...)
             return 2.0 * numel(outs[0]) * w[1] * k

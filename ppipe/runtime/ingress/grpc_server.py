@@ -35,7 +35,6 @@ after the runtime and stops before it, on uvicorn's loop.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import socket

@@ -58,7 +58,6 @@ server's: :mod:`ppipe.runtime.ingress.http_transport`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging

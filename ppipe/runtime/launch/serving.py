@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import secrets
 
-from ppipe.errors import UserError
 
 log = logging.getLogger("ppipe.runtime")
 

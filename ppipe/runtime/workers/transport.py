@@ -376,7 +376,7 @@ class EdgeChannel:
     async def _finish(self, fut: Any) -> Any:
         try:
             return await fut
-        except Exception as exc:
+        except Exception:
             if self.aborted is not None:
                 raise EdgeAborted(f"edge with {self.peer} was aborted: {self.aborted}") from None
             raise
