@@ -4,7 +4,7 @@
 Four figures:
 
 1. **Rehearsal vs simulation.** A PPipe plan for the paper's HC1-S (4 L4 + 12 P4, 16 GPUs)
-   of one PPipe-artifact model, served by emulated workers (one Ray actor per vGPU, each
+   of one PPipe-artifact model, served by emulated workers (one process per vGPU, each
    sleeping for the profiled latency; feature maps wait out their planned NIC time), driven
    by `ppipe bench` with Poisson arrivals. Its maximum load factor at 99 % SLO attainment
    next to the simulator's (`ppipe.sim`) for the same plan, the same arrivals (same
@@ -44,8 +44,10 @@ Four figures:
    the ceiling is: its CPU per request is what HTTP alone costs on this host, the part of
    the frontend's cost no scheduler or data path can remove.
 
-The load generator runs in its own process (`ppipe bench`), the server (uvicorn + Ray
-driver) in this one, the workers in Ray's; all share this machine's cores, so the figures
+The load generator runs in its own process (`ppipe bench`), the server (uvicorn, the
+scheduler's host) in this one, each worker in its own (``--launcher local``, the default,
+as ``ppipe serve`` starts them on one machine; ``--launcher ray``: Ray actors, with Ray's
+daemons beside them); all share this machine's cores, so the figures
 are a lower bound of what the runtime does on a dedicated host. Traffic goes to 127.0.0.1.
 Measured figures, with the host line and the command, are in docs/benchmarks.md.
 
@@ -106,8 +108,8 @@ def bench(url: str, model: str, rate: float, duration_s: float, seed: int, binar
     workers1, t1 = sum(process_cpu_s(p) for p in worker_pids), time.perf_counter()
     with open(out) as fh:
         res = json.load(fh)
-    # CPU time per request: this process is the frontend (uvicorn + scheduler + data path +
-    # Ray driver), the child is the load generator. On a shared machine these say more
+    # CPU time per request: this process is the frontend (uvicorn + scheduler + data path,
+    # and the Ray driver under Ray), the child is the load generator. On a shared machine these say more
     # than req/s do.
     n = max(1, res["sent"])
     res["frontend_cpu_ms_per_request"] = 1e3 * ((self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime)) / n
@@ -128,31 +130,37 @@ def process_cpu_s(pid: int) -> float:
 
 
 def idle_cpu_rate(pids: list[int], seconds: float = 3.0) -> float:
-    """CPU seconds per second that the processes spend with nothing to serve (Ray's own
-    threads in each worker), so that a point's cost per stage can leave it out."""
+    """CPU seconds per second that the processes spend with nothing to serve (timers; Ray's own
+    threads in each worker under Ray), so that a point's cost per stage can leave it out."""
     c0, t0 = sum(process_cpu_s(p) for p in pids), time.perf_counter()
     time.sleep(seconds)
     return (sum(process_cpu_s(p) for p in pids) - c0) / (time.perf_counter() - t0)
 
 
 def worker_pids(workers) -> list[int]:
+    """The workers' process ids: a local worker's handle holds it, a Ray actor says it."""
+    if all(hasattr(h, "pid") for h in workers.values()):
+        return [h.pid for h in workers.values()]
     import ray
 
     return [p["pid"] for p in ray.get([h.actor.ping.remote() for h in workers.values()])]
 
 
 def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lead_ms=None, keep_traces=0, answer_budget_ms=None,
-                     report_tolerance_ms=None):
-    """Start emulated workers and the frontend (uvicorn thread) with `ppipe serve`'s
-    defaults (an authenticated data path included); returns (server, workers, runtime)."""
+                     report_tolerance_ms=None, launcher: str = "ray"):
+    """Start emulated workers with ``launcher`` (``local``: processes of this machine, as
+    ``ppipe serve`` runs them by default on one; ``ray``: Ray actors, Ray initialised) and
+    the frontend (uvicorn thread) with `ppipe serve`'s defaults (an authenticated data path
+    included); returns (server, workers, runtime)."""
     from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
-    from ppipe.runtime.launch.deploy import Deployment, start_workers
+    from ppipe.runtime.launch.deploy import Deployment
+    from ppipe.runtime.launch.launchers import start_function
     from ppipe.runtime.scheduler.host import Runtime
     from ppipe.runtime.ingress.http_server import create_app
     from ppipe.runtime.ingress.http_transport import BackgroundServer
 
     dep = Deployment(plan=plan, cluster=cluster, profiles=profiles)
-    workers = start_workers(dep, backend="emulated", backend_options=backend_options)
+    workers = start_function(launcher)(dep, backend="emulated", backend_options=backend_options)
     lead = DEFAULT_DISPATCH_LEAD_MS if dispatch_lead_ms is None else dispatch_lead_ms
     budget = DEFAULT_ANSWER_BUDGET_MS if answer_budget_ms is None else answer_budget_ms
     tol = DEFAULT_REPORT_TOLERANCE_MS if report_tolerance_ms is None else report_tolerance_ms
@@ -164,8 +172,6 @@ def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lea
 
 
 def stop(srv, workers) -> None:
-    import ray
-
     srv.__exit__(None, None, None)
     for h in workers.values():
         h.kill()
@@ -244,7 +250,7 @@ def lateness(rt, since: int) -> dict[str, float]:
 
 def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: float | str, dispatch_lead_ms: float | None = None,
               answer_budget_ms: float | None = None, report_tolerance_ms: float | None = None, binary: bool = False,
-              loads: list[float] | None = None, maps: str = "real") -> dict:
+              loads: list[float] | None = None, maps: str = "real", launcher: str = "local") -> dict:
     from ppipe.planner.api import plan as make_plan
     from ppipe.sim.simulator import SimConfig
     from ppipe.sim.sweep import run_point
@@ -316,12 +322,12 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
     # capped maps: 4 KiB per sample; each transfer still waits its planned NIC time either way
     backend_options = {"max_bytes_per_sample": CAPPED_MAP_BYTES} if maps == "capped" else {}
     srv, workers, rt = serve_in_process(plan, profiles, cluster, backend_options, dispatch_lead_ms, keep_traces=10**6,
-                                        answer_budget_ms=answer_budget_ms, report_tolerance_ms=report_tolerance_ms)
-    print(f"   runtime: report tolerance {rt.report_tolerance_us} us, requests {'binary' if binary else 'JSON'}")
+                                        answer_budget_ms=answer_budget_ms, report_tolerance_ms=report_tolerance_ms, launcher=launcher)
+    print(f"   runtime: {launcher} workers, report tolerance {rt.report_tolerance_us} us, requests {'binary' if binary else 'JSON'}")
     pids = worker_pids(workers)
     idle_rate, fe_idle_rate = idle_cpu_rate(pids), idle_cpu_rate([os.getpid()])
-    print(f"   runtime idle: the {len(pids)} workers spend {idle_rate:.3f} CPU-s per s with nothing to serve (Ray's threads; "
-          f"left out of the per-stage figures below); the frontend process {fe_idle_rate:.3f} (its Ray driver, timers; "
+    print(f"   runtime idle: the {len(pids)} workers spend {idle_rate:.3f} CPU-s per s with nothing to serve ("
+          f"left out of the per-stage figures below); the frontend process {fe_idle_rate:.3f} (timers, and its Ray driver under Ray; "
           f"shown apart below)")
     points: dict[str, dict] = {}
 
@@ -339,7 +345,9 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
         points[f"{load:.2f}"] = r
         late = "  ".join(f"stage {k[5]} starts late p50/p99 {r[k]:.1f}/{r[k.replace('p50', 'p99')]:.1f} ms"
                          for k in r if k.startswith("stage") and k.endswith("p50_ms"))
-        print(f"   runtime   load {load:.2f}: goodput {r['goodput_rps']:.1f} req/s  p50 {r['p50_ms'] or 0:.1f} ms  "
+        held = (f"  held within the SLO at the server {100 * r['server_on_time'] / max(1, r['sent']):.2f} %"
+                if r.get("server_on_time") is not None else "")
+        print(f"   runtime   load {load:.2f}: attainment {100 * r['slo_attainment']:.2f} %{held}  goodput {r['goodput_rps']:.1f} req/s  p50 {r['p50_ms'] or 0:.1f} ms  "
               f"p99 {r['p99_ms'] or 0:.1f} ms  drops {r['drops']}  client lag p99 {r['client_lag_p99_ms']:.1f} ms  "
               f"CPU: frontend {r['frontend_cpu_ms_per_request']:.2f} ms/request ({r['frontend_cpu_ms_per_request_beyond_idle']:.2f} "
               f"beyond its idle cost), workers {r['worker_cpu_ms_per_stage']:.2f} ms/stage, "
@@ -373,7 +381,8 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
 
 
 # ---- part 2: frontend ceiling ------------------------------------------------------------------------------
-def ceiling(duration_s: float, seed: int, tmp: Path, rates: list[float], batch: int = 16, stages: int = 1) -> dict:
+def ceiling(duration_s: float, seed: int, tmp: Path, rates: list[float], batch: int = 16, stages: int = 1,
+            launcher: str = "local") -> dict:
     from ppipe.spec.cluster import load_cluster
 
     cluster = load_cluster("local-cpu")
@@ -381,7 +390,7 @@ def ceiling(duration_s: float, seed: int, tmp: Path, rates: list[float], batch: 
     prof = profiles["null"]
     print(f"\n== frontend ceiling: {stages}-block model, 1 us emulated latency per stage, 16-float input, batch {batch}, "
           f"{len(plan.placement)} vGPUs, SLO {CEILING_SLO_MS:g} ms")
-    srv, workers, rt = serve_in_process(plan, {"null": prof}, cluster)
+    srv, workers, rt = serve_in_process(plan, {"null": prof}, cluster, launcher=launcher)
     out: dict[str, dict] = {}
     try:
         for binary in (False, True):
@@ -584,6 +593,9 @@ def main() -> None:
                     help="ceiling: stages of the null model's route (e.g. --ceiling-batch 1 --ceiling-stages 3: the issue's batch-1, 3-stage route)")
     ap.add_argument("--rates", default="500,1000,1500,2000,3000", help="offered rates of the ceiling part")
     ap.add_argument("--scaleout-rates", default="300,450,600,800,1000,1200,1500,1800,2200", help="total offered rates of the scale-out part")
+    ap.add_argument("--launcher", choices=["local", "ray"], default="local",
+                    help="rehearsal and ceiling: the workers as local processes (the default, as `ppipe serve` runs them on "
+                         "one machine) or as Ray actors")
     ap.add_argument("--json-out", default=None, help="write all figures to this JSON file")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
@@ -591,16 +603,16 @@ def main() -> None:
 
     print(host_line())
 
-    import ray
+    if args.launcher == "ray" and args.part not in ("httpfloor", "scaleout"):  # (those two start no workers here)
+        import ray
 
-    os.environ.setdefault("RAY_worker_niceness", "0")  # as `ppipe serve` starts its Ray (ppipe.runtime.cli.init_ray)
-    if args.part != "httpfloor":  # (the HTTP floor runs no workers)
+        os.environ.setdefault("RAY_worker_niceness", "0")  # as `ppipe serve` starts its Ray (ppipe.runtime.cli.init_ray)
         ray.init(include_dashboard=False, log_to_driver=False)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("all", "ceiling"):
             results["ceiling"] = ceiling(args.duration_s, args.seed, Path(tmp), [float(x) for x in args.rates.split(",")],
-                                         args.ceiling_batch, args.ceiling_stages)
+                                         args.ceiling_batch, args.ceiling_stages, args.launcher)
         if args.part in ("all", "httpfloor"):
             results["httpfloor"] = http_floor(args.duration_s, args.seed, [float(x) for x in args.rates.split(",")])
         if args.part in ("all", "scaleout"):
@@ -609,9 +621,10 @@ def main() -> None:
             dilation = args.dilation if args.dilation == "auto" else float(args.dilation)
             results["rehearsal"] = rehearsal(args.model, args.duration_s, args.seed, Path(tmp), dilation, args.dispatch_lead_ms,
                                              args.answer_budget_ms, args.report_tolerance_ms, args.binary,
-                                             [float(x) for x in args.loads.split(",")] if args.loads else None, args.maps)
-    if ray.is_initialized():
-        ray.shutdown()
+                                             [float(x) for x in args.loads.split(",")] if args.loads else None, args.maps,
+                                             args.launcher)
+    if args.launcher == "ray" and "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     print("\n" + json.dumps({k: ({kk: vv.get("ceiling_rps") for kk, vv in v.items()} if k == "ceiling" else
