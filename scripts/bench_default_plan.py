@@ -6,7 +6,8 @@ alone, and for all three together, at ``--load`` of each model's planned rate:
 * ``ppipe simulate``'s figures for that load (the runtime's margins applied, as by default);
 * ``ppipe serve``'s: emulated workers with the profiled latencies and the real inputs
   and feature maps (no byte cap), driven open loop by ``ppipe bench --binary`` over HTTP.
-  By default the frontend runs in this process on Ray workers, and the script prints
+  By default the frontend runs in this process on local worker processes (as `ppipe serve`
+  starts them on one machine), and the script prints
   where each model's time went at the scheduler, from the batches' traces
   (:func:`latency_parts`). With ``--command`` it is the real command a user runs (``ppipe
   serve plan.yaml --backend emulated``, local worker processes, ``--ingress N`` ingress
@@ -163,11 +164,8 @@ def main() -> None:
     if args.command:
         proc, url = serve_command(plan_file, args.ingress)
         print(f"served by `ppipe serve {plan_file} --backend emulated --launcher local --ingress {args.ingress}`")
-    else:
-        from ppipe.runtime.cli import init_ray
-
-        init_ray(None, None, loopback_only=True)  # as `ppipe serve` starts its Ray
-        srv, workers, rt = serve_in_process(plan, profiles, cluster, keep_traces=10**6)
+    else:  # local workers, as `ppipe serve` starts them on one machine
+        srv, workers, rt = serve_in_process(plan, profiles, cluster, keep_traces=10**6, launcher="local")
         url = srv.url
     try:
         drive(url, {m: 5.0 for m in planned}, 2.0)  # warm-up: connections, first batches
