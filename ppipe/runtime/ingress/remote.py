@@ -55,6 +55,7 @@ import numpy as np
 from ppipe.runtime.clock import WallClock
 from ppipe.runtime.ingress.shard_router import Routes
 from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
+from ppipe.runtime.timerslack import tighten_timer_slack
 from ppipe.runtime.scheduler.inflight import DroppedError
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox
@@ -149,6 +150,7 @@ class IngressRuntime:
                                f"within {HELLO_TIMEOUT_S:g} s") from None
         self._pushing = loop.create_task(self._push_metrics())
         tune_for_serving()  # the inputs it holds reuse the heap's pages; a burst's go back on a timer
+        tighten_timer_slack()
         self._trimming = loop.create_task(trim_heap_periodically())
 
     async def stop(self) -> None:

@@ -221,6 +221,7 @@ def _loop_factory() -> Any:
 
 async def _serve_host(sock: socket.socket, spec: Any, backend: str, backend_options: dict | None) -> None:
     from ppipe.runtime.memory import freeze_startup_objects, trim_heap_periodically, tune_for_serving
+    from ppipe.runtime.timerslack import tighten_timer_slack
     from ppipe.runtime.workers.worker import VgpuWorker
 
     reader, writer = await asyncio.open_connection(sock=sock)
@@ -232,6 +233,7 @@ async def _serve_host(sock: socket.socket, spec: Any, backend: str, backend_opti
         return
     freeze_startup_objects(collect=False)  # forked: its objects are the fork server's
     tune_for_serving()  # inputs and feature maps reuse the heap's pages; a burst's go back on a timer
+    tighten_timer_slack()  # its stages start and end on time (ppipe.runtime.timerslack)
     tasks: set[asyncio.Task] = {asyncio.ensure_future(trim_heap_periodically())}
     writer.write(_frame((0, True, await worker.ping())))
     try:

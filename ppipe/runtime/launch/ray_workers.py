@@ -15,6 +15,7 @@ from typing import Any, Awaitable
 
 from ppipe.runtime.launch.handle import WorkerGone
 from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
+from ppipe.runtime.timerslack import tighten_timer_slack
 from ppipe.runtime.workers.worker import VgpuWorker, WorkerSpec, pin_cuda_env, undo_ray_niceness
 from ppipe.runtime.launch.refs import kill_quietly
 
@@ -92,7 +93,8 @@ class VgpuActor(VgpuWorker):
     garbage collector's sight (a worker is on the latency path too: no full-collection
     stalls over them) and tunes the allocator as every serving process's
     (:func:`~ppipe.runtime.memory.tune_for_serving`: feature maps reuse the heap's pages),
-    whose trim runs on the data path's loop once it is open."""
+    whose trim runs on the data path's loop once it is open, with a tight timer slack
+    (:mod:`ppipe.runtime.timerslack`)."""
 
     def __init__(self, spec: WorkerSpec, backend: str, backend_options: dict[str, Any] | None = None):
         import ray
@@ -111,6 +113,7 @@ class VgpuActor(VgpuWorker):
     async def open_data_path(self, frontend: str, secret: bytes | None = None) -> str:
         address = await super().open_data_path(frontend, secret)
         if self._trimming is None and self._data_loop is not None:
+            self._data_loop.call_soon_threadsafe(tighten_timer_slack)  # the thread its stages wait on
             self._trimming = asyncio.run_coroutine_threadsafe(trim_heap_periodically(), self._data_loop)
         return address
 

@@ -40,6 +40,7 @@ from ppipe.dataplane.handover import SwitchingScheduler
 from ppipe.errors import UserError
 from ppipe.runtime.clock import WallClock
 from ppipe.runtime.memory import freeze_startup_objects, trim_heap_periodically, tune_for_serving
+from ppipe.runtime.timerslack import tighten_timer_slack
 from ppipe.runtime.launch.handle import WorkerHandle
 from ppipe.runtime.scheduler.batches import BatchesMixin
 from ppipe.runtime.scheduler.budgets import ServiceBudgets
@@ -244,6 +245,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
             self._lifelines.append(self._open_ingress_inbox(self._inbox.address.split("://")[1].rpartition(":")[0]))
         self._lifelines.append(loop.create_task(self._sweep_overdue()))
         tune_for_serving()  # before the gRPC and image threads start: fewer arenas; inputs reuse the heap's pages
+        tighten_timer_slack()  # the data plane's wake-ups on time (this loop's thread and those it starts)
         self._lifelines.append(loop.create_task(trim_heap_periodically()))  # a burst's buffers go back to the system
 
     def _build_scheduler(self, plan: Plan, profiles: dict[str, ModelProfile]) -> tuple[Any, dict]:
