@@ -25,6 +25,7 @@ from ppipe.runtime.launch.deploy import load_deployment
 from ppipe.runtime.launch.handle import WorkerGone
 from ppipe.runtime.launch import local
 from ppipe.runtime.launch.local import PRELOAD, PROCESS_NAME, start_local_workers
+from ppipe.runtime.timerslack import SERVING_TIMER_SLACK_NS
 from ppipe.spec.cluster import load_cluster
 
 from .conftest import make_plan
@@ -44,6 +45,8 @@ def test_each_worker_is_a_process_of_its_own_that_answers_the_handles_calls(two_
     try:
         pids = {h.pid for h in workers.values()}
         assert len(pids) == len(workers) == len(two_stage.plan.placement) and os.getpid() not in pids
+        if sys.platform.startswith("linux"):  # its serving thread waits on a serving thread's timer slack
+            assert {int(Path(f"/proc/{p}/timerslack_ns").read_text()) for p in pids} == {SERVING_TIMER_SLACK_NS}
         assert all(h.info["vgpu_id"] == v and h.info["pid"] == h.pid for v, h in workers.items())
 
         async def main():

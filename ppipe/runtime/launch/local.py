@@ -41,7 +41,8 @@ HEADER = struct.Struct("!I")
 CALLS = frozenset({"open_data_path", "connect_peers", "drop_peer", "close_edges", "ping"})
 # imported once by the fork server, so that each worker's process starts with them loaded (uvloop where it is
 # installed: the fork server skips a module it cannot import)
-PRELOAD = ["ppipe.runtime.workers.worker", "ppipe.runtime.workers.backends", "ppipe.runtime.wire.datapath", "ppipe.runtime.memory", "uvloop"]
+PRELOAD = ["ppipe.runtime.workers.worker", "ppipe.runtime.workers.backends", "ppipe.runtime.wire.datapath", "ppipe.runtime.memory",
+           "ppipe.runtime.timerslack", "uvloop"]
 PROCESS_NAME = "ppipe-vgpu"  # a worker process's name in ps and top (at most 15 characters)
 _context: Any = None
 
