@@ -85,7 +85,7 @@ def ready() -> bool:
         conn.close()
 
 
-def idle_cores(idle_s: float, tree: set[int] = frozenset()) -> tuple[float, float]:
+def idle_cores(idle_s: float, tree: frozenset[int] | set[int] = frozenset()) -> tuple[float, float]:
     """Cores the host's processes (this script's aside) use over ``idle_s`` seconds: the
     processes of ``tree`` (pids), and all the others. A process that starts or ends in
     the window counts only where it is seen at both ends."""
