@@ -16,6 +16,8 @@ Laid out by role, as the drawing in DESIGN.md ("The runtime at scale"):
 - :mod:`~ppipe.runtime.control`: live plan switches and the re-plan loop.
 - :mod:`~ppipe.runtime.client`: ``ppipe bench``'s load generator and HTTP client.
 - :mod:`~ppipe.runtime.clock`: the wall clock handed to the data plane, shared by all roles.
+- :mod:`~ppipe.runtime.memory` and :mod:`~ppipe.runtime.timerslack`: how every serving process
+  sets itself up (its allocator; its threads' timer slack).
 
 Ray, onnxruntime and TensorRT are imported lazily: importing this package is cheap.
 """
