@@ -32,3 +32,27 @@ def test_a_thread_tightened_waits_on_a_microsecond_and_the_threads_it_starts_inh
     before, ok, after, child = _in_a_thread(tightened)
     assert before == 50_000
     assert ok and after == child == SERVING_TIMER_SLACK_NS
+
+
+@linux_only
+def test_the_bench_sends_its_arrivals_from_a_tightened_thread():
+    """`ppipe bench`'s open loop waits for each arrival on a serving thread's slack: its lag counts as latency."""
+    import asyncio
+
+    import numpy as np
+
+    from ppipe.runtime.client.bench import _send_open_loop, _Tally
+
+    class Answers:
+        errors = ()
+
+        async def post(self):
+            return 200, {}
+
+    def run():
+        assert tighten_timer_slack(50_000)
+        tally = _Tally(100.0, None)
+        asyncio.run(_send_open_loop(np.array([0.0, 500.0, 1000.0]), Answers(), tally))
+        return timer_slack_ns(), tally.ok
+
+    assert _in_a_thread(run) == (SERVING_TIMER_SLACK_NS, 3)
