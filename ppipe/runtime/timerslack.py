@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 SERVING_TIMER_SLACK_NS = 1_000
-"""The timer slack of a serving thread (ns): a microsecond, against the kernel's default 50."""
+"""The timer slack of a serving thread (ns): a microsecond, against the kernel's default of 50 us."""
 
 _PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30  # <linux/prctl.h>
 
 
+@functools.cache
 def _prctl():
-    """libc's ``prctl`` (Linux), or None."""
+    """libc's ``prctl`` (Linux), or None; looked up once per process."""
     if not sys.platform.startswith("linux"):
         return None
     try:
