@@ -260,7 +260,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
                + f"; {launcher} launcher, workers up {time.perf_counter() - t0:.1f} s after start"
                + (f"; {ingress} ingress processes{' on every Ray node' if launcher == 'ray' else ''}, "
                   f"the scheduler's own API on {admin_url}/v2" if ingress else ""))
-    uvicorn.Server(uvicorn_config(app, host, port, header_timeout_s=header_timeout_s, shutdown_timeout_s=shutdown_timeout_s)).run(sockets=[sock])
+    uvicorn.Server(uvicorn_config(app, host, port, **settings.server)).run(sockets=[sock])
 
 
 def _check_serve_flags(transport: str, backend: str, dispatch_lead_ms: float, answer_budget_ms: float, timeouts: dict[str, float]) -> None:

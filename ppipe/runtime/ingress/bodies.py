@@ -62,10 +62,11 @@ async def read_body(length: str | None, stream, max_bytes: int, timeout_s: float
                     continue
                 chunks.append(chunk)
     except TimeoutError:
-        of = f" of the {declared} announced" if declared is not None else ""
-        raise ProtocolError(
-            408, f"the request body did not arrive within {timeout_s:g} s ({size} bytes{of} came); send the whole body at once"
-        ) from None
+        if size or declared is None:
+            came = f"{size} bytes{f' of the {declared} announced' if declared is not None else ''} came"
+        else:  # a body of declared length is handed on whole (http_transport), so none of it is counted here
+            came = f"not all of the {declared} bytes announced came"
+        raise ProtocolError(408, f"the request body did not arrive within {timeout_s:g} s ({came}); send the whole body at once") from None
     if too_big:
         raise ProtocolError(413, f"body of {declared or size} bytes exceeds the limit of {max_bytes} bytes")
     return b"".join(chunks)

@@ -1,10 +1,21 @@
-"""The HTTP server under the frontend's ASGI app: uvicorn, held against slow clients.
+"""The HTTP server under the frontend's ASGI app: uvicorn, held against slow clients, and
+a body of declared length handed on whole.
 
 **Slow clients.** The request line and headers must arrive within a header timeout
 (:func:`timed_http_protocol`; the body's own timeout is the frontend's, see
 :class:`ppipe.runtime.ingress.http_server.Frontend`), an idle keep-alive connection is
 closed after a few seconds, and a graceful shutdown waits for in-flight requests only so
 long (:func:`uvicorn_config`). :class:`BackgroundServer` runs an app so in a thread.
+
+**Whole bodies.** uvicorn hands a body on in pieces: each read is appended to a
+``bytearray``, reading pauses once 64 KiB wait, and each ``receive()`` copies what waits
+into new ``bytes``; an app that needs the whole body joins them once more. A request that
+declares its length (``Content-Length``, within the server's body limit) is instead kept as
+the parser's pieces and joined once, when it is complete, into the one message the app
+receives (:class:`_WholeBody`): one copy of the body in Python where there were three, one
+wake-up of the app where there was one per 64 KiB, no pause and resume of the socket. The
+limit bounds what a connection may hold, as the app's own limit does; a larger or
+undeclared body goes uvicorn's way (and the app answers 413 or reads it in pieces).
 
 uvicorn is imported when a server is configured, not with this module.
 """
@@ -19,6 +30,7 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0  # connection made (or last response sent) -> re
 DEFAULT_KEEP_ALIVE_S = 5.0  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # graceful shutdown: in-flight requests get this long, then are cancelled
 MAX_HEADER_BYTES = 64 * 1024  # request line + headers; more is a 431
+DEFAULT_WHOLE_BODY_BYTES = 64 * 1024 * 1024  # bodies up to this (declared) are handed on whole: the frontend's default body limit
 
 _REASON_PHRASES = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
@@ -31,6 +43,7 @@ def uvicorn_config(
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    max_body_bytes: int = DEFAULT_WHOLE_BODY_BYTES,
     log_level: str = "warning",
 ):
     """uvicorn's settings for ``ppipe serve`` (and :class:`BackgroundServer`): no slow client
@@ -42,6 +55,7 @@ def uvicorn_config(
         keep_alive_s: an idle keep-alive connection is closed after this (uvicorn's ``timeout_keep_alive``).
         shutdown_timeout_s: on SIGTERM, requests in flight get this long to finish; then
             they are cancelled and the server stops (uvicorn's ``timeout_graceful_shutdown``).
+        max_body_bytes: the app's body limit; a body declared within it is handed on whole.
     """
     import uvicorn
 
@@ -52,14 +66,15 @@ def uvicorn_config(
         log_level=log_level,
         lifespan="on",
         access_log=False,
-        http=timed_http_protocol(header_timeout_s),
+        http=timed_http_protocol(header_timeout_s, max_whole_body_bytes=max_body_bytes),
         timeout_keep_alive=keep_alive_s,
         timeout_graceful_shutdown=shutdown_timeout_s,
         proxy_headers=False,  # nothing here reads the client's address: no X-Forwarded-* rewriting per request
     )
 
 
-def timed_http_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES):
+def timed_http_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES,
+                        max_whole_body_bytes: int = DEFAULT_WHOLE_BODY_BYTES):
     """uvicorn's httptools protocol with what it lacks against slow clients: a deadline for
     the request line and headers (from the connection, or from the previous response), and
     a bound on their size. uvicorn arms its keep-alive timer only after a response, so a
@@ -67,11 +82,46 @@ def timed_http_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEA
 
     At the deadline, a connection that has sent part of a request gets a 408 and is closed;
     one that has sent nothing is closed silently (a client's pooled connection must not
-    read a 408 as the answer to the request it sends next). See :class:`_HeaderDeadline`."""
+    read a 408 as the answer to the request it sends next). See :class:`_HeaderDeadline`.
+    Bodies declared up to ``max_whole_body_bytes`` are handed on whole (:class:`_WholeBody`)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    return type("TimedHttpToolsProtocol", (_HeaderDeadline, HttpToolsProtocol),
-                {"_header_timeout_s": header_timeout_s, "_max_header_bytes": max_header_bytes})
+    return type("TimedHttpToolsProtocol", (_HeaderDeadline, _WholeBody, HttpToolsProtocol),
+                {"_header_timeout_s": header_timeout_s, "_max_header_bytes": max_header_bytes,
+                 "_max_whole_body_bytes": max_whole_body_bytes})
+
+
+class _WholeBody:
+    """What :func:`timed_http_protocol` adds to uvicorn's ``HttpToolsProtocol`` for bodies
+    of declared length: the parser's pieces (``bytes`` of their own) are kept in a list and
+    joined when the message is complete, then set as the request cycle's body, which its
+    ``receive()`` hands on as it is (``bytes()`` of ``bytes`` copies nothing). Until then the
+    app, waiting in ``receive()``, is not woken. A body within one read is handed on with no
+    copy at all."""
+
+    _max_whole_body_bytes: int
+    _pieces: list[bytes] | None = None
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._pieces = None
+        if self.parser.should_upgrade():
+            return
+        declared = next((v for k, v in self.headers if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and len(declared) <= 20 and int(declared) <= self._max_whole_body_bytes:
+            self._pieces = []
+
+    def on_body(self, body: bytes) -> None:
+        if self._pieces is None:
+            super().on_body(body)
+        elif not self.cycle.response_complete:  # (an app that answered early reads no more of it)
+            self._pieces.append(bytes(body))
+
+    def on_message_complete(self) -> None:
+        pieces, self._pieces = self._pieces, None
+        if pieces and not self.cycle.response_complete:
+            self.cycle.body = b"".join(pieces)
+        super().on_message_complete()
 
 
 class _HeaderDeadline:
@@ -164,7 +214,7 @@ class BackgroundServer:
         app: the app (its lifespan runs on the thread's loop).
         host, port: where to bind; port 0 picks a free port (see :attr:`url`).
         sockets: already bound and listening (e.g. a shard's SO_REUSEPORT socket), instead of host and port.
-        timeouts: ``header_timeout_s``, ``keep_alive_s``, ``shutdown_timeout_s`` of :func:`uvicorn_config`.
+        timeouts: ``header_timeout_s``, ``keep_alive_s``, ``shutdown_timeout_s`` (and ``max_body_bytes``) of :func:`uvicorn_config`.
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", sockets=None, **timeouts: float):

@@ -63,7 +63,7 @@ class ServeSettings:
             the server's data-path secret, which the shards' routers prove to each other too).
         app: keyword arguments of :func:`ppipe.runtime.ingress.http_server.create_app` (token, body
             limits and timeouts, decode workers).
-        server: keyword arguments of :func:`ppipe.runtime.ingress.http_transport.uvicorn_config` (timeouts).
+        server: keyword arguments of :func:`ppipe.runtime.ingress.http_transport.uvicorn_config` (timeouts, the body limit).
         workers: how workers are started and a failed vGPU's worker re-created (``launcher``,
             ``backend``, ``backend_options`` of :mod:`ppipe.runtime.launch.launchers`); empty: never.
         grpc: keyword arguments of :class:`ppipe.runtime.ingress.grpc_server.GrpcServer` (host,

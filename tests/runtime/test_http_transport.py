@@ -1,0 +1,105 @@
+"""The HTTP server's body handling (``ppipe.runtime.ingress.http_transport``): a body of
+declared length within the limit reaches the app whole, in one message, however many reads
+it took; larger and chunked bodies reach it in pieces, unchanged."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+from ppipe.runtime.ingress.http_transport import BackgroundServer
+
+
+class RecordingApp:
+    """ASGI: reads each request's body message by message, answers with its length, and
+    keeps the number of messages and the bodies it read."""
+
+    def __init__(self):
+        self.messages: list[int] = []
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        pieces = []
+        while True:
+            msg = await receive()
+            pieces.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        self.messages.append(len(pieces))
+        self.bodies.append(b"".join(pieces))
+        out = str(len(self.bodies[-1])).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+
+def _post_in_pieces(url: str, head: bytes, pieces: list[bytes], pause_s: float = 0.05) -> bytes:
+    """Send the request head, then each piece after a pause (so that the server reads them
+    apart); returns the answer's body."""
+    host, port = url[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(head)
+        for p in pieces:
+            time.sleep(pause_s)
+            s.sendall(p)
+        s.settimeout(5.0)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(data.split(b"content-length: ")[1].split(b"\r\n")[0]):
+            data += s.recv(65536)
+    return data.split(b"\r\n\r\n", 1)[1]
+
+
+def _head(length: int) -> bytes:
+    return f"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: {length}\r\n\r\n".encode()
+
+
+@pytest.fixture
+def server():
+    app = RecordingApp()
+    with BackgroundServer(app, max_body_bytes=1 << 20) as srv:
+        yield srv, app
+
+
+def test_a_declared_body_reaches_the_app_whole_in_one_message(server):
+    srv, app = server
+    body = os.urandom(600_000)
+    pieces = [body[i : i + 150_000] for i in range(0, len(body), 150_000)]
+    assert _post_in_pieces(srv.url, _head(len(body)), pieces) == b"600000"
+    assert app.bodies == [body] and app.messages == [1]
+
+
+def test_a_body_over_the_limit_reaches_the_app_in_pieces_unchanged(server):
+    srv, app = server
+    body = os.urandom((1 << 20) + 300_000)
+    pieces = [body[i : i + 300_000] for i in range(0, len(body), 300_000)]
+    assert _post_in_pieces(srv.url, _head(len(body)), pieces) == str(len(body)).encode()
+    assert app.bodies == [body] and app.messages[0] > 1  # uvicorn's way: a message per read it waited for
+
+
+def test_a_chunked_body_reaches_the_app_unchanged(server):
+    srv, app = server
+    body = os.urandom(200_000)
+    head = b"POST /x HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+    chunks = [b"%x\r\n" % len(body[i : i + 50_000]) + body[i : i + 50_000] + b"\r\n" for i in range(0, len(body), 50_000)]
+    assert _post_in_pieces(srv.url, head, chunks + [b"0\r\n\r\n"]) == b"200000"
+    assert app.bodies == [body]
+
+
+def test_keep_alive_requests_each_get_their_own_whole_body(server):
+    srv, app = server
+    first, second = os.urandom(70_000), os.urandom(90_000)
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(_head(len(first)) + first + _head(len(second)) + second)  # pipelined on one connection
+        s.settimeout(5.0)
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"90000"):
+            data += s.recv(65536)
+    assert app.bodies == [first, second] and app.messages == [1, 1]
