@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from bench_serve import serve_in_process, stop, stop_server  # noqa: E402  (a script next to this one)
+from bench_serve import process_cpu_s, serve_in_process, stop, stop_server, worker_pids  # noqa: E402  (a script next to this one)
 
 
 def host_line() -> str:
@@ -110,6 +110,59 @@ def serve_command(plan_file: str, ingress: int):
     return proc, url
 
 
+def descendants(pid: int) -> list[int]:
+    """The process ids below ``pid`` in the process tree (Linux /proc)."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as fh:
+                parent[int(d)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        kids = [p for p, pp in parent.items() if pp == todo[-1]]
+        todo.pop()
+        found += kids
+        todo += kids
+    return found
+
+
+class HostCpu:
+    """What the host's CPUs did over one run, from counters read before and after it:
+    CPU seconds of the server's process, of its workers and of the clients (children this
+    script waited for: ``RUSAGE_CHILDREN``), the cores busy (``/proc/stat``) and the share of
+    the time some runnable task waited for a CPU (``/proc/pressure/cpu``, "some"). Divided by
+    the run's length they are cores; the waiting share is what late starts come from when it
+    is not near zero."""
+
+    def __init__(self, server_pid: int, worker_ids: list[int]):
+        self.server_pid, self.worker_ids = server_pid, worker_ids
+
+    def read(self) -> tuple[float, ...]:
+        import resource
+        import time
+
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        with open("/proc/stat") as fh:
+            ticks = [int(x) for x in fh.readline().split()[1:]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+        try:
+            with open("/proc/pressure/cpu") as fh:
+                waited = int(fh.readline().rsplit("total=", 1)[1]) / 1e6
+        except (OSError, IndexError, ValueError):
+            waited = float("nan")
+        return (time.perf_counter(), process_cpu_s(self.server_pid), sum(process_cpu_s(p) for p in self.worker_ids),
+                kids.ru_utime + kids.ru_stime, busy, waited)
+
+    def line(self, before: tuple[float, ...], after: tuple[float, ...], requests: int) -> str:
+        wall, server, workers, clients, busy, waited = (b - a for a, b in zip(before, after))
+        per_req = 1e3 * (server + workers) / max(requests, 1)
+        return (f"  host CPU over the {wall:.1f} s run (cores): server {server / wall:.2f}, {len(self.worker_ids)} other server processes {workers / wall:.2f}, "
+                f"clients {clients / wall:.2f}; busy {busy / wall:.2f} of {os.cpu_count()}; "
+                f"a task waited for a CPU {100 * waited / wall:.0f} % of the time; server + workers {per_req:.2f} ms of CPU per request")
+
+
 def _at_server(r: dict) -> str:
     """The share of the sent requests that the server held within the SLO (its Server-Timing)."""
     held = r.get("server_on_time")
@@ -167,12 +220,15 @@ def main() -> None:
     else:  # local workers, as `ppipe serve` starts them on one machine
         srv, workers, rt = serve_in_process(plan, profiles, cluster, keep_traces=10**6, launcher="local")
         url = srv.url
+    cpu = HostCpu(proc.pid if rt is None else os.getpid(), descendants(proc.pid) if rt is None else worker_pids(workers))
     try:
         drive(url, {m: 5.0 for m in planned}, 2.0)  # warm-up: connections, first batches
         for rates in runs:
             sim = simulate(plan, profiles, cluster, rates, args.duration_s)
             since = len(rt.traces) if rt is not None else 0
+            before = cpu.read()
             served = drive(url, rates, args.duration_s)
+            after = cpu.read()
             label = "all three" if len(rates) > 1 else "alone"
             print(f"\n{label} at {args.load:g} of the planned rate")
             print(f"{'model':14} {'rate':>7} {'serve on time':>13} {'p50 ms':>7} {'p99 ms':>7} {'at server':>9} {'srv p50':>7} {'sim on time':>11} {'sim p50':>7} {'lag p99':>7}  drops")
@@ -180,6 +236,7 @@ def main() -> None:
                 sa, sp = sim[m]
                 print(f"{m:14} {rates[m]:7.1f} {100 * r['slo_attainment']:12.2f}% {r['p50_ms'] or float('nan'):7.2f} "
                       f"{r['p99_ms'] or float('nan'):7.2f} {_at_server(r):>9} {r.get('server_p50_ms') or float('nan'):7.2f} {100 * sa:10.2f}% {sp or float('nan'):7.2f} {r['client_lag_p99_ms'] or float('nan'):7.2f}  {r['drops'] or '-'}")
+            print(cpu.line(before, after, sum(r["sent"] for r in served.values())))
             if rt is not None:
                 print("  where the time went at the scheduler (traces):")
                 print_parts(*latency_parts(rt, since), {m.name: m.slo_ms for m in plan.models})
