@@ -73,8 +73,8 @@ def test_bench_against_a_running_server(tinynet, tmp_path):
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers)
     out = tmp_path / "bench.json"
     try:
-        with BackgroundServer(create_app(rt, token="s3cret")) as srv:
-            r = CliRunner().invoke(main, ["bench", srv.url, "--model", "tinynet", "--rate", "40", "--duration-s", "1.5",
+        with BackgroundServer(create_app(rt, token="s3cret", decode_workers=0)) as srv:
+            r = CliRunner().invoke(main, ["bench", srv.url, "--model", "tinynet", "--rate", "40", "--duration-s", "1.0",
                                           "--binary", "--token", "s3cret", "--json-out", str(out)])
             denied = CliRunner().invoke(main, ["bench", srv.url, "--model", "tinynet", "--rate", "5", "--duration-s", "0.5"])
     finally:

@@ -31,7 +31,7 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 def _serve(tinynet, token=None, max_message_bytes=1 << 20, **sched):
     rt, workers = _runtime(tinynet, **sched)
     g = GrpcServer(rt, host="127.0.0.1", port=0, token=token, max_message_bytes=max_message_bytes)
-    srv = BackgroundServer(create_app(rt, token=token, companions=[g], on_shutdown=lambda: close_workers(workers.values())))
+    srv = BackgroundServer(create_app(rt, token=token, decode_workers=0, companions=[g], on_shutdown=lambda: close_workers(workers.values())))
     return rt, g, srv
 
 

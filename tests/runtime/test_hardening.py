@@ -425,7 +425,7 @@ def _raw(url: str, payload: bytes, wait_s: float) -> tuple[bytes, float]:
 @pytest.fixture
 def slow_server(tinynet):
     rt = StubRuntime(tinynet)
-    with BackgroundServer(create_app(rt, body_timeout_s=0.6, decode_workers=0), header_timeout_s=0.6, keep_alive_s=0.6,
+    with BackgroundServer(create_app(rt, body_timeout_s=0.4, decode_workers=0), header_timeout_s=0.4, keep_alive_s=0.4,
                           shutdown_timeout_s=0.5) as srv:
         yield srv, rt
 

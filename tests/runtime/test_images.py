@@ -193,7 +193,7 @@ def served(image_net):
 
     rt, workers = _runtime(image_net, max_batch=1)
     g = GrpcServer(rt, host="127.0.0.1", port=0)
-    with BackgroundServer(create_app(rt, companions=[g], on_shutdown=lambda: close_workers(workers.values()))) as srv:
+    with BackgroundServer(create_app(rt, decode_workers=0, companions=[g], on_shutdown=lambda: close_workers(workers.values()))) as srv:
         yield srv.url, g
 
 

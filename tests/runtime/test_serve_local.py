@@ -34,7 +34,7 @@ def served(tinynet, tmp_path_factory):
     workers = start_local_workers(dep, backend="ort")
     factory = functools.partial(FifoScheduler, max_batch=4, window_us=3000.0)
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, scheduler_factory=factory, keep_traces=100)
-    app = create_app(rt, token=None, max_body_bytes=1 << 20)
+    app = create_app(rt, token=None, max_body_bytes=1 << 20, decode_workers=0)
     with BackgroundServer(app) as srv:
         yield srv.url, rt
     for h in workers.values():

@@ -136,7 +136,7 @@ def _shard_server(plan, tinynet_dir, models, index, owner, grpc=False):
 
         extra.append(GrpcServer(rt, port=0, token="t0k", router=router))
         router.grpc_server = extra[0]
-    router.app = create_app(rt, token="t0k", companions=[router, *extra], on_shutdown=lambda: close_workers(workers.values()))
+    router.app = create_app(rt, token="t0k", decode_workers=0, companions=[router, *extra], on_shutdown=lambda: close_workers(workers.values()))
     return BackgroundServer(router), router
 
 
@@ -304,18 +304,23 @@ def _stop_and_leave_nothing(proc, sig=None) -> str:
     """Stop `ppipe serve` (SIGTERM) and check that no process of it is left (its shards, their
     workers, fork servers and decode pools); its output."""
     import signal
+    import time
 
     import psutil
+
+    def alive(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
     proc.send_signal(sig or signal.SIGTERM)
     out, _ = proc.communicate(timeout=90)  # EOF: no process of the server holds its output any more
-    for p in children:
-        try:
-            p.wait(timeout=10)  # a process that outlived its server, if any, fails the check below
-        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-            pass
-    left = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    deadline = time.monotonic() + 10  # a process that outlived its server by then fails the check below
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = [p for p in children if alive(p)]
     assert not left, [(p.pid, p.cmdline()) for p in left]
     return out
 
@@ -796,10 +801,10 @@ def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_pa
     results = {}
     try:
         loads = [threading.Thread(target=lambda m=m: results.update(
-            {m: asyncio.run(run_bench(url, m, 15.0, 8.0, binary=True, token="s3cret"))})) for m in ("a", "b")]
+            {m: asyncio.run(run_bench(url, m, 15.0, 3.0, binary=True, token="s3cret"))})) for m in ("a", "b")]
         for t in loads:
             t.start()
-        time.sleep(3.0)
+        time.sleep(1.0)
         applied = CliRunner().invoke(main, ["apply", str(tmp_path / "swapped.yaml"), "--url", url, "--token", "s3cret", "--as-placed"])
         for t in loads:
             t.join()
@@ -814,7 +819,7 @@ def test_ppipe_apply_switches_a_server_of_two_shards_that_swap_their_gpus(tmp_pa
     assert "0 vGPUs kept, 2 started, 2 finishing their batches" in applied.output
     for m in ("a", "b"):
         res = results[m]
-        assert res.sent > 60 and res.ok + sum(res.drops.values()) == res.sent and not res.errors, (m, res.drops, res.errors)
+        assert res.sent > 20 and res.ok + sum(res.drops.values()) == res.sent and not res.errors, (m, res.drops, res.errors)
         # the requests a shard holds under its embargo wait for the lift (a probe would drop them all)
         assert sum(res.drops.values()) <= 2, (m, res.drops)
     assert refused.exit_code == 2 and "no model to serve" in refused.output

@@ -157,18 +157,18 @@ def test_ppipe_apply_switches_a_serving_server_with_every_request_answered(tinyn
     dep = load_deployment(tmp_path / "plan.yaml")
     workers = start_local_workers(dep, backend="emulated")
     rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers)
-    app = create_app(rt, token="s3cret")
+    app = create_app(rt, token="s3cret", decode_workers=0)
     switcher = PlanSwitcher(rt, dep, backend="emulated", launcher="local")
     app.fe.switcher = switcher
     try:
         with BackgroundServer(app) as srv:
             result = {}
             load = threading.Thread(target=lambda: result.update(
-                res=asyncio.run(run_bench(srv.url, "tinynet", 40.0, 4.0, binary=True, token="s3cret"))))
+                res=asyncio.run(run_bench(srv.url, "tinynet", 40.0, 2.0, binary=True, token="s3cret"))))
             load.start()
             import time
 
-            time.sleep(1.5)
+            time.sleep(0.6)
             applied = CliRunner().invoke(main, ["apply", str(tmp_path / "new.yaml"), "--url", srv.url, "--token", "s3cret"])
             load.join()
             wrong_cluster = CliRunner().invoke(main, ["apply", str(tmp_path / "other.yaml"), "--url", srv.url, "--token", "s3cret"])
@@ -181,7 +181,7 @@ def test_ppipe_apply_switches_a_serving_server_with_every_request_answered(tinyn
     assert applied.exit_code == 0, applied.output
     assert "1 started, 2 finishing their batches" in applied.output
     res = result["res"]
-    assert res.sent > 100 and res.ok == res.sent, (res.drops, res.errors)  # every request answered, none lost or failed
+    assert res.sent > 50 and res.ok == res.sent, (res.drops, res.errors)  # every request answered, none lost or failed
     assert wrong_cluster.exit_code == 2 and "is for cluster 'HC1-S'" in wrong_cluster.output
     assert no_token.exit_code == 2 and "HTTP 401" in no_token.output
     assert len(status["switches"]) == 1 and status["vgpus"] == 1 and ready == 200
@@ -236,7 +236,7 @@ def test_admin_endpoint_refusals(tinynet, tmp_path):
     def server(token, switcher):
         workers = {p.vgpu_id: FakeWorker(p.vgpu_id) for p in old_plan.placement}
         rt = Runtime(old_plan, {"tinynet": tinynet}, cluster, workers)
-        app = create_app(rt, token=token, on_shutdown=lambda: close_workers(workers.values()))
+        app = create_app(rt, token=token, decode_workers=0, on_shutdown=lambda: close_workers(workers.values()))
         if switcher:
             app.fe.switcher = PlanSwitcher(rt, Deployment(old_plan, cluster, {"tinynet": tinynet}, str(tmp_path / "plan.yaml")))
         return BackgroundServer(app)

@@ -177,8 +177,9 @@ async def inproc_serve(dep: Deployment, *, backend: str = "emulated", backend_op
                        ingresses: int = 0, **runtime_options: Any) -> AsyncIterator[InprocServing]:
     """Serve ``dep`` in this process, on the running loop: workers (:func:`start_inproc_workers`),
     a started runtime over them (:func:`inproc_runtime`) and, with ``http``, the frontend's
-    app (``app_options``: :func:`~ppipe.runtime.ingress.http_server.create_app`'s keywords)
-    behind an ``httpx.AsyncClient`` over ``httpx.ASGITransport``. On exit the app (or the
+    app (``app_options``: :func:`~ppipe.runtime.ingress.http_server.create_app`'s keywords;
+    JSON bodies are decoded on this loop too unless they name ``decode_workers``, as no
+    process is started) behind an ``httpx.AsyncClient`` over ``httpx.ASGITransport``. On exit the app (or the
     runtime) is stopped, pending requests answered ``shutdown``, and every worker killed.
 
     ``ingresses`` > 0: the requests go through that many
@@ -206,7 +207,7 @@ async def inproc_serve(dep: Deployment, *, backend: str = "emulated", backend_op
 
         from ppipe.runtime.ingress.http_server import create_app
 
-        app = create_app(runtime, **(app_options or {}))
+        app = create_app(runtime, **{"decode_workers": 0, **(app_options or {})})
         async with _app_lifespan(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://inproc") as client:
                 yield InprocServing(runtime, workers, client)
@@ -234,7 +235,7 @@ async def _ingresses(dep: Deployment, runtime: Any, workers: dict[str, InprocWor
 
         from ppipe.runtime.ingress.http_server import create_app
 
-        app = create_app(front[0], **(app_options or {}))
+        app = create_app(front[0], **{"decode_workers": 0, **(app_options or {})})
         async with _app_lifespan(app):
             await _heard(front)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://inproc") as client:
@@ -294,14 +295,15 @@ class InprocServer:
     Args:
         dep: what to serve.
         backend, backend_options, clock: the workers' (:func:`start_inproc_workers`).
-        app_options: :func:`~ppipe.runtime.ingress.http_server.create_app`'s keywords.
+        app_options: :func:`~ppipe.runtime.ingress.http_server.create_app`'s keywords (JSON
+            bodies decoded on the server's loop unless they name ``decode_workers``).
         runtime_options: the Runtime's keywords (:func:`inproc_runtime`).
     """
 
     def __init__(self, dep: Deployment, backend: str = "emulated", backend_options: dict[str, Any] | None = None,
                  clock: StageClock | None = None, app_options: dict[str, Any] | None = None, **runtime_options: Any):
         self.dep, self.backend, self.backend_options, self.clock = dep, backend, backend_options, clock
-        self.app_options, self.runtime_options = dict(app_options or {}), runtime_options
+        self.app_options, self.runtime_options = {"decode_workers": 0, **(app_options or {})}, runtime_options
         self.workers: dict[str, InprocWorkerHandle] = {}
         self.runtime: Any = None
         self.server: Any = None
