@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -35,17 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
+import hostspeed  # noqa: E402
 from bench_serve import process_cpu_s, serve_in_process, stop, stop_server, worker_pids  # noqa: E402  (a script next to this one)
 
 
 def host_line() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     la = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"host: {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}; load average {la}"
+    return f"{hostspeed.host_line()}; load average {la}"
 
 
 def default_plan(plan_file: str | None):
@@ -75,9 +70,11 @@ def simulate(plan, profiles, cluster, rates: dict[str, float], duration_s: float
     return {m: (res.models[m].attainment, res.models[m].p50_latency_ms) for m in rates}
 
 
-def drive(url: str, rates: dict[str, float], duration_s: float) -> dict[str, dict]:
+def drive(url: str, rates: dict[str, float], duration_s: float, nice: int = 0) -> dict[str, dict]:
     """``ppipe bench --binary`` per model, all at once, each in its own process (a client
-    in the server's process would share its interpreter lock); returns their figures."""
+    in the server's process would share its interpreter lock), at niceness ``nice`` (above 0:
+    the server's processes take the cores first, as if the clients ran elsewhere; their own
+    lag, printed, grows instead); returns their figures."""
     import json
     import subprocess
     import tempfile
@@ -85,7 +82,8 @@ def drive(url: str, rates: dict[str, float], duration_s: float) -> dict[str, dic
     out = Path(tempfile.mkdtemp())
     procs = [subprocess.Popen([str(Path(sys.executable).with_name("ppipe")), "bench", url, "--model", m, "--rate", f"{r}", "--duration-s",
                                f"{duration_s}", "--binary", "--seed", str(i), "--json-out", str(out / f"{m}.json")],
-                              stdout=subprocess.DEVNULL) for i, (m, r) in enumerate(rates.items())]
+                              stdout=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+             for i, (m, r) in enumerate(rates.items())]
     for p in procs:
         if p.wait() != 0:
             raise SystemExit(f"ppipe bench exited with {p.returncode}")
@@ -208,6 +206,7 @@ def main() -> None:
     ap.add_argument("--plan", default=None, help="A plan.yaml (default: plan HC2-S with the built-in models).")
     ap.add_argument("--command", action="store_true", help="Serve with the real `ppipe serve` command (local workers), not in this process.")
     ap.add_argument("--ingress", type=int, default=0, help="With --command: ingress processes (`ppipe serve --ingress N`).")
+    ap.add_argument("--client-nice", type=int, default=0, help="Run the clients at this niceness (e.g. 19: the server first).")
     args = ap.parse_args()
     print(host_line())
     plan, profiles, cluster, plan_file = default_plan(args.plan)
@@ -226,11 +225,13 @@ def main() -> None:
         for rates in runs:
             sim = simulate(plan, profiles, cluster, rates, args.duration_s)
             since = len(rt.traces) if rt is not None else 0
+            loop_s = hostspeed.loop_seconds(repeat=1)  # the host's speed may change between runs (a VM's neighbours)
             before = cpu.read()
-            served = drive(url, rates, args.duration_s)
+            served = drive(url, rates, args.duration_s, args.client_nice)
             after = cpu.read()
             label = "all three" if len(rates) > 1 else "alone"
-            print(f"\n{label} at {args.load:g} of the planned rate")
+            print(f"\n{label} at {args.load:g} of the planned rate" + (f", clients at nice {args.client_nice}" if args.client_nice else "")
+                  + f" (10M-add loop {loop_s:.2f} s just before)")
             print(f"{'model':14} {'rate':>7} {'serve on time':>13} {'p50 ms':>7} {'p99 ms':>7} {'at server':>9} {'srv p50':>7} {'sim on time':>11} {'sim p50':>7} {'lag p99':>7}  drops")
             for m, r in served.items():
                 sa, sp = sim[m]
