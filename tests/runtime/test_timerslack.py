@@ -35,13 +35,28 @@ def test_a_thread_tightened_waits_on_a_microsecond_and_the_threads_it_starts_inh
 
 
 @linux_only
-def test_the_bench_sends_its_arrivals_from_a_tightened_thread():
-    """`ppipe bench`'s open loop waits for each arrival on a serving thread's slack: its lag counts as latency."""
+def test_the_bench_times_its_arrivals_on_a_tightened_thread_of_their_own():
+    """`ppipe bench`'s arrivals are timed on their own thread at a serving thread's slack
+    (its lag counts as latency), in order, each not before its time; the loop's thread is
+    left as it was."""
     import asyncio
+    import threading
+    import time
 
     import numpy as np
 
-    from ppipe.runtime.client.bench import _send_open_loop, _Tally
+    from ppipe.runtime.client.bench import _send_open_loop, _tick_arrivals, _Tally
+
+    fired = []
+
+    def fire(t):
+        fired.append((t, time.perf_counter(), timer_slack_ns()))
+
+    t0 = time.perf_counter() + 0.01
+    _in_a_thread(lambda: _tick_arrivals(np.array([0.0, 2000.0, 4000.0]), t0, fire, threading.Event()))
+    assert [f[0] for f in fired] == [t0, t0 + 0.002, t0 + 0.004, None]
+    assert all(at >= t for t, at, _ in fired[:3])
+    assert {slack for _, _, slack in fired} == {SERVING_TIMER_SLACK_NS}
 
     class Answers:
         errors = ()
@@ -55,4 +70,20 @@ def test_the_bench_sends_its_arrivals_from_a_tightened_thread():
         asyncio.run(_send_open_loop(np.array([0.0, 500.0, 1000.0]), Answers(), tally))
         return timer_slack_ns(), tally.ok
 
-    assert _in_a_thread(run) == (SERVING_TIMER_SLACK_NS, 3)
+    assert _in_a_thread(run) == (50_000, 3)
+
+
+@linux_only
+def test_a_stopped_ticker_fires_nothing_more():
+    import threading
+    import time
+
+    import numpy as np
+
+    from ppipe.runtime.client.bench import _tick_arrivals
+
+    stop = threading.Event()
+    stop.set()
+    fired = []
+    _tick_arrivals(np.array([0.0, 1e6]), time.perf_counter() + 0.5, fired.append, stop)
+    assert fired == []

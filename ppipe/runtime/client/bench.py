@@ -19,6 +19,7 @@ import asyncio
 import io
 import itertools
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable
@@ -29,7 +30,6 @@ from rich.table import Table
 from rich.text import Text
 
 from ppipe.errors import UserError
-from ppipe.runtime.clock import sleep_until, wall_us
 from ppipe.runtime.timerslack import tighten_timer_slack
 from ppipe.runtime.ingress.protocol import DATATYPES, encode_infer_request
 
@@ -388,10 +388,16 @@ def server_timing_ms(value: str | None) -> float | None:
 
 async def _send_open_loop(times_us: np.ndarray, sender: _Sender, tally: _Tally) -> None:
     """Send one request at each arrival time (µs from a start just after now), whether or
-    not earlier ones were answered, and wait for every answer. The loop's thread gets a
-    serving thread's timer slack (:mod:`ppipe.runtime.timerslack`): each wait for an
-    arrival ends that much sooner after its time, and the lag counts as latency."""
-    tighten_timer_slack()
+    not earlier ones were answered, and wait for every answer.
+
+    The arrivals are timed on a thread of their own (:func:`_tick_arrivals`), which hands
+    each one to this loop: the loop itself never blocks, so no answer or send of an earlier
+    request waits behind the wait for the next arrival (a loop's own timers fire up to 1 ms
+    late, and a precise wait on the loop's thread would hold the loop; either counts as
+    latency, since latency runs from the scheduled send)."""
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task] = []
+    all_sent = loop.create_future()
 
     async def one(t_sched: float) -> None:
         tally.lag_ms.append((time.perf_counter() - t_sched) * 1e3)
@@ -402,16 +408,38 @@ async def _send_open_loop(times_us: np.ndarray, sender: _Sender, tally: _Tally) 
             return
         tally.answer(t_sched, status, hdrs)
 
-    tasks = []
-    tally.t0 = t0 = time.perf_counter() + 0.05
-    wall0 = wall_us() - time.perf_counter() * 1e6  # perf_counter -> wall us
+    def start(t_sched: float | None) -> None:
+        if t_sched is None:
+            all_sent.done() or all_sent.set_result(None)
+        else:
+            tasks.append(loop.create_task(one(t_sched)))
+
+    tally.t0 = time.perf_counter() + 0.05
+    stop = threading.Event()
+    ticker = threading.Thread(target=_tick_arrivals, args=(times_us, tally.t0, lambda t: loop.call_soon_threadsafe(start, t), stop),
+                              name="ppipe-bench-arrivals", daemon=True)
+    ticker.start()
+    try:
+        await all_sent
+    finally:
+        stop.set()
+        ticker.join()
+    await asyncio.gather(*tasks)
+
+
+def _tick_arrivals(times_us: np.ndarray, t0: float, fire: Callable[[float | None], None], stop: threading.Event) -> None:
+    """Call ``fire(t)`` at each arrival ``t = t0 + times_us / 1e6`` (``perf_counter`` seconds),
+    then ``fire(None)``; return early once ``stop`` is set. The waits are kernel timed waits
+    on a serving thread's timer slack (:mod:`ppipe.runtime.timerslack`), so each ends a few
+    tens of µs after its time."""
+    tighten_timer_slack()
     for t in times_us:
         t_sched = t0 + t / 1e6
-        # to a fraction of a ms (the loop's timers alone send each request up to 1 ms
-        # late, and that lag counts as latency)
-        await sleep_until(wall0 + t_sched * 1e6)
-        tasks.append(asyncio.create_task(one(t_sched)))
-    await asyncio.gather(*tasks)
+        wait_s = t_sched - time.perf_counter()
+        if (wait_s > 0 and stop.wait(wait_s)) or stop.is_set():
+            return
+        fire(t_sched)
+    fire(None)
 
 
 def format_table(res: BenchResult) -> str:
