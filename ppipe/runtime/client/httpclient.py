@@ -53,7 +53,9 @@ class RawHttpClient:
             else:
                 reader, writer = self._idle.pop()
             try:
-                writer.write(head + body)
+                writer.write(head)  # two writes, not head + body: that would copy the body (12.8 MB for atss)
+                if body:
+                    writer.write(body)
                 status, hdrs, data = await asyncio.wait_for(self._read(reader), self.timeout_s)
             except (ConnectionError, asyncio.IncompleteReadError, HttpError) as exc:
                 writer.close()
