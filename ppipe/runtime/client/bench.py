@@ -410,7 +410,8 @@ async def _send_open_loop(times_us: np.ndarray, sender: _Sender, tally: _Tally) 
 
     def start(t_sched: float | None) -> None:
         if t_sched is None:
-            all_sent.done() or all_sent.set_result(None)
+            if not all_sent.done():
+                all_sent.set_result(None)
         else:
             tasks.append(loop.create_task(one(t_sched)))
 
