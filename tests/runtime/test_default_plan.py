@@ -139,8 +139,9 @@ def test_the_default_plan_dilated_is_served_as_simulated(dilated, alone, tmp_pat
 
 def test_a_killed_worker_and_a_plan_switch_with_real_feature_maps_lose_no_request(default_plan, tmp_path):
     """resnet50's two partitions hand on their real feature maps (dilated x DILATION): a
-    worker of its first pool killed under load, then a switch to a plan of other weights
-    (``ppipe apply``), both while requests flow. Every request is answered (on time, late, or
+    worker of its first pool killed under load, then a switch to a plan of at most two
+    partitions per pipeline (other pipelines, other placement; ``ppipe apply``), both while
+    requests flow. Every request is answered (on time, late, or
     dropped with its reason), the killed worker is re-created, and the switch is applied."""
     from click.testing import CliRunner
 
@@ -151,7 +152,8 @@ def test_a_killed_worker_and_a_plan_switch_with_real_feature_maps_lose_no_reques
 
     base = load_deployment(default_plan)
     first = save_dilated(base.plan, base.profiles, base.cluster, DILATION, tmp_path / "first")
-    other = make_plan(weights=[1.0, 1.0, 2.0])
+    other = make_plan(max_partitions=2)  # solved to optimality at once (uneven weights run into the time limit)
+    assert other.placement != base.plan.placement
     second = save_dilated(other, base.profiles, base.cluster, DILATION, tmp_path / "second")
     dep = load_deployment(first)
     assert len(dep.plan.model("resnet50").pipelines[0].partitions) >= 2  # feature maps cross a hop
