@@ -43,6 +43,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
+import sys
 from collections import deque
 from typing import Any, Callable
 
@@ -78,12 +79,13 @@ def is_loopback_address(addr: str) -> bool:
 
 def node_host() -> str:
     """The address this process's data-path sockets bind: the loopback address when Ray is
-    not running or every alive Ray node is this host, else this node's address in Ray."""
-    try:
-        import ray
-    except ImportError:  # ray is the extra ppipe[ray]: no Ray, no other node
-        return LOOPBACK
-    if not ray.is_initialized():
+    not running or every alive Ray node is this host, else this node's address in Ray.
+
+    A process that has not imported Ray cannot have joined a Ray session, so Ray is looked
+    up in ``sys.modules`` rather than imported: importing it costs most of a second, which
+    every process of the local launcher would pay for nothing."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
         return LOOPBACK
     here = ray.util.get_node_ip_address()
     nodes = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
