@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import logging
 import time
 
@@ -49,10 +48,15 @@ HEAP_BLOCK_LIMIT = 32 * 1024 * 1024  # blocks up to this come from the arenas (g
 TRIM_THRESHOLD = 1024 * 1024 * 1024  # free heap top kept between trims (trim_heap gives it back)
 
 
+def _process_symbols() -> ctypes.CDLL:
+    """The symbols this process has loaded, libc's among them (``dlopen(NULL)``): no lookup
+    of libc's file, which ``ctypes.util.find_library`` does by running ``ldconfig``."""
+    return ctypes.CDLL(None)
+
+
 def _libc_malloc_trim():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
+        return _process_symbols().malloc_trim
     except (OSError, AttributeError):
         return None
 
@@ -62,8 +66,7 @@ _MALLOC_TRIM = _libc_malloc_trim()
 
 def _mallopt(param: int, value: int) -> bool:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(param, value))
+        return bool(_process_symbols().mallopt(param, value))
     except (OSError, AttributeError):
         return False
 

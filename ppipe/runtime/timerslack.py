@@ -17,7 +17,6 @@ calls it on its serving thread before it starts others. Elsewhere than Linux it 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 
@@ -33,7 +32,7 @@ def _prctl():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+        fn = ctypes.CDLL(None, use_errno=True).prctl  # this process's symbols, libc's among them
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_long
