@@ -104,3 +104,13 @@ def test_no_scheduler_module_reads_the_wall_clock_itself():
                     offenders.append((f.name, node.module))
                 offenders += [(f.name, f"{node.module}.wall_us") for a in node.names if a.name == "wall_us"]
     assert offenders == []
+
+
+def test_a_decode_process_imports_neither_the_scheduler_nor_the_data_plane():
+    """A JSON decode process (spawned) imports only the module of the job it runs; that
+    module keeps the server's scheduler and data plane out, so the pool starts quickly."""
+    probe = ("import sys, ppipe.runtime.ingress.decode_process; "
+             "print(sorted(m for m in sys.modules if m.startswith(('ppipe.dataplane', 'ppipe.runtime.scheduler'))))")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[]"

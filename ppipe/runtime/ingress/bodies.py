@@ -22,8 +22,8 @@ import multiprocessing
 import os
 
 from ppipe.dataplane.decode import expected_end
-from ppipe.runtime.ingress.protocol import InferRequest, ProtocolError, decode_job, parse_infer_request
-from ppipe.runtime.memory import trim_heap
+from ppipe.runtime.ingress.decode_process import pool_decode_job, pool_process_init
+from ppipe.runtime.ingress.protocol import InferRequest, ProtocolError, parse_infer_request
 from ppipe.runtime.scheduler.host import DroppedError
 
 INLINE_DECODE_BYTES = 64 * 1024
@@ -100,42 +100,7 @@ def _process_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
     # spawn, never fork: the server process runs Ray's and uvicorn's threads. (So a script
     # that serves must guard its main code with `if __name__ == "__main__"`.)
     return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                  initializer=_pool_process_init, initargs=(os.getpid(),))
-
-
-def pool_decode_job(body: bytes, header_length: str | None):
-    """:func:`decode_job` in a pool process, after giving the last job's freed memory back
-    (:func:`ppipe.runtime.memory.trim_heap`: microseconds): a process that decoded one large
-    body would otherwise keep that body's heap for good."""
-    trim_heap()
-    return decode_job(body, header_length)
-
-
-def _pool_process_init(server_pid: int) -> None:
-    """A decode process leaves Ctrl-C to the server, which shuts the pool down in order (a
-    terminal sends SIGINT to the whole process group), and ends when the server ends: a
-    server killed with SIGKILL shuts nothing down, and its pool's processes would stay for
-    good, blocked on their queue, holding the server's stdout."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _end_with(server_pid)
-
-
-def _end_with(server_pid: int) -> None:
-    """SIGTERM this process when its parent ends (Linux's parent-death signal; elsewhere
-    nothing), and exit now if the parent ``server_pid`` is already gone."""
-    import signal
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != server_pid:  # it ended before the signal was set
-        os._exit(0)
+                                                  initializer=pool_process_init, initargs=(os.getpid(),))
 
 
 class BodyDecoder:
