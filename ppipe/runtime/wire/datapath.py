@@ -82,8 +82,8 @@ def node_host() -> str:
     not running or every alive Ray node is this host, else this node's address in Ray.
 
     A process that has not imported Ray cannot have joined a Ray session, so Ray is looked
-    up in ``sys.modules`` rather than imported: importing it costs most of a second, which
-    every process of the local launcher would pay for nothing."""
+    up in ``sys.modules`` rather than imported: every process of the local launcher would
+    otherwise pay Ray's import time at start for nothing."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return LOOPBACK
