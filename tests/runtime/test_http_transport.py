@@ -1,9 +1,11 @@
 """The HTTP server's body handling (``ppipe.runtime.ingress.http_transport``): a body of
 declared length within the limit reaches the app whole, in one message, however many reads
-it took; larger and chunked bodies reach it in pieces, unchanged."""
+it took; larger and chunked bodies reach it in pieces, unchanged; a binary-extension body
+reaches it as shared memory, read there by the socket."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -11,6 +13,7 @@ import time
 import pytest
 
 from ppipe.runtime.ingress.http_transport import BackgroundServer
+from ppipe.runtime.wire.shared_inputs import process_arena
 
 
 class RecordingApp:
@@ -20,6 +23,7 @@ class RecordingApp:
     def __init__(self):
         self.messages: list[int] = []
         self.bodies: list[bytes] = []
+        self.kinds: list[type] = []  # of each body's first message
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -34,6 +38,7 @@ class RecordingApp:
             if not msg.get("more_body", False):
                 break
         self.messages.append(len(pieces))
+        self.kinds.append(type(pieces[0]))
         self.bodies.append(b"".join(pieces))
         out = str(len(self.bodies[-1])).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(out)).encode())]})
@@ -56,8 +61,9 @@ def _post_in_pieces(url: str, head: bytes, pieces: list[bytes], pause_s: float =
     return data.split(b"\r\n\r\n", 1)[1]
 
 
-def _head(length: int) -> bytes:
-    return f"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: {length}\r\n\r\n".encode()
+def _head(length: int, tensors_at: int | None = None) -> bytes:
+    binary = "" if tensors_at is None else f"inference-header-content-length: {tensors_at}\r\n"
+    return f"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: {length}\r\n{binary}\r\n".encode()
 
 
 @pytest.fixture
@@ -103,3 +109,45 @@ def test_keep_alive_requests_each_get_their_own_whole_body(server):
         while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"90000"):
             data += s.recv(65536)
     assert app.bodies == [first, second] and app.messages == [1, 1]
+
+
+def test_a_binary_extension_body_reaches_the_app_whole_in_shared_memory(server):
+    srv, app = server
+    arena = process_arena()
+    body = os.urandom(600_000)
+    pieces = [body[i : i + 150_000] for i in range(0, len(body), 150_000)]
+    lent = arena.lent_bytes
+    assert _post_in_pieces(srv.url, _head(len(body), tensors_at=37), pieces) == b"600000"
+    assert app.bodies == [body] and app.messages == [1] and app.kinds == [memoryview]
+    gc.collect()
+    assert arena.lent_bytes == lent  # its slot came back once the app let go of it
+
+
+def test_binary_bodies_read_into_shared_memory_leave_the_connection_in_step(server):
+    srv, app = server
+    bodies = [os.urandom(300_000), os.urandom(200_000), os.urandom(1000)]
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        for b in bodies:  # the first two shared (the second pipelined right behind), the small one plain
+            s.sendall(_head(len(b), tensors_at=10) + b[:50_000])
+            time.sleep(0.05)  # the server takes up the body's rest in its own reads
+            s.sendall(b[50_000:])
+        s.settimeout(5.0)
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 3 or not data.endswith(b"1000"):
+            data += s.recv(65536)
+    assert app.bodies == bodies and app.kinds == [memoryview, memoryview, bytes]
+
+
+def test_a_client_gone_in_the_middle_of_a_shared_body_leaves_the_server_serving(server):
+    srv, app = server
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    lent = process_arena().lent_bytes
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(_head(500_000, tensors_at=10) + os.urandom(100_000))
+        time.sleep(0.1)
+    body = os.urandom(400_000)
+    assert _post_in_pieces(srv.url, _head(len(body), tensors_at=10), [body]) == b"400000"
+    assert app.bodies[-1] == body
+    gc.collect()
+    assert process_arena().lent_bytes == lent  # the abandoned body's slot came back too

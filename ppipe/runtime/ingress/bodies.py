@@ -34,8 +34,10 @@ MAX_QUEUED_DECODES = 256  # JSON bodies waiting for the pool; more are 503 queue
 DECODE_S_PER_BYTE_PRIOR = 15e-9  # orjson.loads + np.asarray of numbers, before the first measurement
 
 
-async def read_body(length: str | None, stream, max_bytes: int, timeout_s: float) -> bytes:
-    """The whole body that ``stream`` yields in chunks, within ``max_bytes`` and ``timeout_s``.
+async def read_body(length: str | None, stream, max_bytes: int, timeout_s: float) -> bytes | memoryview:
+    """The whole body that ``stream`` yields in chunks, within ``max_bytes`` and ``timeout_s``:
+    a body that came whole as it came (``bytes``, or a memoryview of shared memory:
+    :mod:`ppipe.runtime.ingress.http_transport`), else its chunks joined.
 
     Args:
         length: the request's Content-Length header, if any (a larger one is a 413 at once,
@@ -69,7 +71,7 @@ async def read_body(length: str | None, stream, max_bytes: int, timeout_s: float
         raise ProtocolError(408, f"the request body did not arrive within {timeout_s:g} s ({came}); send the whole body at once") from None
     if too_big:
         raise ProtocolError(413, f"body of {declared or size} bytes exceeds the limit of {max_bytes} bytes")
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)  # (a whole body as it came: bytes, or shared memory)
 
 
 @contextlib.asynccontextmanager
@@ -180,7 +182,7 @@ class BodyDecoder:
         self.queued += 1
         self.queued_bytes += len(body)
         try:
-            out, took_s = await asyncio.get_running_loop().run_in_executor(self._executor(), self._job, body, header_length)
+            out, took_s = await asyncio.get_running_loop().run_in_executor(self._executor(), self._job, bytes(body), header_length)
         except concurrent.futures.process.BrokenProcessPool:
             self.stop()  # the next decode starts a new pool
             raise DroppedError("worker-failed", "a JSON decoding process died; retry the request") from None

@@ -16,6 +16,10 @@ receives (:class:`_WholeBody`): one copy of the body in Python where there were 
 wake-up of the app where there was one per 64 KiB, no pause and resume of the socket. The
 limit bounds what a connection may hold, as the app's own limit does; a larger or
 undeclared body goes uvicorn's way (and the app answers 413 or reads it in pieces).
+A binary-extension body (``Inference-Header-Content-Length``) is joined into the
+process's shared-input arena (:mod:`ppipe.runtime.wire.shared_inputs`), its tensors on a
+64-byte boundary, so that a worker on this machine reads them where they are; it is then
+handed on as a memoryview of that memory.
 
 uvicorn is imported when a server is configured, not with this module.
 """
@@ -23,7 +27,10 @@ uvicorn is imported when a server is configured, not with this module.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+
+from ppipe.runtime.wire.shared_inputs import process_arena
 
 # Slow clients: what a connection may take (the body timeout is the frontend's: http_server).
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # connection made (or last response sent) -> request line and headers read
@@ -97,31 +104,135 @@ class _WholeBody:
     joined when the message is complete, then set as the request cycle's body, which its
     ``receive()`` hands on as it is (``bytes()`` of ``bytes`` copies nothing). Until then the
     app, waiting in ``receive()``, is not woken. A body within one read is handed on with no
-    copy at all."""
+    copy at all.
+
+    A binary-extension body instead goes into a slot of the shared-input arena taken when
+    the headers are read, and is handed on as a memoryview (:func:`_receive_whole`). What
+    came with the headers is copied in (while it is still in the cache); the rest is read by
+    the socket straight into the slot (:class:`_BodyInto`), with no read buffer of the loop's
+    and no parser's copy in between: the body's bytes are copied once, by the kernel."""
 
     _max_whole_body_bytes: int
     _pieces: list[bytes] | None = None
+    _slot: memoryview | None = None  # the shared body being filled
+    _filled = 0
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
-        self._pieces = None
+        self._pieces, self._slot = None, None
         if self.parser.should_upgrade():
             return
-        declared = next((v for k, v in self.headers if k == b"content-length"), None)
-        if declared is not None and declared.isdigit() and len(declared) <= 20 and int(declared) <= self._max_whole_body_bytes:
-            self._pieces = []
+        declared = _digits(next((v for k, v in self.headers if k == b"content-length"), None))
+        if declared is None or declared > self._max_whole_body_bytes:
+            return
+        self._pieces = []
+        tensors_at = _digits(next((v for k, v in self.headers if k == b"inference-header-content-length"), None))
+        arena = process_arena() if tensors_at is not None else None
+        self._slot = arena.body(declared, tensors_at) if arena is not None else None
+        if self._slot is not None:
+            self._filled = 0
+            cycle = self.cycle
+            cycle.receive = functools.partial(_receive_whole, cycle, cycle.receive)  # (looked up when the app starts)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        slot = self._slot
+        if slot is not None and self._filled < len(slot) and not self.flow.read_paused and not self.transport.is_closing():
+            _BodyInto(self).take_over()
+
+    def body_read(self) -> None:
+        """:class:`_BodyInto` is done: the parser, which counts a body it has not seen, is
+        replaced by a fresh one for the connection's next request, and the message completes."""
+        from httptools import HttpRequestParser
+
+        self.parser = HttpRequestParser(self)
+        self.on_message_complete()
 
     def on_body(self, body: bytes) -> None:
         if self._pieces is None:
             super().on_body(body)
-        elif not self.cycle.response_complete:  # (an app that answered early reads no more of it)
+        elif self.cycle.response_complete:  # an app that answered early reads no more of it
+            pass
+        elif self._slot is not None:
+            end = self._filled + len(body)
+            self._slot[self._filled : end] = body  # (the parser stops at the declared length)
+            self._filled = end
+        else:
             self._pieces.append(bytes(body))
 
     def on_message_complete(self) -> None:
-        pieces, self._pieces = self._pieces, None
-        if pieces and not self.cycle.response_complete:
-            self.cycle.body = b"".join(pieces)
+        pieces, slot, self._pieces, self._slot = self._pieces, self._slot, None, None
+        if pieces is not None and not self.cycle.response_complete:
+            if slot is not None:
+                self.cycle.body = slot[: self._filled]
+            elif pieces:
+                self.cycle.body = b"".join(pieces)
         super().on_message_complete()
+
+
+class _BodyInto(asyncio.BufferedProtocol):
+    """The connection's protocol while the rest of a shared body comes: each read goes
+    straight into the slot, asked for exactly what the body still lacks (so a next request's
+    bytes stay in the socket); once it is full, the HTTP protocol is put back and told
+    (:meth:`_WholeBody.body_read`). Reading is paused around each switch so that the loop
+    takes up the new protocol's way of reading (uvloop chooses it when reading starts)."""
+
+    def __init__(self, http: "_WholeBody"):
+        self.http = http
+        self.transport = http.transport
+
+    def take_over(self) -> None:
+        self._switch_to(self)
+
+    def _switch_to(self, protocol) -> None:
+        self.transport.pause_reading()
+        self.transport.set_protocol(protocol)
+        self.transport.resume_reading()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.http._slot[self.http._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        http = self.http
+        http._filled += nbytes
+        if http._filled == len(http._slot):
+            self._switch_to(http)
+            http.body_read()
+
+    def eof_received(self):
+        return self.http.eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self.http.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.http.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.http.resume_writing()
+
+
+async def _receive_whole(cycle, receive):
+    """uvicorn's ``receive()`` for a body handed on whole, less its ``bytes(body)``: that
+    copies nothing of ``bytes`` but all of a memoryview of shared memory, so such a body
+    is handed on as it is. The same steps otherwise: the ``100 Continue`` a client may
+    wait for, then the wait for the whole body (reading is never paused for one)."""
+    if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+        cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        cycle.waiting_for_100_continue = False
+    if not cycle.disconnected and not cycle.response_complete:
+        await cycle.message_event.wait()
+    body = cycle.body
+    if not isinstance(body, memoryview) or cycle.disconnected or cycle.response_complete:
+        return await receive()  # (the event is still set: it returns at once)
+    cycle.message_event.clear()
+    cycle.body = bytearray()
+    return {"type": "http.request", "body": body, "more_body": cycle.more_body}
+
+
+def _digits(value: bytes | None) -> int | None:
+    """A header's value as a whole number (at most 20 digits), else None."""
+    return int(value) if value is not None and value.isdigit() and len(value) <= 20 else None
 
 
 class _HeaderDeadline:

@@ -58,8 +58,8 @@ from ppipe.runtime.memory import trim_heap_periodically, tune_for_serving
 from ppipe.runtime.timerslack import tighten_timer_slack
 from ppipe.runtime.scheduler.inflight import DroppedError
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
-from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox
-from ppipe.runtime.wire.frames import WireError, pack, unpack
+from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox, shared_arena_for
+from ppipe.runtime.wire.frames import Rows, WireError, pack, unpack
 from ppipe.runtime.wire.messages import Answer, Arrival, FromIngress, IngressInbox, SendInputs, ServedPlan, ToIngress
 from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelManifest, ModelProfile
@@ -71,12 +71,15 @@ HELLO_TIMEOUT_S = 30.0  # the scheduler answers a hello within this
 
 @dataclass
 class _Held:
-    """A request this ingress holds until its answer: its future and its inputs (until sent)."""
+    """A request this ingress holds until its answer: its future and its inputs (until sent;
+    inputs sent as shared memory stay ``pinned`` until the answer, so that their slot is not
+    reused while the first worker reads it)."""
 
     future: asyncio.Future
     inputs: dict[str, np.ndarray] | None
     timer: Any = None
     scheduler: int = 0  # the scheduler it was sent to
+    pinned: dict[str, np.ndarray] | None = None
 
 
 @dataclass
@@ -361,20 +364,19 @@ class IngressRuntime:
             hook()
 
     def _send_inputs(self, s: SendInputs) -> None:
-        """Send stage 0 of a batch these requests' rows, stacked in order (one request: a view)."""
+        """Send stage 0 of a batch these requests' rows in order: stacked on the wire, or named
+        where they lie in shared memory when the worker is on this machine."""
         held = [self._held.get(rid) for rid in s.rids]
         if any(h is None or h.inputs is None for h in held):
             log.warning("ingress %d: batch %s asks for inputs it no longer holds", self.index, s.stage.batch_id)
             return
-        if len(held) == 1:
-            inputs = {n: np.expand_dims(a, 0) for n, a in held[0].inputs.items()}
-        else:
-            inputs = {n: np.stack([h.inputs[n] for h in held]) for n in held[0].inputs}
-        for h in held:
-            h.inputs = None
+        inputs = {n: Rows([h.inputs[n] for h in held]) for n in held[0].inputs}
         message = msgspec.structs.replace(s.stage, sent_us=self.clock.wall_now_us())
+        arena = shared_arena_for(message.addresses[0])
+        for h in held:
+            h.inputs, h.pinned = None, h.inputs if arena is not None else None
         try:
-            self._outbox.send(message.addresses[0], pack(message, inputs))
+            self._outbox.send(message.addresses[0], pack(message, inputs, arena))
         except DataPathFull as exc:
             for rid in s.rids:
                 self._refuse(rid, "worker-failed", str(exc))

@@ -19,8 +19,8 @@ import numpy as np
 from ppipe.dataplane.api import Dispatch, DropReason, StageReport
 from ppipe.dataplane.feedback import ran_as_reserved, reads_every_report
 from ppipe.runtime.scheduler.inflight import BatchTrace, DroppedError, InFlight
-from ppipe.runtime.wire.datapath import DataPathFull
-from ppipe.runtime.wire.frames import WireError, pack, unpack
+from ppipe.runtime.wire.datapath import DataPathFull, shared_arena_for
+from ppipe.runtime.wire.frames import Rows, WireError, pack, unpack
 from ppipe.runtime.wire.messages import EdgeRef, Reservation, StageLinks, StageMsg, StageReport as StageReportMsg
 
 log = logging.getLogger("ppipe.runtime")
@@ -78,7 +78,7 @@ class BatchesMixin:
         if self.accept_ingresses:
             self._send_remote_inputs(d, message)
         else:
-            self._outbox.send(addrs[0], pack(message, _stacked_inputs(d)))
+            self._outbox.send(addrs[0], pack(message, _stacked_inputs(d), shared_arena_for(addrs[0])))
         for j in range(1, len(route)):
             if links is not None and links[j] is not None and links[j].recv is not None:
                 self._outbox.send(addrs[j], pack(msgspec.structs.replace(message, stage=j, sent_us=None)))
@@ -196,9 +196,7 @@ class BatchesMixin:
         self._apply(self.scheduler.report(sr))
 
 
-def _stacked_inputs(d: Dispatch) -> dict[str, np.ndarray]:
-    """A batch's inputs, each with the batch axis (a batch of one: a view of its input, not a copy)."""
-    names = list(d.requests[0].payload)
-    if len(d.requests) == 1:
-        return {n: np.expand_dims(d.requests[0].payload[n], 0) for n in names}
-    return {n: np.stack([r.payload[n] for r in d.requests]) for n in names}
+def _stacked_inputs(d: Dispatch) -> dict[str, Rows]:
+    """A batch's inputs, each as its requests' rows (stacked on the wire, or named where they
+    lie in shared memory: :func:`~ppipe.runtime.wire.frames.pack`)."""
+    return {n: Rows([r.payload[n] for r in d.requests]) for n in d.requests[0].payload}

@@ -6,14 +6,18 @@ On a connection, each message is a 4-byte little-endian length ``n`` and ``n`` b
 
 The header is the MessagePack array ``[message, tensors]``: the message, a
 :mod:`msgspec` struct of :mod:`ppipe.runtime.wire.messages` (or another module's, for
-other boundaries), and the tensors that follow as ``[name, dtype, shape]`` (dtype as
-NumPy's ``dtype.str``, e.g. ``"<f2"``), in order; each tensor is its array's C-contiguous
-bytes. :func:`pack` returns the pieces to write: the length prefix, header length and
-header as one ``bytes``, then each tensor's buffer (a memoryview of its array, not a copy),
-so a sender can hand them to the socket without joining them. :func:`unpack` decodes the
-header into the one message type its caller expects and reads the tensors without copying
-them (:func:`numpy.frombuffer`: views that keep the message alive, read-only where the
-message is, as the receiver's are).
+other boundaries), and the tensors as ``[name, dtype, shape, shared]`` (dtype as NumPy's
+``dtype.str``, e.g. ``"<f2"``), in order. A tensor with ``shared`` empty follows the
+header as its array's C-contiguous bytes; one in shared memory on this machine
+(:mod:`ppipe.runtime.wire.shared_inputs`) has no bytes on the wire: ``shared`` names
+where its rows lie, one :class:`~ppipe.runtime.wire.shared_inputs.SharedRef` for the whole
+tensor or one per row of its first axis. :func:`pack` returns the pieces to write: the
+length prefix, header length and header as one ``bytes``, then each inline tensor's buffer
+(a memoryview of its array, not a copy), so a sender can hand them to the socket without
+joining them. :func:`unpack` decodes the header into the one message type its caller
+expects and reads the tensors without copying them (:func:`numpy.frombuffer`: views that
+keep the message alive, read-only where the message is, as the receiver's are; shared
+tensors are views of the mapped segment, and a tensor of several shared rows is stacked).
 
 Why MessagePack and raw bytes rather than pickle: a message carries data, never code, so a
 peer that can reach a worker's port can at worst send a batch that fails, and decoding a
@@ -30,17 +34,36 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 import numpy as np
 
+from ppipe.runtime.wire.shared_inputs import InputArena, SharedInputError, SharedMaps, SharedRef, process_maps
+
 MAX_TENSORS = 64
 MAX_DIMS = 16
+MAX_SHARED_ROWS = 4096
 
 M = TypeVar("M", bound=msgspec.Struct)
 Dim = Annotated[int, msgspec.Meta(ge=0, lt=2**40)]
-TensorSpec = tuple[str, str, Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_DIMS)]]
+Ref = tuple[int, int, int, int]  # SharedRef: pid, fd, serial, offset
+TensorSpec = tuple[str, str, Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_DIMS)],
+                   Annotated[list[Ref], msgspec.Meta(max_length=MAX_SHARED_ROWS)]]
 TensorSpecs = Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]
 
 
 class WireError(ValueError):
     """A message that is not a well-formed data-path message."""
+
+
+class SharedTensorError(WireError):
+    """A well-formed message whose shared tensors this process cannot map: ``header`` is its
+    decoded message, so that the receiver can answer for it (fail its batch) rather than drop it."""
+
+    def __init__(self, header: msgspec.Struct, why: str):
+        super().__init__(why)
+        self.header = header
+
+
+class Rows(list):
+    """A batch's inputs as its rows (arrays of one shape and dtype), stacked on the wire:
+    :func:`pack` names where they lie when every row is in its arena, else stacks them."""
 
 
 LENGTH = 4  # bytes of each length field
@@ -50,17 +73,28 @@ _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
 
-def pack(message: msgspec.Struct, tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
+def pack(message: msgspec.Struct, tensors: dict[str, np.ndarray | Rows] | None = None, arena: InputArena | None = None) -> list[Any]:
     """The pieces of one message on a connection, in order: ``bytes`` of the length prefix,
-    header length and header, then the tensors' buffers (memoryviews of C-contiguous
+    header length and header, then the inline tensors' buffers (memoryviews of C-contiguous
     arrays; a non-contiguous array is copied first). The views share the arrays' memory:
-    an array must not change until its message is sent."""
+    an array must not change until its message is sent.
+
+    With ``arena`` (the receiver is on this machine), a tensor that lies in it, or
+    :class:`Rows` that all do, is named by where it lies instead of sent."""
     specs, bufs, size = [], [], 0
     for name, arr in (tensors or {}).items():
+        shared = _shared_refs(arr, arena)
+        if shared:
+            first = arr[0] if isinstance(arr, Rows) else arr
+            shape = (len(arr), *first.shape) if isinstance(arr, Rows) else arr.shape
+            specs.append((name, first.dtype.str, shape, shared))
+            continue
+        if isinstance(arr, Rows):
+            arr = np.expand_dims(arr[0], 0) if len(arr) == 1 else np.stack(arr)  # (a batch of one: a view)
         arr = np.asarray(arr)
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")
-        specs.append((name, arr.dtype.str, arr.shape))
+        specs.append((name, arr.dtype.str, arr.shape, []))
         if arr.size:
             bufs.append(arr.data.cast("B") if arr.ndim else arr.tobytes())
             size += arr.nbytes
@@ -71,12 +105,28 @@ def pack(message: msgspec.Struct, tensors: dict[str, np.ndarray] | None = None) 
     return [n.to_bytes(LENGTH, "little") + len(head).to_bytes(LENGTH, "little") + head, *bufs]
 
 
-def unpack(message: bytes | memoryview, kind: type[M]) -> tuple[M, dict[str, np.ndarray]]:
-    """``(message, tensors)`` of one message (without its length prefix), its header decoded as ``kind``.
+def _shared_refs(arr: np.ndarray | Rows, arena: InputArena | None) -> list[SharedRef]:
+    """Where ``arr``'s rows lie in ``arena`` (one ref for an array, one per row of :class:`Rows`),
+    or [] where any of them does not."""
+    if arena is None:
+        return []
+    rows = arr if isinstance(arr, Rows) else [arr]
+    refs = [arena.locate(r) for r in rows if isinstance(r, np.ndarray)]
+    if len(refs) != len(rows) or None in refs:
+        return []
+    if isinstance(arr, Rows) and any(r.shape != rows[0].shape or r.dtype != rows[0].dtype for r in rows):
+        return []
+    return refs
+
+
+def unpack(message: bytes | memoryview, kind: type[M], maps: SharedMaps | None = None) -> tuple[M, dict[str, np.ndarray]]:
+    """``(message, tensors)`` of one message (without its length prefix), its header decoded as
+    ``kind``; shared tensors are read from ``maps`` (default: this process's).
 
     Raises:
         WireError: the header is not MessagePack, not a ``kind`` with a valid tensor list,
             or the tensors' bytes do not add up to the message's length.
+        SharedTensorError: a shared tensor cannot be mapped (its ``header`` is the message).
     """
     view = memoryview(message)
     if len(view) < LENGTH:
@@ -93,21 +143,44 @@ def unpack(message: bytes | memoryview, kind: type[M]) -> tuple[M, dict[str, np.
         raise WireError(f"header is not a {getattr(kind, '__name__', kind)}: {exc}") from None
     tensors, pos = {}, LENGTH + h
     for spec in specs:
-        arr, pos = _array(spec, view, pos)
-        tensors[spec[0]] = arr
+        if spec[3]:
+            tensors[spec[0]] = _shared_array(header, spec, maps or process_maps())
+        else:
+            tensors[spec[0]], pos = _array(spec, view, pos)
     if pos != len(view):
         raise WireError(f"message has {len(view) - pos} bytes after its tensors")
     return header, tensors
 
 
-def _array(spec: TensorSpec, view: memoryview, pos: int) -> tuple[np.ndarray, int]:
-    name, dtype, shape = spec
+def _dtype(name: str, dtype: str) -> np.dtype:
     try:
         dt = np.dtype(dtype)
     except TypeError:
         raise WireError(f"tensor '{name}': unknown dtype {dtype!r}") from None
     if dt.hasobject:
         raise WireError(f"tensor '{name}': dtype {dtype!r} holds objects")
+    return dt
+
+
+def _shared_array(header: msgspec.Struct, spec: TensorSpec, maps: SharedMaps) -> np.ndarray:
+    """A shared tensor: a view of its one ref, or its rows (one ref each) stacked."""
+    name, dtype, shape, refs = spec
+    dt = _dtype(name, dtype)
+    whole = len(refs) == 1
+    if not whole and (not shape or shape[0] != len(refs)):
+        raise WireError(f"tensor '{name}': {len(refs)} shared rows for shape {tuple(shape)}")
+    row_shape = shape if whole else shape[1:]
+    n = math.prod(row_shape) * dt.itemsize
+    try:
+        rows = [maps.array(SharedRef(*r), n).view(dt).reshape(row_shape) for r in refs]
+    except SharedInputError as exc:
+        raise SharedTensorError(header, f"tensor '{name}': {exc}") from None
+    return rows[0] if whole else np.stack(rows)
+
+
+def _array(spec: TensorSpec, view: memoryview, pos: int) -> tuple[np.ndarray, int]:
+    name, dtype, shape, _ = spec
+    dt = _dtype(name, dtype)
     n = math.prod(shape) * dt.itemsize
     if pos + n > len(view):
         raise WireError(f"tensor '{name}': {dtype} {shape} needs {n} bytes, the message has {len(view) - pos} left")

@@ -40,7 +40,7 @@ import numpy as np
 from ppipe.dataplane.feedback import ran_as_reserved
 from ppipe.runtime.clock import wall_us
 from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox, is_loopback_address, node_host
-from ppipe.runtime.wire.frames import WireError, pack, unpack
+from ppipe.runtime.wire.frames import SharedTensorError, WireError, pack, unpack
 from ppipe.runtime.wire.messages import Answer, StageMsg, StageReport
 
 log = logging.getLogger("ppipe.runtime")
@@ -129,6 +129,11 @@ class StageServer:
     def _on_message(self, message: memoryview | bytes) -> None:
         try:
             msg, tensors = unpack(message, StageMsg)
+        except SharedTensorError as exc:  # a well-formed stage whose inputs cannot be read here: its batch fails, with why
+            log.warning("%s: cannot read batch %s's shared inputs: %s", self.vgpu_id, exc.header.batch_id, exc)
+            self._report(StageReport(exc.header.batch_id, exc.header.stage, self.vgpu_id, error=f"SharedTensorError: {exc}"),
+                         exc.header.carried)
+            return
         except WireError as exc:
             log.warning("%s: dropped a malformed stage message: %s", self.vgpu_id, exc)
             return

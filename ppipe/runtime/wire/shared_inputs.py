@@ -1,0 +1,269 @@
+"""Inputs handed to a worker on the same machine through shared memory instead of a socket.
+
+A request's input reaches its first worker through the process that holds it (the
+frontend, or an ingress). Over a loopback socket that costs the sender the kernel's copy
+into the socket and its loopback processing, and the worker the copy out; at detection
+sizes (12.8 MB a request) that is most of the sender's CPU per request. Here the sender's
+HTTP body is copied into shared memory as it comes, where it was joined into a fresh
+``bytes`` (the same one copy), its tensors are views of it, and a stage message to a worker on this machine names where
+each row lies instead of carrying its bytes; the worker maps that memory once and reads
+the rows in place.
+
+**Sender: :class:`InputArena`.** Memory comes from ``memfd`` segments of
+:data:`SEGMENT_BYTES` cut into slots of one size class (a power of two up to 1 MiB, whole
+MiB above), each class with a free list. :meth:`InputArena.take` hands out a slot as a
+writable ``uint8`` array; the slot goes back to its free list when the last view of that
+array is gone (``weakref.finalize``: NumPy views, and the memoryviews and arrays made
+from them, keep their base alive), so the lifetime needs no bookkeeping on any path: a
+body answered 400, a request dropped, one served. :meth:`InputArena.locate` names where
+an array lies, ``(pid, fd, serial, offset)``, or None when it is not in the arena. A
+segment's pages fault in once, when a slot is first written, and are reused after that.
+The arena holds at most ``limit_bytes`` of segments; past that, and for bodies under
+``min_bytes``, :meth:`take` gives None and the caller uses ordinary memory (inline
+tensors on the wire).
+
+**Receiver: :class:`SharedMaps`.** A worker opens a segment through
+``/proc/<pid>/fd/<fd>`` of the sender (no name in ``/dev/shm``, so nothing is left behind
+when a process dies) and maps it read-only, once per segment. It maps only memfds that
+this module made, of the serial named (the memfd's name holds it), so a ref cannot point
+a worker at another file of the process. A segment whose sender has ended is unmapped the
+next time a segment is mapped.
+
+**Why this is safe with no message back.** A slot is reused only when the sender holds
+no view of it; the sender holds a request's input until the request is answered (its
+HTTP handler does), and a request is answered after its last stage ran, long after the
+first worker read its input. A request answered early (dropped on a deadline, its batch
+failed) lets its slot go while the worker may still read it; what that worker computes
+then is for a request that already has its answer, so nothing reaches a client.
+
+Where a worker is on another machine, or the arena is off (``PPIPE_SHARED_INPUTS_MB=0``:
+also for workers that cannot open the sender's ``/proc`` entries, e.g. in another PID
+namespace), inputs travel on the socket as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+log = logging.getLogger("ppipe.runtime")
+
+SEGMENT_BYTES = 64 * 1024 * 1024  # memory of one memfd (a slot larger than this gets a segment of its own)
+DEFAULT_LIMIT_MB = 1024  # segments one process may hold (PPIPE_SHARED_INPUTS_MB; 0 turns shared inputs off)
+DEFAULT_MIN_BYTES = 64 * 1024  # smaller bodies are plain bytes: a socket moves them as cheaply
+MEMFD_PREFIX = "ppipe-inputs-"
+ALIGN = 64  # a body is placed so that its tensors start on this boundary
+PAGE = 4096
+
+
+class SharedRef(NamedTuple):
+    """Where a row lies: segment ``fd`` of process ``pid`` (its memfd named with ``serial``), at ``offset``."""
+
+    pid: int
+    fd: int
+    serial: int
+    offset: int
+
+
+class SharedInputError(ValueError):
+    """A ref this process cannot map (not a segment of this module, gone, or out of its bounds)."""
+
+
+def slot_bytes(nbytes: int) -> int:
+    """The size class of a slot for ``nbytes``: a power of two up to 1 MiB, whole MiB above."""
+    if nbytes <= 1 << 20:
+        return max(PAGE, 1 << (nbytes - 1).bit_length())
+    return -(-nbytes // (1 << 20)) << 20
+
+
+class _Segment:
+    def __init__(self, slot: int, slots: int):
+        self.serial = secrets.randbits(62)
+        self.fd = os.memfd_create(f"{MEMFD_PREFIX}{self.serial}", os.MFD_CLOEXEC)
+        self.size = slot * slots
+        os.ftruncate(self.fd, self.size)
+        self.map = mmap.mmap(self.fd, self.size)
+        self.array = np.frombuffer(self.map, np.uint8)
+        self.base = self.array.ctypes.data
+
+
+class InputArena:
+    """Slots of shared memory for inputs (see the module's docstring). Thread-safe: bodies
+    are filled on the event loop, and slots come back from whichever thread drops the last view."""
+
+    def __init__(self, limit_bytes: int = DEFAULT_LIMIT_MB << 20, min_bytes: int = DEFAULT_MIN_BYTES):
+        self.limit_bytes, self.min_bytes = limit_bytes, min_bytes
+        self.pid = os.getpid()
+        self.held_bytes = 0  # of segments
+        self.lent_bytes = 0  # of slots handed out and not back yet
+        self.located = 0  # arrays named by where they lie (sent without their bytes)
+        self._segments: list[_Segment] = []  # by base address
+        self._bases: list[int] = []
+        self._free: dict[int, list[tuple[_Segment, int]]] = {}  # slot size -> free (segment, offset)
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A writable ``uint8`` array of ``nbytes`` in a slot, or None (too small to share, or
+        the arena is full): the slot comes back when the last view of the array is gone."""
+        if nbytes < self.min_bytes or nbytes <= 0:
+            return None
+        size = slot_bytes(nbytes)
+        with self._lock:
+            free = self._free.setdefault(size, [])
+            if not free and not self._grow(size, free):
+                return None
+            seg, offset = free.pop()
+            self.lent_bytes += size
+        # an array on the mmap itself, not a view of seg.array: NumPy points a view's base at
+        # the first array up the chain whose own base is not an array, so views of this one
+        # (and arrays on memoryviews of them) keep *it* alive, and its finalizer is the slot's end
+        arr = np.frombuffer(seg.map, np.uint8, count=nbytes, offset=offset)
+        weakref.finalize(arr, self._give_back, size, seg, offset)
+        return arr
+
+    def _grow(self, size: int, free: list) -> bool:
+        slots = max(1, SEGMENT_BYTES // size)
+        if self.held_bytes + size * slots > self.limit_bytes:
+            slots = (self.limit_bytes - self.held_bytes) // size
+            if slots < 1:
+                return False
+        try:
+            seg = _Segment(size, slots)
+        except OSError as exc:  # no memory for tmpfs, or out of descriptors: inputs go on the socket
+            log.warning("shared inputs: no new segment of %d bytes (%s); inputs go on the socket", size * slots, exc)
+            return False
+        self.held_bytes += seg.size
+        i = bisect.bisect(self._bases, seg.base)
+        self._bases.insert(i, seg.base)
+        self._segments.insert(i, seg)
+        free.extend((seg, k * size) for k in reversed(range(slots)))
+        return True
+
+    def _give_back(self, size: int, seg: _Segment, offset: int) -> None:
+        with self._lock:
+            self._free[size].append((seg, offset))
+            self.lent_bytes -= size
+
+    def locate(self, arr: np.ndarray) -> SharedRef | None:
+        """Where a C-contiguous array lies in the arena, or None (elsewhere, or not contiguous)."""
+        if not self._bases or not arr.flags.c_contiguous:
+            return None
+        addr = arr.ctypes.data
+        i = bisect.bisect(self._bases, addr) - 1
+        if i < 0:
+            return None
+        seg = self._segments[i]
+        if addr + arr.nbytes > seg.base + seg.size:
+            return None
+        self.located += 1
+        return SharedRef(self.pid, seg.fd, seg.serial, addr - seg.base)
+
+    def body(self, nbytes: int, lead: int = 0) -> memoryview | None:
+        """A writable view of ``nbytes`` in a slot, placed so that its byte ``lead`` (where a
+        body's tensors start) lies on an :data:`ALIGN` boundary; None where :meth:`take` gives none."""
+        pad = -lead % ALIGN
+        slot = self.take(nbytes + pad)
+        return None if slot is None else memoryview(slot)[pad:]
+
+
+class SharedMaps:
+    """The segments of other processes that this process has mapped (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (pid, fd) -> (serial, the segment's bytes)
+        self._lock = threading.Lock()
+
+    def array(self, ref: SharedRef, nbytes: int) -> np.ndarray:
+        """A read-only ``uint8`` view of ``nbytes`` at ``ref``.
+
+        Raises:
+            SharedInputError: the segment cannot be mapped, or the bytes lie outside it.
+        """
+        seg = self._segment(ref)
+        if ref.offset < 0 or nbytes < 0 or ref.offset + nbytes > len(seg):
+            raise SharedInputError(f"{nbytes} bytes at offset {ref.offset} lie outside the {len(seg)}-byte segment of process {ref.pid}")
+        return seg[ref.offset : ref.offset + nbytes]
+
+    def _segment(self, ref: SharedRef) -> np.ndarray:
+        with self._lock:
+            have = self._maps.get((ref.pid, ref.fd))
+            if have is not None and have[0] == ref.serial:
+                return have[1]
+            seg = _map(ref)
+            self._let_go_of_ended_senders()
+            self._maps[(ref.pid, ref.fd)] = (ref.serial, seg)
+            return seg
+
+    def _let_go_of_ended_senders(self) -> None:
+        for key in [k for k in self._maps if not _alive(k[0])]:
+            del self._maps[key]
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+def _map(ref: SharedRef) -> np.ndarray:
+    path = f"/proc/{ref.pid}/fd/{ref.fd}"
+    try:
+        name = os.readlink(path)
+        if not name.startswith(f"/memfd:{MEMFD_PREFIX}{ref.serial} "):
+            raise SharedInputError(f"{path} is {name!r}, not the shared-input segment {ref.serial}")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SharedInputError(f"cannot open the sender's segment {path} ({exc.strerror}); a worker in another PID "
+                               "namespace or of another user cannot: start the server with PPIPE_SHARED_INPUTS_MB=0") from None
+    try:
+        size = os.fstat(fd).st_size
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mapped, np.uint8)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_arena: InputArena | None = None
+_arena_pid = 0
+_maps = SharedMaps()
+
+
+def process_arena() -> InputArena | None:
+    """This process's arena (made on first use, sized by ``PPIPE_SHARED_INPUTS_MB``), or None
+    when shared inputs are off or the system has no memfd. A forked child makes its own."""
+    global _arena, _arena_pid
+    if _arena_pid != os.getpid():
+        _arena_pid, _arena = os.getpid(), _new_arena()
+    return _arena
+
+
+def _new_arena() -> InputArena | None:
+    raw = os.environ.get("PPIPE_SHARED_INPUTS_MB", str(DEFAULT_LIMIT_MB))
+    try:
+        limit_mb = int(raw)
+    except ValueError:
+        log.warning("PPIPE_SHARED_INPUTS_MB=%r is not a whole number of MB; shared inputs are off", raw)
+        return None
+    if limit_mb <= 0 or not hasattr(os, "memfd_create"):
+        return None
+    return InputArena(limit_mb << 20)
+
+
+def process_maps() -> SharedMaps:
+    """The segments this process has mapped from its senders."""
+    return _maps
