@@ -182,3 +182,54 @@ def test_binary_bodies_reach_the_workers_through_shared_memory_and_answer_right(
         r = c.post("/v2/models/tinynet/infer", content=body, headers=headers)
         assert r.status_code == 200 and arena.located == before
     assert any(len(t.request_ids) > 1 for t in rt.traces if t.error is None)
+
+
+def test_a_stage_whose_shared_inputs_cannot_be_mapped_fails_its_batch_with_why():
+    import asyncio
+
+    from ppipe.runtime.wire.datapath import Inbox, Outbox
+    from ppipe.runtime.wire.messages import Reservation, StageMsg, StageReport
+    from ppipe.runtime.workers.stage_server import StageServer
+
+    arena = InputArena(min_bytes=0)
+    slot = arena.take(4096)
+
+    async def main():
+        got, ran = [], []
+        inbox = Inbox(lambda message: got.append(unpack(message, StageReport)[0]))
+
+        async def run(*args):
+            ran.append(args)
+
+        s = StageServer("v0", run)
+        addr = s.open(inbox.address)
+        message = StageMsg(9, 0, ("v0",), (addr,), 1, (Reservation(None, 0, 0, 0),), sent_us=0.0)
+        pieces = pack(message, {"x": Rows([slot])}, arena)
+        ref = arena.locate(slot)
+        pieces[0] = pieces[0].replace(ref.serial.to_bytes(8, "big"), (ref.serial ^ 1).to_bytes(8, "big"))  # a segment gone
+        out = Outbox()
+        out.send(addr, pieces)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if got:
+                break
+        s.close(), inbox.close(), out.close()
+        return got, ran
+
+    got, ran = asyncio.run(main())
+    assert not ran and len(got) == 1
+    assert got[0].batch_id == 9 and got[0].error.startswith("SharedTensorError: tensor 'x':")
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("-1", False), ("lots", False), ("8", True), (None, True)])
+def test_ppipe_shared_inputs_mb_sizes_or_turns_off_the_arena(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv("PPIPE_SHARED_INPUTS_MB", raising=False)
+    else:
+        monkeypatch.setenv("PPIPE_SHARED_INPUTS_MB", value)
+    monkeypatch.setattr(shared_inputs, "_arena", None)  # (both restored after the test)
+    monkeypatch.setattr(shared_inputs, "_arena_pid", 0)  # made anew on the next use
+    arena = shared_inputs.process_arena()
+    assert (arena is not None) == on
+    if value == "8":
+        assert arena.limit_bytes == 8 << 20
