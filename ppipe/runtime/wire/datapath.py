@@ -51,7 +51,6 @@ import numpy as np
 
 from ppipe.runtime.wire.frames import LENGTH, MAX_MESSAGE_BYTES
 from ppipe.runtime.wire.handshake import AUTH_TIMEOUT_S, NONCE_BYTES, Handshake
-from ppipe.runtime.wire.shared_inputs import InputArena, process_arena
 
 log = logging.getLogger("ppipe.runtime")
 
@@ -91,20 +90,6 @@ def node_host() -> str:
     here = ray.util.get_node_ip_address()
     nodes = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
     return LOOPBACK if nodes <= {here} else here
-
-
-_on_this_machine: dict[str, bool] = {}
-
-
-def shared_arena_for(addr: str) -> InputArena | None:
-    """This process's shared-input arena (:mod:`ppipe.runtime.wire.shared_inputs`) where the
-    peer at ``addr`` is on this machine (a loopback address, or this node's), else None."""
-    here = _on_this_machine.get(addr)
-    if here is None:
-        if len(_on_this_machine) > 4096:  # peers of plans long gone
-            _on_this_machine.clear()
-        here = _on_this_machine[addr] = is_loopback_address(addr) or split_address(addr)[0] == node_host()
-    return process_arena() if here else None
 
 
 SMALL_READ_BYTES = 256 * 1024  # a connection's shared buffer for length prefixes and small messages

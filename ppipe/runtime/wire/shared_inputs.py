@@ -264,6 +264,22 @@ def _new_arena() -> InputArena | None:
     return InputArena(limit_mb << 20)
 
 
+_on_this_machine: dict[str, bool] = {}
+
+
+def shared_arena_for(addr: str) -> InputArena | None:
+    """This process's arena where the peer at ``addr`` (a data-path address) is on this
+    machine (a loopback address, or this node's), else None."""
+    here = _on_this_machine.get(addr)
+    if here is None:
+        from ppipe.runtime.wire.datapath import is_loopback_address, node_host, split_address  # (datapath imports this module)
+
+        if len(_on_this_machine) > 4096:  # peers of plans long gone
+            _on_this_machine.clear()
+        here = _on_this_machine[addr] = is_loopback_address(addr) or split_address(addr)[0] == node_host()
+    return process_arena() if here else None
+
+
 def process_maps() -> SharedMaps:
     """The segments this process has mapped from its senders."""
     return _maps
