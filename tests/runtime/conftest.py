@@ -8,6 +8,8 @@ land on either node.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -63,6 +65,35 @@ def make_plan(profile, cluster: ClusterSpec, partitions, batch: int = 4, slo_ms:
 
 RAY_MISSING = importlib.util.find_spec("ray") is None
 SKIP_WITHOUT_RAY = pytest.mark.skip(reason="Ray is not installed (the extra ppipe[ray]; CI's .[test] pulls it)")
+
+
+@contextlib.contextmanager
+def tinynet_served(tinynet, tmp_path_factory):
+    """tinynet's two partitions on local ``ort`` workers behind the HTTP frontend, scheduled
+    by the test double of the scheduler (fakes.py): yields ``(url, runtime)``."""
+    from ppipe.runtime.ingress.http_server import create_app
+    from ppipe.runtime.ingress.http_transport import BackgroundServer
+    from ppipe.runtime.launch.deploy import load_deployment
+    from ppipe.runtime.launch.local import start_local_workers
+    from ppipe.runtime.scheduler.host import Runtime
+    from ppipe.spec.cluster import load_cluster
+
+    from .fakes import FifoScheduler
+
+    plan = make_plan(tinynet, load_cluster("local-cpu"), [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
+    path = tmp_path_factory.mktemp("plan") / "plan.yaml"
+    plan.save(path)
+    dep = load_deployment(path)
+    workers = start_local_workers(dep, backend="ort")
+    try:
+        factory = functools.partial(FifoScheduler, max_batch=4, window_us=3000.0)
+        rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, scheduler_factory=factory, keep_traces=100)
+        app = create_app(rt, token=None, max_body_bytes=1 << 20, decode_workers=0)
+        with BackgroundServer(app) as srv:
+            yield srv.url, rt
+    finally:
+        for h in workers.values():
+            h.kill()
 
 
 def pytest_collection_modifyitems(items):

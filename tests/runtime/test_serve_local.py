@@ -6,39 +6,21 @@ contract; test_dataplane_integration.py runs the data plane's real scheduler.
 
 from __future__ import annotations
 
-import functools
 import json
 
 import httpx
 import numpy as np
 import pytest
 
-from ppipe.runtime.launch.deploy import load_deployment
-from ppipe.runtime.launch.local import start_local_workers
-from ppipe.runtime.scheduler.host import Runtime
 from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
-from ppipe.runtime.ingress.http_server import create_app
-from ppipe.runtime.ingress.http_transport import BackgroundServer
-from ppipe.spec.cluster import load_cluster
-from .conftest import make_plan
-from .fakes import FifoScheduler
+from .conftest import tinynet_served
 from .tinynet import reference
+
 
 @pytest.fixture(scope="module")
 def served(tinynet, tmp_path_factory):
-    cluster = load_cluster("local-cpu")
-    plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
-    path = tmp_path_factory.mktemp("plan") / "plan.yaml"
-    plan.save(path)
-    dep = load_deployment(path)
-    workers = start_local_workers(dep, backend="ort")
-    factory = functools.partial(FifoScheduler, max_batch=4, window_us=3000.0)
-    rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, scheduler_factory=factory, keep_traces=100)
-    app = create_app(rt, token=None, max_body_bytes=1 << 20, decode_workers=0)
-    with BackgroundServer(app) as srv:
-        yield srv.url, rt
-    for h in workers.values():
-        h.kill()
+    with tinynet_served(tinynet, tmp_path_factory) as url_rt:
+        yield url_rt
 
 
 def test_two_partitions_answer_like_the_whole_model(served, tinynet):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import subprocess
@@ -13,19 +12,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from ppipe.runtime.ingress.http_server import create_app
-from ppipe.runtime.ingress.http_transport import BackgroundServer
 from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
-from ppipe.runtime.launch.deploy import load_deployment
-from ppipe.runtime.launch.local import start_local_workers
-from ppipe.runtime.scheduler.host import Runtime
 from ppipe.runtime.wire import shared_inputs
 from ppipe.runtime.wire.frames import Rows, SharedTensorError, WireError, pack, unpack
 from ppipe.runtime.wire.shared_inputs import InputArena, SharedMaps, SharedRef, slot_bytes
-from ppipe.spec.cluster import load_cluster
 
-from .conftest import make_plan
-from .fakes import FifoScheduler
+from .conftest import tinynet_served
 from .tinynet import reference
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create (Linux)")
@@ -135,26 +127,13 @@ def test_a_ref_to_anything_but_a_shared_input_segment_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def served_shared(tinynet, tmp_path_factory):
-    """tinynet's two partitions behind the HTTP frontend, this process's arena taking every body."""
-    cluster = load_cluster("local-cpu")
-    plan = make_plan(tinynet, cluster, [(0, 1, "cpu", 2, 1), (2, 2, "cpu", 2, 1)])
-    path = tmp_path_factory.mktemp("plan") / "plan.yaml"
-    plan.save(path)
-    dep = load_deployment(path)
+    """tinynet served (conftest.tinynet_served), this process's arena taking every body."""
     arena = InputArena(min_bytes=0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(shared_inputs, "_arena", arena)
         mp.setattr(shared_inputs, "_arena_pid", os.getpid())
-        workers = start_local_workers(dep, backend="ort")
-        factory = functools.partial(FifoScheduler, max_batch=4, window_us=3000.0)
-        rt = Runtime(dep.plan, dep.profiles, dep.cluster, workers, scheduler_factory=factory, keep_traces=100)
-        app = create_app(rt, token=None, max_body_bytes=1 << 20, decode_workers=0)
-        try:
-            with BackgroundServer(app) as srv:
-                yield srv.url, rt, arena
-        finally:
-            for h in workers.values():
-                h.kill()
+        with tinynet_served(tinynet, tmp_path_factory) as (url, rt):
+            yield url, rt, arena
 
 
 def test_binary_bodies_reach_the_workers_through_shared_memory_and_answer_right(served_shared, tinynet):
