@@ -16,7 +16,7 @@ receives (:class:`_WholeBody`): one copy of the body in Python where there were 
 wake-up of the app where there was one per 64 KiB, no pause and resume of the socket. The
 limit bounds what a connection may hold, as the app's own limit does; a larger or
 undeclared body goes uvicorn's way (and the app answers 413 or reads it in pieces).
-A binary-extension body (``Inference-Header-Content-Length``) is joined into the
+A binary-extension body (``Inference-Header-Content-Length``) is read into the
 process's shared-input arena (:mod:`ppipe.runtime.wire.shared_inputs`), its tensors on a
 64-byte boundary, so that a worker on this machine reads them where they are; it is then
 handed on as a memoryview of that memory.

@@ -59,9 +59,9 @@ from ppipe.runtime.timerslack import tighten_timer_slack
 from ppipe.runtime.scheduler.inflight import DroppedError
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox
-from ppipe.runtime.wire.shared_inputs import shared_arena_for
 from ppipe.runtime.wire.frames import Rows, WireError, pack, unpack
 from ppipe.runtime.wire.messages import Answer, Arrival, FromIngress, IngressInbox, SendInputs, ServedPlan, ToIngress
+from ppipe.runtime.wire.shared_inputs import shared_arena_for
 from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelManifest, ModelProfile
 

@@ -20,9 +20,9 @@ from ppipe.dataplane.api import Dispatch, DropReason, StageReport
 from ppipe.dataplane.feedback import ran_as_reserved, reads_every_report
 from ppipe.runtime.scheduler.inflight import BatchTrace, DroppedError, InFlight
 from ppipe.runtime.wire.datapath import DataPathFull
-from ppipe.runtime.wire.shared_inputs import shared_arena_for
 from ppipe.runtime.wire.frames import Rows, WireError, pack, unpack
 from ppipe.runtime.wire.messages import EdgeRef, Reservation, StageLinks, StageMsg, StageReport as StageReportMsg
+from ppipe.runtime.wire.shared_inputs import shared_arena_for
 
 log = logging.getLogger("ppipe.runtime")
 
