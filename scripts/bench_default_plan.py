@@ -3,7 +3,7 @@
 Plans HC2-S for the three built-in models (``ppipe plan``'s default), then for each model
 alone, and for all three together, at ``--load`` of each model's planned rate:
 
-* ``ppipe simulate``'s figures for that load (the runtime's margins applied, as by default);
+* ``ppipe simulate``'s figures for that load (the runtime's margins and wake lead applied, as by default);
 * ``ppipe serve``'s: emulated workers with the profiled latencies and the real inputs
   and feature maps (no byte cap), driven open loop by ``ppipe bench --binary`` over HTTP.
   By default the frontend runs in this process on local worker processes (as `ppipe serve`
@@ -59,14 +59,14 @@ def default_plan(plan_file: str | None):
 
 
 def simulate(plan, profiles, cluster, rates: dict[str, float], duration_s: float) -> dict[str, tuple[float, float | None]]:
-    """Attainment and p50 (ms) per model of ``ppipe simulate`` at these rates, with its default margins."""
-    from ppipe.dataplane.margins import serving_options
+    """Attainment and p50 (ms) per model of ``ppipe simulate`` at these rates, with its default margins and wake lead."""
+    from ppipe.dataplane.margins import simulated_serving_options
     from ppipe.sim.simulator import SimConfig
     from ppipe.sim.sweep import run_point
 
     full = {m.name: rates.get(m.name, 0.0) for m in plan.models}
     res = run_point(plan, profiles, cluster, 1.0, rates_rps=full,
-                    config=SimConfig(duration_s=duration_s, scheduler_options=serving_options()))
+                    config=SimConfig(duration_s=duration_s, scheduler_options=simulated_serving_options()))
     return {m: (res.models[m].attainment, res.models[m].p50_latency_ms) for m in rates}
 
 

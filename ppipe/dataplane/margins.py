@@ -42,11 +42,26 @@ DEFAULT_DISPATCH_LEAD_US = 500.0
 """`ppipe serve`'s and `ppipe simulate`'s fixed dispatch lead ``L_0``."""
 DEFAULT_ANSWER_BUDGET_US = 1500.0
 """`ppipe serve`'s and `ppipe simulate`'s fixed answer budget ``A_0``."""
+DEFAULT_WAKE_LEAD_US = 2000.0
+"""`ppipe serve`'s and `ppipe simulate`'s wake lead: a batch waiting for more requests is
+woken this long before its last feasible moment, so that a wall-clock timer that fires
+late (the runtime's loop counts whole milliseconds) does not make it a deadline drop. It
+dispatches waiting batches earlier, so the simulator runs it too: without it, it would
+wait that much longer for batches to fill than the runtime does."""
 
 
 def serving_options(dispatch_lead_us: float = DEFAULT_DISPATCH_LEAD_US, answer_budget_us: float = DEFAULT_ANSWER_BUDGET_US) -> dict:
     """The data-plane options of the runtime's margins, as `ppipe serve` and `ppipe simulate` pass them."""
     return {"dispatch_lead_us": dispatch_lead_us, "answer_budget_us": answer_budget_us, "input_transfer_lead": True}
+
+
+def simulated_serving_options(dispatch_lead_us: float = DEFAULT_DISPATCH_LEAD_US, answer_budget_us: float = DEFAULT_ANSWER_BUDGET_US,
+                              wake_lead_us: float = DEFAULT_WAKE_LEAD_US) -> dict:
+    """What `ppipe simulate` runs to stand for `ppipe serve`: the runtime's margins
+    (:func:`serving_options`) and the wake lead its scheduler starts with. (The runtime's
+    host widens the lead while its timers fire later than half of it; a simulation's
+    timers are punctual, so its lead stays the configured one.)"""
+    return {**serving_options(dispatch_lead_us, answer_budget_us), **({"wake_lead_us": wake_lead_us} if wake_lead_us else {})}
 
 
 ADAPTIVE_SHARE = 0.5

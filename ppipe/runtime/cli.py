@@ -13,7 +13,7 @@ import time
 
 import click
 
-from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US
+from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US, DEFAULT_WAKE_LEAD_US
 from ppipe.dataplane.feedback import DEFAULT_REPORT_TOLERANCE_US
 from ppipe.errors import UserError
 from ppipe.runtime.launch import serving
@@ -22,7 +22,7 @@ from ppipe.runtime.launch import serving
 # Defaults of `ppipe serve` (also used by scripts/bench_serve.py, so that a rehearsal runs
 # the runtime as users do). The dispatch lead covers the dispatch message's delivery and the
 # first worker's wake-up on a busy host (p99 2.5-3 ms here); see ppipe.runtime.clock.
-DEFAULT_WAKE_LEAD_MS = 2.0
+DEFAULT_WAKE_LEAD_MS = DEFAULT_WAKE_LEAD_US / 1e3
 DEFAULT_DISPATCH_LEAD_MS = DEFAULT_DISPATCH_LEAD_US / 1e3
 DEFAULT_ANSWER_BUDGET_MS = DEFAULT_ANSWER_BUDGET_US / 1e3
 DEFAULT_REPORT_TOLERANCE_MS = DEFAULT_REPORT_TOLERANCE_US / 1e3

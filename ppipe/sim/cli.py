@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US
+from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US, DEFAULT_WAKE_LEAD_US
 from ppipe.dataplane.feedback import DEFAULT_REPORT_TOLERANCE_US, EXACT_US
 from ppipe.errors import UserError
 
@@ -26,21 +26,22 @@ def _policies() -> list[str]:
     return sorted(POLICIES)
 
 
-def _serving_margins(plan, profiles, spec, policy: str, lead_ms: float, budget_ms: float) -> dict:
-    """The data-plane options of the runtime's margins (none when both are 0); warns where
-    a model's plan cannot hold them (`ppipe serve` refuses such a plan)."""
-    from ppipe.dataplane.margins import check_margins, service_margins, serving_options
+def _serving_margins(plan, profiles, spec, policy: str, lead_ms: float, budget_ms: float, wake_ms: float) -> dict:
+    """The data-plane options of the runtime's margins and wake lead (none when both margins
+    are 0: the paper's data plane); warns where a model's plan cannot hold them (`ppipe
+    serve` refuses such a plan)."""
+    from ppipe.dataplane.margins import check_margins, service_margins, simulated_serving_options
     from ppipe.dataplane.options import SchedulerOptions
 
-    if lead_ms < 0 or budget_ms < 0:
-        raise UserError(f"--dispatch-lead-ms and --answer-budget-ms must be >= 0, got {lead_ms} and {budget_ms}",
+    if lead_ms < 0 or budget_ms < 0 or wake_ms < 0:
+        raise UserError(f"--dispatch-lead-ms, --answer-budget-ms and --wake-lead-ms must be >= 0, got {lead_ms}, {budget_ms} and {wake_ms}",
                         fix="use 0 (the paper's data plane) or a few ms")
     if lead_ms == 0 and budget_ms == 0:
         return {}
     if policy == "reactive-pool":
         click.echo("note: the reactive-pool baseline runs without the runtime's margins (it is not served)", err=True)
         return {}
-    options = serving_options(lead_ms * 1e3, budget_ms * 1e3)
+    options = simulated_serving_options(lead_ms * 1e3, budget_ms * 1e3, wake_ms * 1e3)
     try:
         check_margins(service_margins(plan, profiles, spec, SchedulerOptions(**options)))
     except UserError as err:
@@ -99,6 +100,10 @@ def _decode_setup(decode_ms: float, workers: int):
 @click.option("--answer-budget-ms", type=float, default=DEFAULT_ANSWER_BUDGET_US / 1e3, show_default=True,
               help="The runtime's answer budget, as `ppipe serve` applies it (without its adaptive part): every batch is "
               "planned to end this long before the SLO.")
+@click.option("--wake-lead-ms", type=float, default=DEFAULT_WAKE_LEAD_US / 1e3, show_default=True,
+              help="The runtime's wake lead, as `ppipe serve --wake-lead-ms` applies it: a batch waiting for more requests "
+              "is dispatched this long before its last feasible moment (without the runtime's widening when its timers "
+              "fire late). Not applied with the paper's data plane (both margins 0).")
 @click.option("--feedback", type=click.Choice(["all", "changed", "none"]), default=None,
               help="Which stages workers report to the scheduler: all, changed (only those further than --report-tolerance-ms from "
                    "their reservation: what `ppipe serve` feeds the reservation policy), none. Default: changed for the reservation "
@@ -121,7 +126,7 @@ def _decode_setup(decode_ms: float, workers: int):
 @click.option("--decode-workers", type=int, default=1, show_default=True, help="Workers of the decode pool (--decode-ms).")
 def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full_points, arrivals, period_s, replan,
              replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s, replan_curvature_window_s, trace_file, cv, duration_s, seed,
-             policy, jitter_cv, dispatch_lead_ms, answer_budget_ms, feedback, report_tolerance_ms, rates_from, plot_dir, records_out, json_out, schedulers,
+             policy, jitter_cv, dispatch_lead_ms, answer_budget_ms, wake_lead_ms, feedback, report_tolerance_ms, rates_from, plot_dir, records_out, json_out, schedulers,
              decode_ms, decode_workers) -> None:
     """Simulate PLAN.yaml: SLO attainment, drops, latency, utilization; or a load sweep."""
     from ppipe.sim.arrivals import ArrivalKind, read_trace
@@ -156,7 +161,7 @@ def simulate(plan_file, cluster, load, sweep, search, bisect_steps, target, full
         feedback = default_feedback(policy)
     setup = _replan_setup(plan, profiles, spec, replan_time_limit_s, replan_load_delay_s, replan_min_interval_s, replan_window_s,
                           replan_curvature_window_s) if replan == "auto" else None
-    margins = _serving_margins(plan, profiles, spec, policy, dispatch_lead_ms, answer_budget_ms)
+    margins = _serving_margins(plan, profiles, spec, policy, dispatch_lead_ms, answer_budget_ms, wake_lead_ms)
     if report_tolerance_ms < 0:
         raise UserError(f"--report-tolerance-ms must be >= 0, got {report_tolerance_ms}", fix="e.g. --report-tolerance-ms 1")
     config = SimConfig(duration_s=duration_s, seed=seed, jitter_cv=jitter_cv, feedback=feedback, policy=policy, replan=setup,

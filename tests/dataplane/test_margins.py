@@ -7,7 +7,8 @@ import pytest
 
 from ppipe.dataplane import build_scheduler
 from ppipe.dataplane.api import Dispatch, Drop, DropReason, Request, WakeAt
-from ppipe.dataplane.margins import adaptive_cap_us, check_margins, margins_of, service_margins, serving_options
+from ppipe.dataplane.margins import (DEFAULT_WAKE_LEAD_US, adaptive_cap_us, check_margins, margins_of, service_margins, serving_options,
+                                     simulated_serving_options)
 from ppipe.dataplane.options import SchedulerOptions
 from ppipe.dataplane.testing import ManualClock, ToyModel, ToyPartition, ToyPipeline, fig5_world, toy_cluster, toy_plan, toy_profile
 from ppipe.errors import UserError
@@ -72,6 +73,16 @@ def test_a_waiting_batch_wakes_on_the_clocks_timeline_and_leaves_at_its_last_mom
     assert isinstance(d, Dispatch)
     assert d.stages[0].start_us == pytest.approx(w.t_us + lead)
     assert d.stages[-1].start_us + d.stages[-1].infer_us == pytest.approx(SLO_US - budget)
+
+
+def test_the_wake_lead_dispatches_a_waiting_batch_that_much_earlier_and_the_simulator_runs_it():
+    lead, budget, wake = 800.0, 300.0, 2000.0
+    s, _ = fig5_world(batch=4, dispatch_lead_us=lead, answer_budget_us=budget, wake_lead_us=wake)
+    (w,) = _submit(s)
+    assert w.t_us == pytest.approx(SLO_US - budget - PATH_US - lead - wake)
+    # `ppipe simulate` stands for `ppipe serve` with the runtime's margins and its wake lead
+    assert simulated_serving_options() == {**serving_options(), "wake_lead_us": DEFAULT_WAKE_LEAD_US}
+    assert "wake_lead_us" not in simulated_serving_options(wake_lead_us=0.0)
 
 
 def _world_with_input(batch: int, input_shape=(3, 100, 100)):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from ppipe.dataplane.margins import serving_options
+from ppipe.dataplane.margins import serving_options, simulated_serving_options
 from ppipe.runtime.cli import DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
 from ppipe.runtime.launch.deploy import load_deployment
 from ppipe.runtime.launch.local import start_local_workers
@@ -99,7 +99,7 @@ def bench(url: str, rates: dict[str, float], duration_s: float, out: Path) -> di
 def simulated(dep, rates: dict[str, float]) -> dict[str, float]:
     full = {m.name: rates.get(m.name, 0.0) for m in dep.plan.models}
     res = run_point(dep.plan, dep.profiles, dep.cluster, 1.0, rates_rps=full,
-                    config=SimConfig(duration_s=DURATION_S, scheduler_options=serving_options()))
+                    config=SimConfig(duration_s=DURATION_S, scheduler_options=simulated_serving_options()))
     return {m: res.models[m].attainment for m in rates}
 
 

@@ -42,8 +42,9 @@ def test_the_runtimes_margins_apply_by_default_and_a_plan_without_room_for_them_
     r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--answer-budget-ms", 1000, margins=True)
     assert r.exit_code == 0, r.output
     assert "leaves no time for the runtime's margins" in r.output and "`ppipe serve` refuses this plan" in r.output
-    r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, "--dispatch-lead-ms", -1, margins=True)
-    assert r.exit_code == 2 and "--dispatch-lead-ms and --answer-budget-ms must be >= 0" in r.output
+    for flag in ("--dispatch-lead-ms", "--wake-lead-ms"):
+        r = invoke(plan_dir / "plan.yaml", "--load", 0.3, "--duration-s", 1, flag, -1, margins=True)
+        assert r.exit_code == 2 and "--dispatch-lead-ms, --answer-budget-ms and --wake-lead-ms must be >= 0" in r.output
 
 
 def test_one_point_with_json_and_plots(plan_dir, tmp_path):
