@@ -108,15 +108,11 @@ def pack(message: msgspec.Struct, tensors: dict[str, np.ndarray | Rows] | None =
 def _shared_refs(arr: np.ndarray | Rows, arena: InputArena | None) -> list[SharedRef]:
     """Where ``arr``'s rows lie in ``arena`` (one ref for an array, one per row of :class:`Rows`),
     or [] where any of them does not."""
-    if arena is None:
-        return []
     rows = arr if isinstance(arr, Rows) else [arr]
-    refs = [arena.locate(r) for r in rows if isinstance(r, np.ndarray)]
-    if len(refs) != len(rows) or None in refs:
+    if arena is None or not all(isinstance(r, np.ndarray) and r.shape == rows[0].shape and r.dtype == rows[0].dtype for r in rows):
         return []
-    if isinstance(arr, Rows) and any(r.shape != rows[0].shape or r.dtype != rows[0].dtype for r in rows):
-        return []
-    return refs
+    refs = [arena.locate(r) for r in rows]
+    return [] if None in refs else refs
 
 
 def unpack(message: bytes | memoryview, kind: type[M], maps: SharedMaps | None = None) -> tuple[M, dict[str, np.ndarray]]:

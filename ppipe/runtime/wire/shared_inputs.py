@@ -206,9 +206,6 @@ class SharedMaps:
         for key in [k for k in self._maps if not _alive(k[0])]:
             del self._maps[key]
 
-    def __len__(self) -> int:
-        return len(self._maps)
-
 
 def _map(ref: SharedRef) -> np.ndarray:
     path = f"/proc/{ref.pid}/fd/{ref.fd}"
@@ -230,11 +227,11 @@ def _map(ref: SharedRef) -> np.ndarray:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # (a PermissionError: alive, another user's)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
