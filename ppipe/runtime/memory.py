@@ -101,12 +101,16 @@ def trim_heap() -> float:
 
 async def trim_heap_periodically(interval_s: float = TRIM_INTERVAL_S) -> None:
     """Every ``interval_s``, :func:`trim_heap` (on the loop: it takes the allocator's locks,
-    so a thread would stall the loop's allocations as long)."""
+    so a thread would stall the loop's allocations as long), and the same for the free
+    slots of the process's shared-input arena
+    (:func:`~ppipe.runtime.wire.shared_inputs.trim_process_arena`)."""
+    from ppipe.runtime.wire.shared_inputs import trim_process_arena
+
     if _MALLOC_TRIM is None:
         log.info("no malloc_trim in this C library: freed heap memory stays with the process")
-        return
     while True:
         await asyncio.sleep(interval_s)
+        trim_process_arena()
         secs = trim_heap()
         if secs > 0.005:
             log.debug("malloc_trim took %.1f ms", secs * 1e3)

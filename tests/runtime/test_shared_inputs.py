@@ -212,3 +212,18 @@ def test_ppipe_shared_inputs_mb_sizes_or_turns_off_the_arena(monkeypatch, value,
     assert (arena is not None) == on
     if value == "8":
         assert arena.limit_bytes == 8 << 20
+
+
+def test_a_trim_gives_back_the_pages_of_free_slots_and_keeps_those_in_use():
+    arena = InputArena(min_bytes=0)
+    held, freed = arena.take(1 << 20), arena.take(1 << 20)
+    held[:], freed[:] = 1, 2  # their pages are written: resident in the memfd
+    seg = arena._segments[0]
+    del freed
+    gc.collect()
+    resident = os.fstat(seg.fd).st_blocks * 512
+    assert resident >= 2 << 20
+    assert arena.trim() == 1 << 20  # the free slot's pages, not the held one's
+    assert os.fstat(seg.fd).st_blocks * 512 <= resident - (1 << 20)
+    assert (held == 1).all()
+    assert arena.trim() == 0  # nothing written since

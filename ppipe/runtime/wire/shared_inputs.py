@@ -108,6 +108,7 @@ class InputArena:
         self._segments: list[_Segment] = []  # by base address
         self._bases: list[int] = []
         self._free: dict[int, list[tuple[_Segment, int]]] = {}  # slot size -> free (segment, offset)
+        self._written: set[tuple[_Segment, int]] = set()  # free slots whose pages may be resident (trim gives them back)
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray | None:
@@ -121,6 +122,7 @@ class InputArena:
             if not free and not self._grow(size, free):
                 return None
             seg, offset = free.pop()
+            self._written.discard((seg, offset))
             self.lent_bytes += size
         # an array on the mmap itself, not a view of seg.array: NumPy points a view's base at
         # the first array up the chain whose own base is not an array, so views of this one
@@ -150,7 +152,23 @@ class InputArena:
     def _give_back(self, size: int, seg: _Segment, offset: int) -> None:
         with self._lock:
             self._free[size].append((seg, offset))
+            self._written.add((seg, offset))
             self.lent_bytes -= size
+
+    def trim(self) -> int:
+        """Give back the pages of the free slots written since the last trim
+        (``MADV_REMOVE``: the memfd's pages are freed, a slot reads zeros until written
+        again); returns the bytes given back. Called every few seconds, it bounds what the
+        arena holds by what is in use, not by its largest burst (as ``malloc_trim`` does the heap's)."""
+        freed = 0
+        with self._lock:
+            for size, free in self._free.items():
+                for seg, offset in free:
+                    if (seg, offset) in self._written:
+                        seg.map.madvise(mmap.MADV_REMOVE, offset, size)
+                        freed += size
+            self._written.clear()
+        return freed
 
     def locate(self, arr: np.ndarray) -> SharedRef | None:
         """Where a C-contiguous array lies in the arena, or None (elsewhere, or not contiguous)."""
@@ -259,6 +277,11 @@ def _new_arena() -> InputArena | None:
     if limit_mb <= 0 or not hasattr(os, "memfd_create"):
         return None
     return InputArena(limit_mb << 20)
+
+
+def trim_process_arena() -> int:
+    """:meth:`InputArena.trim` of this process's arena, if it has made one; the bytes given back."""
+    return _arena.trim() if _arena is not None and _arena_pid == os.getpid() else 0
 
 
 _on_this_machine: dict[str, bool] = {}
