@@ -189,8 +189,8 @@ def test_ingresses_send_each_models_requests_to_its_own_scheduler_and_a_dead_one
     send each request to its model's scheduler. Every answer is the model's; the merged
     /metrics has every process, both schedulers'; ``ppipe apply`` of new SLOs through the
     port switches both schedulers, and every ingress serves both models' new SLO; SIGKILL of shard 1: a is served
-    throughout, b is refused 503 ``shard-down`` (never a hang) until the restarted shard
-    schedules it, and every ingress then sends b there."""
+    throughout, b is refused 503 ``shard-down`` (never a hang; a drop that a late wake makes
+    is a 503 too) until the restarted shard schedules it, and every ingress then sends b there."""
     plan = _two_models_on_two_cpus(tmp_path)
     plan.save(tmp_path / "plan.yaml")
     port = free_port()
@@ -253,7 +253,11 @@ def test_ingresses_send_each_models_requests_to_its_own_scheduler_and_a_dead_one
         out = _stop(proc)
     assert back and all(code == 200 for code, _ in after), ([a for a in after if a[0] != 200], out[-4000:])
     refused = [(code, why) for code, why in answers["b"] if code != 200]
-    assert refused and all(code == 503 and "scheduler 1 of this server" in why for code, why in refused), [r for r in refused if "scheduler 1 of this server" not in r[1]]
+    assert any("scheduler 1 of this server" in why for _, why in refused), refused
+    # a lone request waits for its batch until its last moment; a wake that a busy host runs
+    # later than the wake lead drops it, explicitly (the restart's processes compete for the cores)
+    odd = [(code, why) for code, why in refused if code != 503 or not ("scheduler 1 of this server" in why or "deadline-unreachable" in why)]
+    assert not odd, odd
     assert sum(code == 200 for code, _ in answers["a"]) >= len(answers["a"]) - 2, answers["a"]
     assert "2 ingress processes" in out and "Traceback" not in out, out[-3000:]
 
