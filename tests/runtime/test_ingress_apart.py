@@ -3,8 +3,9 @@
 In process, on one loop (``inproc_serve(..., ingresses=N)``): tinynet's two stages on the
 ``ort`` backend (real arithmetic, so every answer is checked against the whole model), the
 runtime with ``accept_ingresses``, and N :class:`IngressRuntime`. A batch may hold requests
-of several ingresses: each sends the first worker its rows, the worker runs the batch once
-all are in, and the last worker answers each ingress with its rows.
+of several ingresses: the scheduler sends the first worker the rows their arrivals offered,
+or else each ingress sends it its rows and the worker runs the batch once all are in; the
+last worker answers each ingress with its rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import numpy as np
 import pytest
 
+from ppipe.runtime.ingress import remote
 from ppipe.runtime.ingress.protocol import decode_infer_response, encode_infer_request
 from ppipe.runtime.clock import wall_us
 from ppipe.runtime.launch.deploy import load_deployment
@@ -65,29 +67,36 @@ def test_requests_of_two_ingresses_share_batches_and_each_gets_its_own_rows(two_
     assert held == [0, 0] and remote == 0  # nothing kept after the answers
 
 
-def test_a_batch_mixes_the_rows_of_both_ingresses(two_stage):
+@pytest.mark.parametrize("forwarded", [True, False], ids=["scheduler-forwards", "ingresses-send"])
+def test_a_batch_mixes_the_rows_of_both_ingresses(two_stage, forwarded, monkeypatch):
+    """Rows of two ingresses in one batch, answered each with its own: sent to the first
+    worker by the scheduler (the arrivals offered the small inputs' bytes), or, where the
+    arrivals offer nothing (inputs neither small nor in shared memory), by each ingress."""
+    if not forwarded:
+        monkeypatch.setattr(remote, "INLINE_INPUT_BYTES", 0)
     xs = _inputs(8, seed=1)
 
     async def main():
         async with inproc_serve(two_stage, backend="ort", ingresses=2, keep_traces=100, **FIFO) as s:
             rt = s.runtime
             seen: list[set[int]] = []
-            orig = rt._send_remote_inputs
+            orig = rt._answers_to
 
-            def spy(d, message):
+            def spy(d):
                 seen.append({r.payload.ingress for r in d.requests})
-                assert all(isinstance(r.payload, RemoteInput) for r in d.requests)  # no tensor reaches the scheduler
-                return orig(d, message)
+                assert all(isinstance(r.payload, RemoteInput) for r in d.requests)  # the scheduler holds no array
+                return orig(d)
 
-            rt._send_remote_inputs = spy
+            rt._answers_to = spy
             tasks = []
             for i in range(0, len(xs), 2):  # two requests of one ingress per tick, then two of the other's
                 tasks += [asyncio.ensure_future(s.ingresses[i // 2 % 2].infer("tinynet", {"input": x})) for x in xs[i:i + 2]]
                 await asyncio.sleep(0.001)
-            return await asyncio.gather(*tasks), seen
+            return await asyncio.gather(*tasks), seen, rt.forwarded_batches
 
-    outs, seen = asyncio.run(asyncio.wait_for(main(), 60))
+    outs, seen, forwarded_batches = asyncio.run(asyncio.wait_for(main(), 60))
     assert {0, 1} in seen  # some batch held requests of both ingresses
+    assert forwarded_batches == (len(seen) if forwarded else 0)
     np.testing.assert_allclose(np.stack([o["logits"] for o in outs]), reference(two_stage.profiles['tinynet'].directory, np.stack(xs)), rtol=2e-2, atol=2e-2)
 
 
@@ -187,3 +196,37 @@ def test_a_stage_server_runs_a_batch_once_all_its_rows_are_in_and_answers_each_i
     assert ans_b.rids == (3,) and yb["y"].ravel().tolist() == [30.0]
     (rep, outputs), = got["report"]
     assert rep.batch_id == 5 and outputs == {}  # the outputs went to the ingresses, not with the report
+
+
+@pytest.mark.parametrize("near", [True, False], ids=["worker-on-this-machine", "worker-elsewhere"])
+def test_inputs_in_shared_memory_go_to_the_first_worker_from_the_scheduler_by_ref(two_stage, near, monkeypatch):
+    """Inputs too large to ride with the arrival that lie in the ingress's shared memory: the
+    arrival offers their refs, and the scheduler sends them on to the first worker (nothing
+    goes back to the ingress) where the worker is on the ingress's machine; where it is not
+    (``same_machine`` says so here), the ingress is told to send them, as any input."""
+    from ppipe.runtime.scheduler import ingresses
+    from ppipe.runtime.wire import shared_inputs
+
+    arena = shared_inputs.InputArena(min_bytes=0)
+    monkeypatch.setattr(shared_inputs, "_arena", arena)
+    monkeypatch.setattr(shared_inputs, "_arena_made", True)
+    monkeypatch.setattr(remote, "INLINE_INPUT_BYTES", 0)
+    if not near:
+        monkeypatch.setattr(ingresses, "same_machine", lambda a, b: False)
+    xs = _inputs(8, seed=2)
+    shared = []
+    for x in xs:  # each input in a slot, as the HTTP transport puts a body's
+        slot = arena.take(x.nbytes).view(np.float32).reshape(x.shape)
+        slot[...] = x
+        shared.append(slot)
+
+    async def main():
+        async with inproc_serve(two_stage, backend="ort", ingresses=2, **FIFO) as s:
+            outs = await asyncio.gather(*(s.ingresses[i % 2].infer("tinynet", {"input": x}) for i, x in enumerate(shared)))
+            return outs, s.runtime.forwarded_batches
+
+    outs, forwarded_batches = asyncio.run(asyncio.wait_for(main(), 60))
+    want = reference(two_stage.profiles['tinynet'].directory, np.stack(xs))
+    np.testing.assert_allclose(np.stack([o["logits"] for o in outs]), want, rtol=2e-2, atol=2e-2)
+    assert (forwarded_batches > 0) == near
+    assert arena.located >= len(xs)  # offered by ref (and, elsewhere, sent by ref by the ingress: one machine here)

@@ -131,7 +131,7 @@ def served_shared(tinynet, tmp_path_factory):
     arena = InputArena(min_bytes=0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(shared_inputs, "_arena", arena)
-        mp.setattr(shared_inputs, "_arena_pid", os.getpid())
+        mp.setattr(shared_inputs, "_arena_made", True)
         with tinynet_served(tinynet, tmp_path_factory) as (url, rt):
             yield url, rt, arena
 
@@ -207,7 +207,7 @@ def test_ppipe_shared_inputs_mb_sizes_or_turns_off_the_arena(monkeypatch, value,
     else:
         monkeypatch.setenv("PPIPE_SHARED_INPUTS_MB", value)
     monkeypatch.setattr(shared_inputs, "_arena", None)  # (both restored after the test)
-    monkeypatch.setattr(shared_inputs, "_arena_pid", 0)  # made anew on the next use
+    monkeypatch.setattr(shared_inputs, "_arena_made", False)  # made anew on the next use
     arena = shared_inputs.process_arena()
     assert (arena is not None) == on
     if value == "8":
@@ -227,3 +227,21 @@ def test_a_trim_gives_back_the_pages_of_free_slots_and_keeps_those_in_use():
     assert os.fstat(seg.fd).st_blocks * 512 <= resident - (1 << 20)
     assert (held == 1).all()
     assert arena.trim() == 0  # nothing written since
+
+
+def test_a_forked_child_makes_an_arena_of_its_own():
+    """The parent's arena is the parent's: a forked child's first use makes a new one, with its pid."""
+    parent = shared_inputs.process_arena()
+    if parent is None:
+        pytest.skip("shared inputs are off here (PPIPE_SHARED_INPUTS_MB=0, or no memfd)")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: say whether its arena is new and its own, then leave at once
+        child = shared_inputs.process_arena()
+        os.write(w, b"1" if child is not None and child is not parent and child.pid == os.getpid() else b"0")
+        os._exit(0)
+    os.close(w)
+    said = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert said == b"1"
+    assert shared_inputs.process_arena() is parent

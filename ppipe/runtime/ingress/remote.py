@@ -5,14 +5,22 @@
 ``started``, ``clock``, ``profiles``, ``metrics``), but the data plane's scheduler runs in
 another process (:mod:`ppipe.runtime.scheduler.ingresses`). Per request::
 
-    client --HTTP--> ingress --Arrival (id, model, arrival)--> scheduler
-                     ingress <--SendInputs (stage 0, rows)---- scheduler   (it dispatched)
-                     ingress --stage 0 + its rows' inputs--> first worker --> ... --> last worker
+    client --HTTP--> ingress --Arrival (id, model, arrival, where its inputs lie)--> scheduler
+                                    scheduler --stage 0 + the rows' refs--> first worker   (it dispatched)
+                                    first worker --> ... --> last worker
     client <--HTTP-- ingress <--Answer (its rows of the outputs)-------------------- last worker
 
-so the tensors go from the ingress to the first worker and from the last worker back, never
-through the scheduler, whose cost per request is a few small messages, each coalesced with
-the others of its loop tick in both directions (:class:`~ppipe.runtime.wire.messages.FromIngress`,
+The arrival offers the inputs (:func:`row_inputs`): where they lie in this process's shared
+memory, or a small input's bytes. Where the first worker can read them that way (shared
+memory: it is on this machine), the scheduler sends it the batch itself. Otherwise (a worker
+on another machine, an input neither shared nor small) it tells the ingress to send them::
+
+                     ingress <--SendInputs (stage 0, rows)---- scheduler   (it dispatched)
+                     ingress --stage 0 + its rows' inputs--> first worker
+
+so the tensors go from the ingress (or its shared memory) to the first worker and from the
+last worker back, never through the scheduler (but for inputs of a few kB), whose cost per
+request is a few small messages, each coalesced with the others of its loop tick in both directions (:class:`~ppipe.runtime.wire.messages.FromIngress`,
 :class:`~ppipe.runtime.wire.messages.ToIngress`). A request's error comes as a
 :class:`~ppipe.runtime.wire.messages.Refusal` (drops, failed batches, the scheduler's
 timeouts). Exactly one answer per request: the first of an answer and a refusal wins, and a
@@ -60,14 +68,35 @@ from ppipe.runtime.scheduler.inflight import DroppedError
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox
 from ppipe.runtime.wire.frames import Rows, WireError, pack, unpack
-from ppipe.runtime.wire.messages import Answer, Arrival, FromIngress, IngressInbox, SendInputs, ServedPlan, ToIngress
-from ppipe.runtime.wire.shared_inputs import shared_arena_for
+from ppipe.runtime.wire.messages import Answer, Arrival, FromIngress, IngressInbox, RowInput, SendInputs, ServedPlan, ToIngress
+from ppipe.runtime.wire.shared_inputs import InputArena, process_arena, shared_arena_for
 from ppipe.spec.plan import Plan
 from ppipe.spec.profile import ModelManifest, ModelProfile
 
 log = logging.getLogger("ppipe.runtime")
 METRICS_EVERY_S = 1.0  # how often the ingress sends the scheduler its metrics
 HELLO_TIMEOUT_S = 30.0  # the scheduler answers a hello within this
+INLINE_INPUT_BYTES = 4096  # a request's inputs up to this size ride with its arrival
+
+
+def row_inputs(inputs: dict[str, np.ndarray], arena: InputArena | None) -> tuple[RowInput, ...]:
+    """A request's inputs as its arrival offers them to the scheduler, which then sends the
+    first worker the batch itself (no send order back, no message from here): each by
+    where it lies in ``arena`` (this process's shared memory; the scheduler uses the ref
+    only for a worker on this machine), or, when all of them together are small
+    (``INLINE_INPUT_BYTES``), their bytes. Empty where an input can go neither way: the
+    scheduler then asks this ingress to send them (:class:`SendInputs`)."""
+    inline = sum(a.nbytes for a in inputs.values()) <= INLINE_INPUT_BYTES
+    out = []
+    for name, a in inputs.items():
+        if inline:
+            out.append(RowInput(name, a.dtype.str, a.shape, data=a.tobytes()))
+            continue
+        ref = None if arena is None else arena.locate(a)
+        if ref is None:
+            return ()
+        out.append(RowInput(name, a.dtype.str, a.shape, ref=tuple(ref)))
+    return tuple(out)
 
 
 @dataclass
@@ -232,7 +261,7 @@ class IngressRuntime:
         timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
         held.timer = loop.call_later(timeout_s, self._refuse, rid, "timeout", f"no answer within {timeout_s:.1f} s")
         now = self.clock.true_now_us() if arrival_us is None else arrival_us
-        self._arrivals.setdefault(j, []).append(Arrival(rid, model, self.clock.to_wall_us(now)))
+        self._arrivals.setdefault(j, []).append(Arrival(rid, model, self.clock.to_wall_us(now), row_inputs(inputs, process_arena())))
         self._arm_flush()
         return rid
 

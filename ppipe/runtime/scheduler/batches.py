@@ -63,7 +63,9 @@ class BatchesMixin:
     def _send_stages(self, d: Dispatch, route: list[str]) -> None:
         """Send stage 0's message (the batch's inputs) and, for every stage that receives over
         NCCL, its message without tensors (both ends of an NCCL edge are posted at once).
-        Where ingress processes hold the inputs, they send stage 0 its rows themselves
+        Where ingress processes hold the inputs, stage 0 gets the refs (or small bytes) their
+        arrivals offered (:meth:`~ppipe.runtime.scheduler.ingresses.IngressesMixin._forwarded_inputs`),
+        or else the ingresses send it their rows themselves
         (:meth:`~ppipe.runtime.scheduler.ingresses.IngressesMixin._send_remote_inputs`)."""
         to_wall = self.clock.to_wall_us
         timing = tuple(
@@ -77,7 +79,12 @@ class BatchesMixin:
         message = StageMsg(d.batch_id, 0, tuple(route), addrs, d.batch, timing, links, self.report_tolerance_us,
                            self.clock.wall_now_us(), answers=answers)
         if self.accept_ingresses:
-            self._send_remote_inputs(d, message)
+            forwarded = self._forwarded_inputs(d, addrs[0])
+            if forwarded is None:
+                self._send_remote_inputs(d, message)
+            else:
+                self.forwarded_batches += 1
+                self._outbox.send(addrs[0], pack(message, forwarded))
         else:
             self._outbox.send(addrs[0], pack(message, _stacked_inputs(d), shared_arena_for(addrs[0])))
         for j in range(1, len(route)):

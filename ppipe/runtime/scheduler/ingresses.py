@@ -7,11 +7,15 @@ connections and their tensors. The scheduler's host sees only what it decides on
   with its new requests (id there, model, arrival) and the ones it withdraws. Each becomes a
   :class:`~ppipe.dataplane.api.Request` of the data plane, whose payload is a
   :class:`RemoteInput` (which ingress, which id) instead of the tensors;
-- a dispatch becomes, for each ingress with requests in the batch, a
-  :class:`~ppipe.runtime.wire.messages.SendInputs`: the stage-0 message with that ingress's
-  rows (``part``) and the batch's ``answers``; the ingress sends its rows to the first
-  worker itself, and the last worker answers each ingress with its rows of the outputs.
-  The batch's rows are grouped by ingress (each ingress's requests are consecutive rows);
+- a dispatch goes to the first worker from here, the stage-0 message with the rows' refs
+  into the ingresses' shared memory (or small inputs' bytes) that their arrivals offered
+  (:meth:`IngressesMixin._forwarded_inputs`), where every row was offered and every ingress
+  with a ref is on the worker's machine; otherwise, for each ingress with requests in the
+  batch, it becomes a :class:`~ppipe.runtime.wire.messages.SendInputs`: the stage-0
+  message with that ingress's rows (``part``), which the ingress sends to the first
+  worker itself. Either way the message holds the batch's ``answers``: the last worker
+  answers each ingress with its rows of the outputs. The batch's rows are grouped by
+  ingress (each ingress's requests are consecutive rows);
 - a request's error (a drop, a failed batch, a timeout, a shutdown) is told to its ingress
   as a :class:`~ppipe.runtime.wire.messages.Refusal`; a request served needs no word from
   here (the last worker answered its ingress);
@@ -46,17 +50,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from ppipe.dataplane.api import Dispatch
 from ppipe.dataplane.split import owner_table
 from ppipe.runtime.scheduler.inflight import DroppedError, Pending
 from ppipe.runtime.scheduler.metrics import merge_metrics
 from ppipe.runtime.wire.datapath import DataPathFull, Inbox
-from ppipe.runtime.wire.frames import WireError, pack, unpack
-from ppipe.runtime.wire.messages import AnswerTo, Arrival, FromIngress, Refusal, SendInputs, ServedPlan, StageMsg, ToIngress
+from ppipe.runtime.wire.frames import ForwardedRows, WireError, pack, unpack
+from ppipe.runtime.wire.messages import AnswerTo, Arrival, FromIngress, Refusal, RowInput, SendInputs, ServedPlan, StageMsg, ToIngress
+from ppipe.runtime.wire.shared_inputs import same_machine
 
 log = logging.getLogger("ppipe.runtime")
 
@@ -66,10 +73,42 @@ METRICS_EVERY_S = 1.0  # how often the ingresses are sent the whole server's met
 
 @dataclass(frozen=True, slots=True)
 class RemoteInput:
-    """A request's payload where an ingress holds its inputs: the ingress and the request's id there."""
+    """A request's payload where an ingress holds its inputs: the ingress, the request's id
+    there, and the inputs as its arrival offered them (:class:`~ppipe.runtime.wire.messages.RowInput`,
+    checked; empty: the ingress sends them)."""
 
     ingress: int
     rid: int
+    inputs: tuple[RowInput, ...] = ()
+
+
+def _checked(inputs: tuple[RowInput, ...]) -> tuple[RowInput, ...]:
+    """An arrival's offered inputs, or () where one is malformed (a dtype NumPy does not
+    know or that holds objects, or bytes that are not its shape): the ingress then sends them."""
+    for x in inputs:
+        n = _row_bytes(x.dtype, x.shape)
+        if n is None or (x.ref is None and len(x.data) != n):
+            return ()
+    return inputs
+
+
+_ROW_BYTES: dict[tuple[str, tuple[int, ...]], int | None] = {}
+
+
+def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int | None:
+    """Bytes of one row of ``shape`` and ``dtype``, or None where that is not a plain array
+    (remembered: a model's inputs have few shapes)."""
+    key = (dtype, shape)
+    if key in _ROW_BYTES:
+        return _ROW_BYTES[key]
+    try:
+        dt = np.dtype(dtype)
+        n = None if dt.hasobject or any(d < 0 for d in shape) else dt.itemsize * math.prod(shape)
+    except TypeError:
+        n = None
+    if len(_ROW_BYTES) < 4096:
+        _ROW_BYTES[key] = n
+    return n
 
 
 @dataclass
@@ -140,6 +179,7 @@ class IngressesMixin:
         self._ingress_inbox: Inbox | None = None
         self._ingress_addrs: dict[int, str] = {}  # ingress -> its inbox's address
         self._remote: dict[tuple[int, int], Pending] = {}  # (ingress, its id) -> the request
+        self.forwarded_batches = 0  # batches whose inputs this host sent the first worker (refs or small bytes)
         self._down: dict[int, _Down] = {}
         self._told_ready: tuple[str, ...] | None = None
         self._ingress_metrics: dict[int, bytes] = {}  # ingress -> the last metrics text it sent
@@ -184,7 +224,7 @@ class IngressesMixin:
 
     def _submit_remote(self, ingress: int, a: Arrival) -> None:
         try:
-            p = self._submit(a.model, RemoteInput(ingress, a.rid), self.clock.from_wall_us(a.arrival_us))
+            p = self._submit(a.model, RemoteInput(ingress, a.rid, _checked(a.inputs)), self.clock.from_wall_us(a.arrival_us))
         except DroppedError as exc:  # a model the plan does not serve (any more)
             self._tell(ingress).refusals.append(Refusal((a.rid,), exc.reason, exc.detail))
             return
@@ -234,6 +274,38 @@ class IngressesMixin:
             answers.append(AnswerTo(addr, offset, tuple(rids)))
             offset += len(rids)
         return tuple(answers)
+
+    def _forwarded_inputs(self, d: Dispatch, first_address: str) -> dict[str, ForwardedRows] | None:
+        """Batch ``d``'s inputs as the scheduler can send them to its first worker itself, in
+        the rows' order of :meth:`_answers_to` (each ingress's requests together), or None
+        where it cannot: a request whose arrival offered none, rows that disagree on their
+        inputs' names, dtypes or shapes, or a ref of an ingress not on the worker's machine."""
+        rows = [r.payload for r in d.requests]
+        ingresses = dict.fromkeys(p.ingress for p in rows)
+        if len(ingresses) > 1:
+            rows = [p for i in ingresses for p in rows if p.ingress == i]
+        first = rows[0].inputs
+        if not first or any(len(p.inputs) != len(first) for p in rows):
+            return None
+        shared = any(x.ref is not None for x in first)
+        if shared and not all(self._near(i, first_address) for i in ingresses):
+            return None
+        out = {}
+        for k, x in enumerate(first):
+            column = [p.inputs[k] for p in rows]
+            if len(column) > 1 and any(c.name != x.name or c.dtype != x.dtype or c.shape != x.shape
+                                       or (c.ref is None) != (x.ref is None) for c in column):
+                return None
+            if x.ref is None:
+                out[x.name] = ForwardedRows(x.dtype, x.shape, [], [c.data for c in column])
+            else:
+                out[x.name] = ForwardedRows(x.dtype, x.shape, [c.ref for c in column], [])
+        return out
+
+    def _near(self, ingress: int, address: str) -> bool:
+        """Whether ingress ``ingress`` is on the machine of the peer at ``address``."""
+        inbox = self._ingress_addrs.get(ingress)
+        return inbox is not None and same_machine(inbox, address)
 
     def _send_remote_inputs(self, d: Dispatch, message: StageMsg) -> None:
         """Tell each ingress with rows in batch ``d`` to send them: its part of ``message``

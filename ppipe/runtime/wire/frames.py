@@ -8,7 +8,8 @@ The header is the MessagePack array ``[message, tensors]``: the message, a
 :mod:`msgspec` struct of :mod:`ppipe.runtime.wire.messages` (or another module's, for
 other boundaries), and the tensors as ``[name, dtype, shape, shared]`` (dtype as NumPy's
 ``dtype.str``, e.g. ``"<f2"``), in order. A tensor with ``shared`` empty follows the
-header as its array's C-contiguous bytes; one in shared memory on this machine
+header as its array's C-contiguous bytes (:class:`ForwardedRows`: rows that a sender
+forwards without holding them, by ref or their bytes joined); one in shared memory on this machine
 (:mod:`ppipe.runtime.wire.shared_inputs`) has no bytes on the wire: ``shared`` names
 where its rows lie, one :class:`~ppipe.runtime.wire.shared_inputs.SharedRef` for the whole
 tensor or one per row of its first axis. :func:`pack` returns the pieces to write: the
@@ -29,7 +30,7 @@ receiver logs and drops them.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 import msgspec
 import numpy as np
@@ -66,6 +67,19 @@ class Rows(list):
     :func:`pack` names where they lie when every row is in its arena, else stacks them."""
 
 
+class ForwardedRows(NamedTuple):
+    """A batch's rows of one input that the sender does not hold (the scheduler forwarding
+    what ingresses hold): every row's :class:`~ppipe.runtime.wire.shared_inputs.SharedRef`
+    (``refs``), or, where ``refs`` is empty, every row's bytes (``data``, C order).
+    :func:`pack` names the refs, or sends the rows' bytes joined; the sender has checked
+    that each row holds ``row_shape`` of ``dtype``."""
+
+    dtype: str
+    row_shape: tuple[int, ...]
+    refs: list[Ref]
+    data: list[bytes]
+
+
 LENGTH = 4  # bytes of each length field
 MAX_MESSAGE_BYTES = 2**32 - 1
 
@@ -83,6 +97,9 @@ def pack(message: msgspec.Struct, tensors: dict[str, np.ndarray | Rows] | None =
     :class:`Rows` that all do, is named by where it lies instead of sent."""
     specs, bufs, size = [], [], 0
     for name, arr in (tensors or {}).items():
+        if isinstance(arr, ForwardedRows):
+            size += _forwarded(name, arr, specs, bufs)
+            continue
         shared = _shared_refs(arr, arena)
         if shared:
             first = arr[0] if isinstance(arr, Rows) else arr
@@ -103,6 +120,19 @@ def pack(message: msgspec.Struct, tensors: dict[str, np.ndarray | Rows] | None =
     if n > MAX_MESSAGE_BYTES:
         raise WireError(f"a message of {n} bytes exceeds the wire's limit of {MAX_MESSAGE_BYTES}")
     return [n.to_bytes(LENGTH, "little") + len(head).to_bytes(LENGTH, "little") + head, *bufs]
+
+
+def _forwarded(name: str, rows: ForwardedRows, specs: list, bufs: list) -> int:
+    """Add the spec (and the joined bytes) of forwarded rows; the bytes added."""
+    shape = (len(rows.refs or rows.data), *rows.row_shape)
+    if rows.refs:
+        specs.append((name, rows.dtype, shape, rows.refs))
+        return 0
+    joined = b"".join(rows.data)
+    specs.append((name, rows.dtype, shape, []))
+    if joined:
+        bufs.append(joined)
+    return len(joined)
 
 
 def _shared_refs(arr: np.ndarray | Rows, arena: InputArena | None) -> list[SharedRef]:

@@ -142,12 +142,29 @@ class Answer(msgspec.Struct, tag="answer", **STRUCT):
 # ---- between ingress processes and the scheduler's host ---------------------------------------
 
 
+class RowInput(msgspec.Struct, **STRUCT):
+    """One input of a request as the scheduler may forward it to the first worker itself:
+    ``name``, ``dtype`` (NumPy's ``dtype.str``), the sample's ``shape`` (no batch axis), and
+    either ``ref``, where its bytes lie in the ingress's shared memory (a
+    :class:`~ppipe.runtime.wire.shared_inputs.SharedRef`: pid, fd, serial, offset), or its
+    bytes themselves (``data``, a small input)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    ref: tuple[int, int, int, int] | None = None
+    data: bytes = b""
+
+
 class Arrival(msgspec.Struct, **STRUCT):
-    """A request (one sample) an ingress holds: its id there, its model, and when it arrived (wall-clock us)."""
+    """A request (one sample) an ingress holds: its id there, its model, and when it arrived
+    (wall-clock us). ``inputs``: every input as a :class:`RowInput`, where the scheduler may
+    send them to the first worker itself (empty: the ingress sends them when told, :class:`SendInputs`)."""
 
     rid: int
     model: str
     arrival_us: float
+    inputs: tuple[RowInput, ...] = ()
 
 
 class FromIngress(msgspec.Struct, **STRUCT):

@@ -104,7 +104,7 @@ class InputArena:
         self.pid = os.getpid()
         self.held_bytes = 0  # of segments
         self.lent_bytes = 0  # of slots handed out and not back yet
-        self.located = 0  # arrays named by where they lie (sent without their bytes)
+        self.located = 0  # arrays named by where they lie (sent, or offered to a scheduler, without their bytes)
         self._segments: list[_Segment] = []  # by base address
         self._bases: list[int] = []
         self._free: dict[int, list[tuple[_Segment, int]]] = {}  # slot size -> free (segment, offset)
@@ -254,17 +254,27 @@ def _alive(pid: int) -> bool:
 
 
 _arena: InputArena | None = None
-_arena_pid = 0
+_arena_made = False
 _maps = SharedMaps()
 
 
 def process_arena() -> InputArena | None:
     """This process's arena (made on first use, sized by ``PPIPE_SHARED_INPUTS_MB``), or None
     when shared inputs are off or the system has no memfd. A forked child makes its own."""
-    global _arena, _arena_pid
-    if _arena_pid != os.getpid():
-        _arena_pid, _arena = os.getpid(), _new_arena()
+    global _arena, _arena_made
+    if not _arena_made:
+        _arena, _arena_made = _new_arena(), True
     return _arena
+
+
+def _forget_arena_in_child() -> None:
+    """A forked child's arena is its own (the parent's slots are the parent's to hand out);
+    forgetting it here keeps ``os.getpid()``, a system call, off every request."""
+    global _arena, _arena_made
+    _arena, _arena_made = None, False
+
+
+os.register_at_fork(after_in_child=_forget_arena_in_child)
 
 
 def _new_arena() -> InputArena | None:
@@ -281,7 +291,7 @@ def _new_arena() -> InputArena | None:
 
 def trim_process_arena() -> int:
     """:meth:`InputArena.trim` of this process's arena, if it has made one; the bytes given back."""
-    return _arena.trim() if _arena is not None and _arena_pid == os.getpid() else 0
+    return _arena.trim() if _arena is not None else 0
 
 
 _on_this_machine: dict[str, bool] = {}
@@ -298,6 +308,26 @@ def shared_arena_for(addr: str) -> InputArena | None:
             _on_this_machine.clear()
         here = _on_this_machine[addr] = is_loopback_address(addr) or split_address(addr)[0] == node_host()
     return process_arena() if here else None
+
+
+_machine_of: dict[str, str] = {}
+
+
+def same_machine(a: str, b: str) -> bool:
+    """Whether the peers at data-path addresses ``a`` and ``b`` are on one machine (a
+    loopback address is this node's), so that one may read the other's shared memory."""
+    return _machine(a) == _machine(b)
+
+
+def _machine(addr: str) -> str:
+    host = _machine_of.get(addr)
+    if host is None:
+        from ppipe.runtime.wire.datapath import is_loopback_address, node_host, split_address
+
+        if len(_machine_of) > 4096:
+            _machine_of.clear()
+        host = _machine_of[addr] = node_host() if is_loopback_address(addr) else split_address(addr)[0]
+    return host
 
 
 def process_maps() -> SharedMaps:
