@@ -311,8 +311,13 @@ async def hostile(url: str, grpc: str, stop: asyncio.Event, seed: int, out: dict
                 outcome = f"gRPC {code}"
             else:
                 name, kw = rng.choice(cases)
-                r = await hx.post(**kw)
-                outcome = f"HTTP {r.status_code}" + ("" if "error" in r.text else " without an error field")
+                t = time.monotonic()
+                try:
+                    r = await hx.post(**kw)
+                    outcome = f"HTTP {r.status_code}" + ("" if "error" in r.text else " without an error field")
+                except httpx.TransportError as exc:  # counted as not refused, with when and what, not a crash of the soak
+                    outcome = f"no answer: {type(exc).__name__} after {time.monotonic() - t:.1f} s"
+                    print(f"hostile {name!r}: {outcome} (at {time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
             out.setdefault(name, {}).setdefault(outcome, 0)
             out[name][outcome] += 1
             await asyncio.sleep(0.25)

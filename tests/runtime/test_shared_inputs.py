@@ -6,6 +6,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 
 import httpx
 import msgspec
@@ -245,3 +246,23 @@ def test_a_forked_child_makes_an_arena_of_its_own():
     os.waitpid(pid, 0)
     assert said == b"1"
     assert shared_inputs.process_arena() is parent
+
+
+def test_a_slot_given_back_inside_the_arenas_own_lock_does_not_stop_the_thread():
+    """The last view of a slot may go inside the arena's locked sections of the same thread
+    (the cyclic collector runs inside any allocation there): giving it back must not wait
+    for that lock. The slot is on its free list again afterwards."""
+    arena = InputArena(min_bytes=0)
+    held = [arena.take(1000)]
+
+    def drop_inside_the_lock():
+        with arena._lock:
+            held.clear()  # the slot's finalizer runs here, on this thread, with the lock held
+
+    t = threading.Thread(target=drop_inside_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "giving a slot back inside the arena's lock stopped the thread"
+    assert arena.lent_bytes == 0
+    again = arena.take(1000)
+    assert again is not None and arena.lent_bytes == slot_bytes(1000)

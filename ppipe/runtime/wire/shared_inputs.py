@@ -50,6 +50,7 @@ import os
 import secrets
 import threading
 import weakref
+from collections import deque
 from typing import NamedTuple
 
 import numpy as np
@@ -103,12 +104,13 @@ class InputArena:
         self.limit_bytes, self.min_bytes = limit_bytes, min_bytes
         self.pid = os.getpid()
         self.held_bytes = 0  # of segments
-        self.lent_bytes = 0  # of slots handed out and not back yet
+        self._lent = 0  # bytes of slots handed out, less those on their free lists again
         self.located = 0  # arrays named by where they lie (sent, or offered to a scheduler, without their bytes)
         self._segments: list[_Segment] = []  # by base address
         self._bases: list[int] = []
         self._free: dict[int, list[tuple[_Segment, int]]] = {}  # slot size -> free (segment, offset)
         self._written: set[tuple[_Segment, int]] = set()  # free slots whose pages may be resident (trim gives them back)
+        self._returned: deque[tuple[int, _Segment, int]] = deque()  # slots given back, not yet on their free lists
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray | None:
@@ -118,12 +120,13 @@ class InputArena:
             return None
         size = slot_bytes(nbytes)
         with self._lock:
+            self._take_returned()
             free = self._free.setdefault(size, [])
             if not free and not self._grow(size, free):
                 return None
             seg, offset = free.pop()
             self._written.discard((seg, offset))
-            self.lent_bytes += size
+            self._lent += size
         # an array on the mmap itself, not a view of seg.array: NumPy points a view's base at
         # the first array up the chain whose own base is not an array, so views of this one
         # (and arrays on memoryviews of them) keep *it* alive, and its finalizer is the slot's end
@@ -150,10 +153,29 @@ class InputArena:
         return True
 
     def _give_back(self, size: int, seg: _Segment, offset: int) -> None:
-        with self._lock:
+        """A slot's last view is gone. This runs wherever that happens: where a reference
+        drops, or inside any allocation that sets off the cyclic collector, on any thread,
+        and so also inside this arena's own locked sections. It therefore takes no lock
+        (waiting for one that its own thread holds would stop that thread for good):
+        ``deque.append`` is atomic, and the next :meth:`take`, :meth:`trim` or
+        :attr:`lent_bytes` puts the slot back on its free list."""
+        self._returned.append((size, seg, offset))
+
+    def _take_returned(self) -> None:
+        """Put the slots given back on their free lists (the lock held; a slot given back
+        meanwhile is appended to ``_returned`` and taken by this same loop)."""
+        while self._returned:
+            size, seg, offset = self._returned.popleft()
             self._free[size].append((seg, offset))
             self._written.add((seg, offset))
-            self.lent_bytes -= size
+            self._lent -= size
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of the slots handed out and not given back yet."""
+        with self._lock:
+            self._take_returned()
+            return self._lent
 
     def trim(self) -> int:
         """Give back the pages of the free slots written since the last trim
@@ -162,6 +184,7 @@ class InputArena:
         arena holds by what is in use, not by its largest burst (as ``malloc_trim`` does the heap's)."""
         freed = 0
         with self._lock:
+            self._take_returned()
             for size, free in self._free.items():
                 for seg, offset in free:
                     if (seg, offset) in self._written:
