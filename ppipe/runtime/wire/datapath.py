@@ -1,4 +1,4 @@
-"""The per-batch data path: TCP connections between the frontend and the vGPU workers.
+"""The per-batch data path: connections between the frontend and the vGPU workers.
 
 Ray places the workers, watches their lives and carries the start-up calls; batches travel
 on plain connections, one message per stage (:mod:`ppipe.runtime.wire.frames` gives the format)::
@@ -27,7 +27,9 @@ not up yet queues its messages, and a peer that stops reading lets them wait up 
 fails that batch.
 
 Connections carry data only (typed MessagePack headers and raw tensors, never pickle). They listen on the
-node's address that Ray uses (the loopback address when every node is this host). Given the
+node's address that Ray uses (the loopback address when every node is this host), by TCP,
+and beside each port on a local socket that a peer on this machine connects to instead
+(:mod:`ppipe.runtime.wire.addresses`). Given the
 server's secret, a connection is authenticated before any of its messages is read, by an
 HMAC challenge-response (:mod:`ppipe.runtime.wire.handshake`): the listener sends a fresh 16-byte nonce, the
 connector answers ``HMAC-SHA256(secret, DOMAIN + nonce)``, and a connection that answers
@@ -40,56 +42,24 @@ only, and encrypts nothing: what a connection carries can still be read on the n
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
-import sys
 from collections import deque
 from typing import Any, Callable
 
 import numpy as np
 
+from ppipe.runtime.wire.addresses import LOOPBACK, connect_local, is_loopback_address, listen_local, local_peer, node_host, on_this_machine, split_address  # noqa: F401  (the address helpers are imported from here too)
 from ppipe.runtime.wire.frames import LENGTH, MAX_MESSAGE_BYTES
 from ppipe.runtime.wire.handshake import AUTH_TIMEOUT_S, NONCE_BYTES, Handshake
 
 log = logging.getLogger("ppipe.runtime")
 
 MAX_BUFFERED_BYTES = 1 << 30  # bytes queued for one peer before a send fails
-LOOPBACK = "127.0.0.1"
 
 
 class DataPathFull(RuntimeError):
     """A peer's queue is full (it stopped reading, or cannot be reached); nothing was sent."""
-
-
-def split_address(addr: str) -> tuple[str, int]:
-    """``tcp://host:port`` -> ``(host, port)``."""
-    host, _, port = addr.split("://", 1)[-1].rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback_address(addr: str) -> bool:
-    """Whether a ``tcp://host:port`` address is on the loopback interface."""
-    host = split_address(addr)[0]
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def node_host() -> str:
-    """The address this process's data-path sockets bind: the loopback address when Ray is
-    not running or every alive Ray node is this host, else this node's address in Ray.
-
-    A process that has not imported Ray cannot have joined a Ray session, so Ray is looked
-    up in ``sys.modules`` rather than imported: every process of the local launcher would
-    otherwise pay Ray's import time at start for nothing."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return LOOPBACK
-    here = ray.util.get_node_ip_address()
-    nodes = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-    return LOOPBACK if nodes <= {here} else here
 
 
 SMALL_READ_BYTES = 256 * 1024  # a connection's shared buffer for length prefixes and small messages
@@ -239,15 +209,19 @@ class Inbox:
         sock.bind((host, 0))
         sock.listen(1024)
         sock.setblocking(False)
-        self.address = f"tcp://{host}:{sock.getsockname()[1]}"
+        port = sock.getsockname()[1]
+        self.address = f"tcp://{host}:{port}"
         loop = asyncio.get_running_loop()
         # the port listens from here on; peers that connect before the server runs wait in the backlog
-        self._server = loop.create_task(loop.create_server(lambda: _Receiver(self), sock=sock))
+        self._servers = [loop.create_task(loop.create_server(lambda: _Receiver(self), sock=sock))]
+        local = listen_local(host, port)  # beside it, the local socket that peers on this machine use
+        if local is not None:
+            self._servers.append(loop.create_task(loop.create_unix_server(lambda: _Receiver(self), sock=local)))
 
     def refuse(self, conn: _Receiver, why: str) -> None:
         """Close an unauthenticated connection unread, count it, and log it (once per peer host)."""
         peer = conn.transport.get_extra_info("peername")
-        host = str(peer[0]) if peer else "?"
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else local_peer(conn.transport)
         level = logging.DEBUG if host in self._refused_hosts else logging.WARNING
         self._refused_hosts.add(host)
         log.log(level, "data path: refused a connection from %s to %s: %s", host, self.address, why)
@@ -264,10 +238,11 @@ class Inbox:
 
     def close(self) -> None:
         """Stop listening and drop every connection (as a process that died would)."""
-        if self._server.done() and not self._server.cancelled() and self._server.exception() is None:
-            self._server.result().close()
-        else:
-            self._server.cancel()
+        for server in self._servers:
+            if server.done() and not server.cancelled() and server.exception() is None:
+                server.result().close()
+            else:
+                server.cancel()
         for r in list(self.conns):
             r.transport.abort()
         self.conns.clear()
@@ -430,6 +405,18 @@ class _Sender(asyncio.Protocol):
         return unit
 
 
+async def _open(peer: "_Sender", addr: str) -> tuple[Any, Any]:
+    """Connect ``peer`` to ``addr``: by the local socket beside its port where it is on this
+    machine and has one (:mod:`ppipe.runtime.wire.addresses`), else by TCP."""
+    if on_this_machine(addr):
+        try:
+            return await connect_local(lambda: peer, addr)
+        except OSError:
+            pass
+    host, port = split_address(addr)
+    return await asyncio.get_running_loop().create_connection(lambda: peer, host, port)
+
+
 class Outbox:
     """Connections to peers by address; ``send`` never blocks (see the module's docstring).
 
@@ -449,9 +436,7 @@ class Outbox:
         peer = self.peers.get(addr)
         if peer is None:
             peer = self.peers[addr] = _Sender(self, addr)
-            host, port = split_address(addr)
-            loop = asyncio.get_running_loop()
-            task = loop.create_task(loop.create_connection(lambda: peer, host, port))
+            task = asyncio.get_running_loop().create_task(_open(peer, addr))
             self._connecting.add(task)
             task.add_done_callback(lambda t: self._connected(t, peer))
         return peer

@@ -55,6 +55,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ppipe.runtime.wire.addresses import is_loopback_address, node_host, on_this_machine, split_address
+
 log = logging.getLogger("ppipe.runtime")
 
 SEGMENT_BYTES = 64 * 1024 * 1024  # memory of one memfd (a slot larger than this gets a segment of its own)
@@ -317,20 +319,10 @@ def trim_process_arena() -> int:
     return _arena.trim() if _arena is not None else 0
 
 
-_on_this_machine: dict[str, bool] = {}
-
-
 def shared_arena_for(addr: str) -> InputArena | None:
     """This process's arena where the peer at ``addr`` (a data-path address) is on this
     machine (a loopback address, or this node's), else None."""
-    here = _on_this_machine.get(addr)
-    if here is None:
-        from ppipe.runtime.wire.datapath import is_loopback_address, node_host, split_address  # (datapath imports this module)
-
-        if len(_on_this_machine) > 4096:  # peers of plans long gone
-            _on_this_machine.clear()
-        here = _on_this_machine[addr] = is_loopback_address(addr) or split_address(addr)[0] == node_host()
-    return process_arena() if here else None
+    return process_arena() if on_this_machine(addr) else None
 
 
 _machine_of: dict[str, str] = {}
@@ -345,8 +337,6 @@ def same_machine(a: str, b: str) -> bool:
 def _machine(addr: str) -> str:
     host = _machine_of.get(addr)
     if host is None:
-        from ppipe.runtime.wire.datapath import is_loopback_address, node_host, split_address
-
         if len(_machine_of) > 4096:
             _machine_of.clear()
         host = _machine_of[addr] = node_host() if is_loopback_address(addr) else split_address(addr)[0]
