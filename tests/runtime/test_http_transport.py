@@ -151,3 +151,62 @@ def test_a_client_gone_in_the_middle_of_a_shared_body_leaves_the_server_serving(
     assert app.bodies[-1] == body
     gc.collect()
     assert process_arena().lent_bytes == lent  # the abandoned body's slot came back too
+
+
+class _Recorder:
+    """A transport that records what is written to it."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def write(self, data):
+        self.calls.append(("write", bytes(data)))
+
+    def writelines(self, pieces):
+        self.calls.append(("writelines", [bytes(p) for p in pieces]))
+
+    def close(self):
+        self.calls.append(("close",))
+
+    def is_closing(self):
+        return False
+
+
+def test_a_responses_head_goes_out_with_its_first_body_part_in_one_write():
+    from ppipe.runtime.ingress.http_transport import _OneWriteResponse
+
+    t = _Recorder()
+    w = _OneWriteResponse(t)
+    w.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # what a client waits for before its body: at once
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 24\r\n\r\n"
+    w.write(head)
+    assert t.calls == [("write", b"HTTP/1.1 100 Continue\r\n\r\n")]
+    w.write(b"HTTP/1.1 is in the body")  # a body that begins like a status line is still the body
+    w.write(b"!")
+    assert t.calls[1:] == [("writelines", [head, b"HTTP/1.1 is in the body"]), ("write", b"!")]
+    assert w.is_closing() is False  # everything else is the transport's
+
+
+def test_a_head_still_held_is_written_before_the_connection_closes():
+    from ppipe.runtime.ingress.http_transport import _OneWriteResponse
+
+    t = _Recorder()
+    w = _OneWriteResponse(t)
+    w.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n")
+    w.close()  # (an app that failed between its response's start and its body)
+    assert t.calls == [("write", b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n"), ("close",)]
+
+
+def test_a_client_that_expects_100_continue_gets_it_then_its_answer(server):
+    srv, app = server
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    body = os.urandom(5000)
+    with socket.create_connection((host, int(port))) as s:
+        s.settimeout(5.0)
+        s.sendall(f"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\nexpect: 100-continue\r\n\r\n".encode())
+        assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue")  # before any byte of the body was sent
+        s.sendall(body)
+        data = b""
+        while not data.endswith(b"5000"):
+            data += s.recv(65536)
+    assert data.startswith(b"HTTP/1.1 200") and app.bodies == [body]

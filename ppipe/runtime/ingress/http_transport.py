@@ -122,6 +122,7 @@ class _WholeBody:
         self._pieces, self._slot = None, None
         if self.parser.should_upgrade():
             return
+        self.cycle.transport = _OneWriteResponse(self.transport)
         declared = _digits(next((v for k, v in self.headers if k == b"content-length"), None))
         if declared is None or declared > self._max_whole_body_bytes:
             return
@@ -168,6 +169,38 @@ class _WholeBody:
             elif pieces:
                 self.cycle.body = b"".join(pieces)
         super().on_message_complete()
+
+
+class _OneWriteResponse:
+    """The transport as one request's cycle sees it. uvicorn writes a response's status
+    line and headers, then each body part, with a write each: two system calls, and two
+    segments for the client to read, per response. Here the head is held until the first
+    body part, and both go out in one ``writelines`` (one ``writev`` on uvloop). Every other
+    write passes through at once, the ``100 Continue`` that a client may wait for before
+    sending its body among them; a close writes a head still held first."""
+
+    __slots__ = ("_transport", "_head", "_headed")
+
+    def __init__(self, transport):
+        self._transport, self._head, self._headed = transport, None, False
+
+    def write(self, data) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.writelines((head, data))
+        elif not self._headed and data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 100 "):
+            self._head, self._headed = data, True
+        else:
+            self._transport.write(data)
+
+    def close(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
 
 
 class _BodyInto(asyncio.BufferedProtocol):
