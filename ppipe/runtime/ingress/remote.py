@@ -20,7 +20,8 @@ on another machine, an input neither shared nor small) it tells the ingress to s
 
 so the tensors go from the ingress (or its shared memory) to the first worker and from the
 last worker back, never through the scheduler (but for inputs of a few kB), whose cost per
-request is a few small messages, each coalesced with the others of its loop tick in both directions (:class:`~ppipe.runtime.wire.messages.FromIngress`,
+request is a few small messages, each coalesced with the others of its loop tick in both
+directions (:class:`~ppipe.runtime.wire.messages.FromIngress`,
 :class:`~ppipe.runtime.wire.messages.ToIngress`). A request's error comes as a
 :class:`~ppipe.runtime.wire.messages.Refusal` (drops, failed batches, the scheduler's
 timeouts). Exactly one answer per request: the first of an answer and a refusal wins, and a

@@ -49,7 +49,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ppipe.runtime.wire.addresses import LOOPBACK, connect_local, is_loopback_address, listen_local, local_peer, node_host, on_this_machine, split_address  # noqa: F401  (the address helpers are imported from here too)
+from ppipe.runtime.wire.addresses import LOOPBACK, connect_local, listen_local, local_peer, on_this_machine, split_address
+from ppipe.runtime.wire.addresses import is_loopback_address, node_host  # noqa: F401  (imported from here too)
 from ppipe.runtime.wire.frames import LENGTH, MAX_MESSAGE_BYTES
 from ppipe.runtime.wire.handshake import AUTH_TIMEOUT_S, NONCE_BYTES, Handshake
 
