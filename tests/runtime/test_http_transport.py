@@ -210,3 +210,21 @@ def test_a_client_that_expects_100_continue_gets_it_then_its_answer(server):
         while not data.endswith(b"5000"):
             data += s.recv(65536)
     assert data.startswith(b"HTTP/1.1 200") and app.bodies == [body]
+
+
+def test_a_head_request_gets_its_answer_and_the_connection_serves_on(server):
+    """uvicorn writes no body for HEAD: the head held for the body must go when the response ends."""
+    srv, app = server
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.settimeout(5.0)
+        s.sendall(b"HEAD /x HTTP/1.1\r\nhost: x\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"\r\n\r\n")
+        s.sendall(_head(3) + b"abc")  # the same connection, a request with a body next
+        data = b""
+        while not data.endswith(b"\r\n\r\n3"):
+            data += s.recv(65536)
+    assert app.bodies == [b"", b"abc"]

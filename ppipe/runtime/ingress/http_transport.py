@@ -161,6 +161,12 @@ class _WholeBody:
         else:
             self._pieces.append(bytes(body))
 
+    def on_response_complete(self) -> None:
+        transport = getattr(self.cycle, "transport", None)
+        if isinstance(transport, _OneWriteResponse):
+            transport.flush()  # a response with no body write (HEAD) has its head still held
+        super().on_response_complete()
+
     def on_message_complete(self) -> None:
         pieces, slot, self._pieces, self._slot = self._pieces, self._slot, None, None
         if pieces is not None and not self.cycle.response_complete:
@@ -177,7 +183,8 @@ class _OneWriteResponse:
     segments for the client to read, per response. Here the head is held until the first
     body part, and both go out in one ``writelines`` (one ``writev`` on uvloop). Every other
     write passes through at once, the ``100 Continue`` that a client may wait for before
-    sending its body among them; a close writes a head still held first."""
+    sending its body among them. A head still held is written when the response completes
+    (uvicorn writes no body for HEAD) or the connection closes."""
 
     __slots__ = ("_transport", "_head", "_headed")
 
@@ -193,10 +200,14 @@ class _OneWriteResponse:
         else:
             self._transport.write(data)
 
-    def close(self) -> None:
+    def flush(self) -> None:
+        """Write a head still held (a response that ended without a body write: HEAD)."""
         if self._head is not None:
             head, self._head = self._head, None
             self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
         self._transport.close()
 
     def __getattr__(self, name: str):
