@@ -63,7 +63,7 @@ from ppipe.runtime.scheduler.metrics import merge_metrics
 from ppipe.runtime.wire.datapath import DataPathFull, Inbox
 from ppipe.runtime.wire.frames import ForwardedRows, WireError, pack, unpack
 from ppipe.runtime.wire.messages import AnswerTo, Arrival, FromIngress, Refusal, RowInput, SendInputs, ServedPlan, StageMsg, ToIngress
-from ppipe.runtime.wire.shared_inputs import same_machine
+from ppipe.runtime.wire.addresses import same_machine
 
 log = logging.getLogger("ppipe.runtime")
 

@@ -57,18 +57,38 @@ def node_host() -> str:
     return LOOPBACK if nodes <= {here} else here
 
 
+_machine_of: dict[str, str] = {}
+
+
+def machine_of(addr: str) -> str:
+    """The host that names the machine of the peer at ``addr``: this node's for a loopback
+    address, else the address's own (remembered per address)."""
+    host = _machine_of.get(addr)
+    if host is None:
+        if len(_machine_of) > 4096:  # peers of plans long gone
+            _machine_of.clear()
+        host = _machine_of[addr] = node_host() if is_loopback_address(addr) else split_address(addr)[0]
+    return host
+
+
 _here: dict[str, bool] = {}
 
 
 def on_this_machine(addr: str) -> bool:
     """Whether the peer at ``addr`` is on this machine: a loopback address, or this node's
-    (remembered per address)."""
+    (remembered per address: :func:`node_host` asks Ray)."""
     here = _here.get(addr)
     if here is None:
-        if len(_here) > 4096:  # peers of plans long gone
+        if len(_here) > 4096:
             _here.clear()
-        here = _here[addr] = is_loopback_address(addr) or split_address(addr)[0] == node_host()
+        here = _here[addr] = machine_of(addr) == node_host()
     return here
+
+
+def same_machine(a: str, b: str) -> bool:
+    """Whether the peers at ``a`` and ``b`` are on one machine (so that one may read the
+    other's shared memory)."""
+    return machine_of(a) == machine_of(b)
 
 
 def local_sockets_enabled() -> bool:

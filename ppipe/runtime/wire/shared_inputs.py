@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ppipe.runtime.wire.addresses import is_loopback_address, node_host, on_this_machine, split_address
+from ppipe.runtime.wire.addresses import on_this_machine
 
 log = logging.getLogger("ppipe.runtime")
 
@@ -323,24 +323,6 @@ def shared_arena_for(addr: str) -> InputArena | None:
     """This process's arena where the peer at ``addr`` (a data-path address) is on this
     machine (a loopback address, or this node's), else None."""
     return process_arena() if on_this_machine(addr) else None
-
-
-_machine_of: dict[str, str] = {}
-
-
-def same_machine(a: str, b: str) -> bool:
-    """Whether the peers at data-path addresses ``a`` and ``b`` are on one machine (a
-    loopback address is this node's), so that one may read the other's shared memory."""
-    return _machine(a) == _machine(b)
-
-
-def _machine(addr: str) -> str:
-    host = _machine_of.get(addr)
-    if host is None:
-        if len(_machine_of) > 4096:
-            _machine_of.clear()
-        host = _machine_of[addr] = node_host() if is_loopback_address(addr) else split_address(addr)[0]
-    return host
 
 
 def process_maps() -> SharedMaps:
