@@ -45,7 +45,8 @@ import numpy as np
 
 from ppipe.runtime.ingress import proto as pb
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
-from ppipe.runtime.ingress.protocol import BYTES, DATATYPES, INPUT_DATATYPES, MAX_DIMS, InferInput, ProtocolError, datatype_of, split_bytes
+from ppipe.runtime.ingress.protocol import (BYTES, INPUT_DATATYPES, MAX_DIMS, InferInput, ProtocolError, datatype_of, split_bytes,
+                                             stacked_outputs, wire_dtype)
 from ppipe.runtime.ingress.http_server import DEFAULT_MAX_BODY_BYTES, DROP_STATUS, Frontend
 from ppipe.runtime.ingress.model_io import check_infer_inputs
 
@@ -117,7 +118,7 @@ def decode_inputs(request) -> list[InferInput]:
         if t.datatype == BYTES:
             out.append(InferInput(name=t.name, array=_bytes_input(t, where, shape, count, raw[i] if raw else None)))
             continue
-        dtype = np.dtype(DATATYPES[t.datatype]).newbyteorder("<")
+        dtype = wire_dtype(t.datatype)
         if raw:
             if t.HasField("contents"):
                 raise ProtocolError(400, f"{where} has typed contents and raw_input_contents; send one or the other")
@@ -317,7 +318,7 @@ class GrpcFrontend:
                     results = await self.runtime.infer_samples(name, [{in_name: s} for s in arr], arrival_us=arrival_us)
             except DroppedError as exc:
                 raise _Refused(DROP_STATUS.get(exc.reason, 503), str(exc), drop_reason=exc.reason) from None
-            outputs = {k: np.stack([r[k] for r in results]) for k in results[0]}
+            outputs = stacked_outputs(results)
             if requested:
                 outputs = {k: v for k, v in outputs.items() if k in requested}
             resp = pb.ModelInferResponse(model_name=name, model_version="1", id=request.id)

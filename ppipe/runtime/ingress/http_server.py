@@ -76,7 +76,7 @@ from ppipe.runtime.ingress.bodies import BodyDecoder, default_decode_workers, re
 from ppipe.runtime.ingress.fast_path import ClientGone, InferFastPath, error_body
 from ppipe.runtime.ingress.images import ImagePool, default_image_workers
 from ppipe.runtime.ingress.model_io import check_infer_inputs, model_metadata
-from ppipe.runtime.ingress.protocol import HEADER_LENGTH, InferRequest, ProtocolError, brief, encode_infer_response
+from ppipe.runtime.ingress.protocol import HEADER_LENGTH, InferRequest, ProtocolError, brief, encode_infer_response, stacked_outputs
 from ppipe.dataplane.decode import decode_slack_us, latest_end_us, refusal
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
 
@@ -322,7 +322,7 @@ class Frontend:
             log.exception("infer of model '%s' failed", name)
             m.requests.labels(name, "500").inc()
             return error_body(500, "internal error in the server (its log has the details)")
-        outputs = {k: np.stack([r[k] for r in results]) for k in results[0]}
+        outputs = stacked_outputs(results)
         if req.requested_outputs:
             outputs = {k: v for k, v in outputs.items() if k in req.requested_outputs}
         body_out, headers = encode_infer_response(name, outputs, req.id, req.binary_output)

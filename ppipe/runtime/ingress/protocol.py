@@ -52,6 +52,7 @@ DATATYPES: dict[str, str] = {
     "FP64": "float64",
 }
 NUMPY_TO_DATATYPE = {v: k for k, v in DATATYPES.items()}
+_WIRE_DTYPES = {k: np.dtype(v).newbyteorder("<") for k, v in DATATYPES.items()}
 BYTES = "BYTES"
 INPUT_DATATYPES = (*DATATYPES, BYTES)
 
@@ -139,11 +140,26 @@ class InferRequest:
 
 
 def datatype_of(dtype: np.dtype | str) -> str:
+    """The KServe v2 datatype of a numpy dtype (``ProtocolError`` 500 where it has none)."""
+    try:
+        return _DATATYPE_OF[dtype]
+    except (KeyError, TypeError):  # (TypeError: an unhashable dtype-like)
+        pass
     name = np.dtype(dtype).name
     try:
-        return NUMPY_TO_DATATYPE[name]
+        found = NUMPY_TO_DATATYPE[name]
     except KeyError:
         raise ProtocolError(500, f"no KServe v2 datatype for numpy dtype {name}") from None
+    _DATATYPE_OF[dtype] = found  # (a dtype's ``name`` takes microseconds; the dtypes seen are few)
+    return found
+
+
+_DATATYPE_OF: dict[Any, str] = {}
+
+
+def wire_dtype(datatype: str) -> np.dtype:
+    """The little-endian numpy dtype of a KServe v2 datatype of :data:`DATATYPES`."""
+    return _WIRE_DTYPES[datatype]
 
 
 def parse_infer_request(body: bytes, header_length: str | None = None) -> InferRequest:
@@ -230,7 +246,7 @@ def _parse_input(t: Any, where: str, body_bytes: int, tail: memoryview, offset: 
         raise ProtocolError(400, f"{where}.parameters must be an object")
     if datatype == BYTES:
         return _bytes_input(t, where, shape, count, params, tail, offset)
-    dtype = np.dtype(DATATYPES[datatype]).newbyteorder("<")
+    dtype = wire_dtype(datatype)
     if "binary_data_size" in params:
         size = _binary_size(params, where)
         if size != count * dtype.itemsize:
@@ -437,6 +453,14 @@ def _json_numbers(arr: np.ndarray) -> np.ndarray | list:
     return flat if flat.dtype.isnative else flat.astype(flat.dtype.newbyteorder("="))
 
 
+def stacked_outputs(results: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The outputs of one request's samples (each without the batch axis) with the batch axis:
+    a view of the one sample's arrays, or each output's samples stacked."""
+    if len(results) == 1:
+        return {k: v[np.newaxis] for k, v in results[0].items()}
+    return {k: np.stack([r[k] for r in results]) for k in results[0]}
+
+
 def encode_infer_response(
     model: str, outputs: dict[str, np.ndarray], request_id: str | None, binary: bool
 ) -> tuple[bytes, dict[str, str]]:
@@ -468,7 +492,7 @@ def decode_infer_response(body: bytes, header_length: str | None = None) -> dict
     out: dict[str, np.ndarray] = {}
     offset = 0
     for t in head["outputs"]:
-        dtype = np.dtype(DATATYPES[t["datatype"]]).newbyteorder("<")
+        dtype = wire_dtype(t["datatype"])
         size = (t.get("parameters") or {}).get("binary_data_size")
         if size is not None:
             out[t["name"]] = np.frombuffer(tail[offset : offset + size], dtype=dtype).reshape(t["shape"])
