@@ -230,3 +230,46 @@ def test_inputs_in_shared_memory_go_to_the_first_worker_from_the_scheduler_by_re
     np.testing.assert_allclose(np.stack([o["logits"] for o in outs]), want, rtol=2e-2, atol=2e-2)
     assert (forwarded_batches > 0) == near
     assert arena.located >= len(xs)  # offered by ref (and, elsewhere, sent by ref by the ingress: one machine here)
+
+
+def test_inputs_outside_shared_memory_are_copied_in_and_forwarded_by_ref(two_stage, monkeypatch):
+    """Inputs that do not lie in shared memory (a gRPC message's bytes, a decoded JSON body):
+    the ingress copies them into its arena, so that the scheduler still sends the first
+    worker the batch itself by ref; the answers are those of the inputs sent."""
+    from ppipe.runtime.wire import shared_inputs
+
+    arena = shared_inputs.InputArena(min_bytes=0)
+    monkeypatch.setattr(shared_inputs, "_arena", arena)
+    monkeypatch.setattr(shared_inputs, "_arena_made", True)
+    monkeypatch.setattr(remote, "INLINE_INPUT_BYTES", 0)
+    xs = _inputs(6, seed=3)
+
+    async def main():
+        async with inproc_serve(two_stage, backend="ort", ingresses=2, **FIFO) as s:
+            outs = await asyncio.gather(*(s.ingresses[i % 2].infer("tinynet", {"input": x}) for i, x in enumerate(xs)))
+            return outs, s.runtime.forwarded_batches
+
+    outs, forwarded_batches = asyncio.run(asyncio.wait_for(main(), 60))
+    want = reference(two_stage.profiles['tinynet'].directory, np.stack(xs))
+    np.testing.assert_allclose(np.stack([o["logits"] for o in outs]), want, rtol=2e-2, atol=2e-2)
+    assert forwarded_batches > 0
+    assert arena.located >= len(xs)
+    assert arena.lent_bytes == 0  # every copy's slot came back with its answer
+
+
+def test_an_input_that_cannot_be_shared_is_left_as_it_is():
+    """``in_shared_memory``: inputs small enough to ride inline, an array of objects, or one
+    too small for a slot leave the request's inputs unchanged (they are sent when asked)."""
+    from ppipe.runtime.wire.shared_inputs import InputArena
+
+    arena = InputArena(min_bytes=1024)
+    big = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    small = {"x": np.ones(8, np.float32)}
+    assert remote.in_shared_memory(small, arena) is small
+    mixed = {"x": big, "tag": np.ones(4, np.float32)}  # the 16-byte one is below the slot size
+    assert remote.in_shared_memory(mixed, arena) is mixed
+    shared = remote.in_shared_memory({"x": big}, arena)
+    assert arena.locate(shared["x"]) is not None and shared["x"] is not big
+    np.testing.assert_array_equal(shared["x"], big)
+    assert remote.in_shared_memory(shared, arena)["x"] is shared["x"]  # already there: no second copy
+    assert arena.share(np.array([b"jpeg"] * 600, dtype=object)) is None

@@ -100,6 +100,19 @@ def row_inputs(inputs: dict[str, np.ndarray], arena: InputArena | None) -> tuple
     return tuple(out)
 
 
+def in_shared_memory(inputs: dict[str, np.ndarray], arena: InputArena | None) -> dict[str, np.ndarray]:
+    """A request's inputs as :func:`row_inputs` can offer them by ref: those too large to ride
+    with the arrival that lie outside ``arena`` (a gRPC message's bytes, a decoded JSON body,
+    prepared images) copied into it, so that the scheduler sends them to the first worker
+    itself (one copy here, instead of a send order back and a send of their bytes from here).
+    Unchanged where they ride inline, or where one of them cannot be shared: then they are
+    sent from here when asked (:class:`SendInputs`)."""
+    if arena is None or sum(a.nbytes for a in inputs.values()) <= INLINE_INPUT_BYTES:
+        return inputs
+    shared = {name: arena.share(a) for name, a in inputs.items()}
+    return inputs if any(a is None for a in shared.values()) else shared
+
+
 @dataclass
 class _Held:
     """A request this ingress holds until its answer: its future and its inputs (until sent;
@@ -258,11 +271,13 @@ class IngressRuntime:
         j = self._scheduler_of(model)
         rid = next(self._ids)
         loop = asyncio.get_running_loop()
+        arena = process_arena()
+        inputs = in_shared_memory(inputs, arena)
         held = self._held[rid] = _Held(loop.create_future(), inputs, scheduler=j)
         timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
         held.timer = loop.call_later(timeout_s, self._refuse, rid, "timeout", f"no answer within {timeout_s:.1f} s")
         now = self.clock.true_now_us() if arrival_us is None else arrival_us
-        self._arrivals.setdefault(j, []).append(Arrival(rid, model, self.clock.to_wall_us(now), row_inputs(inputs, process_arena())))
+        self._arrivals.setdefault(j, []).append(Arrival(rid, model, self.clock.to_wall_us(now), row_inputs(inputs, arena)))
         self._arm_flush()
         return rid
 

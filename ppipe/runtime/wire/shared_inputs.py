@@ -209,6 +209,21 @@ class InputArena:
         self.located += 1
         return SharedRef(self.pid, seg.fd, seg.serial, addr - seg.base)
 
+    def share(self, arr: np.ndarray) -> np.ndarray | None:
+        """``arr`` where it lies in the arena: itself where it does already, else a copy in a
+        slot (which lives as long as the copy); None where it cannot (an array of objects, too
+        small to share, or the arena is full)."""
+        if self.locate(arr) is not None:
+            return arr
+        if arr.dtype.hasobject:
+            return None
+        slot = self.take(arr.nbytes)
+        if slot is None:
+            return None
+        copy = slot.view(arr.dtype).reshape(arr.shape)
+        np.copyto(copy, arr)
+        return copy
+
     def body(self, nbytes: int, lead: int = 0) -> memoryview | None:
         """A writable view of ``nbytes`` in a slot, placed so that its byte ``lead`` (where a
         body's tensors start) lies on an :data:`ALIGN` boundary; None where :meth:`take` gives none."""
