@@ -198,6 +198,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         self._placement = {p.vgpu_id: p for p in plan.placement}
         self._lifelines: list[asyncio.Task] = []
         self._queued: dict[str, int] = {m.name: 0 for m in plan.models}
+        self.metrics.track_queues(self._queued)
         # NCCL edges with their generation (0: opened at start-up; n: by the n-th switch
         # preparation), and the number of the next message on each (see ppipe.runtime.workers.transport)
         self.links = links
@@ -360,7 +361,6 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         if self.arrival_log is not None:
             self.arrival_log.append((model, now))
         self._queued[model] += 1
-        self.metrics.bound(self.metrics.queue, model).inc()
         self._apply(self.scheduler.submit(req))
         timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
         # one timer per request (cheaper than wait_for(shield(...)), which wraps the future twice)
@@ -454,7 +454,6 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
 
     def _dequeue(self, model: str) -> None:
         self._queued[model] -= 1
-        self.metrics.bound(self.metrics.queue, model).dec()
 
     def _answer_error(self, rid: int, err: DroppedError) -> bool:
         """Answer a request with ``err``; False when it had its answer already."""

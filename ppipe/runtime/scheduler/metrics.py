@@ -27,7 +27,8 @@ class RuntimeMetrics:
             "ppipe_request_latency_seconds", "Arrival to answer of served requests.", ["model"], buckets=LATENCY_BUCKETS_S, registry=r
         )
         self.batch = Histogram("ppipe_batch_size", "Size of dispatched batches.", ["model"], buckets=BATCH_BUCKETS, registry=r)
-        self.queue = Gauge("ppipe_queue_length", "Requests submitted and not yet dispatched or dropped.", ["model"], registry=r)
+        # ppipe_queue_length: per model, changed twice per request: read at each scrape from
+        # the runtime's own counts (track_queues), not kept in a locked child
         # ppipe_vgpu_busy_seconds: seconds per vGPU, added by every stage report (several per
         # request), read at each scrape (_BusyCollector): a dict's float, not a locked child
         self.busy_s: dict[str, float] = {}
@@ -45,6 +46,11 @@ class RuntimeMetrics:
         if child is None:
             child = self._bound[key] = metric.labels(*labels)
         return child
+
+    def track_queues(self, queued: Mapping[str, int]) -> None:
+        """Serve ``ppipe_queue_length{model}`` from ``queued`` (model -> requests submitted and
+        not yet dispatched or dropped), as it is at each scrape. Once per metrics."""
+        self.registry.register(_QueueCollector(queued))
 
     def track_capacity(self, runtime: Any) -> None:
         """Serve ``ppipe_model_capacity_alive_ratio{model}`` for ``runtime``: computed at each
@@ -129,6 +135,25 @@ def capacity_alive_ratio(plan: Any, model: str, failed: Container[str]) -> float
             cap = min(cap, part.throughput_rps * share) if share < 1.0 else cap
         alive += cap
     return alive / planned if planned > 0 else 1.0
+
+
+QUEUE_HELP = "Requests submitted and not yet dispatched or dropped."
+
+
+class _QueueCollector:
+    """``ppipe_queue_length{model}`` from the runtime's count of queued requests per model."""
+
+    def __init__(self, queued: Mapping[str, int]) -> None:
+        self.queued = queued
+
+    def describe(self):
+        return [GaugeMetricFamily("ppipe_queue_length", QUEUE_HELP, labels=["model"])]
+
+    def collect(self):
+        g = GaugeMetricFamily("ppipe_queue_length", QUEUE_HELP, labels=["model"])
+        for model, n in sorted(self.queued.items()):
+            g.add_metric([model], n)
+        yield g
 
 
 class _BusyCollector:
