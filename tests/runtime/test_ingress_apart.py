@@ -198,19 +198,42 @@ def test_a_stage_server_runs_a_batch_once_all_its_rows_are_in_and_answers_each_i
     assert rep.batch_id == 5 and outputs == {}  # the outputs went to the ingresses, not with the report
 
 
-@pytest.mark.parametrize("near", [True, False], ids=["worker-on-this-machine", "worker-elsewhere"])
-def test_inputs_in_shared_memory_go_to_the_first_worker_from_the_scheduler_by_ref(two_stage, near, monkeypatch):
-    """Inputs too large to ride with the arrival that lie in the ingress's shared memory: the
-    arrival offers their refs, and the scheduler sends them on to the first worker (nothing
-    goes back to the ingress) where the worker is on the ingress's machine; where it is not
-    (``same_machine`` says so here), the ingress is told to send them, as any input."""
-    from ppipe.runtime.scheduler import ingresses
+@pytest.fixture
+def arena(monkeypatch):
+    """A fresh shared-input arena as this process's, sharing inputs of any size; every input
+    too large to ride with its arrival (all of them)."""
     from ppipe.runtime.wire import shared_inputs
 
     arena = shared_inputs.InputArena(min_bytes=0)
     monkeypatch.setattr(shared_inputs, "_arena", arena)
     monkeypatch.setattr(shared_inputs, "_arena_made", True)
     monkeypatch.setattr(remote, "INLINE_INPUT_BYTES", 0)
+    return arena
+
+
+def _served_by_two_ingresses(dep, xs: list[np.ndarray], sent: list[np.ndarray]) -> int:
+    """Serve ``sent`` (the inputs ``xs``, wherever they lie) through two ingresses in turn,
+    check every answer against the model, and return the batches the scheduler forwarded."""
+
+    async def main():
+        async with inproc_serve(dep, backend="ort", ingresses=2, **FIFO) as s:
+            outs = await asyncio.gather(*(s.ingresses[i % 2].infer("tinynet", {"input": x}) for i, x in enumerate(sent)))
+            return outs, s.runtime.forwarded_batches
+
+    outs, forwarded_batches = asyncio.run(asyncio.wait_for(main(), 60))
+    want = reference(dep.profiles['tinynet'].directory, np.stack(xs))
+    np.testing.assert_allclose(np.stack([o["logits"] for o in outs]), want, rtol=2e-2, atol=2e-2)
+    return forwarded_batches
+
+
+@pytest.mark.parametrize("near", [True, False], ids=["worker-on-this-machine", "worker-elsewhere"])
+def test_inputs_in_shared_memory_go_to_the_first_worker_from_the_scheduler_by_ref(two_stage, arena, near, monkeypatch):
+    """Inputs too large to ride with the arrival that lie in the ingress's shared memory: the
+    arrival offers their refs, and the scheduler sends them on to the first worker (nothing
+    goes back to the ingress) where the worker is on the ingress's machine; where it is not
+    (``same_machine`` says so here), the ingress is told to send them, as any input."""
+    from ppipe.runtime.scheduler import ingresses
+
     if not near:
         monkeypatch.setattr(ingresses, "same_machine", lambda a, b: False)
     xs = _inputs(8, seed=2)
@@ -219,40 +242,17 @@ def test_inputs_in_shared_memory_go_to_the_first_worker_from_the_scheduler_by_re
         slot = arena.take(x.nbytes).view(np.float32).reshape(x.shape)
         slot[...] = x
         shared.append(slot)
-
-    async def main():
-        async with inproc_serve(two_stage, backend="ort", ingresses=2, **FIFO) as s:
-            outs = await asyncio.gather(*(s.ingresses[i % 2].infer("tinynet", {"input": x}) for i, x in enumerate(shared)))
-            return outs, s.runtime.forwarded_batches
-
-    outs, forwarded_batches = asyncio.run(asyncio.wait_for(main(), 60))
-    want = reference(two_stage.profiles['tinynet'].directory, np.stack(xs))
-    np.testing.assert_allclose(np.stack([o["logits"] for o in outs]), want, rtol=2e-2, atol=2e-2)
+    forwarded_batches = _served_by_two_ingresses(two_stage, xs, shared)
     assert (forwarded_batches > 0) == near
     assert arena.located >= len(xs)  # offered by ref (and, elsewhere, sent by ref by the ingress: one machine here)
 
 
-def test_inputs_outside_shared_memory_are_copied_in_and_forwarded_by_ref(two_stage, monkeypatch):
+def test_inputs_outside_shared_memory_are_copied_in_and_forwarded_by_ref(two_stage, arena):
     """Inputs that do not lie in shared memory (a gRPC message's bytes, a decoded JSON body):
     the ingress copies them into its arena, so that the scheduler still sends the first
     worker the batch itself by ref; the answers are those of the inputs sent."""
-    from ppipe.runtime.wire import shared_inputs
-
-    arena = shared_inputs.InputArena(min_bytes=0)
-    monkeypatch.setattr(shared_inputs, "_arena", arena)
-    monkeypatch.setattr(shared_inputs, "_arena_made", True)
-    monkeypatch.setattr(remote, "INLINE_INPUT_BYTES", 0)
     xs = _inputs(6, seed=3)
-
-    async def main():
-        async with inproc_serve(two_stage, backend="ort", ingresses=2, **FIFO) as s:
-            outs = await asyncio.gather(*(s.ingresses[i % 2].infer("tinynet", {"input": x}) for i, x in enumerate(xs)))
-            return outs, s.runtime.forwarded_batches
-
-    outs, forwarded_batches = asyncio.run(asyncio.wait_for(main(), 60))
-    want = reference(two_stage.profiles['tinynet'].directory, np.stack(xs))
-    np.testing.assert_allclose(np.stack([o["logits"] for o in outs]), want, rtol=2e-2, atol=2e-2)
-    assert forwarded_batches > 0
+    assert _served_by_two_ingresses(two_stage, xs, xs) > 0
     assert arena.located >= len(xs)
     assert arena.lent_bytes == 0  # every copy's slot came back with its answer
 

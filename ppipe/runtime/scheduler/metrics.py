@@ -30,9 +30,10 @@ class RuntimeMetrics:
         # ppipe_queue_length: per model, changed twice per request: read at each scrape from
         # the runtime's own counts (track_queues), not kept in a locked child
         # ppipe_vgpu_busy_seconds: seconds per vGPU, added by every stage report (several per
-        # request), read at each scrape (_BusyCollector): a dict's float, not a locked child
+        # request), read at each scrape (_DictCollector): a dict's float, not a locked child
         self.busy_s: dict[str, float] = {}
-        r.register(_BusyCollector(self.busy_s))
+        r.register(_DictCollector(CounterMetricFamily, "ppipe_vgpu_busy_seconds",
+                                  "Time each vGPU spent running batches (worker reports).", "vgpu", self.busy_s))
         self.failed = Gauge("ppipe_vgpu_failed", "1 for each vGPU marked failed.", ["vgpu"], registry=r)
         self.late = Counter("ppipe_late", "Served requests that finished after their deadline.", ["model"], registry=r)
         self.refused = Counter("ppipe_datapath_refused", "Data-path connections and reports refused, by reason.", ["reason"], registry=r)
@@ -50,7 +51,8 @@ class RuntimeMetrics:
     def track_queues(self, queued: Mapping[str, int]) -> None:
         """Serve ``ppipe_queue_length{model}`` from ``queued`` (model -> requests submitted and
         not yet dispatched or dropped), as it is at each scrape. Once per metrics."""
-        self.registry.register(_QueueCollector(queued))
+        self.registry.register(_DictCollector(GaugeMetricFamily, "ppipe_queue_length",
+                                              "Requests submitted and not yet dispatched or dropped.", "model", queued))
 
     def track_capacity(self, runtime: Any) -> None:
         """Serve ``ppipe_model_capacity_alive_ratio{model}`` for ``runtime``: computed at each
@@ -137,42 +139,22 @@ def capacity_alive_ratio(plan: Any, model: str, failed: Container[str]) -> float
     return alive / planned if planned > 0 else 1.0
 
 
-QUEUE_HELP = "Requests submitted and not yet dispatched or dropped."
+class _DictCollector:
+    """One metric family with one label, its samples a dict's items as they are at each
+    scrape: the values the hot path keeps in plain dicts (several changes per request),
+    not in prometheus_client's locked children."""
 
-
-class _QueueCollector:
-    """``ppipe_queue_length{model}`` from the runtime's count of queued requests per model."""
-
-    def __init__(self, queued: Mapping[str, int]) -> None:
-        self.queued = queued
-
-    def describe(self):
-        return [GaugeMetricFamily("ppipe_queue_length", QUEUE_HELP, labels=["model"])]
-
-    def collect(self):
-        g = GaugeMetricFamily("ppipe_queue_length", QUEUE_HELP, labels=["model"])
-        for model, n in sorted(self.queued.items()):
-            g.add_metric([model], n)
-        yield g
-
-
-class _BusyCollector:
-    """``ppipe_vgpu_busy_seconds_total{vgpu}`` from :attr:`RuntimeMetrics.busy_s`."""
-
-    def __init__(self, busy_s: dict[str, float]) -> None:
-        self.busy_s = busy_s
+    def __init__(self, family: type, name: str, help_text: str, label: str, values: Mapping[str, float]) -> None:
+        self.family, self.name, self.help_text, self.label, self.values = family, name, help_text, label, values
 
     def describe(self):
-        return [CounterMetricFamily("ppipe_vgpu_busy_seconds", BUSY_HELP, labels=["vgpu"])]
+        return [self.family(self.name, self.help_text, labels=[self.label])]
 
     def collect(self):
-        c = CounterMetricFamily("ppipe_vgpu_busy_seconds", BUSY_HELP, labels=["vgpu"])
-        for vgpu, seconds in sorted(self.busy_s.items()):
-            c.add_metric([vgpu], seconds)
-        yield c
-
-
-BUSY_HELP = "Time each vGPU spent running batches (worker reports)."
+        f = self.family(self.name, self.help_text, labels=[self.label])
+        for key, value in sorted(self.values.items()):
+            f.add_metric([key], value)
+        yield f
 
 
 class _CapacityCollector:
