@@ -217,4 +217,5 @@ def _for_model(value: Any, model: str, default: Any) -> Any:
     ``isinstance`` against ``typing.Mapping`` costs microseconds, and these run per request.)"""
     if isinstance(value, (int, float)):
         return value
-    return value.get(model, default)
+    get = getattr(value, "get", None)  # (a number of another type, e.g. NumPy's, has none)
+    return value if get is None else get(model, default)
