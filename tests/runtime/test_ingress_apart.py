@@ -22,7 +22,7 @@ from ppipe.runtime.clock import wall_us
 from ppipe.runtime.launch.deploy import load_deployment
 from ppipe.runtime.launch.inproc import inproc_serve
 from ppipe.runtime.scheduler.host import DroppedError
-from ppipe.runtime.scheduler.ingresses import RemoteInput
+from ppipe.runtime.scheduler.ingresses import REMOTE_TIMEOUT_CHECK_S, RemoteInput
 import msgspec
 
 from ppipe.runtime.wire.datapath import Inbox, Outbox
@@ -114,6 +114,27 @@ def test_a_drop_reaches_the_ingress_as_its_error(two_stage):
     err, unknown, held = asyncio.run(asyncio.wait_for(main(), 30))
     assert err.reason == "deadline-unreachable" and "drops everything" in err.detail
     assert unknown.reason == "unknown-model" and held == 0
+
+
+def test_a_request_nobody_decides_on_is_timed_out_by_the_scheduler_and_told_to_its_ingress(two_stage):
+    """The scheduler keeps no timer per ingress request: its sweep answers one unanswered at
+    SLO + grace with ``timeout``, and the ingress gets that refusal (its own grace is longer)."""
+    never = dict(scheduler_factory=functools.partial(FifoScheduler, max_batch=4, window_us=60e6))
+
+    async def main():
+        async with inproc_serve(two_stage, ingresses=1, **never) as s:
+            rt, ingress = s.runtime, s.ingresses[0]
+            rt.answer_grace_s = 0.05
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(DroppedError) as err:
+                await ingress.infer("tinynet", {"input": np.zeros((3, 8, 8), np.float32)})
+            return err.value, asyncio.get_running_loop().time() - t0, len(rt._remote), len(rt._pending), rt._queued["tinynet"]
+
+    err, waited, remote, pending, queued = asyncio.run(asyncio.wait_for(main(), 30))
+    slo_s = two_stage.plan.model("tinynet").slo_ms / 1e3
+    assert err.reason == "timeout" and "no answer within" in err.detail
+    assert slo_s + 0.05 <= waited + 1e-3 and waited < slo_s + 0.05 + 2 * REMOTE_TIMEOUT_CHECK_S
+    assert (remote, pending, queued) == (0, 0, 0)
 
 
 def test_the_http_frontend_serves_over_an_ingress(two_stage):

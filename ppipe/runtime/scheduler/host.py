@@ -45,7 +45,7 @@ from ppipe.runtime.launch.handle import WorkerHandle
 from ppipe.runtime.scheduler.batches import BatchesMixin
 from ppipe.runtime.scheduler.budgets import ServiceBudgets
 from ppipe.runtime.scheduler.failures import FailuresMixin
-from ppipe.runtime.scheduler.inflight import BatchTrace, DroppedError, InFlight, Pending
+from ppipe.runtime.scheduler.inflight import Answer, BatchTrace, DroppedError, InFlight, Pending
 from ppipe.runtime.scheduler.ingresses import IngressesMixin, RemoteInput
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.scheduler.switching import PreparedSwitch, RetiringWorker, SwitchingMixin, check_switchable
@@ -184,6 +184,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         self.failed: dict[str, float] = {}  # vGPU id -> scheduler time it was marked failed
         self._clock_factory = clock_factory
         self.clock: WallClock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran on
         self.scheduler: Any = None
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count()
@@ -228,7 +229,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         """Make the clock and the scheduler on the running loop, open the data path to every
         worker, and watch each worker's life (and the process's heap:
         :mod:`ppipe.runtime.memory`)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()  # (each get_running_loop() is a getpid() system call)
         self.clock = self._clock_factory(loop)
         self.scheduler, margins = self._build_scheduler(self.plan, self.profiles)
         self.budgets.adopt(margins)
@@ -243,7 +244,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         freeze_startup_objects()
         self._lifelines = [loop.create_task(self._watch(v, h)) for v, h in self.workers.items()]
         if self.accept_ingresses:
-            self._lifelines.append(self._open_ingress_inbox(self._inbox.address.split("://")[1].rpartition(":")[0]))
+            self._lifelines.extend(self._open_ingress_inbox(self._inbox.address.split("://")[1].rpartition(":")[0]))
         self._lifelines.append(loop.create_task(self._sweep_overdue()))
         tune_for_serving()  # before the gRPC and image threads start: fewer arenas; inputs reuse the heap's pages
         tighten_timer_slack()  # the data plane's wake-ups on time (this loop's thread and those it starts)
@@ -340,8 +341,14 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
             for p in subs:
                 self._settle(p)
 
-    def _submit(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None) -> Pending:
-        """Make a sample's request, give it to the scheduler and arm its timeout."""
+    def _submit(self, model: str, inputs: dict[str, np.ndarray], arrival_us: float | None,
+                on_answer: Callable[[Pending, BaseException | None], None] | None = None) -> Pending:
+        """Make a sample's request, give it to the scheduler and arm its timeout.
+
+        With ``on_answer`` (an ingress's request, which nobody awaits here) the request's
+        answer goes to ``on_answer(pending, error or None)`` as it is given (an
+        :class:`~ppipe.runtime.scheduler.inflight.Answer`, no future), and its timeout is
+        :meth:`~ppipe.runtime.scheduler.ingresses.IngressesMixin._time_out_remote`'s."""
         if self.scheduler is None:
             raise RuntimeError("Runtime.start() has not run")
         if self.accept_ingresses and not isinstance(inputs, RemoteInput):
@@ -355,20 +362,23 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         slo_us = mp.slo_ms * 1e3
         # (the scheduler plans for an earlier deadline itself: the answer budget, ppipe.runtime.scheduler.budgets)
         req = Request(id=next(self._ids), model=model, arrival_us=now, deadline_us=now + slo_us, payload=inputs)
-        loop = asyncio.get_running_loop()
-        p = Pending(req, loop.create_future(), now + slo_us)
+        loop = self._loop
+        p = Pending(req, None, now + slo_us)
+        p.future = loop.create_future() if on_answer is None else Answer(lambda exc: on_answer(p, exc))
         self._pending[req.id] = p
         if self.arrival_log is not None:
             self.arrival_log.append((model, now))
         self._queued[model] += 1
         self._apply(self.scheduler.submit(req))
-        timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
-        # one timer per request (cheaper than wait_for(shield(...)), which wraps the future twice)
-        p.timer = loop.call_later(timeout_s, self._timed_out, req.id, timeout_s)
+        if on_answer is None:
+            timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
+            # one timer per request (cheaper than wait_for(shield(...)), which wraps the future twice)
+            p.timer = loop.call_later(timeout_s, self._timed_out, req.id, timeout_s)
         return p
 
     def _settle(self, p: Pending) -> None:
-        p.timer.cancel()
+        if p.timer is not None:
+            p.timer.cancel()
         self._pending.pop(p.request.id, None)
 
     def _withdraw(self, subs: list[Pending]) -> None:

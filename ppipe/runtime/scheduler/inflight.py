@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ppipe.dataplane.api import Dispatch, Request
 from ppipe.runtime.wire.messages import StageReport as StageReportMsg
@@ -25,15 +25,50 @@ class DroppedError(Exception):
         super().__init__(f"dropped: {reason}" + (f": {detail}" if detail else ""))
 
 
+class Answer:
+    """The answer slot of a request that nobody awaits here (an ingress process's): the part
+    of :class:`asyncio.Future` that the host uses (``done``, ``set_result``,
+    ``set_exception``, ``exception``), which hands the answer to ``on_answer`` (the error,
+    or None) at once, where a future would schedule a loop callback for it.
+
+    An ingress's requests are awaited in the ingress (the last worker answers it there);
+    the scheduler only needs to forget them, or tell the ingress an error, so a future, its
+    callback and the loop turn that runs it would be work per request for nothing.
+    """
+
+    __slots__ = ("_done", "_error", "_on_answer")
+
+    def __init__(self, on_answer: Callable[[BaseException | None], None]):
+        self._done, self._error, self._on_answer = False, None, on_answer
+
+    def done(self) -> bool:
+        return self._done
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def set_result(self, _outputs: Any) -> None:
+        self._settle(None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._settle(error)
+
+    def _settle(self, error: BaseException | None) -> None:
+        if self._done:
+            raise asyncio.InvalidStateError("the request has its answer already")
+        self._done, self._error = True, error
+        self._on_answer(error)
+
+
 @dataclass
 class Pending:
     """A submitted request until its answer (its outputs or an error)."""
 
     request: Request
-    future: asyncio.Future
+    future: asyncio.Future | Answer
     slo_deadline_us: float  # arrival + SLO (the request's deadline is earlier by the answer budget)
     dispatched: bool = False
-    timer: Any = None  # its timeout (asyncio.TimerHandle)
+    timer: Any = None  # its timeout (asyncio.TimerHandle; None: an ingress's, timed out by a sweep)
 
 
 @dataclass

@@ -67,6 +67,7 @@ from ppipe.runtime.wire.addresses import same_machine
 
 log = logging.getLogger("ppipe.runtime")
 
+REMOTE_TIMEOUT_CHECK_S = 1.0  # how often the ingresses' requests are looked at for their timeout
 READINESS_CHECK_S = 0.5  # how often the models' readiness is compared with what the ingresses were told
 METRICS_EVERY_S = 1.0  # how often the ingresses are sent the whole server's metrics
 
@@ -189,11 +190,13 @@ class IngressesMixin:
         self._directory: tuple[tuple[str, ...], dict] | None = None  # shard 0's: (schedulers, owner table)
         self.on_switch.append(self._tell_plan)
 
-    def _open_ingress_inbox(self, host: str) -> asyncio.Task:
-        """Listen for ingress processes; returns the task that keeps them told of readiness."""
+    def _open_ingress_inbox(self, host: str) -> list[asyncio.Task]:
+        """Listen for ingress processes; returns the tasks that keep them told of readiness
+        and time out their requests."""
         self._ingress_inbox = Inbox(self._on_ingress, host, self.data_secret, on_refused=lambda why: self.refuse("handshake", why))
         self.ingress_address = self._ingress_inbox.address
-        return asyncio.get_running_loop().create_task(self._keep_readiness_told())
+        loop = asyncio.get_running_loop()
+        return [loop.create_task(self._keep_readiness_told()), loop.create_task(self._time_out_remote())]
 
     @property
     def ingresses(self) -> dict[int, str]:
@@ -223,20 +226,20 @@ class IngressesMixin:
             self._withdraw(subs)
 
     def _submit_remote(self, ingress: int, a: Arrival) -> None:
+        key = (ingress, a.rid)
         try:
-            p = self._submit(a.model, RemoteInput(ingress, a.rid, _checked(a.inputs)), self.clock.from_wall_us(a.arrival_us))
+            p = self._submit(a.model, RemoteInput(ingress, a.rid, _checked(a.inputs)), self.clock.from_wall_us(a.arrival_us),
+                             on_answer=lambda p, exc: self._remote_answered(p, key, exc))
         except DroppedError as exc:  # a model the plan does not serve (any more)
             self._tell(ingress).refusals.append(Refusal((a.rid,), exc.reason, exc.detail))
             return
-        key = (ingress, a.rid)
-        self._remote[key] = p
-        p.future.add_done_callback(lambda f: self._remote_answered(p, key, f))
+        if not p.future.done():  # (the scheduler may drop it as it is submitted)
+            self._remote[key] = p
 
-    def _remote_answered(self, p: Pending, key: tuple[int, int], f: asyncio.Future) -> None:
+    def _remote_answered(self, p: Pending, key: tuple[int, int], exc: BaseException | None) -> None:
         """A remote request's answer here: served (the last worker answered its ingress) or an error to tell it."""
         self._settle(p)
         self._remote.pop(key, None)
-        exc = None if f.cancelled() else f.exception()
         if exc is not None:
             reason, detail = (exc.reason, exc.detail) if isinstance(exc, DroppedError) else ("worker-error", str(exc))
             self._tell(key[0]).refusals.append(Refusal((key[1],), reason, detail))
@@ -377,6 +380,21 @@ class IngressesMixin:
                 text = self.render_metrics()
                 for ingress in self._ingress_addrs:
                     self._tell(ingress).metrics = text
+
+    async def _time_out_remote(self) -> None:
+        """Answer ``timeout`` the ingresses' requests still unanswered at SLO + ``answer_grace_s``
+        (as a local request's own timer does), looking every ``REMOTE_TIMEOUT_CHECK_S`` or
+        half the grace, whichever is shorter: a timeout is a safety net (the data plane
+        dispatches or drops every request, and a batch's report deadline fails it), so one
+        sweep of the requests in flight replaces a timer per request."""
+        every_s = min(REMOTE_TIMEOUT_CHECK_S, self.answer_grace_s / 2)
+        while True:
+            await asyncio.sleep(every_s)
+            limit_us = self.clock.true_now_us() - self.answer_grace_s * 1e6
+            late = [p for p in self._remote.values() if p.slo_deadline_us < limit_us]
+            for p in late:
+                timeout_s = (p.slo_deadline_us - p.request.arrival_us) / 1e6 + self.answer_grace_s
+                self._timed_out(p.request.id, timeout_s)
 
     def render_metrics(self) -> bytes:
         """This host's Prometheus text, with the last that each ingress and (shard 0 of several
