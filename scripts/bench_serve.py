@@ -294,7 +294,8 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
     def scan(attainment, label: str) -> tuple[float | None, dict[str, float]]:
         """The paper's scan (1.0, 0.95, ... down to the first load at >= 99 %), continued
         upwards past 1.0 (1.05, 1.10, ... up to 1.5) while it still passes, so that a
-        system that carries more than the plan is told apart from one that just makes it."""
+        system that carries more than the plan is told apart from one that just makes it; then
+        refined at steps of 0.01 (:func:`refine`)."""
         seen: dict[str, float] = {}
         load, best = 1.0, None
         while 0.04 < load <= 1.5:
@@ -310,7 +311,23 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
                 break
             else:
                 load = round(load - 0.05, 2)
-        return best, seen
+        return refine(attainment, best, seen, label), seen
+
+    def refine(attainment, best: float | None, seen: dict[str, float], label: str) -> float | None:
+        """Between the highest load that held and the next step of 0.05 that did not, the
+        highest that holds at steps of 0.01 (the issue's "within 3 points" is finer than the
+        paper's step)."""
+        if best is None or best >= 1.5:
+            return best
+        for load in [round(best + 0.01 * k, 2) for k in range(1, 5)]:
+            if f"{load:.2f}" in seen:
+                break
+            a = seen[f"{load:.2f}"] = attainment(load)
+            print(f"   {label} load {load:.2f}: attainment {100 * a:.2f} %")
+            if a < 0.99:
+                break
+            best = load
+        return best
 
     def sim_attainment(load: float) -> float:
         return run_point(plan, profiles, cluster, load, config=SimConfig(duration_s=duration_s, seed=seed)).models[model].attainment
@@ -364,7 +381,7 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
         stop(srv, workers)
     print(f"   runtime:   max load factor at 99 % = {best}")
     if best is not None and sim_best is not None:
-        print(f"   difference: {100 * (best - sim_best):+.0f} points (target: within 5 for atss, 2 for rtmdet_x)")
+        print(f"   difference: {100 * (best - sim_best):+.0f} points (target: within 3)")
     if points:
         fe = float(np.median([p["frontend_cpu_ms_per_request"] for p in points.values()]))
         fe_beyond = float(np.median([p["frontend_cpu_ms_per_request_beyond_idle"] for p in points.values()]))
