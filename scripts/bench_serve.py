@@ -315,7 +315,7 @@ def rehearsal(model: str, duration_s: float, seed: int, tmp: Path, dilation: flo
 
     def refine(attainment, best: float | None, seen: dict[str, float], label: str) -> float | None:
         """Between the highest load that held and the next step of 0.05 that did not, the
-        highest that holds at steps of 0.01 (the issue's "within 3 points" is finer than the
+        highest that holds at steps of 0.01 (a gap of a few points is finer than the
         paper's step)."""
         if best is None or best >= 1.5:
             return best
