@@ -86,6 +86,15 @@ class AnswerTo(msgspec.Struct, **STRUCT):
     rids: tuple[int, ...]
 
 
+class Seal(msgspec.Struct, **STRUCT):
+    """The seal of a feature map in shared memory: 8 bytes at ``ref`` (a
+    :class:`~ppipe.runtime.wire.shared_inputs.SharedRef`) that hold ``token`` while the map
+    is the one sent (:mod:`ppipe.runtime.wire.handoff`)."""
+
+    ref: tuple[int, int, int, int]
+    token: int
+
+
 class StageMsg(msgspec.Struct, **STRUCT):
     """Stage ``stage`` of batch ``batch_id``, with the whole route so each worker can forward.
 
@@ -102,7 +111,8 @@ class StageMsg(msgspec.Struct, **STRUCT):
     and ``answers`` says which ingress the last stage answers with which rows of the
     outputs (its report to the scheduler then carries none). ``part`` None: the message
     carries the whole batch (or no tensors); ``answers`` empty: the outputs go with the
-    last report.
+    last report. ``seals``: where the tensors lie in the sender's shared memory, their
+    :class:`Seal` each, which the receiver checks once its stage ran (:mod:`ppipe.runtime.wire.handoff`).
     """
 
     batch_id: int
@@ -117,6 +127,7 @@ class StageMsg(msgspec.Struct, **STRUCT):
     carried: tuple[StageReport, ...] = ()
     part: tuple[int, int] | None = None
     answers: tuple[AnswerTo, ...] = ()
+    seals: tuple[Seal, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.route)

@@ -38,7 +38,8 @@ then is for a request that already has its answer, so nothing reaches a client.
 
 Where a worker is on another machine, or the arena is off (``PPIPE_SHARED_INPUTS_MB=0``:
 also for workers that cannot open the sender's ``/proc`` entries, e.g. in another PID
-namespace), inputs travel on the socket as before.
+namespace), inputs travel on the socket as before. The same switch turns off the feature
+maps that workers hand each other through memory of this kind (:mod:`ppipe.runtime.wire.handoff`).
 """
 
 from __future__ import annotations
@@ -303,7 +304,7 @@ def process_arena() -> InputArena | None:
     when shared inputs are off or the system has no memfd. A forked child makes its own."""
     global _arena, _arena_made
     if not _arena_made:
-        _arena, _arena_made = _new_arena(), True
+        _arena, _arena_made = new_arena(), True
     return _arena
 
 
@@ -317,7 +318,8 @@ def _forget_arena_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_arena_in_child)
 
 
-def _new_arena() -> InputArena | None:
+def new_arena() -> InputArena | None:
+    """A new arena sized by ``PPIPE_SHARED_INPUTS_MB``, or None when shared memory is off or the system has no memfd."""
     raw = os.environ.get("PPIPE_SHARED_INPUTS_MB", str(DEFAULT_LIMIT_MB))
     try:
         limit_mb = int(raw)

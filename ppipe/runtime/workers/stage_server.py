@@ -3,7 +3,9 @@
 A :class:`~ppipe.runtime.wire.messages.StageMsg` names the whole reserved route and its
 workers' addresses, so after stage k the output goes to ``addresses[k+1]`` as stage k+1's
 message without asking anyone, unless that edge is NCCL or a ring (then the frontend has
-posted stage k+1 itself and the tensors go over the edge).
+posted stage k+1 itself and the tensors go over the edge). Where worker k+1 is on this
+machine, the message names where the output lies in this worker's shared memory instead
+of carrying it (:mod:`ppipe.runtime.wire.handoff`; stage k+1 checks its seals once it ran).
 
 The report (the stage's wall-clock stamps, with the model's outputs after the last stage,
 or ``error`` when the stage failed) goes to the frontend at once, or rides on: with a
@@ -40,7 +42,9 @@ import numpy as np
 from ppipe.dataplane.feedback import ran_as_reserved
 from ppipe.runtime.clock import wall_us
 from ppipe.runtime.wire.datapath import LOOPBACK, DataPathFull, Inbox, Outbox, is_loopback_address, node_host
+from ppipe.runtime.wire.addresses import on_this_machine
 from ppipe.runtime.wire.frames import SharedTensorError, WireError, pack, unpack
+from ppipe.runtime.wire.handoff import HOLD_GRACE_US, MapHandoff
 from ppipe.runtime.wire.messages import Answer, StageMsg, StageReport
 
 log = logging.getLogger("ppipe.runtime")
@@ -104,6 +108,7 @@ class StageServer:
         self.frontend: str | None = None
         self._tasks: set[asyncio.Task] = set()
         self._parts: dict[int, _Parts] = {}  # batch id -> the parts of its inputs received so far
+        self.handoff = MapHandoff.for_this_process()  # the maps to workers on this machine
 
     def open(self, frontend: str, host: str | None = None) -> str:
         """Bind this worker's inbox (on the loopback address when the frontend is on it) and
@@ -190,14 +195,25 @@ class StageServer:
             return
         tol = msg.tolerance_us
         rides_on = tol is not None and ran_as_reserved(report, msg.timing[k], tol)
-        forward = msgspec.structs.replace(msg, stage=k + 1, sent_us=result.sent_us, carried=(*msg.carried, report) if rides_on else ())
+        forward = msgspec.structs.replace(msg, stage=k + 1, sent_us=result.sent_us, carried=(*msg.carried, report) if rides_on else (), seals=())
         try:
-            self.outbox.send(msg.addresses[k + 1], pack(forward, result.tensors))
+            self.outbox.send(msg.addresses[k + 1], self._forward(forward, result.tensors))
             if rides_on:
                 return
         except DataPathFull as exc:
             report = msgspec.structs.replace(report, error=f"DataPathFull: {exc}")
         self._report(report, msg.carried)
+
+    def _forward(self, forward: StageMsg, tensors: dict[str, Any] | None) -> list[Any]:
+        """The next stage's message: its maps in this worker's shared memory where that stage's
+        worker is on this machine (:mod:`ppipe.runtime.wire.handoff`), else on the socket."""
+        to = forward.addresses[forward.stage]
+        if tensors and self.handoff is not None and on_this_machine(to):
+            held_until = forward.timing[forward.stage].end_us + HOLD_GRACE_US
+            placed = self.handoff.place(tensors, held_until, self.now_us())
+            if placed is not None:
+                return pack(msgspec.structs.replace(forward, seals=placed[1]), placed[0], self.handoff.arena)
+        return pack(forward, tensors)
 
     def _answer(self, msg: StageMsg, outputs: dict[str, Any]) -> None:
         """Send each ingress its rows of the batch's outputs (views, not copies)."""

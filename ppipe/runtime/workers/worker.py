@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ppipe.errors import UserError
+from ppipe.runtime.wire.handoff import check_seals
 from ppipe.runtime.wire.messages import EdgeRef, StageMsg, StageReport
 from ppipe.runtime.workers.stage_clock import WALL_CLOCK, StageClock
 from ppipe.runtime.workers.stage_server import StageResult, StageServer
@@ -331,6 +332,8 @@ class VgpuWorker:
             tensors, xfer, not_before = await self._stage_input(msg, tensors, recv, received)
             await self.clock.sleep_until(max(not_before, msg.timing[k].start_us))
             outputs, start, end = await self._run_partition(tensors, msg.batch, device_out=send is not None)
+            if msg.seals:
+                check_seals(msg.seals)  # its input map was not reused while it ran
             self.batches += 1
             report = StageReport(msg.batch_id, k, self.spec.vgpu_id, start, end, xfer[0], xfer[1], received, self._node_id())
             if send is not None:
