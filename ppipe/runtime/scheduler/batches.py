@@ -40,7 +40,10 @@ class BatchesMixin:
             self.switches[-1]["first_dispatch_us"] = self.clock.true_now_us()
         for r in d.requests:
             self._mark_dispatched(r)
-        self.metrics.bound(self.metrics.batch, d.model).observe(d.batch)
+        by_size = self.metrics.batch_sizes.get(d.model)
+        if by_size is None:
+            by_size = self.metrics.batch_sizes[d.model] = {}
+        by_size[len(d.requests)] = by_size.get(len(d.requests), 0) + 1
         route = [s.vgpu_id for s in d.stages]
         trace = None
         if self.keep_traces:
@@ -125,33 +128,46 @@ class BatchesMixin:
         except WireError as exc:
             log.warning("dropped a malformed report: %s", exc)
             return
-        for earlier in rep.carried:
-            self._take_report(earlier, {}, carried=True)
-        self._take_report(rep, outputs)
-
-    def _take_report(self, rep: StageReportMsg, outputs: dict[str, np.ndarray], carried: bool = False) -> None:
         batch = self._inflight.get(rep.batch_id)
         if batch is None:  # a batch already failed (a worker on its route died)
             return
+        if rep.carried:
+            feed = self.report_tolerance_us is None or reads_every_report(self.scheduler)
+            for earlier in rep.carried:
+                if earlier.batch_id != rep.batch_id:
+                    self.refuse("report-of-another-batch", f"a report of batch {rep.batch_id} carried one of batch {earlier.batch_id}")
+                    return
+                if not self._take_report(batch, earlier, {}, feed):
+                    return
+        self._take_report(batch, rep, outputs, True)
+
+    def _take_report(self, batch: InFlight, rep: StageReportMsg, outputs: dict[str, np.ndarray], feed: bool) -> bool:
+        """Take one stage's report of ``batch``; False once the batch is no longer in flight
+        (it failed here, or a report was refused). ``feed``: give it to the scheduler unless it
+        ran as reserved (a carried report, when its tolerance lets it ride, is not fed at all)."""
         k = rep.stage
         if not 0 <= k < len(batch.route):
             log.warning("dropped a report of stage %s of batch %s, whose route has %d stages", k, rep.batch_id, len(batch.route))
-            return
+            return False
         if rep.vgpu_id != batch.route[k]:
             self.refuse("report-from-another-vgpu", f"batch {rep.batch_id} stage {k} went to {batch.route[k]}, its report says {rep.vgpu_id}")
-            return
+            return False
         if k not in batch.unreported:
             self.refuse("repeated-report", f"batch {rep.batch_id} stage {k} has reported already")
-            return
+            return False
         if rep.error is not None:
             log.warning("batch %s failed on %s: %s", batch.d.batch_id, rep.vgpu_id, rep.error)
             self._fail(batch, "worker-error", rep.error.splitlines()[0] if rep.error else "error")
-            return
+            return False
         batch.unreported.discard(k)
-        batch.next_stage = max(batch.next_stage, k + 1)
+        if k >= batch.next_stage:
+            batch.next_stage = k + 1
         if batch.trace is not None:  # in stage order, whatever order the reports came in
             insort(batch.trace.reports, msgspec.structs.replace(rep, carried=()), key=lambda r: r.stage)
-        self._report(batch.d, k, rep, carried)
+        busy = self.metrics.busy_s
+        busy[rep.vgpu_id] = busy.get(rep.vgpu_id, 0.0) + max(0.0, rep.end_us - rep.start_us) / 1e6
+        if feed:
+            self._report(batch.d, k, rep)
         if k == len(batch.route) - 1:
             now = self.clock.true_now_us()
             if batch.trace is not None:
@@ -161,6 +177,7 @@ class BatchesMixin:
                 self._answer(r.id, {n: a[i] for n, a in outputs.items()})
         if not batch.unreported:
             del self._inflight[batch.d.batch_id]
+        return True
 
     def refuse(self, reason: str, detail: str) -> None:
         """Count a refused data-path connection or report (``ppipe_datapath_refused_total``),
@@ -181,15 +198,10 @@ class BatchesMixin:
             if self._answer_error(r.id, DroppedError(reason, detail)) and reason == DropReason.WORKER_FAILED.value:
                 self.metrics.drops.labels(batch.d.model, reason).inc()
 
-    def _report(self, d: Dispatch, k: int, rep: StageReportMsg, carried: bool = False) -> None:
-        """Count the stage's busy time; feed the scheduler the report unless the stage ran as
-        reserved (a ``carried`` report did: its worker rode it on by the same tolerance)."""
+    def _report(self, d: Dispatch, k: int, rep: StageReportMsg) -> None:
+        """Feed the scheduler a stage's report, unless it ran as reserved: its times are the
+        tables' already, up to the report tolerance (:mod:`ppipe.dataplane.feedback`)."""
         c = self.clock
-        busy = self.metrics.busy_s
-        busy[rep.vgpu_id] = busy.get(rep.vgpu_id, 0.0) + max(0.0, rep.end_us - rep.start_us) / 1e6
-        tol = self.report_tolerance_us
-        if carried and tol is not None and not reads_every_report(self.scheduler):
-            return
         sr = StageReport(
             batch_id=d.batch_id,
             partition=d.stages[k].partition,
@@ -199,8 +211,9 @@ class BatchesMixin:
             transfer_start_us=None if rep.transfer_start_us is None else c.from_wall_us(rep.transfer_start_us),
             transfer_end_us=None if rep.transfer_end_us is None else c.from_wall_us(rep.transfer_end_us),
         )
+        tol = self.report_tolerance_us
         if tol is not None and not reads_every_report(self.scheduler) and ran_as_reserved(sr, d.stages[k], tol):
-            return  # its times are the tables' already, up to the tolerance (ppipe.dataplane.feedback)
+            return
         self._apply(self.scheduler.report(sr))
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 from typing import Mapping
 
-import numpy as np
 from prometheus_client import Gauge
 
 from ppipe.dataplane.margins import ModelMargins, adaptive_cap_us, check_margins, service_margins, serving_options
@@ -58,7 +57,7 @@ class ServiceBudgets:
             raise ValueError(f"dispatch lead and answer budget must be >= 0 us, got {lead_us} and {budget_us}")
         self.lead_us, self.budget_us = lead_us, budget_us
         self.margins: dict[str, ModelMargins] = {}
-        self._lateness: dict[str, np.ndarray] = {}  # per model, its last WINDOW batches' answer lateness
+        self._lateness: dict[str, list[float]] = {}  # per model, its last WINDOW batches' answer lateness (a ring)
         self._seen: dict[str, int] = {}
         self.late_us: dict[str, float] = {}  # per model, the adaptive part a before its cap
         self.typical_us: dict[str, float] = {}  # per model, the median lateness d before its cap
@@ -105,12 +104,12 @@ class ServiceBudgets:
         (else None)."""
         window = self._lateness.get(model)
         if window is None:
-            window = self._lateness[model] = np.zeros(WINDOW)
+            window = self._lateness[model] = [0.0] * WINDOW
         seen = self._seen[model] = self._seen.get(model, 0) + 1
         window[(seen - 1) % WINDOW] = late_us
         if seen % EVERY:
             return None
-        typical, late = np.percentile(window[: min(seen, WINDOW)], [50, 95])
+        typical, late = _percentiles(window[: min(seen, WINDOW)], (50, 95))
         self.typical_us[model], self.late_us[model] = max(0.0, float(typical)), max(0.0, float(late))
         x = self.margins.get(model)
         if x is None:
@@ -146,3 +145,16 @@ class ServiceBudgets:
             reserved.labels(m).set((x.lead_us + self._applied.get(m, x.budget_us)) / 1e3)
             slack.labels(m).set(x.slack_us / 1e3)
             drop.labels(m).set(self._applied_drop.get(m, x.budget_us) / 1e3)
+
+
+def _percentiles(values: list[float], qs: tuple[float, ...]) -> list[float]:
+    """NumPy's default percentiles (linear between the closest ranks) of a short list, for
+    the budgets' window (sorting a few hundred floats costs much less than ``np.percentile``)."""
+    xs = sorted(values)
+    out = []
+    for q in qs:
+        pos = q / 100 * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out.append(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+    return out

@@ -266,6 +266,12 @@ class IngressesMixin:
         Raises:
             DataPathFull: an ingress of the batch has gone.
         """
+        if len(d.requests) == 1:  # (the usual batch of one: the same answer, without the grouping)
+            p = d.requests[0].payload
+            addr = self._ingress_addrs.get(p.ingress)
+            if addr is None:
+                raise DataPathFull(f"ingress {p.ingress}, which holds inputs of batch {d.batch_id}, has gone")
+            return (AnswerTo(addr, 0, (p.rid,)),)
         groups: dict[int, list[int]] = {}
         for r in d.requests:
             groups.setdefault(r.payload.ingress, []).append(r.payload.rid)
@@ -283,6 +289,8 @@ class IngressesMixin:
         the rows' order of :meth:`_answers_to` (each ingress's requests together), or None
         where it cannot: a request whose arrival offered none, rows that disagree on their
         inputs' names, dtypes or shapes, or a ref of an ingress not on the worker's machine."""
+        if len(d.requests) == 1:
+            return self._forwarded_row(d.requests[0].payload, first_address)
         rows = [r.payload for r in d.requests]
         ingresses = dict.fromkeys(p.ingress for p in rows)
         if len(ingresses) > 1:
@@ -304,6 +312,13 @@ class IngressesMixin:
             else:
                 out[x.name] = ForwardedRows(x.dtype, x.shape, [c.ref for c in column], [])
         return out
+
+    def _forwarded_row(self, row: RemoteInput, first_address: str) -> dict[str, ForwardedRows] | None:
+        """:meth:`_forwarded_inputs` of a batch of one row (nothing to compare it with)."""
+        if not row.inputs or (any(x.ref is not None for x in row.inputs) and not self._near(row.ingress, first_address)):
+            return None
+        return {x.name: ForwardedRows(x.dtype, x.shape, [], [x.data]) if x.ref is None else ForwardedRows(x.dtype, x.shape, [x.ref], [])
+                for x in row.inputs}
 
     def _near(self, ingress: int, address: str) -> bool:
         """Whether ingress ``ingress`` is on the machine of the peer at ``address``."""

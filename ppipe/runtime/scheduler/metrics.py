@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Container, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -26,7 +26,10 @@ class RuntimeMetrics:
         self.latency = Histogram(
             "ppipe_request_latency_seconds", "Arrival to answer of served requests.", ["model"], buckets=LATENCY_BUCKETS_S, registry=r
         )
-        self.batch = Histogram("ppipe_batch_size", "Size of dispatched batches.", ["model"], buckets=BATCH_BUCKETS, registry=r)
+        # ppipe_batch_size: per model, one count per dispatched batch, kept as {model: {size:
+        # batches}} and made a histogram at each scrape (_BatchSizes), not observed per batch
+        self.batch_sizes: dict[str, dict[int, int]] = {}
+        r.register(_BatchSizes(self.batch_sizes))
         # ppipe_queue_length: per model, changed twice per request: read at each scrape from
         # the runtime's own counts (track_queues), not kept in a locked child
         # ppipe_vgpu_busy_seconds: seconds per vGPU, added by every stage report (several per
@@ -154,6 +157,26 @@ class _DictCollector:
         f = self.family(self.name, self.help_text, labels=[self.label])
         for key, value in sorted(self.values.items()):
             f.add_metric([key], value)
+        yield f
+
+
+class _BatchSizes:
+    """``ppipe_batch_size``, a histogram per model over :data:`BATCH_BUCKETS`, from the
+    runtime's counts of dispatched batches by size (``{model: {size: batches}}``)."""
+
+    def __init__(self, counts: Mapping[str, Mapping[int, int]]) -> None:
+        self.counts = counts
+
+    def describe(self):
+        return [HistogramMetricFamily("ppipe_batch_size", "Size of dispatched batches.", labels=["model"])]
+
+    def collect(self):
+        f = HistogramMetricFamily("ppipe_batch_size", "Size of dispatched batches.", labels=["model"])
+        for model, by_size in sorted(self.counts.items()):
+            sizes = sorted(by_size.items())
+            buckets = [(str(float(b)), sum(n for size, n in sizes if size <= b)) for b in BATCH_BUCKETS]
+            buckets.append(("+Inf", sum(n for _, n in sizes)))
+            f.add_metric([model], buckets, sum_value=float(sum(size * n for size, n in sizes)))
         yield f
 
 
