@@ -125,3 +125,16 @@ def test_a_stage_whose_input_map_was_reused_reports_an_error_not_an_answer(tinyn
                                                    (Reservation(None, 0, 0, 0), Reservation(0, 0, 0, 0)), sent_us=0.0, seals=seals),
                                           {"h": x}))
     assert result.report.error is None
+
+
+def test_the_slots_of_a_burst_give_their_pages_back_with_the_process_arena():
+    from ppipe.runtime.wire.shared_inputs import trim_process_arena
+
+    handoff = MapHandoff.for_this_process()
+    assert handoff is not None
+    for t in range(2):  # two maps held at once: two slots
+        handoff.place({"y": MAP}, hold_until_us=5.0, now_us=float(t))
+    handoff.place({"y": MAP}, hold_until_us=10.0, now_us=6.0)  # both holds over: one slot again, one free
+    gc.collect()
+    assert trim_process_arena() >= MAP.nbytes  # the free slot's pages (the held one keeps its own)
+    assert handoff.held == 1

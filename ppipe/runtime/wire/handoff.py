@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from ppipe.runtime.wire.messages import Seal
-from ppipe.runtime.wire.shared_inputs import InputArena, SharedInputError, SharedMaps, SharedRef, new_arena, process_maps
+from ppipe.runtime.wire.shared_inputs import (InputArena, SharedInputError, SharedMaps, SharedRef, new_arena, process_maps,
+                                              trim_with_process_arena)
 
 SEAL_BYTES = 64  # the slot's first bytes: the seal (8 bytes), then padding that keeps the map aligned
 HOLD_GRACE_US = 200e3  # a slot is held this long past its receiving stage's reserved end
@@ -50,11 +51,11 @@ class MapHandoff:
     """The sender's side: slots for the maps this worker sends to workers on its machine.
 
     Args:
-        arena: where the slots come from (None: :func:`~ppipe.runtime.wire.shared_inputs.new_arena`'s,
-            sized as the shared inputs are).
+        arena: where the slots come from (:meth:`for_this_process`: an arena of its own,
+            sized as the shared inputs' are, trimmed with them).
     """
 
-    def __init__(self, arena: InputArena | None = None):
+    def __init__(self, arena: InputArena):
         self.arena = arena
         self._held: list[tuple[float, int, np.ndarray]] = []  # (until, order, slot): a heap by until
         self._order = itertools.count()
@@ -63,7 +64,10 @@ class MapHandoff:
     def for_this_process(cls) -> "MapHandoff | None":
         """A handoff with an arena of its own, or None where shared memory is off."""
         arena = new_arena()
-        return None if arena is None else cls(arena)
+        if arena is None:
+            return None
+        trim_with_process_arena(arena)  # a burst's slots give their pages back on the process's timer
+        return cls(arena)
 
     def place(self, tensors: dict[str, Any], hold_until_us: float, now_us: float) -> tuple[dict[str, np.ndarray], tuple[Seal, ...]] | None:
         """Copy each tensor into a sealed slot, held until ``hold_until_us`` (wall clock):

@@ -331,9 +331,19 @@ def new_arena() -> InputArena | None:
     return InputArena(limit_mb << 20)
 
 
+_more_arenas: weakref.WeakSet[InputArena] = weakref.WeakSet()  # this process's other arenas (feature maps')
+
+
+def trim_with_process_arena(arena: InputArena) -> None:
+    """Trim ``arena`` whenever the process's own is trimmed (:func:`trim_process_arena`), for as long as it lives."""
+    _more_arenas.add(arena)
+
+
 def trim_process_arena() -> int:
-    """:meth:`InputArena.trim` of this process's arena, if it has made one; the bytes given back."""
-    return _arena.trim() if _arena is not None else 0
+    """:meth:`InputArena.trim` of this process's arena, if it has made one, and of the arenas
+    given to :func:`trim_with_process_arena`; the bytes given back."""
+    own = _arena.trim() if _arena is not None else 0
+    return own + sum(a.trim() for a in list(_more_arenas))
 
 
 def shared_arena_for(addr: str) -> InputArena | None:
