@@ -70,24 +70,38 @@ def simulate(plan, profiles, cluster, rates: dict[str, float], duration_s: float
     return {m: (res.models[m].attainment, res.models[m].p50_latency_ms) for m in rates}
 
 
-def drive(url: str, rates: dict[str, float], duration_s: float, nice: int = 0) -> dict[str, dict]:
+CLIENT_START_S = 1.5  # what one `ppipe bench` may take to load on a loaded 2-core host
+
+
+def drive(url: str, rates: dict[str, float], duration_s: float, nice: int = 0, meter=None) -> dict[str, dict]:
     """``ppipe bench --binary`` per model, all at once, each in its own process (a client
     in the server's process would share its interpreter lock), at niceness ``nice`` (above 0:
     the server's processes take the cores first, as if the clients ran elsewhere; their own
-    lag, printed, grows instead); returns their figures."""
+    lag, printed, grows instead); returns their figures. Their arrivals begin together
+    (``--start-at``), once every client has loaded: a client that began at once would send
+    its first second beside the others' start-up. ``meter()`` (optional) is read when the
+    arrivals begin and when the clients are done: ``figures["meter"]`` is the pair."""
     import json
     import subprocess
     import tempfile
+    import time
 
     out = Path(tempfile.mkdtemp())
+    start_at = time.time() + CLIENT_START_S * len(rates)
     procs = [subprocess.Popen([str(Path(sys.executable).with_name("ppipe")), "bench", url, "--model", m, "--rate", f"{r}", "--duration-s",
-                               f"{duration_s}", "--binary", "--seed", str(i), "--json-out", str(out / f"{m}.json")],
+                               f"{duration_s}", "--binary", "--seed", str(i), "--json-out", str(out / f"{m}.json"), "--start-at", f"{start_at:.3f}"],
                               stdout=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(nice)) if nice else None)
              for i, (m, r) in enumerate(rates.items())]
+    if meter is not None:
+        time.sleep(max(0.0, start_at - time.time()))
+        before = meter()
     for p in procs:
         if p.wait() != 0:
             raise SystemExit(f"ppipe bench exited with {p.returncode}")
-    return {m: json.loads((out / f"{m}.json").read_text()) for m in rates}
+    figures = {m: json.loads((out / f"{m}.json").read_text()) for m in rates}
+    if meter is not None:
+        figures["meter"] = (before, meter())
+    return figures
 
 
 def serve_command(plan_file: str, ingress: int):
@@ -226,9 +240,8 @@ def main() -> None:
             sim = simulate(plan, profiles, cluster, rates, args.duration_s)
             since = len(rt.traces) if rt is not None else 0
             loop_s = hostspeed.loop_seconds(repeat=1)  # the host's speed may change between runs (a VM's neighbours)
-            before = cpu.read()
-            served = drive(url, rates, args.duration_s, args.client_nice)
-            after = cpu.read()
+            served = drive(url, rates, args.duration_s, args.client_nice, meter=cpu.read)
+            before, after = served.pop("meter")
             label = "all three" if len(rates) > 1 else "alone"
             print(f"\n{label} at {args.load:g} of the planned rate" + (f", clients at nice {args.client_nice}" if args.client_nice else "")
                   + f" (10M-add loop {loop_s:.2f} s just before)")

@@ -388,8 +388,11 @@ def _warm_up_replanner(replan, plan) -> None:
 @click.option("--images", "images_dir", type=click.Path(file_okay=False), default=None,
               help="Send the image files (JPEG, PNG, ...) of this folder in turn, as BYTES inputs, instead of a random tensor "
               "(models whose model.yaml declares a preprocess).")
+@click.option("--start-at", "start_at", type=float, default=None, metavar="UNIX_S",
+              help="Begin the arrivals at this wall-clock time (seconds since the epoch) rather than at once, the connections "
+              "already open: several benches started together then send together, each once it has loaded.")
 def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms, seed, token, json_out, client, input_shape, grpc_address,
-          records_out, images_dir):
+          records_out, images_dir, start_at):
     """Open-loop load against URL (a `ppipe serve`): SLO attainment, goodput, p50/p99, drops."""
     from ppipe.runtime.client.bench import format_table, load_images, run_bench, to_json
 
@@ -405,7 +408,7 @@ def bench(url, model, rate_rps, duration_s, arrivals, trace, cv, binary, slo_ms,
     res = asyncio.run(
         run_bench(url, model, rate_rps, duration_s, arrivals=arrivals, trace=trace, binary=binary, seed=seed, slo_ms=slo_ms, token=token, cv=cv,
                   client=client, input_shape=shape, grpc=grpc_address, records=records,
-                  images=load_images(images_dir) if images_dir else None)
+                  images=load_images(images_dir) if images_dir else None, start_at=start_at)
     )
     if records_out:
         with open(records_out, "w") as fh:

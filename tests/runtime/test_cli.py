@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -57,6 +58,11 @@ def test_bench_without_a_server_says_so():
     assert "cannot reach http://127.0.0.1:9" in r.output
 
 
+def test_bench_refuses_a_start_time_that_has_passed():
+    r = CliRunner().invoke(main, ["bench", "http://127.0.0.1:9", "--model", "m", "--rate", "10", "--start-at", "1000"])
+    assert r.exit_code == 2 and "--start-at is" in r.output and "in the past" in r.output
+
+
 def test_bench_against_a_running_server(tinynet, tmp_path):
     from ppipe.runtime.launch.deploy import load_deployment
     from ppipe.runtime.launch.local import start_local_workers
@@ -77,6 +83,10 @@ def test_bench_against_a_running_server(tinynet, tmp_path):
             r = CliRunner().invoke(main, ["bench", srv.url, "--model", "tinynet", "--rate", "40", "--duration-s", "1.0",
                                           "--binary", "--token", "s3cret", "--json-out", str(out)])
             denied = CliRunner().invoke(main, ["bench", srv.url, "--model", "tinynet", "--rate", "5", "--duration-s", "0.5"])
+            t0 = time.time()
+            later = CliRunner().invoke(main, ["bench", srv.url, "--model", "tinynet", "--rate", "20", "--duration-s", "0.3",
+                                              "--token", "s3cret", "--start-at", f"{t0 + 1.0}"])
+            waited_s = time.time() - t0
     finally:
         for h in workers.values():
             h.kill()
@@ -90,6 +100,8 @@ def test_bench_against_a_running_server(tinynet, tmp_path):
     assert res["on_time"] <= res["server_on_time"] <= res["ok"]
     assert "at the server" in r.output and "held within the SLO" in r.output
     assert denied.exit_code == 2 and "HTTP 401" in denied.output
+    assert later.exit_code == 0, later.output
+    assert waited_s >= 1.3 and "SLO attainment" in later.output  # it began at --start-at, then sent for 0.3 s
 
 
 @pytest.mark.parametrize("header, ms", [("ppipe;dur=12.5", 12.5), ("db;dur=3, ppipe;desc=\"x\";dur=0.25", 0.25),

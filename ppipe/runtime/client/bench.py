@@ -19,6 +19,7 @@ import asyncio
 import io
 import itertools
 import json
+import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -210,12 +211,18 @@ async def run_bench(
     grpc: str | None = None,
     records: list | None = None,
     images: list[bytes] | None = None,
+    start_at: float | None = None,
 ) -> BenchResult:
     """Drive ``url`` open loop (or, with ``grpc``, that gRPC address); returns the figures
     (see :class:`BenchResult`). ``binary``: REST's binary extension, gRPC's raw_input_contents.
     ``images``: encoded image files, sent in turn as BYTES inputs (instead of one random tensor).
     ``records``: a list that gets one ``(send offset s, outcome, latency ms)`` per request, in
-    answer order; the outcome is ``"200"``, the drop reason, or the error."""
+    answer order; the outcome is ``"200"``, the drop reason, or the error. ``start_at``: the
+    wall-clock time (``time.time()``) of the first arrival window's start (None: at once),
+    so that benches started together send together once each has loaded. The HTTP
+    connections that the rate needs are open before the first arrival (:func:`_warm`)."""
+    if start_at is not None:
+        _check_start(start_at)
     headers = {"authorization": f"Bearer {token}"} if token else {}
     base = url.rstrip("/")
     meta = await _fetch_metadata(url, model, headers, timeout_s)
@@ -233,10 +240,37 @@ async def run_bench(
         sender = _http_sender(client, base, headers, timeout_s, f"/v2/models/{model}/infer", bodies)
     tally = _Tally(slo, records)
     try:
+        await _warm(sender, rate_rps, slo, start_at)
         await _send_open_loop(times_us, sender, tally)
     finally:
         await sender.close()
     return tally.result(model=model, arrivals=arrivals, offered_rps=rate_rps, duration_s=duration_s, sent=len(times_us))
+
+
+WARM_AHEAD_S = 0.3  # connections are opened this long before a --start-at (a server closes idle ones after seconds)
+
+
+async def _warm(sender: "_Sender", rate_rps: float, slo_ms: float, start_at: float | None) -> None:
+    """Wait for ``start_at`` (if given), opening ahead of it the connections that about three
+    SLOs' worth of arrivals would hold at once (at least two, at most 64).
+
+    Raises:
+        UserError: ``start_at`` has passed.
+    """
+    if start_at is not None:
+        _check_start(start_at)
+        await asyncio.sleep(max(0.0, start_at - time.time() - WARM_AHEAD_S))
+    if sender.warm is not None:
+        await sender.warm(min(64, max(2, math.ceil(3 * rate_rps * slo_ms / 1e3))))
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+
+
+def _check_start(start_at: float) -> None:
+    """Refuse a start time that has passed (UserError)."""
+    ahead = start_at - time.time()
+    if ahead < 0:
+        raise UserError(f"--start-at is {-ahead:.1f} s in the past", fix="give a time a few seconds ahead, e.g. $(($(date +%s) + 5))")
 
 
 async def _fetch_metadata(url: str, model: str, headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
@@ -262,6 +296,7 @@ class _Sender:
     post: Callable[[], Awaitable[tuple[int | str, Any]]]
     close: Callable[[], Awaitable[None]]
     errors: tuple[type[BaseException], ...]
+    warm: Callable[[int], Awaitable[None]] | None = None  # open this many connections now (where the client keeps a pool)
 
 
 def _grpc_sender(address: str, token: str | None, timeout_s: float, grpc_bodies: list[bytes]) -> _Sender:
@@ -302,7 +337,7 @@ def _http_sender(client: str, base: str, headers: dict[str, str], timeout_s: flo
             status, hdrs, _ = await raw.request("POST", path, body, req_headers)
             return status, hdrs
 
-        return _Sender(post_raw, raw.aclose, (HttpError, OSError, asyncio.TimeoutError))
+        return _Sender(post_raw, raw.aclose, (HttpError, OSError, asyncio.TimeoutError), raw.warm)
     raise UserError(f"unknown client '{client}'", fix="use raw or httpx")
 
 

@@ -72,6 +72,13 @@ class RawHttpClient:
             return status, hdrs, data
         raise HttpError("unreachable")  # pragma: no cover
 
+    async def warm(self, connections: int) -> None:
+        """Open ``connections`` keep-alive connections now (those a long-running client holds),
+        so that the first requests do not each wait for a connection of their own."""
+        opened = await asyncio.gather(*(asyncio.open_connection(self.host, self.port) for _ in range(connections)))
+        self.opened += len(opened)
+        self._idle.extend(opened)
+
     async def _read(self, reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
         line = await reader.readline()
         if not line:
