@@ -14,6 +14,11 @@ received" at the sender, median over ``--repeats`` messages (after two warm-ups)
   serve`` runs them (:mod:`ppipe.runtime.wire.handshake`: one challenge-response per
   connection, nothing per message); and the set-up of an authenticated connection against
   a plain one (connect, handshake, a first small message delivered), median of 21.
+* ``<loop>+handoff`` (``--handoff``): the map copied into a sealed slot of the sender's
+  shared memory and named in the message instead of sent
+  (:class:`~ppipe.runtime.wire.handoff.MapHandoff`), its seal checked at the receiver, as
+  two workers of one machine hand each other maps; the hold ends with each ack, so its
+  slot is reused, as in steady serving.
 * ``socket``: the same bytes with ``sendall`` into a blocking socket, received with
   ``recv_into`` into a buffer allocated once; a one-byte ack. Its time is the floor the
   data path is measured against (``ratio`` = socket time / datapath time, i.e. datapath
@@ -27,6 +32,7 @@ Usage::
 
     python scripts/bench_datapath.py                      # 64 KiB, 1, 4, 13, 32 MB; 31 repeats
     python scripts/bench_datapath.py --mb 13 --repeats 31 --loop uvloop --auth
+    python scripts/bench_datapath.py --mb 1.53,13 --loop uvloop --handoff
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ def _probe_type():
         i: int
         nbytes: int = 0
         stop: bool = False
+        seals: tuple[tuple[tuple[int, int, int, int], int], ...] = ()
 
     return Probe
 
@@ -84,6 +91,8 @@ def _datapath_receiver(kind: str, ack_addr: str, pipe, secret: bytes | None = No
     """Answer every map with ``Probe(i)`` to ``ack_addr``; stop on a probe with ``stop``."""
     from ppipe.runtime.wire.datapath import Inbox, Outbox
     from ppipe.runtime.wire.frames import pack, unpack
+    from ppipe.runtime.wire.handoff import check_seals
+    from ppipe.runtime.wire.messages import Seal
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -95,6 +104,8 @@ def _datapath_receiver(kind: str, ack_addr: str, pipe, secret: bytes | None = No
                 stop.set()
                 return
             assert tensors["x"].nbytes == header.nbytes
+            if header.seals:  # a map handed over in shared memory: its seal checked, as a worker does after its stage
+                check_seals(tuple(Seal(ref, token) for ref, token in header.seals))
             out.send(ack_addr, pack(Probe(header.i)))
 
         inbox = Inbox(on_message, secret=secret)
@@ -112,8 +123,12 @@ class DatapathPair:
     """This process's Outbox and Inbox on a loop of ``kind``, and a receiver process; with
     ``secret``, every connection between them authenticated."""
 
-    def __init__(self, kind: str, secret: bytes | None = None):
+    def __init__(self, kind: str, secret: bytes | None = None, handoff: bool = False):
+        from ppipe.runtime.wire.handoff import MapHandoff
+        from ppipe.runtime.wire.shared_inputs import InputArena
+
         self.secret = secret
+        self.handoff = MapHandoff(InputArena(min_bytes=0)) if handoff else None  # (every size, to find where it pays)
         self.loop = _new_loop(kind)
         self.acks: dict[int, asyncio.Future] = {}
         self.i = 0
@@ -136,7 +151,12 @@ class DatapathPair:
         self.i += 1
         ack = self.acks[self.i] = self.loop.create_future()
         t0 = time.perf_counter()
-        self.out.send(self.addr, pack(Probe(self.i, x.nbytes), {"x": x}))
+        if self.handoff is None:
+            self.out.send(self.addr, pack(Probe(self.i, x.nbytes), {"x": x}))
+        else:  # as a worker sends a map to one on its machine: copied into a sealed slot, named by where it lies
+            placed, seals = self.handoff.place({"x": x}, hold_until_us=0.0, now_us=1.0)  # (the ack ends each hold)
+            probe = Probe(self.i, x.nbytes, seals=tuple((s.ref, s.token) for s in seals))
+            self.out.send(self.addr, pack(probe, placed, self.handoff.arena))
         await ack
         return time.perf_counter() - t0
 
@@ -251,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=31, help="timed messages per size (median reported)")
     ap.add_argument("--loop", choices=["asyncio", "uvloop", "both"], default="both")
     ap.add_argument("--auth", action="store_true", help="also authenticated connections, as ppipe serve runs them")
+    ap.add_argument("--handoff", action="store_true",
+                    help="also each loop's map handed over in shared memory (ppipe.runtime.wire.handoff), as between workers of one machine")
     args = ap.parse_args(argv)
 
     from hostspeed import host_line
@@ -265,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs.update((k, DatapathPair(k)) for k in loops)
     if args.auth:
         pairs.update((f"{k}+auth", DatapathPair(k, secret)) for k in loops)
+    if args.handoff:
+        pairs.update((f"{k}+handoff", DatapathPair(k, handoff=True)) for k in loops)
     kinds = [k for k in pairs if k != "socket"]
     try:
         got = medians(pairs, maps, args.repeats)

@@ -10,7 +10,7 @@ import pytest
 
 from ppipe.runtime.wire.datapath import Inbox, Outbox
 from ppipe.runtime.wire.frames import pack, unpack
-from ppipe.runtime.wire.handoff import SEAL_BYTES, MapHandoff, MapReused, check_seals
+from ppipe.runtime.wire.handoff import MIN_MAP_BYTES, SEAL_BYTES, MapHandoff, MapReused, check_seals
 from ppipe.runtime.wire.messages import Reservation, Seal, StageMsg, StageReport
 from ppipe.runtime.wire.shared_inputs import InputArena, SharedMaps
 from ppipe.runtime.workers.stage_server import StageResult, StageServer
@@ -61,6 +61,9 @@ def test_small_maps_and_a_full_arena_go_on_the_socket():
     full = MapHandoff(InputArena(limit_bytes=512 << 10))
     assert full.place({"y": MAP}, 1.0, 0.0) is None and full.held == 0
     assert MapHandoff(InputArena()).place({"y": np.array([object()] * 10000)}, 1.0, 0.0) is None
+    served = MapHandoff.for_this_process()  # as a worker makes it: from MIN_MAP_BYTES up
+    assert served.place({"y": np.zeros(MIN_MAP_BYTES // 4, np.float16)}, 1.0, 0.0) is None
+    assert served.place({"y": np.zeros(MIN_MAP_BYTES // 2, np.float16)}, 1.0, 0.0) is not None
 
 
 def test_the_seal_is_ahead_of_the_map_in_its_slot():

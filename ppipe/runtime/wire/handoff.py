@@ -22,8 +22,9 @@ its token after the stage means no new writer had started when the stage ended.
 x86-64 keeps each core's stores in order, and glibc's ``memcpy`` fences its
 non-temporal stores, so the token is seen only after the map it seals.
 
-Maps under the arena's minimum (64 KiB), or where the arena is full or off
-(``PPIPE_SHARED_INPUTS_MB=0``), travel on the socket as before.
+Maps under :data:`MIN_MAP_BYTES`, where a socket moves them as cheaply as the copy and
+the seals cost (``scripts/bench_datapath.py --handoff``), or where the arena is full or
+off (``PPIPE_SHARED_INPUTS_MB=0``), travel on the socket as before.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ppipe.runtime.wire.shared_inputs import (InputArena, SharedInputError, Shar
 
 SEAL_BYTES = 64  # the slot's first bytes: the seal (8 bytes), then padding that keeps the map aligned
 HOLD_GRACE_US = 200e3  # a slot is held this long past its receiving stage's reserved end
+MIN_MAP_BYTES = 512 * 1024  # smaller maps go on the socket
 
 
 class MapReused(RuntimeError):
@@ -63,7 +65,7 @@ class MapHandoff:
     @classmethod
     def for_this_process(cls) -> "MapHandoff | None":
         """A handoff with an arena of its own, or None where shared memory is off."""
-        arena = new_arena()
+        arena = new_arena(min_bytes=SEAL_BYTES + MIN_MAP_BYTES)
         if arena is None:
             return None
         trim_with_process_arena(arena)  # a burst's slots give their pages back on the process's timer

@@ -318,8 +318,9 @@ def _forget_arena_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_arena_in_child)
 
 
-def new_arena() -> InputArena | None:
-    """A new arena sized by ``PPIPE_SHARED_INPUTS_MB``, or None when shared memory is off or the system has no memfd."""
+def new_arena(min_bytes: int = DEFAULT_MIN_BYTES) -> InputArena | None:
+    """A new arena sized by ``PPIPE_SHARED_INPUTS_MB`` (giving no slot under ``min_bytes``), or
+    None when shared memory is off or the system has no memfd."""
     raw = os.environ.get("PPIPE_SHARED_INPUTS_MB", str(DEFAULT_LIMIT_MB))
     try:
         limit_mb = int(raw)
@@ -328,7 +329,7 @@ def new_arena() -> InputArena | None:
         return None
     if limit_mb <= 0 or not hasattr(os, "memfd_create"):
         return None
-    return InputArena(limit_mb << 20)
+    return InputArena(limit_mb << 20, min_bytes)
 
 
 _more_arenas: weakref.WeakSet[InputArena] = weakref.WeakSet()  # this process's other arenas (feature maps')
