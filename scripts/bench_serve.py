@@ -192,8 +192,12 @@ def map_bytes_per_request(plan, profile) -> tuple[float, int]:
 
 def datapath_gbps(nbytes: int) -> float:
     """This host's data-path rate (GB/s) for one map of ``nbytes`` between two processes, as
-    ``scripts/bench_datapath.py`` measures it (median of 5, after one warm-up)."""
+    ``scripts/bench_datapath.py`` measures it (median of 5, after one warm-up), the way the
+    rehearsal's local workers send it: handed over in shared memory from
+    :data:`~ppipe.runtime.wire.handoff.MIN_MAP_BYTES` up (where it is on), else on the socket."""
     from bench_datapath import DatapathPair
+
+    from ppipe.runtime.wire.handoff import MIN_MAP_BYTES, MapHandoff
 
     try:
         import uvloop  # noqa: F401  (the workers' and the frontend's loop where installed)
@@ -201,7 +205,7 @@ def datapath_gbps(nbytes: int) -> float:
         kind = "uvloop"
     except ImportError:
         kind = "asyncio"
-    pair = DatapathPair(kind)
+    pair = DatapathPair(kind, handoff=nbytes >= MIN_MAP_BYTES and MapHandoff.for_this_process() is not None)
     try:
         x = np.zeros(max(1, nbytes // 2), np.float16)
         pair.time_one(x)
