@@ -179,9 +179,10 @@ def _refused(rt) -> dict[str, float]:
 
 def test_a_served_batch_crosses_authenticated_connections_and_forgeries_change_nothing(tinynet, caplog):
     """The workers get the server's secret as their data paths open, and every connection
-    proves it. A connection without it, a report from another vGPU than its stage's, and a
-    report of a stage that reported already are refused, logged and counted; the request
-    is answered with its own outputs all the same."""
+    proves it. A connection without it, a report from another vGPU than its stage's, a
+    report of a stage that reported already, and a report that carries one of another
+    batch are refused, logged and counted; the request is answered with its own outputs
+    all the same."""
     from ppipe.runtime.wire.messages import StageReport
 
     rt, peers = _secret_runtime(tinynet)
@@ -204,6 +205,8 @@ def test_a_served_batch_crosses_authenticated_connections_and_forgeries_change_n
         armed = Outbox(secret=SECRET)
         armed.send(rt._inbox.address, pack(StageReport(batch, 1, first, 1.0, 2.0), forged))  # stage 1 is not first's
         armed.send(rt._inbox.address, pack(StageReport(batch, 0, first, 1.0, 2.0)))  # stage 0 reported already
+        stray = StageReport(batch + 99, 0, first, 1.0, 2.0)  # riding on a report of another batch
+        armed.send(rt._inbox.address, pack(StageReport(batch, 1, last, 1.0, 2.0, carried=(stray,)), forged))
         await asyncio.sleep(0.3)
         peers[last].hold.set()
         out = await asyncio.wait_for(answer, 10)
@@ -214,5 +217,5 @@ def test_a_served_batch_crosses_authenticated_connections_and_forgeries_change_n
     with caplog.at_level(logging.WARNING, "ppipe.runtime"):
         out = asyncio.run(main())
     assert out["y"].tolist() == [12.0, 12.0]  # (5 + 1) * 2, not the forger's 666
-    assert _refused(rt) == {"handshake": 1.0, "report-from-another-vgpu": 1.0, "repeated-report": 1.0}
+    assert _refused(rt) == {"handshake": 1.0, "report-from-another-vgpu": 1.0, "repeated-report": 1.0, "report-of-another-batch": 1.0}
     assert "refused a connection from 127.0.0.1" in caplog.text or f"refused a connection from process {os.getpid()} " in caplog.text and "refused (report-from-another-vgpu)" in caplog.text
