@@ -135,9 +135,22 @@ def test_the_slots_of_a_burst_give_their_pages_back_with_the_process_arena():
 
     handoff = MapHandoff.for_this_process()
     assert handoff is not None
-    for t in range(2):  # two maps held at once: two slots
-        handoff.place({"y": MAP}, hold_until_us=5.0, now_us=float(t))
-    handoff.place({"y": MAP}, hold_until_us=10.0, now_us=6.0)  # both holds over: one slot again, one free
+    keep = handoff.arena.keep_resident
+    for t in range(keep + 3):  # a burst: that many maps held at once, one slot each
+        handoff.place({"y": MAP}, hold_until_us=5.0, now_us=float(t) / 10)
+    handoff.place({"y": MAP}, hold_until_us=10.0, now_us=6.0)  # the holds over: one slot again, keep + 2 free
     gc.collect()
-    assert trim_process_arena() >= MAP.nbytes  # the free slot's pages (the held one keeps its own)
+    assert trim_process_arena() >= 2 * MAP.nbytes  # the free slots past the few taken next
     assert handoff.held == 1
+
+
+def test_a_worker_writes_ahead_the_slots_its_first_maps_take():
+    import os
+
+    handoff = MapHandoff.for_this_process()
+    assert handoff.prefault(MAP.nbytes) == handoff.arena.keep_resident
+    (seg,) = handoff.arena._segments
+    assert os.fstat(seg.fd).st_blocks * 512 >= handoff.arena.keep_resident * MAP.nbytes  # resident before any map
+    placed, _ = handoff.place({"y": MAP}, 1.0, 0.0)
+    assert handoff.arena.locate(placed["y"]).fd == seg.fd  # the first map takes one of them
+    assert handoff.prefault(1000) == 0  # a map that goes on the socket needs none

@@ -216,7 +216,7 @@ def test_ppipe_shared_inputs_mb_sizes_or_turns_off_the_arena(monkeypatch, value,
 
 
 def test_a_trim_gives_back_the_pages_of_free_slots_and_keeps_those_in_use():
-    arena = InputArena(min_bytes=0)
+    arena = InputArena(min_bytes=0, keep_resident=0)
     held, freed = arena.take(1 << 20), arena.take(1 << 20)
     held[:], freed[:] = 1, 2  # their pages are written: resident in the memfd
     seg = arena._segments[0]
@@ -266,3 +266,19 @@ def test_a_slot_given_back_inside_the_arenas_own_lock_does_not_stop_the_thread()
     assert arena.lent_bytes == 0
     again = arena.take(1000)
     assert again is not None and arena.lent_bytes == slot_bytes(1000)
+
+
+def test_a_trim_leaves_the_slots_taken_next_resident_and_prefault_writes_them_ahead():
+    arena = InputArena(min_bytes=0, keep_resident=2)
+    assert arena.prefault(1 << 20) == 2
+    seg = arena._segments[0]
+    assert os.fstat(seg.fd).st_blocks * 512 >= 2 << 20  # written ahead: resident
+    assert arena.trim() == 0  # the two slots taken next stay
+    burst = [arena.take(1 << 20) for _ in range(5)]
+    for b in burst:
+        b[:] = 3
+    del burst, b
+    gc.collect()
+    assert arena.trim() == 3 << 20  # the burst's other three go back
+    assert os.fstat(seg.fd).st_blocks * 512 <= 3 << 20
+    assert arena.trim() == 0

@@ -61,8 +61,9 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import math
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 from starlette.applications import Starlette
@@ -79,6 +80,7 @@ from ppipe.runtime.ingress.model_io import check_infer_inputs, model_metadata
 from ppipe.runtime.ingress.protocol import HEADER_LENGTH, InferRequest, ProtocolError, brief, encode_infer_response, stacked_outputs
 from ppipe.dataplane.decode import decode_slack_us, latest_end_us, refusal
 from ppipe.runtime.scheduler.host import DroppedError, Runtime
+from ppipe.runtime.wire.shared_inputs import prefault_input_slots
 
 log = logging.getLogger(__name__)
 
@@ -416,6 +418,16 @@ _ENDPOINTS = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/openapi.json, /v2
               "POST /v2/models/NAME/infer, /v2/admin/plan")
 
 
+def _input_bytes(profiles: Mapping[str, Any]) -> list[int]:
+    """Bytes of one sample's input tensor of each model that declares its input."""
+    out = []
+    for p in profiles.values():
+        spec = p.manifest.input
+        if spec is not None and all(d > 0 for d in spec.shape):
+            out.append(math.prod(spec.shape) * np.dtype(spec.dtype).itemsize)
+    return out
+
+
 def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_shutdown=None,
                companions=(), body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, decode_workers: int | None = None):
     """The ASGI app; starts the runtime (clock, scheduler, data path, lifelines) and the JSON decode
@@ -434,6 +446,7 @@ def create_app(runtime: Runtime, token: str | None = None, max_body_bytes: int =
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await runtime.start()
+        prefault_input_slots(_input_bytes(runtime.profiles))  # a fresh server's first bodies find their pages in place
         started = []
         try:
             await fe.decoder.start()

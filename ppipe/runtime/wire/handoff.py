@@ -97,6 +97,11 @@ class MapHandoff:
             heapq.heappush(self._held, (hold_until_us, next(self._order), slot))
         return placed, tuple(seals)
 
+    def prefault(self, nbytes: int) -> int:
+        """Write ahead the slots that maps of ``nbytes`` take first
+        (:meth:`~ppipe.runtime.wire.shared_inputs.InputArena.prefault`); how many."""
+        return self.arena.prefault(SEAL_BYTES + nbytes) if SEAL_BYTES + nbytes >= self.arena.min_bytes else 0
+
     def _let_go(self, now_us: float) -> None:
         """Drop the slots whose hold has ended (each goes back to the arena with its last view)."""
         held = self._held

@@ -63,6 +63,7 @@ log = logging.getLogger("ppipe.runtime")
 SEGMENT_BYTES = 64 * 1024 * 1024  # memory of one memfd (a slot larger than this gets a segment of its own)
 DEFAULT_LIMIT_MB = 1024  # segments one process may hold (PPIPE_SHARED_INPUTS_MB; 0 turns shared inputs off)
 DEFAULT_MIN_BYTES = 64 * 1024  # smaller bodies are plain bytes: a socket moves them as cheaply
+KEEP_RESIDENT = 4  # free slots of each size class a trim leaves resident (those taken next)
 MEMFD_PREFIX = "ppipe-inputs-"
 ALIGN = 64  # a body is placed so that its tensors start on this boundary
 PAGE = 4096
@@ -103,8 +104,8 @@ class InputArena:
     """Slots of shared memory for inputs (see the module's docstring). Thread-safe: bodies
     are filled on the event loop, and slots come back from whichever thread drops the last view."""
 
-    def __init__(self, limit_bytes: int = DEFAULT_LIMIT_MB << 20, min_bytes: int = DEFAULT_MIN_BYTES):
-        self.limit_bytes, self.min_bytes = limit_bytes, min_bytes
+    def __init__(self, limit_bytes: int = DEFAULT_LIMIT_MB << 20, min_bytes: int = DEFAULT_MIN_BYTES, keep_resident: int = KEEP_RESIDENT):
+        self.limit_bytes, self.min_bytes, self.keep_resident = limit_bytes, min_bytes, keep_resident
         self.pid = os.getpid()
         self.held_bytes = 0  # of segments
         self._lent = 0  # bytes of slots handed out, less those on their free lists again
@@ -181,20 +182,32 @@ class InputArena:
             return self._lent
 
     def trim(self) -> int:
-        """Give back the pages of the free slots written since the last trim
+        """Give back the pages of the free slots written since they were last trimmed
         (``MADV_REMOVE``: the memfd's pages are freed, a slot reads zeros until written
-        again); returns the bytes given back. Called every few seconds, it bounds what the
-        arena holds by what is in use, not by its largest burst (as ``malloc_trim`` does the heap's)."""
+        again), but for the ``keep_resident`` of each size class that are taken next;
+        returns the bytes given back. Called every few seconds, it bounds what the arena
+        holds by what is in use, not by its largest burst (as ``malloc_trim`` does the
+        heap's), while the next few bodies of each size find their pages in place (a page
+        written for the first time costs a fault, dear on a VM)."""
         freed = 0
         with self._lock:
             self._take_returned()
             for size, free in self._free.items():
-                for seg, offset in free:
+                for seg, offset in free[: max(0, len(free) - self.keep_resident)]:  # (the list's end is taken next)
                     if (seg, offset) in self._written:
                         seg.map.madvise(mmap.MADV_REMOVE, offset, size)
+                        self._written.discard((seg, offset))
                         freed += size
-            self._written.clear()
         return freed
+
+    def prefault(self, nbytes: int, count: int | None = None) -> int:
+        """Write the pages of ``count`` slots of ``nbytes``' size class now (default:
+        ``keep_resident``, which a trim leaves in place), so that the first bodies or maps of
+        that size do not fault their pages in on a request's path; returns how many."""
+        slots = [s for s in (self.take(nbytes) for _ in range(self.keep_resident if count is None else count)) if s is not None]
+        for slot in slots:
+            slot[:] = 0
+        return len(slots)
 
     def locate(self, arr: np.ndarray) -> SharedRef | None:
         """Where a C-contiguous array lies in the arena, or None (elsewhere, or not contiguous)."""
@@ -338,6 +351,19 @@ _more_arenas: weakref.WeakSet[InputArena] = weakref.WeakSet()  # this process's 
 def trim_with_process_arena(arena: InputArena) -> None:
     """Trim ``arena`` whenever the process's own is trimmed (:func:`trim_process_arena`), for as long as it lives."""
     _more_arenas.add(arena)
+
+
+BODY_HEAD_BYTES = 4096  # room for a binary body's JSON header beside its tensors
+
+
+def prefault_input_slots(input_bytes: list[int]) -> int:
+    """Write ahead the slots this process's arena gives bodies of these inputs' sizes
+    (:meth:`InputArena.prefault`), so that a fresh server's first requests find their pages
+    in place; returns the slots written (0 where shared inputs are off)."""
+    arena = process_arena()
+    if arena is None:
+        return 0
+    return sum(arena.prefault(n + BODY_HEAD_BYTES) for n in sorted(set(input_bytes)) if n + BODY_HEAD_BYTES >= arena.min_bytes)
 
 
 def trim_process_arena() -> int:

@@ -141,6 +141,10 @@ class VgpuWorker:
         check_gpu_sharing(spec, bool(getattr(self.backend, "gpu_resident", False)), profile.manifest.provenance.get(spec.gpu, ""), mps_available)
         # the emulated backend rehearses a cluster: feature maps take the planned NIC time
         self.emulate_network = backend == "emulated" and bool((backend_options or {}).get("emulate_network", True))
+        # the map it sends the next stage at its planned batch (None: the last partition sends none)
+        last = spec.last_block + 1 >= len(profile.manifest.blocks)
+        per_sample = min(profile.cut_bytes(spec.last_block), getattr(self.backend, "max_bytes_per_sample", None) or 2**62)
+        self.map_bytes = None if last else per_sample * spec.batch
         self._lock: asyncio.Lock | None = None
         self.batches = 0
         # (send|recv, peer vGPU, generation) -> EdgeChannel; a plan switch opens its new edges
@@ -186,8 +190,16 @@ class VgpuWorker:
         return await self._on_data_loop(open_)
 
     async def connect_peers(self, peers: list[str]) -> None:
-        """Connect to the next stage's workers (by data-path address) before the first batch."""
-        await self._on_data_loop(lambda: self.data_path.connect(peers))
+        """Connect to the next stage's workers (by data-path address) before the first batch,
+        and write ahead the shared-memory slots its maps to them go in
+        (:meth:`~ppipe.runtime.wire.handoff.MapHandoff.prefault`), whose pages a first map
+        would otherwise fault in one by one on its way."""
+        def connect() -> None:
+            self.data_path.connect(peers)
+            if self.map_bytes and self.data_path.handoff is not None:
+                self.data_path.handoff.prefault(self.map_bytes)
+
+        await self._on_data_loop(connect)
 
     async def _on_data_loop(self, fn: Any) -> Any:
         """Run ``fn()`` on the data path's loop (its own started on first use) and return its result."""
