@@ -137,6 +137,29 @@ def test_a_request_nobody_decides_on_is_timed_out_by_the_scheduler_and_told_to_i
     assert (remote, pending, queued) == (0, 0, 0)
 
 
+def test_a_request_the_scheduler_never_answers_is_timed_out_by_its_ingress(two_stage):
+    """The ingress keeps no timer per request either: its own sweep answers one still held at
+    SLO + its grace with ``timeout`` (here the scheduler's grace is the longer)."""
+    from ppipe.runtime.ingress.remote import TIMEOUT_CHECK_S
+
+    never = dict(scheduler_factory=functools.partial(FifoScheduler, max_batch=4, window_us=60e6))
+
+    async def main():
+        async with inproc_serve(two_stage, ingresses=1, **never) as s:
+            ingress = s.ingresses[0]
+            ingress.answer_grace_s = 0.05
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(DroppedError) as err:
+                await ingress.infer("tinynet", {"input": np.zeros((3, 8, 8), np.float32)})
+            return err.value, asyncio.get_running_loop().time() - t0, len(ingress._held)
+
+    err, waited, held = asyncio.run(asyncio.wait_for(main(), 30))
+    slo_s = two_stage.plan.model("tinynet").slo_ms / 1e3
+    assert err.reason == "timeout" and "no answer within" in err.detail
+    assert slo_s + 0.05 <= waited + 1e-3 and waited < slo_s + 0.05 + 2 * TIMEOUT_CHECK_S
+    assert held == 0
+
+
 def test_the_http_frontend_serves_over_an_ingress(two_stage):
     xs = np.stack(_inputs(3, seed=2))
 

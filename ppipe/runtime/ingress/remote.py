@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -77,6 +78,7 @@ from ppipe.spec.profile import ModelManifest, ModelProfile
 log = logging.getLogger("ppipe.runtime")
 METRICS_EVERY_S = 1.0  # how often the ingress sends the scheduler its metrics
 HELLO_TIMEOUT_S = 30.0  # the scheduler answers a hello within this
+TIMEOUT_CHECK_S = 1.0  # how often the held requests are looked at for their timeout
 INLINE_INPUT_BYTES = 4096  # a request's inputs up to this size ride with its arrival
 
 
@@ -121,7 +123,8 @@ class _Held:
 
     future: asyncio.Future
     inputs: dict[str, np.ndarray] | None
-    timer: Any = None
+    due_s: float = math.inf  # the loop's time at which it is answered timeout (SLO + answer grace)
+    timeout_s: float = 0.0
     scheduler: int = 0  # the scheduler it was sent to
     pinned: dict[str, np.ndarray] | None = None
 
@@ -174,6 +177,7 @@ class IngressRuntime:
         self._server_metrics: bytes | None = None  # the whole server's metrics, as the scheduler last sent them
         self._pushing: asyncio.Task | None = None
         self._trimming: asyncio.Task | None = None
+        self._sweeping: asyncio.Task | None = None
         self.address: str | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -196,12 +200,13 @@ class IngressRuntime:
             raise TimeoutError(f"ingress {self.index}: no answer from the scheduler at {self.scheduler_address} "
                                f"within {HELLO_TIMEOUT_S:g} s") from None
         self._pushing = loop.create_task(self._push_metrics())
+        self._sweeping = loop.create_task(self._time_out_held())
         tune_for_serving()  # the inputs it holds reuse the heap's pages; a burst's go back on a timer
         tighten_timer_slack()
         self._trimming = loop.create_task(trim_heap_periodically())
 
     async def stop(self) -> None:
-        for task in (self._pushing, self._trimming):
+        for task in (self._pushing, self._trimming, self._sweeping):
             if task is not None:
                 task.cancel()
         for rid in list(self._held):
@@ -273,9 +278,8 @@ class IngressRuntime:
         loop = asyncio.get_running_loop()
         arena = process_arena()
         inputs = in_shared_memory(inputs, arena)
-        held = self._held[rid] = _Held(loop.create_future(), inputs, scheduler=j)
         timeout_s = mp.slo_ms / 1e3 + self.answer_grace_s
-        held.timer = loop.call_later(timeout_s, self._refuse, rid, "timeout", f"no answer within {timeout_s:.1f} s")
+        self._held[rid] = _Held(loop.create_future(), inputs, loop.time() + timeout_s, timeout_s, scheduler=j)
         now = self.clock.true_now_us() if arrival_us is None else arrival_us
         self._arrivals.setdefault(j, []).append(Arrival(rid, model, self.clock.to_wall_us(now), row_inputs(inputs, arena)))
         self._arm_flush()
@@ -294,9 +298,20 @@ class IngressRuntime:
         return j
 
     def _let_go(self, rid: int) -> None:
-        held = self._held.pop(rid, None)
-        if held is not None:
-            held.timer.cancel()
+        self._held.pop(rid, None)
+
+    async def _time_out_held(self) -> None:
+        """Answer ``timeout`` the requests still held at SLO + ``answer_grace_s``, looking every
+        ``TIMEOUT_CHECK_S`` or half the grace, whichever is shorter. A timeout is a safety net
+        (the scheduler answers or times out every request it was sent), so one sweep of the
+        held requests replaces a timer per request."""
+        loop = asyncio.get_running_loop()
+        every_s = min(TIMEOUT_CHECK_S, self.answer_grace_s / 2)
+        while True:
+            await asyncio.sleep(every_s)
+            now = loop.time()
+            for rid in [r for r, h in self._held.items() if h.due_s <= now]:
+                self._refuse(rid, "timeout", f"no answer within {self._held[rid].timeout_s:.1f} s")
 
     def _arm_flush(self) -> None:
         if not self._flush_armed:
