@@ -154,3 +154,10 @@ def test_a_worker_writes_ahead_the_slots_its_first_maps_take():
     placed, _ = handoff.place({"y": MAP}, 1.0, 0.0)
     assert handoff.arena.locate(placed["y"]).fd == seg.fd  # the first map takes one of them
     assert handoff.prefault(1000) == 0  # a map that goes on the socket needs none
+
+
+def test_off_a_machine_that_may_reorder_stores_maps_go_on_the_socket(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert MapHandoff.for_this_process() is None

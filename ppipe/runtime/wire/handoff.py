@@ -17,10 +17,12 @@ written and a random nonzero token once it is (:class:`~ppipe.runtime.wire.messa
 named in the stage message). The receiver checks its seals after its stage ran
 (:func:`check_seals`): a seal that changed means a writer began on the slot, and the
 stage fails (an error report; its batch's requests are answered ``worker-error``), so a
-reused slot never becomes an answer. Token collisions aside (2**-63), a seal equal to
-its token after the stage means no new writer had started when the stage ended.
-x86-64 keeps each core's stores in order, and glibc's ``memcpy`` fences its
-non-temporal stores, so the token is seen only after the map it seals.
+reused slot never becomes an answer. (A trim that gave a free slot's pages back reads as
+zero, so it fails the check too.) Token collisions aside (2**-63), a seal equal to its
+token after the stage means no new writer had started when the stage ended. That
+argument needs each core's stores seen in order: x86-64 keeps them so (and glibc's
+``memcpy`` fences its non-temporal stores); elsewhere (ARM's weaker order) the handoff is
+off and maps go on the socket (:meth:`MapHandoff.for_this_process`).
 
 Maps under :data:`MIN_MAP_BYTES`, where a socket moves them as cheaply as the copy and
 the seals cost (``scripts/bench_datapath.py --handoff``), or where the arena is full or
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import platform
 import secrets
 from typing import Any
 
@@ -64,7 +67,10 @@ class MapHandoff:
 
     @classmethod
     def for_this_process(cls) -> "MapHandoff | None":
-        """A handoff with an arena of its own, or None where shared memory is off."""
+        """A handoff with an arena of its own, or None where shared memory is off or the
+        machine does not keep stores in order (not x86-64: see the module's docstring)."""
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            return None
         arena = new_arena(min_bytes=SEAL_BYTES + MIN_MAP_BYTES)
         if arena is None:
             return None
