@@ -188,7 +188,7 @@ class _KeptSends:
         return getattr(self.real, name)
 
 
-def _messages(rt, i: int, data: bytes) -> tuple[bytes, object]:
+def _arrival(i: int, data: bytes) -> bytes:
     """Request ``i``'s arrival message from ingress 0 (as it comes off the wire: no length prefix)."""
     from ppipe.runtime.clock import wall_us
     from ppipe.runtime.wire.frames import pack
@@ -223,13 +223,13 @@ async def decide_only(rt, n: int) -> dict:
     rt._on_ingress(b"".join(pack(FromIngress(0, hello="tcp://127.0.0.1:9")))[4:])
     data = np.zeros(16, np.float32).tobytes()
     for i in range(200):  # warm-up: first calls, the tables' steady state
-        rt._on_ingress(_messages(rt, i, data))
+        rt._on_ingress(_arrival(i, data))
         rt._on_report(_report_of(rt))
     answered0 = rt.metrics.batch_sizes.get("null", {}).get(1, 0)
     clock = time.perf_counter_ns
     handlers_ns, c0 = 0, time.process_time()
     for i in range(200, 200 + n):
-        arrival = _messages(rt, i, data)
+        arrival = _arrival(i, data)
         t0 = clock()
         rt._on_ingress(arrival)
         t1 = clock()

@@ -1,9 +1,9 @@
 """Feature maps handed to the next stage's worker on this machine through shared memory.
 
 Between two workers on one machine without an NCCL or ring edge, a stage's output went
-to the next stage on a loopback socket: the sender's copy into the kernel and its
-loopback processing, then the receiver's copy out, a few hundred microseconds of CPU per
-megabyte on both sides, and the next stage starts that much later. Here the sender
+to the next stage on a local socket: the sender's copy into the kernel, then the
+receiver's copy out, a few hundred microseconds of CPU per megabyte on both sides, and the
+next stage starts that much later. Here the sender
 writes the map once into a slot of shared memory of its own (an
 :class:`~ppipe.runtime.wire.shared_inputs.InputArena` kept for maps), the stage message
 names where it lies as a shared input is named, and the receiver reads it in place: one

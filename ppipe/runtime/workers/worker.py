@@ -143,8 +143,9 @@ class VgpuWorker:
         self.emulate_network = backend == "emulated" and bool((backend_options or {}).get("emulate_network", True))
         # the map it sends the next stage at its planned batch (None: the last partition sends none)
         last = spec.last_block + 1 >= len(profile.manifest.blocks)
-        per_sample = min(profile.cut_bytes(spec.last_block), getattr(self.backend, "max_bytes_per_sample", None) or 2**62)
-        self.map_bytes = None if last else per_sample * spec.batch
+        per_sample = profile.cut_bytes(spec.last_block)
+        cap = getattr(self.backend, "max_bytes_per_sample", None)  # the emulated backend's cap on its maps
+        self.map_bytes = None if last else (per_sample if cap is None else min(per_sample, cap)) * spec.batch
         self._lock: asyncio.Lock | None = None
         self.batches = 0
         # (send|recv, peer vGPU, generation) -> EdgeChannel; a plan switch opens its new edges
