@@ -45,6 +45,15 @@ async def sleep_until(t_wall_us: float) -> None:
         time.sleep(left_s)
 
 
+async def sleep_near(t_wall_us: float) -> None:
+    """Wait on the loop's timer only, until ``PRECISE_TAIL_S`` before ``t_wall_us`` (or not
+    at all when that is past): one wake-up, ending up to a timer's error before the time. For
+    a wait that a precise one follows (the emulated backend's, from the reserved start)."""
+    left_s = (t_wall_us - wall_us()) / 1e6 - PRECISE_TAIL_S
+    if left_s > 0:
+        await asyncio.sleep(left_s)
+
+
 class WallClock:
     """A :class:`ppipe.dataplane.api.Clock` on an asyncio event loop.
 

@@ -44,6 +44,8 @@ class Backend(Protocol):
         gpu_resident: runs on CUDA, so it can take part in NCCL edges.
         accepts_device: ``run`` takes CuPy device arrays as inputs.
         device_outputs: ``run(..., device_out=True)`` returns CuPy device arrays.
+        starts_itself: ``run(..., start_us=t)`` begins the batch at wall time ``t`` by
+            itself (the worker need not wait for the reserved start first).
     """
 
     name: str
@@ -103,6 +105,7 @@ class EmulatedBackend:
     """
 
     name = "emulated"
+    starts_itself = True
 
     def __init__(
         self, profile: ModelProfile, gpu: str, vgpu: int, first: int, last: int, time_scale: float = 1.0,
@@ -125,11 +128,17 @@ class EmulatedBackend:
             t = self._latency_us[batch] = interpolated_latency_us(self.profile, self.gpu, self.vgpu, batch, self.first, self.last) * self.time_scale
         return t
 
-    async def run(self, inputs: Tensors, batch: int) -> Tensors:
+    async def run(self, inputs: Tensors, batch: int, start_us: float | None = None) -> Tensors:
+        """The outputs, once the partition's latency has passed from ``start_us`` (the
+        stage's start; None or past: now). One wait covers the wait for the start and the
+        inference: each timed wait is a wake-up or two of the worker, the largest part of an
+        emulated stage's CPU."""
+        now = self.clock.now_us()
+        begin = now if start_us is None else max(now, start_us)
         # the wall clock's sleep_until is the loop's timer, then a kernel sleep for the last
         # millisecond: as punctual as a spin, without the spinning that would delay dozens
         # of emulated vGPUs
-        await self.clock.sleep_until(self.clock.now_us() + self.latency_us(batch))
+        await self.clock.sleep_until(begin + self.latency_us(batch))
         return self.outputs(batch)
 
     def outputs(self, batch: int) -> Tensors:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ppipe.runtime.clock import sleep_until, wall_us
+from ppipe.runtime.clock import sleep_near, sleep_until, wall_us
 
 
 class StageClock(Protocol):
-    """Wall-clock microseconds (``now_us``) and a wait until such a time (``sleep_until``).
+    """Wall-clock microseconds (``now_us``), a wait until such a time (``sleep_until``), and a
+    wait until about that time, ending no later than it (``sleep_near``: for a wait that a
+    precise one follows).
 
     The stamps are absolute wall time, comparable across processes, because the host maps
     them onto its scheduler's timeline (:meth:`ppipe.runtime.clock.WallClock.from_wall_us`).
@@ -26,13 +28,17 @@ class StageClock(Protocol):
 
     async def sleep_until(self, t_us: float) -> None: ...
 
+    async def sleep_near(self, t_us: float) -> None: ...
+
 
 class WallStageClock:
-    """The real clock: :func:`ppipe.runtime.clock.wall_us` and :func:`ppipe.runtime.clock.sleep_until`
-    (a loop timer, then a kernel sleep for the last millisecond)."""
+    """The real clock: :func:`ppipe.runtime.clock.wall_us`, :func:`ppipe.runtime.clock.sleep_until`
+    (a loop timer, then a kernel sleep for the last millisecond) and
+    :func:`ppipe.runtime.clock.sleep_near` (the loop timer alone)."""
 
     now_us = staticmethod(wall_us)
     sleep_until = staticmethod(sleep_until)
+    sleep_near = staticmethod(sleep_near)
 
     def __repr__(self) -> str:
         return "WallStageClock()"

@@ -343,8 +343,8 @@ class VgpuWorker:
                 raise RuntimeError(f"batch {msg.batch_id} stage {k} is for {msg.route[k]}, not {self.spec.vgpu_id}")
             recv_posted = recv is not None
             tensors, xfer, not_before = await self._stage_input(msg, tensors, recv, received)
-            await self.clock.sleep_until(max(not_before, msg.timing[k].start_us))
-            outputs, start, end = await self._run_partition(tensors, msg.batch, device_out=send is not None)
+            begin = max(not_before, msg.timing[k].start_us)
+            outputs, start, end = await self._run_partition(tensors, msg.batch, begin, device_out=send is not None)
             if msg.seals:
                 check_seals(msg.seals)  # its input map was not reused while it ran
             self.batches += 1
@@ -385,14 +385,27 @@ class VgpuWorker:
             not_before = max(not_before, xfer[1])
         return tensors, xfer, not_before
 
-    async def _run_partition(self, tensors: dict[str, Any], batch: int, device_out: bool) -> tuple[dict[str, Any], float, float]:
-        """Run the partition on the vGPU, one batch at a time; ``(outputs, start, end)``.
-        ``device_out``: keep the outputs on the GPU (for an NCCL edge) where the backend can."""
+    async def _run_partition(self, tensors: dict[str, Any], batch: int, begin_us: float,
+                             device_out: bool) -> tuple[dict[str, Any], float, float]:
+        """Run the partition on the vGPU from ``begin_us`` on, one batch at a time; ``(outputs,
+        start, end)``. ``device_out``: keep the outputs on the GPU (for an NCCL edge) where the
+        backend can.
+
+        The wait for ``begin_us`` comes before the vGPU's lock, so a batch reserved earlier
+        whose input comes later still goes first. A backend that starts itself (the emulated
+        one) takes the wait's last millisecond into its own: the worker waits on the loop's
+        timer alone, and the backend's one precise wait ends at ``begin_us`` plus its latency.
+        """
         if self._lock is None:
             self._lock = asyncio.Lock()
+        starts_itself = getattr(self.backend, "starts_itself", False)
+        await (self.clock.sleep_near(begin_us) if starts_itself else self.clock.sleep_until(begin_us))
         async with self._lock:
             start = self.clock.now_us()
-            if device_out and getattr(self.backend, "device_outputs", False):
+            if starts_itself:
+                start = max(start, begin_us)
+                outputs = await self.backend.run(tensors, batch, start_us=start)
+            elif device_out and getattr(self.backend, "device_outputs", False):
                 outputs = await self.backend.run(tensors, batch, device_out=True)
             else:
                 outputs = await self.backend.run(tensors, batch)
