@@ -151,7 +151,7 @@ def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lea
     """Start emulated workers with ``launcher`` (``local``: processes of this machine, as
     ``ppipe serve`` runs them by default on one; ``ray``: Ray actors, Ray initialised) and
     the frontend (uvicorn thread) with `ppipe serve`'s defaults (an authenticated data path
-    included); returns (server, workers, runtime)."""
+    and the warm-up included); returns (server, workers, runtime)."""
     from ppipe.runtime.cli import DEFAULT_ANSWER_BUDGET_MS, DEFAULT_DISPATCH_LEAD_MS, DEFAULT_REPORT_TOLERANCE_MS, DEFAULT_WAKE_LEAD_MS
     from ppipe.runtime.launch.deploy import Deployment
     from ppipe.runtime.launch.launchers import start_function
@@ -166,7 +166,7 @@ def serve_in_process(plan, profiles, cluster, backend_options=None, dispatch_lea
     tol = DEFAULT_REPORT_TOLERANCE_MS if report_tolerance_ms is None else report_tolerance_ms
     rt = Runtime(plan, profiles, cluster, workers, scheduler_options={"wake_lead_us": DEFAULT_WAKE_LEAD_MS * 1000.0},
                  dispatch_lead_us=lead * 1000.0, keep_traces=keep_traces, answer_budget_us=budget * 1000.0,
-                 report_tolerance_us=None if tol < 0 else tol * 1000.0, data_secret=secrets.token_bytes(32))
+                 report_tolerance_us=None if tol < 0 else tol * 1000.0, data_secret=secrets.token_bytes(32), warm_up=True)
     srv = BackgroundServer(create_app(rt)).__enter__()
     return srv, workers, rt
 

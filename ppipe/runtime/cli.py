@@ -185,11 +185,14 @@ class _NullClock:
 @click.option("--replan-curvature-window-s", type=float, default=120.0, show_default=True,
               help="Window of the arrival rate's curvature, longer than --replan-window-s: a curvature is noisy over few bins (--replan auto).")
 @click.option("--num-cpus", default=None, type=int, help="CPUs of the local Ray instance (when no --ray-address).")
+@click.option("--warm-up/--no-warm-up", default=True, show_default=True,
+              help="Before the server is ready, send every model requests of zeros until each vGPU has run a batch "
+              "(a vGPU's first batches are slower); none of them shows in /metrics or moves the answer budgets.")
 @click.option("--emulated-max-bytes", default=None, type=int,
               help="Emulated backend: cap the bytes per sample of emitted feature maps (transfers still take the planned NIC time).")
 def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy, max_queue, wake_lead_ms, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, host, port, grpc_port, token, max_body_mb,
           header_timeout_s, body_timeout_s, shutdown_timeout_s, decode_workers, shards, shard_by, ingress, replan, replan_time_limit_s,
-          replan_min_interval_s, replan_window_s, replan_curvature_window_s, num_cpus, emulated_max_bytes):
+          replan_min_interval_s, replan_window_s, replan_curvature_window_s, num_cpus, warm_up, emulated_max_bytes):
     """Serve PLAN_FILE behind an Open Inference Protocol (KServe v2) HTTP API.
 
     The workers and the frontend shards (--shards) run as local processes (--launcher
@@ -230,7 +233,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     opts = {} if emulated_max_bytes is None else {"max_bytes_per_sample": emulated_max_bytes}
     settings = serving.serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
                                body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, opts, host, grpc_port,
-                               launcher)
+                               launcher, warm_up)
     settings, ingress_settings = serving.split_for_ingresses(settings, ingress, decode_workers)
     parts = layout.parts
     owner = layout.routes if layout.by == "servers" else layout.owner()

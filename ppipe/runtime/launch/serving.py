@@ -37,7 +37,7 @@ def start_workers_and_links(dep, backend: str, backend_options: dict, transport:
 
 def serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_tolerance_ms, transport, token, max_body_mb,
                     body_timeout_s, decode_workers, header_timeout_s, shutdown_timeout_s, backend, backend_options, host, grpc_port,
-                    launcher: str = "ray"):
+                    launcher: str = "ray", warm_up: bool = True):
     """What every frontend shard is built with: the runtime's, app's, HTTP server's,
     workers' and gRPC frontend's settings, from ``ppipe serve``'s flags."""
     from ppipe.runtime.launch.deploy import LinkOpener
@@ -48,7 +48,8 @@ def serve_settings(policy, options, dispatch_lead_ms, answer_budget_ms, report_t
                  "data_secret": secrets.token_bytes(32),  # this server's: its data path's connections prove it
                  "links": None if transport == "tcp" or launcher == "local" else LinkOpener(transport),
                  "answer_budget_us": answer_budget_ms * 1000.0,
-                 "report_tolerance_us": None if report_tolerance_ms < 0 else report_tolerance_ms * 1000.0},
+                 "report_tolerance_us": None if report_tolerance_ms < 0 else report_tolerance_ms * 1000.0,
+                 "warm_up": warm_up},
         app={"token": token, "max_body_bytes": int(max_body_mb * 1024 * 1024), "body_timeout_s": body_timeout_s,
              "decode_workers": decode_workers},
         server={"header_timeout_s": header_timeout_s, "shutdown_timeout_s": shutdown_timeout_s,

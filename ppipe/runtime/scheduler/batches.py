@@ -19,6 +19,7 @@ import numpy as np
 from ppipe.dataplane.api import Dispatch, DropReason, StageReport
 from ppipe.dataplane.feedback import ran_as_reserved, reads_every_report
 from ppipe.runtime.scheduler.inflight import BatchTrace, DroppedError, InFlight
+from ppipe.runtime.scheduler.ingresses import RemoteInput
 from ppipe.runtime.wire.datapath import DataPathFull
 from ppipe.runtime.wire.frames import Rows, WireError, pack, unpack
 from ppipe.runtime.wire.messages import EdgeRef, Reservation, StageLinks, StageMsg, StageReport as StageReportMsg
@@ -45,6 +46,8 @@ class BatchesMixin:
             by_size = self.metrics.batch_sizes[d.model] = {}
         by_size[len(d.requests)] = by_size.get(len(d.requests), 0) + 1
         route = [s.vgpu_id for s in d.stages]
+        if self._warming is not None:
+            self._warming.update(route)
         trace = None
         if self.keep_traces:
             trace = BatchTrace(d.batch_id, d.model, route, [r.id for r in d.requests], self.clock.true_now_us(),
@@ -78,10 +81,11 @@ class BatchesMixin:
         )
         links = self._links(route)
         addrs = tuple(self.addresses[v] for v in route)
-        answers = self._answers_to(d) if self.accept_ingresses else ()
+        remote = self.accept_ingresses and isinstance(d.requests[0].payload, RemoteInput)  # (not a warm-up's zeros)
+        answers = self._answers_to(d) if remote else ()
         message = StageMsg(d.batch_id, 0, tuple(route), addrs, d.batch, timing, links, self.report_tolerance_us,
                            self.clock.wall_now_us(), answers=answers)
-        if self.accept_ingresses:
+        if remote:
             forwarded = self._forwarded_inputs(d, addrs[0])
             if forwarded is None:
                 self._send_remote_inputs(d, message)

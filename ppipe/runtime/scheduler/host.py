@@ -49,6 +49,7 @@ from ppipe.runtime.scheduler.inflight import Answer, BatchTrace, DroppedError, I
 from ppipe.runtime.scheduler.ingresses import IngressesMixin, RemoteInput
 from ppipe.runtime.scheduler.metrics import RuntimeMetrics
 from ppipe.runtime.scheduler.switching import PreparedSwitch, RetiringWorker, SwitchingMixin, check_switchable
+from ppipe.runtime.scheduler.warmup import WarmUpMixin
 from ppipe.runtime.wire.datapath import Inbox, Outbox, node_host
 from ppipe.runtime.workers.transport import LINKED
 from ppipe.spec.cluster import ClusterSpec
@@ -81,7 +82,7 @@ def default_scheduler_factory(plan, profiles, cluster, clock, policy: str = "res
     return build_scheduler(plan, profiles, cluster, clock, policy=policy, **options)
 
 
-class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
+class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin, WarmUpMixin):
     """Serves a plan: scheduler + workers, behind :meth:`infer`.
 
     Args:
@@ -136,6 +137,8 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         accept_ingresses: take requests from ingress processes that hold their tensors
             (:mod:`~ppipe.runtime.scheduler.ingresses`; they reach :attr:`ingress_address`)
             instead of :meth:`infer` in this process.
+        warm_up: at the end of :meth:`start`, run every vGPU's first batches before the runtime
+            is ``started`` (:mod:`~ppipe.runtime.scheduler.warmup`; :attr:`warmed` says what it did).
     """
 
     def __init__(
@@ -163,6 +166,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         clock_factory: ClockFactory = WallClock,
         data_secret: bytes | None = None,
         accept_ingresses: bool = False,
+        warm_up: bool = False,
     ):
         self.plan, self.profiles, self.cluster, self.workers = plan, profiles, cluster, dict(workers)
         self._factory = scheduler_factory or default_scheduler_factory
@@ -218,6 +222,9 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         self.metrics.track_capacity(self)  # ppipe_model_capacity_alive_ratio, from self.plan and self.failed
         self.accept_ingresses = accept_ingresses
         self._init_ingresses()
+        self.warm_up_on_start = warm_up
+        self._warming: set[str] | None = None  # while warming up: the vGPUs dispatched to so far (warmup)
+        self.warmed = None  # what the warm-up did (a WarmUp), once it ran
 
     @property
     def nccl_edges(self) -> set[tuple[str, str]]:
@@ -249,6 +256,8 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         tune_for_serving()  # before the gRPC and image threads start: fewer arenas; inputs reuse the heap's pages
         tighten_timer_slack()  # the data plane's wake-ups on time (this loop's thread and those it starts)
         self._lifelines.append(loop.create_task(trim_heap_periodically()))  # a burst's buffers go back to the system
+        if self.warm_up_on_start:
+            self.warmed = await self.warm_up()
 
     def _build_scheduler(self, plan: Plan, profiles: dict[str, ModelProfile]) -> tuple[Any, dict]:
         """A scheduler for ``plan`` with the runtime's margins in its options, and the margins.
@@ -283,7 +292,8 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
 
     @property
     def started(self) -> bool:
-        return self.scheduler is not None
+        """Whether it serves: :meth:`start` has run, its warm-up included."""
+        return self.scheduler is not None and self._warming is None
 
     def model_ready(self, model: str) -> bool:
         """A model is ready while every partition of one of its pipelines has a live vGPU."""
@@ -351,7 +361,7 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         :meth:`~ppipe.runtime.scheduler.ingresses.IngressesMixin._time_out_remote`'s."""
         if self.scheduler is None:
             raise RuntimeError("Runtime.start() has not run")
-        if self.accept_ingresses and not isinstance(inputs, RemoteInput):
+        if self.accept_ingresses and not isinstance(inputs, RemoteInput) and self._warming is None:
             raise RuntimeError("this scheduler's requests come from its ingress processes, not from infer()")
         try:
             mp = self.plan.model(model)
@@ -437,8 +447,8 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
         (halving over ~140 timers), so one slow moment widens the lead for a while.
         """
         opts = getattr(self._current_scheduler(), "options", None)
-        if opts is None or not hasattr(opts, "wake_lead_us"):
-            return  # a scheduler without the option (test doubles)
+        if opts is None or not hasattr(opts, "wake_lead_us") or self._warming is not None:
+            return  # a scheduler without the option (test doubles), or a warm-up's timer
         self._late_peak_us = max(late_us, 0.995 * self._late_peak_us)
         lead = min(max(self._options.get("wake_lead_us", 0.0), 2.0 * self._late_peak_us), self._lead_cap_us)
         if abs(lead - opts.wake_lead_us) > 250.0:  # (not on every timer: a copy of the options)
@@ -446,7 +456,10 @@ class Runtime(BatchesMixin, FailuresMixin, SwitchingMixin, IngressesMixin):
 
     def _answer_was_late(self, model: str, late_us: float) -> None:
         """Keep the answer and drop budgets above how late batches end here (:class:`ServiceBudgets`):
-        when a model's budgets move, the current scheduler gets the new ones."""
+        when a model's budgets move, the current scheduler gets the new ones. (Not a warm-up's:
+        a cold answer is late for reasons a served one is not.)"""
+        if self._warming is not None:
+            return
         budgets = self.budgets.answer_was_late(model, late_us)
         sched = self._current_scheduler()
         opts = getattr(sched, "options", None)
