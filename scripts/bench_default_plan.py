@@ -146,7 +146,9 @@ class HostCpu:
     script waited for: ``RUSAGE_CHILDREN``), the cores busy (``/proc/stat``) and the share of
     the time some runnable task waited for a CPU (``/proc/pressure/cpu``, "some"). Divided by
     the run's length they are cores; the waiting share is what late starts come from when it
-    is not near zero."""
+    is not near zero. The busy cores include those the hypervisor stole (ran other guests on,
+    :func:`hostspeed.stolen_s`), shown apart: a run with a large share stolen is not
+    comparable with one without."""
 
     def __init__(self, server_pid: int, worker_ids: list[int]):
         self.server_pid, self.worker_ids = server_pid, worker_ids
@@ -165,13 +167,13 @@ class HostCpu:
         except (OSError, IndexError, ValueError):
             waited = float("nan")
         return (time.perf_counter(), process_cpu_s(self.server_pid), sum(process_cpu_s(p) for p in self.worker_ids),
-                kids.ru_utime + kids.ru_stime, busy, waited)
+                kids.ru_utime + kids.ru_stime, busy, waited, hostspeed.stolen_s())
 
     def line(self, before: tuple[float, ...], after: tuple[float, ...], requests: int) -> str:
-        wall, server, workers, clients, busy, waited = (b - a for a, b in zip(before, after))
+        wall, server, workers, clients, busy, waited, stolen = (b - a for a, b in zip(before, after))
         per_req = 1e3 * (server + workers) / max(requests, 1)
         return (f"  host CPU over the {wall:.1f} s run (cores): server {server / wall:.2f}, {len(self.worker_ids)} other server processes {workers / wall:.2f}, "
-                f"clients {clients / wall:.2f}; busy {busy / wall:.2f} of {os.cpu_count()}; "
+                f"clients {clients / wall:.2f}; busy {busy / wall:.2f} of {os.cpu_count()} (stolen by the hypervisor {stolen / wall:.2f}); "
                 f"a task waited for a CPU {100 * waited / wall:.0f} % of the time; server + workers {per_req:.2f} ms of CPU per request")
 
 

@@ -38,6 +38,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def stolen_s() -> float:
+    """CPU seconds that the hypervisor ran other guests while this one's vCPUs were ready to
+    run, over all CPUs since boot (``/proc/stat``'s steal column; 0 where it is not reported).
+
+    On a shared VM this is what makes the same run take half again as long minutes later:
+    read it before and after a run, and a run with a large difference is not comparable."""
+    try:
+        with open("/proc/stat") as fh:
+            ticks = fh.readline().split()[1:]
+        return int(ticks[7]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def host_line() -> str:
     """E.g. ``host: AMD EPYC, 2 cores, Python 3.11.7; 10M-add loop 2.09 s (lower is faster)``."""
     return (f"host: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
