@@ -47,8 +47,9 @@ async def sleep_until(t_wall_us: float) -> None:
 
 async def sleep_near(t_wall_us: float) -> None:
     """Wait on the loop's timer only, until ``PRECISE_TAIL_S`` before ``t_wall_us`` (or not
-    at all when that is past): one wake-up, ending up to a timer's error before the time. For
-    a wait that a precise one follows (the emulated backend's, from the reserved start)."""
+    at all when that is past): one wake-up, which the timer's lateness (up to a millisecond)
+    brings to about ``t_wall_us``. For a wait that a precise one follows (the emulated
+    backend's, from the reserved start)."""
     left_s = (t_wall_us - wall_us()) / 1e6 - PRECISE_TAIL_S
     if left_s > 0:
         await asyncio.sleep(left_s)

@@ -14,6 +14,7 @@ import pytest
 from ppipe.dataplane.margins import DEFAULT_ANSWER_BUDGET_US, DEFAULT_DISPATCH_LEAD_US
 from ppipe.runtime.launch.deploy import load_deployment
 from ppipe.runtime.launch.inproc import inproc_serve
+from ppipe.runtime.scheduler.host import DroppedError
 from ppipe.runtime.scheduler.warmup import MAX_ROUNDS
 from ppipe.spec.cluster import load_cluster
 
@@ -68,6 +69,23 @@ def test_a_runtime_fed_by_ingresses_warms_up_with_zeros_of_its_own(pools_of_thre
     warmed, ran, out = asyncio.run(main())
     assert warmed.cold == () and all(n >= 1 for n in ran.values()), (warmed, ran)
     assert set(out) == {o.name for o in tinynet.manifest.outputs}
+
+
+def test_an_ingress_is_told_no_model_is_ready_and_refused_while_the_warm_up_runs(pools_of_three_and_two, tinynet):
+    x = np.ones(tinynet.manifest.input.shape, np.float32)
+
+    async def main():
+        async with inproc_serve(pools_of_three_and_two, ingresses=1, warm_up=True, **MARGINS) as s:
+            rt = s.runtime
+            rt._warming = set()  # as while it runs: an ingress that came up early
+            ready = rt._ready_models()
+            with pytest.raises(DroppedError) as refused:
+                await s.ingresses[0].infer("tinynet", {"input": x})
+            rt._warming = None
+            return ready, refused.value.reason, rt._ready_models()
+
+    ready_warming, reason, ready_after = asyncio.run(main())
+    assert ready_warming == () and reason == "starting" and ready_after == ("tinynet",)
 
 
 def test_without_warm_up_no_batch_runs_at_start(pools_of_three_and_two):

@@ -227,6 +227,9 @@ class IngressesMixin:
 
     def _submit_remote(self, ingress: int, a: Arrival) -> None:
         key = (ingress, a.rid)
+        if self._warming is not None:  # an ingress that came up before the warm-up ended
+            self._tell(ingress).refusals.append(Refusal((a.rid,), "starting", "the server is warming up; retry shortly"))
+            return
         try:
             p = self._submit(a.model, RemoteInput(ingress, a.rid, _checked(a.inputs)), self.clock.from_wall_us(a.arrival_us),
                              on_answer=lambda p, exc: self._remote_answered(p, key, exc))
@@ -378,6 +381,8 @@ class IngressesMixin:
             down.plan, down.ready = plan, ready
 
     def _ready_models(self) -> tuple[str, ...]:
+        if self._warming is not None:  # none before the warm-up has ended (warmup)
+            return ()
         return tuple(m.name for m in self.plan.models if self.model_ready(m.name))
 
     async def _keep_readiness_told(self) -> None:

@@ -17,8 +17,8 @@ from ppipe.runtime.clock import sleep_near, sleep_until, wall_us
 
 class StageClock(Protocol):
     """Wall-clock microseconds (``now_us``), a wait until such a time (``sleep_until``), and a
-    wait until about that time, ending no later than it (``sleep_near``: for a wait that a
-    precise one follows).
+    wait until about that time, within a loop timer's error of it (``sleep_near``: for a
+    wait that a precise one follows).
 
     The stamps are absolute wall time, comparable across processes, because the host maps
     them onto its scheduler's timeline (:meth:`ppipe.runtime.clock.WallClock.from_wall_us`).
