@@ -140,6 +140,9 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+STOLEN_NOTED = 0.05  # cores stolen over a run past which its line says it is not comparable
+
+
 class HostCpu:
     """What the host's CPUs did over one run, from counters read before and after it:
     CPU seconds of the server's process, of its workers and of the clients (children this
@@ -174,7 +177,8 @@ class HostCpu:
         per_req = 1e3 * (server + workers) / max(requests, 1)
         return (f"  host CPU over the {wall:.1f} s run (cores): server {server / wall:.2f}, {len(self.worker_ids)} other server processes {workers / wall:.2f}, "
                 f"clients {clients / wall:.2f}; busy {busy / wall:.2f} of {os.cpu_count()} (stolen by the hypervisor {stolen / wall:.2f}); "
-                f"a task waited for a CPU {100 * waited / wall:.0f} % of the time; server + workers {per_req:.2f} ms of CPU per request")
+                f"a task waited for a CPU {100 * waited / wall:.0f} % of the time; server + workers {per_req:.2f} ms of CPU per request"
+                + (f"; not comparable with a run on a quiet host (more than {STOLEN_NOTED:.2f} cores stolen)" if stolen / wall > STOLEN_NOTED else ""))
 
 
 def _at_server(r: dict) -> str:
