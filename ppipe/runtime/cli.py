@@ -255,6 +255,7 @@ def serve(plan_file, cluster, launcher, ray_address, backend, transport, policy,
     companions = functools.partial(serving.companions, dep=dep, layout=layout, shards=shard_set,
                                    switchers=switchers, worker_options=settings.workers,
                                    plan_file=plan_file, replan_policy=replan_policy, replan_time_limit_s=replan_time_limit_s,
+                                   started_at=t0,
                                    ingresses=serving.ingress_companion(ingress, dep, ingress_settings, host, port, shutdown_timeout_s,
                                                                       admin_url, launcher))
     app, _, router = build_shard(deps[0], parts[0], workers, edges, settings, 0, owner, companions=companions, on_shutdown=shutdown)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -193,6 +194,7 @@ def test_ppipe_serve_runs_its_workers_locally_without_ray_and_recreates_a_killed
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)  # EOF: no process of the server holds its stdout any more
     assert "local launcher" in out, out
+    assert re.search(r"ready \d+\.\d s after start \(warmed up in \d+\.\d\d s: \d+ requests of zeros", out), out
     time.sleep(0.5)
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 

@@ -197,10 +197,11 @@ def ingress_companion(ingress: int, dep, settings, host: str, port: int, shutdow
 
 
 def companions(rt, router, *, dep, layout, shards: ShardSet, switchers, worker_options, plan_file, replan_policy,
-                replan_time_limit_s, ingresses=None) -> list:
+                replan_time_limit_s, ingresses=None, started_at: float | None = None) -> list:
     """The first shard's companions (``build_shard(companions=...)``): the peer exchange with
-    the other shards, SIGHUP plan reloads, with ``--replan auto`` the re-planning loop, and
-    with ``--ingress`` (``ingresses``: ``f(runtime)``) the ingress processes' supervisor.
+    the other shards, SIGHUP plan reloads, with ``--replan auto`` the re-planning loop, with
+    ``--ingress`` (``ingresses``: ``f(runtime)``) the ingress processes' supervisor, and last
+    the line that says the server is ready (:class:`ReadyLine`, from ``started_at``).
     It appends the server's plan switcher to ``switchers`` (one that refuses every switch
     where the shards split the plan's servers)."""
     from ppipe.runtime.control.switch import PlanSwitcher, ShardedSwitcher, SighupReload, SplitServersSwitcher
@@ -225,7 +226,29 @@ def companions(rt, router, *, dep, layout, shards: ShardSet, switchers, worker_o
         from ppipe.runtime.control.replan import ReplanLoop
 
         out.append(ReplanLoop(switchers[0], replan_policy, replan_time_limit_s))
+    if started_at is not None:
+        out.append(ReadyLine(rt, started_at))
     return out
+
+
+class ReadyLine:
+    """A companion started after all the others: it prints to stderr how long `ppipe serve`
+    took to be ready (``started_at``: its ``time.perf_counter()`` at start) and what the first
+    shard's warm-up did."""
+
+    def __init__(self, rt, started_at: float):
+        self.rt, self.started_at = rt, started_at
+
+    async def start(self) -> None:
+        import time
+
+        import click
+
+        warmed = f" ({self.rt.warmed.describe()})" if self.rt.warmed is not None else " (no warm-up)"
+        click.echo(f"ready {time.perf_counter() - self.started_at:.1f} s after start{warmed}", err=True)
+
+    async def stop(self) -> None:
+        pass
 
 
 def serving_line(dep, plan_file, host, port, grpc_port, workers, edges, backend, policy, transport, parts, by: str = "models") -> str:
