@@ -43,16 +43,18 @@ def test_every_vgpu_runs_a_batch_before_the_runtime_is_started_and_nothing_of_it
         async with inproc_serve(pools_of_three_and_two, warm_up=True, keep_traces=100, **MARGINS) as s:
             rt = s.runtime
             warmed, ran = rt.warmed, _batches_run(s)
-            seen = (list(rt.traces), rt.report_messages, dict(rt.metrics.batch_sizes), rt.metrics.render().decode(), dict(rt.budgets._seen))
+            seen = (list(rt.traces), rt.report_messages, dict(rt.metrics.batch_sizes), rt.metrics.render().decode(), dict(rt.budgets._seen),
+                    len(rt._inflight))
             await rt.infer("tinynet", {"input": x})
             return rt.started, warmed, ran, seen, len(rt.traces)
 
-    started, warmed, ran, (traces, reports, sizes, exposition, lateness_seen), after = asyncio.run(main())
+    started, warmed, ran, (traces, reports, sizes, exposition, lateness_seen, in_flight), after = asyncio.run(main())
     assert started and warmed.cold == () and warmed.skipped == ()
     assert all(n >= 1 for n in ran.values()) and len(ran) == 5, ran
     assert 3 <= warmed.sent["tinynet"] <= MAX_ROUNDS * 3 and warmed.answered["tinynet"] >= 1
     # none of it in the traces, the report count, the metrics or the answer budgets' window
     assert traces == [] and reports == 0 and sizes == {} and lateness_seen == {}
+    assert in_flight == 0  # every report of its batches came before it ended
     assert "ppipe_drops_total{" not in exposition and 'ppipe_batch_size_count{model="tinynet"}' not in exposition
     assert after == 1  # a served request is traced as before
 

@@ -34,6 +34,8 @@ log = logging.getLogger("ppipe.runtime")
 
 MAX_ROUNDS = 4
 """At most this many times a model's largest pool's worth of batches are sent to warm it up."""
+REPORTS_WAIT_US = 1e6
+"""How long the warm-up waits, once every answer came, for its batches' last reports."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class WarmUpMixin:
         skipped = tuple(m.name for m in self.plan.models if m not in models)
         with self._warming_apart() as seen:
             done = await asyncio.gather(*(self._warm_model(m, seen) for m in models))
+            await self._last_reports_in(self.clock.true_now_us() + REPORTS_WAIT_US)
         live = [v for v in self.workers if v not in self.failed]
         result = WarmUp({m.name: s for m, (s, _) in zip(models, done)}, {m.name: a for m, (_, a) in zip(models, done)},
                         tuple(v for v in live if v not in seen and self._placement[v].model not in skipped),
@@ -91,6 +94,13 @@ class WarmUpMixin:
         for p in pending:
             self._settle(p)
         return len(pending), sum(not isinstance(o, BaseException) for o in outcomes)
+
+    async def _last_reports_in(self, until_us: float) -> None:
+        """Wait (until ``until_us`` at most) for the reports of the warm-up's batches that come
+        after their answer (an earlier stage's, when reports cross), so that none is counted
+        once the warm-up has ended. Only warm-up batches are in flight while it runs."""
+        while self._inflight and self.clock.true_now_us() < until_us:
+            await self._until(self.clock.now_us() + 1e3)
 
     async def _until(self, t_us: float) -> None:
         """Wait on the host's clock until its time ``t_us``."""
