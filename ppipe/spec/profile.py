@@ -62,6 +62,11 @@ class TensorSpec(StrictModel):
     shape: list[int] = Field(description="Shape of ONE sample (no batch dimension).")
     dtype: str = Field(default="float32", description="Element type, numpy spelling (float32, float16, int64, ...).")
 
+    @property
+    def fixed(self) -> bool:
+        """Whether every dimension is known (none dynamic, <= 0): a sample of it can be made."""
+        return all(d > 0 for d in self.shape)
+
 
 class SourceSpec(StrictModel):
     kind: Literal["onnx", "builtin", "ppipe-artifact", "synthetic"] = Field(

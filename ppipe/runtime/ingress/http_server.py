@@ -423,7 +423,7 @@ def _input_bytes(profiles: Mapping[str, Any]) -> list[int]:
     out = []
     for p in profiles.values():
         spec = p.manifest.input
-        if spec is not None and all(d > 0 for d in spec.shape):
+        if spec is not None and spec.fixed:
             out.append(math.prod(spec.shape) * np.dtype(spec.dtype).itemsize)
     return out
 

@@ -125,6 +125,6 @@ class WarmUpMixin:
 def _zeros(profile) -> dict[str, np.ndarray] | None:
     """A sample of zeros of the model's declared input; None where it declares none of fixed shape."""
     spec = profile.manifest.input
-    if spec is None or not all(d > 0 for d in spec.shape):
+    if spec is None or not spec.fixed:
         return None
     return {spec.name: np.zeros(spec.shape, dtype=spec.dtype)}

@@ -146,6 +146,7 @@ class VgpuWorker:
         per_sample = profile.cut_bytes(spec.last_block)
         cap = getattr(self.backend, "max_bytes_per_sample", None)  # the emulated backend's cap on its maps
         self.map_bytes = None if last else (per_sample if cap is None else min(per_sample, cap)) * spec.batch
+        self._starts_itself = bool(getattr(self.backend, "starts_itself", False))  # (read once: every stage asks)
         self._lock: asyncio.Lock | None = None
         self.batches = 0
         # (send|recv, peer vGPU, generation) -> EdgeChannel; a plan switch opens its new edges
@@ -398,11 +399,10 @@ class VgpuWorker:
         """
         if self._lock is None:
             self._lock = asyncio.Lock()
-        starts_itself = getattr(self.backend, "starts_itself", False)
-        await (self.clock.sleep_near(begin_us) if starts_itself else self.clock.sleep_until(begin_us))
+        await (self.clock.sleep_near(begin_us) if self._starts_itself else self.clock.sleep_until(begin_us))
         async with self._lock:
             start = self.clock.now_us()
-            if starts_itself:
+            if self._starts_itself:
                 start = max(start, begin_us)
                 outputs = await self.backend.run(tensors, batch, start_us=start)
             elif device_out and getattr(self.backend, "device_outputs", False):
